@@ -1,0 +1,77 @@
+"""Packed-batch attention metadata shared by every attention backend.
+
+A step packs the query tokens of all requests back to back:
+
+    rows:          | req0: 5 prefill rows | req1: 1 decode row | req2: 3 rows |
+    cu_seqlens_q:  0                      5                    6              9
+    seq_lens:      [5, 40, 19]   context length of each request *after* this step
+
+Row `t` of request `r` sits at position `seq_lens[r] - (cu_seqlens_q[r+1] - t)` and attends
+to positions `0..that` of request `r` only. Token at position `p` lives in KV slot
+`block_tables[r, p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    """How the reference splits a step: one batched call for decode rows, one per prefill."""
+
+    decode_requests: np.ndarray  # request indices with exactly one query row
+    prefill_requests: np.ndarray  # request indices with several query rows
+    row_order: np.ndarray  # packed row -> row in the concatenated [decode, prefill...] output
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    cu_seqlens_q: np.ndarray  # [num_reqs + 1] int32
+    seq_lens: np.ndarray  # [num_reqs] int32
+    block_tables: np.ndarray  # [num_reqs, max_blocks] int32, padded with 0
+    slot_mapping: np.ndarray  # [total_q] int64
+    block_size: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @cached_property
+    def device(self) -> DeviceMetadata:
+        """The same arrays on the device, built once per step and shared by all layers."""
+        return DeviceMetadata(
+            cu_seqlens_q=mx.array(self.cu_seqlens_q),
+            seq_lens=mx.array(self.seq_lens),
+            block_tables=mx.array(self.block_tables),
+            slot_block=mx.array((self.slot_mapping // self.block_size).astype(np.int32)),
+            slot_offset=mx.array((self.slot_mapping % self.block_size).astype(np.int32)),
+        )
+
+    @cached_property
+    def reference_plan(self) -> ReferencePlan:
+        q_lens = np.diff(self.cu_seqlens_q)
+        decode = np.flatnonzero(q_lens == 1)
+        prefill = np.flatnonzero(q_lens > 1)
+        starts = self.cu_seqlens_q[:-1]
+        concat_rows = np.concatenate(
+            [starts[decode]]
+            + [np.arange(starts[r], starts[r] + q_lens[r]) for r in prefill]
+        ).astype(np.int64)
+        row_order = np.empty_like(concat_rows)
+        row_order[concat_rows] = np.arange(len(concat_rows))
+        return ReferencePlan(decode, prefill, row_order)
+
+
+@dataclass(frozen=True)
+class DeviceMetadata:
+    cu_seqlens_q: mx.array
+    seq_lens: mx.array
+    block_tables: mx.array
+    slot_block: mx.array  # [total_q] block id of each new token's slot
+    slot_offset: mx.array  # [total_q] offset inside that block

@@ -1,0 +1,43 @@
+"""Engine settings, built once at the CLI/server edge and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`kv_cache_memory` (bytes) and `max_model_len` default to what the machine and model allow.
+
+    `dtype="auto"` runs float32 on the CPU backend (its half-precision matmuls are slow) and
+    float16 on Apple GPUs.
+    """
+
+    model_dir: Path
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    dtype: DType = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )

@@ -1,0 +1,59 @@
+"""Pack a SchedulerOutput into the flat arrays of one forward, with a few numpy operations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels_metal.metadata import AttentionMetadata
+from scheduler.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: np.ndarray  # [total_q] int32
+    positions: np.ndarray  # [total_q] int32
+    attention: AttentionMetadata
+    sample_rows: np.ndarray  # [num_sampling] int32: last row of each request that samples
+    sample_request_ids: list[str]
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+    """Packed token ids, positions and paging metadata for every scheduled request."""
+    scheduled = out.scheduled
+    q_lens = np.array([len(s.token_ids) for s in scheduled], np.int32)
+    starts = np.array([s.start_position for s in scheduled], np.int32)
+    cu_seqlens = np.zeros(len(scheduled) + 1, np.int32)
+    np.cumsum(q_lens, out=cu_seqlens[1:])
+    total = int(cu_seqlens[-1])
+
+    request_of_row = np.repeat(np.arange(len(scheduled)), q_lens)
+    positions = (np.arange(total) - cu_seqlens[request_of_row] + starts[request_of_row])
+    positions = positions.astype(np.int32)
+
+    max_blocks = max(len(s.block_ids) for s in scheduled)
+    block_tables = np.zeros((len(scheduled), max_blocks), np.int32)
+    for i, s in enumerate(scheduled):
+        block_tables[i, : len(s.block_ids)] = s.block_ids
+    slots = (
+        block_tables[request_of_row, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+
+    samples = np.array([s.samples for s in scheduled], bool)
+    return StepInputs(
+        input_ids=np.fromiter(
+            (t for s in scheduled for t in s.token_ids), np.int32, count=total
+        ),
+        positions=positions,
+        attention=AttentionMetadata(
+            cu_seqlens_q=cu_seqlens,
+            seq_lens=starts + q_lens,
+            block_tables=block_tables,
+            slot_mapping=slots,
+            block_size=block_size,
+        ),
+        sample_rows=(cu_seqlens[1:] - 1)[samples].astype(np.int32),
+        sample_request_ids=[s.request_id for s in scheduled if s.samples],
+    )

@@ -1,0 +1,69 @@
+"""Paged K/V pools, one pair per layer, each `[num_blocks, block_size, kv_heads, head_dim]`."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+# Off Apple Silicon the pool comes out of system RAM: take a modest share of what is free.
+HOST_MEMORY_FRACTION = 0.25
+HOST_MEMORY_CAP = 4 << 30
+DEVICE_MEMORY_FRACTION = 0.6
+
+
+class KVCache:
+    """Owns the pools. Layers `take` a pair, scatter into it and `put` it back.
+
+    Taking leaves no other reference behind, so MLX can donate the pool's buffer to the scatter
+    and write in place instead of copying the pool every step.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: mx.Dtype) -> None:
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k: list[mx.array | None] = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.v: list[mx.array | None] = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        mx.eval(self.k, self.v)
+
+    def take(self, layer: int) -> tuple[mx.array, mx.array]:
+        k, v = self.k[layer], self.v[layer]
+        self.k[layer] = self.v[layer] = None
+        if k is None or v is None:
+            raise RuntimeError(f"KV pool of layer {layer} was taken and not put back")
+        return k, v
+
+    def put(self, layer: int, k: mx.array, v: mx.array) -> None:
+        self.k[layer], self.v[layer] = k, v
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.k + self.v if a is not None]
+
+
+def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
+                    dtype: mx.Dtype) -> int:
+    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.size
+
+
+def default_kv_cache_memory(weights_bytes: int) -> int:
+    """Bytes for the pools when the user did not say: what the device can spare."""
+    if mx.metal.is_available():
+        info = mx.device_info()
+        budget = info.get("max_recommended_working_set_size", info["memory_size"])
+        return max(int(budget * DEVICE_MEMORY_FRACTION) - weights_bytes, 64 << 20)
+    return min(int(_available_host_memory() * HOST_MEMORY_FRACTION), HOST_MEMORY_CAP)
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,16 @@
+"""Continuous-batching scheduler: requests, block pool, step composition. Pure Python, no mlx."""
+
+from scheduler.config import SchedulerConfig
+from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerOutput
+
+__all__ = [
+    "FinishReason",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]

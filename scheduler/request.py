@@ -1,0 +1,78 @@
+"""One generation request as the scheduler tracks it: token ids and counters, no tensors."""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from scheduler.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """Token ids of prompt + output, and how many of them have K/V in the cache.
+
+    `num_computed_tokens` counts tokens whose K/V are written; the next step feeds
+    `all_token_ids[num_computed_tokens:]` (or a chunk of it). A request samples in a step
+    exactly when that step brings it to `num_tokens`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_index: int = 0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_index = arrival_index
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
+        """Stop by token id or length, judged on the last appended output token."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,212 @@
+"""Continuous batching by token counts: running requests first, then new ones.
+
+There is no prefill or decode phase. Each step a request gets
+`min(num_uncomputed_tokens, remaining budget)` tokens; a prompt longer than the budget is
+chunked over several steps while running streams keep decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.block_pool import BlockPool
+from scheduler.config import SchedulerConfig
+from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step feeds `token_ids` at positions `start_position ..` and writes their K/V into
+    the slots of `block_ids`; it samples the next token iff `samples`.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    samples: bool
+    params: SamplingParams
+    num_output_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: tokens appended and, at the end, why it stopped."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Owns request state and the block pool. Not thread-safe: one engine thread calls it."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        self._arrivals = 0
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raise ValueError if it could never fit the context or the pool."""
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.arrival_index = self._arrivals
+        self._arrivals += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        cfg = self.config
+        if num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens but the context length is "
+                f"{cfg.max_model_len}: shorten the prompt (at least one token must remain "
+                "for the output)"
+            )
+        worst_case = min(num_prompt_tokens + max_tokens, cfg.max_model_len)
+        if cdiv(worst_case, cfg.block_size) > cfg.num_blocks:
+            raise ValueError(
+                f"the request needs up to {worst_case} tokens of KV cache but the pool holds "
+                f"{cfg.num_blocks * cfg.block_size}: lower max_tokens or start the server "
+                "with more --kv-cache-memory"
+            )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
+        """End a request now (abort, stop string); its blocks are free for the next step."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._release(request, reason)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first (oldest first), then waiting ones."""
+        out = SchedulerOutput(finished_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_uncomputed_tokens, budget)
+            while not self._reserve_blocks(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    return budget
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if not self._reserve_blocks(request, num_new):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _reserve_blocks(self, request: Request, num_new: int) -> bool:
+        needed = cdiv(request.num_computed_tokens + num_new, self.config.block_size)
+        missing = needed - len(request.block_ids)
+        if missing <= 0:
+            return True
+        blocks = self.pool.allocate(missing)
+        if blocks is None:
+            return False
+        request.block_ids.extend(blocks)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: drop its KV, put it first in line."""
+        self.running.remove(request)
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_ids=list(request.block_ids),
+            samples=start + num_new == request.num_tokens,
+            params=request.params,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Advance counters by the step's tokens; append sampled ids; finish stopped requests.
+
+        `sampled` maps request id -> token id for the scheduled requests that sampled.
+        """
+        updates = []
+        for item in out.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            if not item.samples:
+                continue
+            request.append_output(sampled[item.request_id])
+            reason = request.check_stop(self.config.max_model_len)
+            if reason is not None:
+                self.finish_request(request.request_id, reason)
+            updates.append(RequestUpdate(request, [request.output_token_ids[-1]], reason))
+        return updates
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._finished_since_last_step.append(request.request_id)

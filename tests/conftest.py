@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random Llama checkpoints and the default model."""
+
+from __future__ import annotations
+
+import metal_engine  # noqa: F401  (loads the optimized BLAS before mlx)
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY_LLAMA = dict(
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,  # GQA: 3 query heads per KV head
+    head_dim=16,
+    max_position_embeddings=512,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(torch model, saved model dir) of a tiny random Llama in float32."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path

@@ -33,3 +33,18 @@ def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path, safe_serialization=True)
     return model, path
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The default model, converted once into the user's cache (as `metal-serve serve` does)."""
+    from convert import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))

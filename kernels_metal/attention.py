@@ -7,6 +7,7 @@ pure-MLX reference serves every call.
 from __future__ import annotations
 
 import mlx.core as mx
+
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import paged_attention_reference, write_kv
 

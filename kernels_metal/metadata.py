@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass(frozen=True)

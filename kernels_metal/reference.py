@@ -1,10 +1,10 @@
-"""Pure-MLX paged attention and KV write: what runs off Metal and what kernels are checked against."""
+"""Pure-MLX paged attention and KV write: runs off Metal; every kernel is checked against it."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
-import mlx.core as mx
 from kernels_metal.metadata import AttentionMetadata
 
 

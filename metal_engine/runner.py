@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+
 from metal_engine.input_batch import build_step_inputs
 from metal_engine.kv_cache import KVCache
 from metal_engine.models.llama import Model
@@ -32,7 +33,7 @@ class ModelRunner:
         )
         token_ids = sample(logits, batch)
         mx.eval(token_ids, self.cache.arrays())
-        return dict(zip(step.sample_request_ids, token_ids.tolist()))
+        return dict(zip(step.sample_request_ids, token_ids.tolist(), strict=True))
 
     def forward_logits(self, out: SchedulerOutput) -> mx.array:
         """Logits of every packed row (for tests and diagnostics, not the serving path)."""

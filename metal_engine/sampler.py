@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
-import mlx.core as mx
 from scheduler.sampling_params import SamplingParams
 
 
@@ -30,7 +30,7 @@ class SamplingBatch:
     def build(cls, params: list[SamplingParams], num_outputs: list[int]) -> SamplingBatch:
         seeds = [
             None if p.seed is None else hash((p.seed, n)) & 0xFFFFFFFF
-            for p, n in zip(params, num_outputs)
+            for p, n in zip(params, num_outputs, strict=True)
         ]
         return cls(
             temperature=np.array([p.temperature for p in params], np.float32),

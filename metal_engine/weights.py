@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.llama import Model
 

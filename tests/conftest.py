@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import metal_engine  # noqa: F401  (loads the optimized BLAS before mlx)
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+import metal_engine  # noqa: F401  (loads the optimized BLAS before mlx)
 
 TINY_LLAMA = dict(
     vocab_size=128,

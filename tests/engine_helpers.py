@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+
 from metal_engine.kv_cache import KVCache
 from metal_engine.runner import ModelRunner
 from metal_engine.weights import load_model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from engine_helpers import make_runner_and_scheduler
+
 from scheduler import Request, SamplingParams
 
 

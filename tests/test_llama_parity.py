@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from engine_helpers import generate_greedy, make_runner_and_scheduler
+
 from scheduler import Request, SamplingParams
 
 TOL = 1e-4

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
-import mlx.core as mx
 from metal_engine.sampler import SamplingBatch, sample
 from scheduler import SamplingParams
 

@@ -1,9 +1,10 @@
-"""Llama-architecture decoder (Llama 2/3 without rope scaling, Mistral, SmolLM) over packed tokens."""
+"""Llama-architecture decoder (Llama 2/3, Mistral, SmolLM) over packed tokens."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
 from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
@@ -108,5 +109,7 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         # Precomputed rotary tables are not parameters here; a tied head has no weight of its own.
-        dropped = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.config.tie_word_embeddings else ())
+        dropped = ["rotary_emb.inv_freq"]
+        if self.config.tie_word_embeddings:
+            dropped.append("lm_head.")
         return {k: v for k, v in weights.items() if not any(d in k for d in dropped)}

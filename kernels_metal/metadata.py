@@ -13,20 +13,11 @@ to positions `0..that` of request `r` only. Token at position `p` lives in KV sl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
-
-
-@dataclass(frozen=True)
-class ReferencePlan:
-    """How the reference splits a step: one batched call for decode rows, one per prefill."""
-
-    decode_requests: np.ndarray  # request indices with exactly one query row
-    prefill_requests: np.ndarray  # request indices with several query rows
-    row_order: np.ndarray  # packed row -> row in the concatenated [decode, prefill...] output
 
 
 @dataclass(frozen=True)
@@ -36,6 +27,8 @@ class AttentionMetadata:
     block_tables: np.ndarray  # [num_reqs, max_blocks] int32, padded with 0
     slot_mapping: np.ndarray  # [total_q] int64
     block_size: int
+    # Per-step work a backend derives once and reuses in every layer, keyed by backend.
+    backend_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -51,20 +44,6 @@ class AttentionMetadata:
             slot_block=mx.array((self.slot_mapping // self.block_size).astype(np.int32)),
             slot_offset=mx.array((self.slot_mapping % self.block_size).astype(np.int32)),
         )
-
-    @cached_property
-    def reference_plan(self) -> ReferencePlan:
-        q_lens = np.diff(self.cu_seqlens_q)
-        decode = np.flatnonzero(q_lens == 1)
-        prefill = np.flatnonzero(q_lens > 1)
-        starts = self.cu_seqlens_q[:-1]
-        concat_rows = np.concatenate(
-            [starts[decode]]
-            + [np.arange(starts[r], starts[r] + q_lens[r]) for r in prefill]
-        ).astype(np.int64)
-        row_order = np.empty_like(concat_rows)
-        row_order[concat_rows] = np.arange(len(concat_rows))
-        return ReferencePlan(decode, prefill, row_order)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
@@ -19,6 +21,23 @@ def write_kv(pool: mx.array, new: mx.array, meta: AttentionMetadata) -> mx.array
     return pool
 
 
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Query rows attended in one batched call: all decode rows, or one prefill chunk."""
+
+    rows: mx.array | slice  # packed rows of the group
+    tables: mx.array  # [G, num_blocks] block ids of the group's requests
+    num_keys: int  # keys per request after gathering (the longest context, block-rounded)
+    mask: mx.array  # [G or 1, 1, queries per request, num_keys] True where attention is allowed
+    is_decode: bool
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    groups: list[AttentionGroup]
+    row_order: mx.array | None  # concatenated group rows -> packed order; None if already so
+
+
 def paged_attention_reference(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
 ) -> mx.array:
@@ -27,48 +46,74 @@ def paged_attention_reference(
     Decode rows of all requests go through one batched call; each prefill chunk gets its own
     call with a causal mask offset by its cached prefix.
     """
-    plan = meta.reference_plan
-    parts = []
-    if len(plan.decode_requests):
-        parts.append(_decode_rows(q, k_pool, v_pool, meta, plan.decode_requests, scale))
-    for r in plan.prefill_requests:
-        parts.append(_prefill_rows(q, k_pool, v_pool, meta, int(r), scale))
-    if len(parts) == 1:  # already in packed order
-        return parts[0].astype(q.dtype)
-    return mx.concatenate(parts, axis=0)[mx.array(plan.row_order)].astype(q.dtype)
+    if "reference" not in meta.backend_plans:
+        meta.backend_plans["reference"] = build_plan(meta)
+    plan: ReferencePlan = meta.backend_plans["reference"]
+    parts = [_attend(q, k_pool, v_pool, group, scale) for group in plan.groups]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    if plan.row_order is not None:
+        out = out[plan.row_order]
+    return out.astype(q.dtype)
 
 
-def _gather_kv(pool: mx.array, block_ids: np.ndarray) -> mx.array:
-    """Blocks `[..., n]` -> `[..., kv_heads, n * block_size, head_dim]`."""
-    kv = pool[mx.array(block_ids)]  # [..., n, bs, kvh, d]
-    *lead, n, bs, kvh, d = kv.shape
-    kv = kv.reshape(*lead, n * bs, kvh, d)
-    return mx.swapaxes(kv, -3, -2)
+def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float) -> mx.array:
+    k = _gather_kv(k_pool, group.tables, group.num_keys)  # [G, kvh, L, d]
+    v = _gather_kv(v_pool, group.tables, group.num_keys)
+    queries = q[group.rows].astype(mx.float32)  # [rows, H, d]
+    # Decode: a batch of requests with one query each. Prefill: one request, all its rows.
+    queries = queries[:, :, None, :] if group.is_decode else mx.swapaxes(queries, 0, 1)[None]
+    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=group.mask)
+    return out[:, :, 0, :] if group.is_decode else mx.swapaxes(out[0], 0, 1)
 
 
-def _decode_rows(q, k_pool, v_pool, meta, requests: np.ndarray, scale: float) -> mx.array:
+def _gather_kv(pool: mx.array, tables: mx.array, num_keys: int) -> mx.array:
+    """Blocks `[G, n]` -> `[G, kv_heads, num_keys, head_dim]` in float32."""
+    kv = pool[tables]  # [G, n, bs, kvh, d]
+    g, n, bs, kvh, d = kv.shape
+    kv = kv.reshape(g, n * bs, kvh, d)[:, :num_keys]
+    return mx.swapaxes(kv, 1, 2).astype(mx.float32)
+
+
+def build_plan(meta: AttentionMetadata) -> ReferencePlan:
+    """Group the step's rows once; every layer reuses the groups, tables and masks."""
+    starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
+    decode, prefill = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
+    groups = []
+    if len(decode):
+        groups.append(_decode_group(meta, decode))
+    groups += [_prefill_group(meta, int(r)) for r in prefill]
+    concat_rows = np.concatenate(
+        [starts[decode]] + [np.arange(starts[r], starts[r] + q_lens[r]) for r in prefill]
+    )
+    if (concat_rows == np.arange(len(concat_rows))).all():
+        return ReferencePlan(groups, None)
+    row_order = np.empty_like(concat_rows)
+    row_order[concat_rows] = np.arange(len(concat_rows))
+    return ReferencePlan(groups, mx.array(row_order))
+
+
+def _decode_group(meta: AttentionMetadata, requests: np.ndarray) -> AttentionGroup:
     seq_lens = meta.seq_lens[requests]
-    num_blocks = int(-(-seq_lens.max() // meta.block_size))
-    tables = meta.block_tables[requests, :num_blocks]
-    k = _gather_kv(k_pool, tables).astype(mx.float32)  # [R, kvh, L, d]
-    v = _gather_kv(v_pool, tables).astype(mx.float32)
-    rows = mx.array(meta.cu_seqlens_q[requests])
-    queries = q[rows].astype(mx.float32)[:, :, None, :]  # [R, H, 1, d]
-    key_pos = np.arange(num_blocks * meta.block_size)
-    mask = mx.array(key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
-    return out[:, :, 0, :]
+    num_blocks = -(-int(seq_lens.max()) // meta.block_size)
+    num_keys = num_blocks * meta.block_size
+    mask = np.arange(num_keys)[None, :] < seq_lens[:, None]
+    return AttentionGroup(
+        rows=mx.array(meta.cu_seqlens_q[requests]),
+        tables=mx.array(meta.block_tables[requests, :num_blocks]),
+        num_keys=num_keys,
+        mask=mx.array(mask[:, None, None, :]),
+        is_decode=True,
+    )
 
 
-def _prefill_rows(q, k_pool, v_pool, meta, r: int, scale: float) -> mx.array:
+def _prefill_group(meta: AttentionMetadata, r: int) -> AttentionGroup:
     start, end = int(meta.cu_seqlens_q[r]), int(meta.cu_seqlens_q[r + 1])
     seq_len = int(meta.seq_lens[r])
-    num_blocks = -(-seq_len // meta.block_size)
-    table = meta.block_tables[r : r + 1, :num_blocks]
-    k = _gather_kv(k_pool, table)[..., :seq_len, :].astype(mx.float32)  # [1, kvh, L, d]
-    v = _gather_kv(v_pool, table)[..., :seq_len, :].astype(mx.float32)
-    queries = mx.swapaxes(q[start:end].astype(mx.float32), 0, 1)[None]  # [1, H, n, d]
     q_pos = np.arange(seq_len - (end - start), seq_len)
-    mask = mx.array(np.arange(seq_len)[None, :] <= q_pos[:, None])
-    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
-    return mx.swapaxes(out[0], 0, 1)
+    return AttentionGroup(
+        rows=slice(start, end),
+        tables=mx.array(meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]),
+        num_keys=seq_len,
+        mask=mx.array(np.arange(seq_len)[None, :] <= q_pos[:, None]),
+        is_decode=False,
+    )

@@ -1,0 +1,173 @@
+"""Open a llama.cpp GGUF file as a ModelSource: dequantize, rename, undo the Q/K row order."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from convert.llama_layout import LlamaSpec, check_tensors, tensor_shapes
+from convert.source import ModelSource
+from convert.tokenizer_files import write_gguf_tokenizer
+
+# Types gguf.quants can dequantize in numpy.
+SUPPORTED_TYPES = frozenset({
+    QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
+    QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+})
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+NAME_RE = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+
+
+def open_gguf(path: Path) -> ModelSource:
+    """Read metadata and tensor headers, validate them; dequantize nothing yet."""
+    reader = GGUFReader(path)
+    _check_file(reader)
+    tensors = {hf_name(t.name): t for t in reader.tensors}
+    _check_types(reader.tensors)
+    spec = _spec_from_metadata(reader, tensors)
+    check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(spec))
+    return ModelSource(
+        kind="gguf",
+        path=path,
+        spec=spec,
+        base_config={},
+        tensors=partial(_read_tensors, tensors, spec),
+        write_tokenizer=partial(write_gguf_tokenizer, path, eos_token_id=spec.eos_token_id),
+        files=(path,),
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    """llama.cpp tensor name -> Hugging Face name, e.g. blk.3.attn_q.weight -> ...q_proj.weight."""
+    match = NAME_RE.fullmatch(gguf_name)
+    table = BLOCK_NAMES if match and match[1] is not None else GLOBAL_NAMES
+    if match is None or match[2] not in table:
+        raise ValueError(
+            f"GGUF tensor {gguf_name!r} has no Llama equivalent; only plain Llama GGUFs are "
+            "supported"
+        )
+    prefix = f"model.layers.{match[1]}." if match[1] is not None else ""
+    return f"{prefix}{table[match[2]]}.{match[3]}"
+
+
+def undo_rope_permutation(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of q_proj/k_proj weights (or biases).
+
+    Per head, llama.cpp stores row (j, p) at j*2 + p, where Hugging Face keeps it at p*half + j.
+    """
+    half = rows.shape[0] // n_heads // 2
+    heads = rows.reshape(n_heads, half, 2, *rows.shape[1:])
+    return heads.swapaxes(1, 2).reshape(rows.shape)
+
+
+def _check_file(reader: GGUFReader) -> None:
+    arch = _get(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; the converter handles 'llama'"
+        )
+    if (_get(reader, "split.count") or 1) > 1:
+        raise ValueError(
+            "this GGUF is one part of a split model; merge the parts first "
+            "(llama-gguf-split --merge first-part.gguf merged.gguf)"
+        )
+    scaling = _get(reader, "llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; only plain rope is")
+
+
+def _check_types(tensors: list[ReaderTensor]) -> None:
+    for tensor in tensors:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+            raise ValueError(
+                f"GGUF tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the "
+                f"converter cannot dequantize; supported types: {supported}"
+            )
+
+
+def _spec_from_metadata(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> LlamaSpec:
+    hidden = _require(reader, "llama.embedding_length")
+    heads = _require(reader, "llama.attention.head_count")
+    head_dim = (_get(reader, "llama.attention.key_length")
+                or _get(reader, "llama.rope.dimension_count") or hidden // heads)
+    return LlamaSpec(
+        hidden_size=hidden,
+        intermediate_size=_require(reader, "llama.feed_forward_length"),
+        num_hidden_layers=_require(reader, "llama.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=_get(reader, "llama.attention.head_count_kv") or heads,
+        head_dim=head_dim,
+        vocab_size=_get(reader, "llama.vocab_size") or _token_count(reader),
+        rms_norm_eps=_shortest(_get(reader, "llama.attention.layer_norm_rms_epsilon") or 1e-5),
+        rope_theta=_shortest(_get(reader, "llama.rope.freq_base") or 10000.0),
+        max_position_embeddings=_get(reader, "llama.context_length") or 2048,
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        bos_token_id=_get(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_get(reader, "tokenizer.ggml.eos_token_id"),
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors,
+    )
+
+
+def _read_tensors(tensors: dict[str, ReaderTensor], spec: LlamaSpec) -> Iterator[tuple[str, Any]]:
+    for name, shape in tensor_shapes(spec).items():
+        tensor = tensors[name]
+        weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if ".q_proj." in name:
+            weights = undo_rope_permutation(weights, spec.num_attention_heads)
+        elif ".k_proj." in name:
+            weights = undo_rope_permutation(weights, spec.num_key_value_heads)
+        yield name, weights
+
+
+def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    # GGUF lists dims fastest-first (ggml order); Hugging Face lists them [out, in].
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def _get(reader: GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _require(reader: GGUFReader, key: str) -> Any:
+    value = _get(reader, key)
+    if value is None:
+        raise ValueError(f"the GGUF metadata lacks {key!r}; the file is incomplete")
+    return value
+
+
+def _token_count(reader: GGUFReader) -> int:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError("the GGUF metadata has neither 'llama.vocab_size' nor a token list")
+    return len(tokens.data)
+
+
+def _shortest(value: float) -> float:
+    # GGUF stores float32; write its shortest decimal form (1e-05, not 9.999999747378752e-06).
+    return float(str(np.float32(value)))

@@ -1,0 +1,95 @@
+"""Open a Hugging Face Llama dir (config.json + safetensors + tokenizer files) as a ModelSource."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+from safetensors import safe_open
+
+from convert.llama_layout import IGNORED_SUFFIXES, check_tensors, spec_from_hf_config, tensor_shapes
+from convert.source import ModelSource
+from convert.tokenizer_files import copy_hf_tokenizer
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def open_hf_dir(path: Path) -> ModelSource:
+    """Validate names and shapes of every tensor against config.json; load nothing yet."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{path} has no config.json; the source must be a Hugging Face model dir "
+            "or a .gguf file"
+        )
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    spec = spec_from_hf_config(config)
+    files = _weight_files(path)
+    names_by_file = _tensor_names(files, tied=spec.tie_word_embeddings)
+    check_tensors(
+        {name: shape for names in names_by_file.values() for name, shape in names.items()},
+        tensor_shapes(spec),
+    )
+    return ModelSource(
+        kind="hf",
+        path=path,
+        spec=spec,
+        base_config=config,
+        tensors=partial(_read_tensors, names_by_file),
+        write_tokenizer=partial(copy_hf_tokenizer, path),
+        files=(config_path, *files),
+    )
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} names shards missing from {path}: {missing}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise ValueError(
+            f"{path} has only pickle checkpoints (*.bin/*.pt), which can run code when loaded, "
+            "so they are never read. Re-save the model as safetensors first "
+            "(model.save_pretrained(dir, safe_serialization=True))"
+        )
+    raise ValueError(f"{path} has no *.safetensors weights")
+
+
+def _tensor_names(files: list[Path], tied: bool) -> dict[Path, dict[str, tuple[int, ...]]]:
+    """Per file, the tensors to convert and their shapes, read from the headers only."""
+    names_by_file: dict[Path, dict[str, tuple[int, ...]]] = {}
+    seen: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="numpy") as handle:
+            names = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
+        # Tied checkpoints sometimes store lm_head too; it is the embedding again.
+        names = {n: s for n, s in names.items()
+                 if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")}
+        duplicates = seen.intersection(names)
+        if duplicates:
+            raise ValueError(f"tensors stored in more than one file: {sorted(duplicates)[:4]}")
+        seen.update(names)
+        names_by_file[file] = names
+    return names_by_file
+
+
+def _read_tensors(
+    names_by_file: dict[Path, dict[str, tuple[int, ...]]],
+) -> Iterator[tuple[str, mx.array]]:
+    for file, names in names_by_file.items():
+        # mx.load is lazy and reads bfloat16, which numpy cannot represent.
+        weights = mx.load(str(file))
+        for name in names:
+            yield name, weights[name]

@@ -1,0 +1,153 @@
+"""Write a ModelSource as an MLX model dir, atomically: build it in a temp dir, then rename."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from tqdm import tqdm
+
+from convert.llama_layout import config_dict, tensor_shapes
+from convert.source import ModelSource, fingerprint
+
+CONVERTER_VERSION = "1"
+MANIFEST_FILE = "metal_serve_manifest.json"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """Raise FileExistsError if writing `out` would replace something without `force`."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(
+            f"{out} already exists and is not empty; pass force=True (--force) to replace it"
+        )
+
+
+def write_model_dir(
+    source: ModelSource, out: Path, dtype: str, force: bool, progress: bool
+) -> Path:
+    """Write config, weights, tokenizer and manifest for `source`; `out` appears only when done."""
+    check_out_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Same filesystem as `out`, so the final rename is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; a model dir is meant to be shared
+        source.write_tokenizer(tmp)  # first: it fails fast on an unusable tokenizer
+        num_params = write_weights(source, tmp, dtype, progress)
+        _write_json(tmp / "config.json", config_dict(source.spec, dtype, source.base_config))
+        _write_json(tmp / MANIFEST_FILE, _manifest(source, dtype, num_params))
+        _publish(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_weights(source: ModelSource, folder: Path, dtype: str, progress: bool) -> int:
+    """Write the tensors as safetensors shards of at most MAX_SHARD_BYTES; return the param count.
+
+    One shard is named model.safetensors; several get the Hugging Face names plus an index.
+    """
+    target = DTYPES[dtype]
+    writer = _ShardWriter(folder, MAX_SHARD_BYTES)
+    total = len(tensor_shapes(source.spec))
+    for name, tensor in tqdm(source.tensors(), total=total, desc="converting", unit="tensor",
+                             disable=not progress):
+        array = mx.array(tensor).astype(target)
+        mx.eval(array)
+        writer.add(name, array)
+    writer.finish()
+    return writer.num_params
+
+
+def save_shard(path: Path, tensors: dict[str, mx.array]) -> None:
+    # "pt" tells transformers the layout is PyTorch's [out, in]; mlx-lm accepts it too.
+    mx.save_safetensors(str(path), tensors, metadata={"format": "pt"})
+
+
+class _ShardWriter:
+    """Collects tensors and saves a shard whenever the next tensor would overflow it."""
+
+    def __init__(self, folder: Path, max_bytes: int) -> None:
+        self.folder, self.max_bytes = folder, max_bytes
+        self.pending: dict[str, mx.array] = {}
+        self.pending_bytes = self.total_bytes = self.num_params = 0
+        self.saved: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, array: mx.array) -> None:
+        if self.pending and self.pending_bytes + array.nbytes > self.max_bytes:
+            self._save_pending()
+        self.pending[name] = array
+        self.pending_bytes += array.nbytes
+        self.total_bytes += array.nbytes
+        self.num_params += array.size
+
+    def finish(self) -> None:
+        """Save the last shard and give every shard its final name (names need the count)."""
+        self._save_pending()
+        if len(self.saved) == 1:
+            self.saved[0][0].rename(self.folder / "model.safetensors")
+            return
+        weight_map: dict[str, str] = {}
+        for number, (path, names) in enumerate(self.saved, start=1):
+            final = f"model-{number:05d}-of-{len(self.saved):05d}.safetensors"
+            path.rename(self.folder / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        _write_json(self.folder / INDEX_FILE, index)
+
+    def _save_pending(self) -> None:
+        path = self.folder / f"shard-{len(self.saved):05d}.safetensors"
+        save_shard(path, self.pending)
+        self.saved.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest of a model dir this package wrote, or None if there is none."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _manifest(source: ModelSource, dtype: str, num_params: int) -> dict[str, Any]:
+    return {
+        "converter_version": CONVERTER_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "dtype": dtype,
+        "num_parameters": num_params,
+        "source": {
+            "kind": source.kind,
+            "path": str(source.path.resolve()),
+            "files": fingerprint(source.files),
+        },
+    }
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    """Move the finished dir to `out`, replacing an existing one only with `force`."""
+    # Checked again: another process may have written `out` while this one converted.
+    check_out_dir(out, force)
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = tmp.with_name(tmp.name + ".old")  # tmp is unique, so this name is free
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+

@@ -1,0 +1,40 @@
+"""What a model source hands the writer: config, a lazy tensor stream, and the tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from convert.llama_layout import LlamaSpec
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import numpy as np
+
+    Tensor = np.ndarray | mx.array
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One opened source; nothing heavy is read until `tensors()` is iterated.
+
+    `tensors()` yields (Hugging Face name, tensor in [out, in] layout) for every name in
+    `tensor_shapes(spec)`, each exactly once. `write_tokenizer(dir)` writes the tokenizer files
+    into dir. `base_config` holds source config keys to keep (empty for GGUF); `files` are the
+    source files the manifest fingerprints.
+    """
+
+    kind: Literal["gguf", "hf"]
+    path: Path
+    spec: LlamaSpec
+    base_config: dict[str, Any]
+    tensors: Callable[[], Iterator[tuple[str, Tensor]]]
+    write_tokenizer: Callable[[Path], None]
+    files: tuple[Path, ...]
+
+
+def fingerprint(files: tuple[Path, ...]) -> dict[str, dict[str, float]]:
+    """Size and mtime per source file: enough to notice a changed source without hashing GBs."""
+    return {f.name: {"size": f.stat().st_size, "mtime": f.stat().st_mtime} for f in files}

@@ -1,0 +1,261 @@
+"""Request parsing and validation, and the OpenAI error bodies, without a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from metal_engine.outputs import RequestOutput
+from server.app import build_app
+from server.async_engine import AsyncEngine
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+CONTEXT = 32
+
+
+class CharTokenizer:
+    """One token per character; the chat template is `role: content` lines."""
+
+    chat_template = "lines"
+
+    def __len__(self) -> int:
+        return 256
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [min(ord(c), 255) for c in text]
+
+
+class CountingEngine:
+    """Writes "a" once per step until max_tokens."""
+
+    tokenizer = CharTokenizer()
+    model_name = "char-model"
+    max_model_len = CONTEXT
+
+    def __init__(self) -> None:
+        self.live: dict[str, list] = {}
+        self.fail_at_token: int | None = None  # step raises when a request would reach it
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        self.live[request_id] = [len(prompt_token_ids), params.max_tokens, 0]
+
+    def abort_request(self, request_id):
+        self.live.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        outputs = []
+        for rid, state in list(self.live.items()):
+            if state[2] + 1 == self.fail_at_token:
+                self.fail_at_token = None
+                raise RuntimeError("device lost")
+            state[2] += 1
+            reason = "length" if state[2] == state[1] else None
+            if reason:
+                del self.live[rid]
+            outputs.append(RequestOutput(rid, [97], "a", reason, state[0], state[2]))
+        return outputs
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return CountingEngine()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(build_app(AsyncEngine(engine), "default")) as test_client:
+        yield test_client
+
+
+def chat(**fields):
+    return {"model": "anything", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def assert_openai_error(response, param: str | None = None, contains: str = "") -> dict:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert contains in error["message"]
+    return error
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+
+def test_sampling_params_from_request():
+    body = ChatCompletionRequest(
+        **chat(temperature=0, top_p=0.5, top_k=-1, seed=3, stop="\n", ignore_eos=True)
+    )
+    params = body.sampling_params(max_tokens=5)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0, 0.5, 0, 3)
+    assert params.stop == ("\n",) and params.ignore_eos and params.max_tokens == 5
+    assert CompletionRequest(prompt="x", stop=["a", "b"]).sampling_params(1).stop == ("a", "b")
+    assert ChatCompletionRequest(**chat()).sampling_params(1).temperature == 1.0
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert ChatCompletionRequest(**chat(max_tokens=9)).requested_max_tokens() == 9
+    body = ChatCompletionRequest(**chat(max_tokens=9, max_completion_tokens=4))
+    assert body.requested_max_tokens() == 4
+
+
+def test_text_parts_are_joined_and_unknown_fields_ignored():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": parts, "name": "x"}], frequency_penalty=0, user="u"
+    )
+    assert body.messages[0].text() == "ab"
+
+
+def test_prompt_shapes():
+    assert CompletionRequest(prompt=["one"]).prompt == ["one"]
+    assert CompletionRequest(prompt=[1, 2, 3]).prompt == [1, 2, 3]
+    with pytest.raises(ValidationError, match="send one request per prompt"):
+        CompletionRequest(prompt=["one", "two"])
+    with pytest.raises(ValidationError, match="must not be empty"):
+        CompletionRequest(prompt="")
+
+
+# ---- error bodies ---------------------------------------------------------------------------
+
+
+def test_malformed_json(client):
+    headers = {"content-type": "application/json"}
+    response = client.post("/v1/chat/completions", content=b'{"messages": [', headers=headers)
+    assert_openai_error(response, contains="not valid JSON")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "contains"),
+    [
+        ({"model": "m"}, "messages", "messages: Field required"),
+        ({"messages": []}, "messages", "at least one message"),
+        (chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+        (chat(max_tokens=-1), "max_tokens", "max_tokens"),
+        (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
+        (chat(temperature=-0.5), "temperature", "temperature"),
+        (chat(top_p=0), "top_p", "top_p"),
+        (chat(n=2), "n", "n>1 is not supported yet"),
+        (chat(logprobs=True), "logprobs", "not supported"),
+        (chat(max_tokens="many"), "max_tokens", "valid integer"),
+    ],
+)
+def test_invalid_chat_requests(client, body, param, contains):
+    assert_openai_error(client.post("/v1/chat/completions", json=body), param, contains)
+
+
+def test_image_parts_are_refused(client):
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    body = {"messages": [{"role": "user", "content": [image]}]}
+    assert_openai_error(client.post("/v1/chat/completions", json=body), "messages", "image_url")
+
+
+def test_prompt_longer_than_context(client):
+    error = assert_openai_error(
+        client.post("/v1/completions", json={"prompt": "x" * 40}), "prompt", "40 tokens"
+    )
+    assert str(CONTEXT) in error["message"] and error["code"] == "context_length_exceeded"
+    long_chat = chat(messages=[{"role": "user", "content": "y" * 40}])
+    assert_openai_error(client.post("/v1/chat/completions", json=long_chat), "messages")
+
+
+def test_prompt_plus_max_tokens_longer_than_context(client):
+    body = {"prompt": "x" * 10, "max_tokens": 30}
+    assert_openai_error(client.post("/v1/completions", json=body), "max_tokens", "10 in the prompt")
+
+
+def test_out_of_vocab_token_ids(client):
+    body = {"prompt": [1, 999]}
+    assert_openai_error(client.post("/v1/completions", json=body), "prompt", "999")
+
+
+def test_unknown_route_uses_the_error_body(client):
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+def test_engine_failure_is_a_500_and_the_server_keeps_serving(client, engine):
+    engine.fail_at_token = 1
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "device lost" in error["message"]
+
+    engine.fail_at_token = 2  # after the first delta went out: an error event ends the stream
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert "device lost" in json.loads(events[1])["error"]["message"]
+    assert events[2:] == ["[DONE]"]
+
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert response.json()["choices"][0]["text"] == "aaa"
+
+
+# ---- response shapes ------------------------------------------------------------------------
+
+
+def test_chat_response_shape(client):
+    response = client.post("/v1/chat/completions", json=chat(max_tokens=3))
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["model"] == "default"
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "aaa"},
+            "finish_reason": "length",
+            "logprobs": None,
+        }
+    ]
+    prompt_len = len("user: hi\nassistant: ")
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": 3,
+        "total_tokens": prompt_len + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_chat_stream_shape(client):
+    body = chat(max_tokens=2, stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]] == ["a", "a"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[1:-1]] == [None, "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_completion_stream_shape(client):
+    with client.stream(
+        "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}
+    ) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", "a"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+
+
+def test_models_and_health(client):
+    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert ids == ["default", "char-model"]
+    assert client.get("/health").json() == {"status": "ok"}

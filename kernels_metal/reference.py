@@ -28,7 +28,7 @@ class AttentionGroup:
     rows: mx.array | slice  # packed rows of the group
     tables: mx.array  # [G, num_blocks] block ids of the group's requests
     num_keys: int  # keys per request after gathering (the longest context, block-rounded)
-    mask: mx.array  # [G or 1, 1, queries per request, num_keys] True where attention is allowed
+    mask: mx.array  # [G, 1, 1, rows per request, num_keys]: True where attention is allowed
     is_decode: bool
 
 
@@ -57,13 +57,22 @@ def paged_attention_reference(
 
 
 def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float) -> mx.array:
+    """Masked softmax attention of one group, the query heads of a KV head batched together."""
     k = _gather_kv(k_pool, group.tables, group.num_keys)  # [G, kvh, L, d]
     v = _gather_kv(v_pool, group.tables, group.num_keys)
-    queries = q[group.rows].astype(mx.float32)  # [rows, H, d]
-    # Decode: a batch of requests with one query each. Prefill: one request, all its rows.
-    queries = queries[:, :, None, :] if group.is_decode else mx.swapaxes(queries, 0, 1)[None]
-    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=group.mask)
-    return out[:, :, 0, :] if group.is_decode else mx.swapaxes(out[0], 0, 1)
+    num_groups, kv_heads, num_keys, head_dim = k.shape
+    rows = q[group.rows].astype(mx.float32)  # [n_rows, H, d]
+    heads_per_kv = rows.shape[1] // kv_heads
+    # Decode: G requests with one row each. Prefill: one request with n rows.
+    n = 1 if group.is_decode else rows.shape[0]
+    queries = rows.reshape(num_groups, n, kv_heads, heads_per_kv, head_dim)
+    queries = queries.transpose(0, 2, 3, 1, 4).reshape(num_groups, kv_heads, -1, head_dim)
+    scores = (queries @ mx.swapaxes(k, -1, -2)) * scale  # [G, kvh, g * n, L]
+    scores = scores.reshape(num_groups, kv_heads, heads_per_kv, n, num_keys)
+    scores = mx.where(group.mask, scores, -mx.inf)
+    probs = mx.softmax(scores, axis=-1).reshape(num_groups, kv_heads, -1, num_keys)
+    out = (probs @ v).reshape(num_groups, kv_heads, heads_per_kv, n, head_dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(-1, kv_heads * heads_per_kv, head_dim)
 
 
 def _gather_kv(pool: mx.array, tables: mx.array, num_keys: int) -> mx.array:
@@ -101,7 +110,7 @@ def _decode_group(meta: AttentionMetadata, requests: np.ndarray) -> AttentionGro
         rows=mx.array(meta.cu_seqlens_q[requests]),
         tables=mx.array(meta.block_tables[requests, :num_blocks]),
         num_keys=num_keys,
-        mask=mx.array(mask[:, None, None, :]),
+        mask=mx.array(mask[:, None, None, None, :]),
         is_decode=True,
     )
 
@@ -114,6 +123,6 @@ def _prefill_group(meta: AttentionMetadata, r: int) -> AttentionGroup:
         rows=slice(start, end),
         tables=mx.array(meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]),
         num_keys=seq_len,
-        mask=mx.array(np.arange(seq_len)[None, :] <= q_pos[:, None]),
+        mask=mx.array((np.arange(seq_len)[None, :] <= q_pos[:, None])[None, None, None]),
         is_decode=False,
     )

@@ -8,6 +8,7 @@ import mlx.nn as nn
 from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
+from metal_engine.models.rope import apply_rope, inv_frequencies, rope_tables
 
 
 class Attention(nn.Module):
@@ -16,7 +17,6 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
         self.scale = cfg.head_dim**-0.5
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
@@ -24,26 +24,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        # [T, heads, D] viewed as T batches of one token each, so every row gets its own offset.
-        rotated = mx.fast.rope(
-            x[:, :, None, :],
-            self.head_dim,
-            traditional=False,
-            base=self.rope_theta,
-            scale=1.0,
-            offset=positions,
-        )
-        return rotated[:, :, 0, :]
-
     def __call__(
-        self, x: mx.array, positions: mx.array, meta: AttentionMetadata, cache: KVCache, layer: int
+        self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
+        cache: KVCache, layer: int,
     ) -> mx.array:
         total = x.shape[0]
         q = self.q_proj(x).reshape(total, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(total, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(total, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_pool, v_pool = cache.take(layer)
         k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
         cache.put(layer, k_pool, v_pool)
@@ -70,8 +59,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, positions, meta, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), positions, meta, cache, layer)
+    def __call__(self, x, rope, meta, cache, layer):
+        h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -81,11 +70,13 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self._inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta)
 
     def __call__(self, input_ids, positions, meta, cache):
         h = self.embed_tokens(input_ids)
+        rope = rope_tables(positions, self._inv_freq)  # shared by every layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, meta, cache, i)
+            h = layer(h, rope, meta, cache, i)
         return self.norm(h)
 
 

@@ -1,0 +1,39 @@
+"""`bench step` and `bench throughput` run end to end and report what they measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from server.bench import engine_bench
+
+
+def parse(add, argv):
+    parser = argparse.ArgumentParser()
+    add(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_step_reports_each_batch_size(default_model_dir, tmp_path):
+    out = tmp_path / "step.json"
+    args = parse(engine_bench.add_step_arguments, [
+        str(default_model_dir), "--batch-sizes", "1,8", "--steps", "5", "--context-len", "40",
+        "--result-json", str(out),
+    ])
+    assert engine_bench.run_step(args) == 0
+    result = json.loads(out.read_text())["host_overhead_per_decode_step"]
+    assert set(result) == {"1", "8"}
+    assert all(0 < r["median_ms"] <= r["p90_ms"] for r in result.values())
+
+
+def test_bench_throughput_counts_every_output_token(default_model_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    args = parse(engine_bench.add_throughput_arguments, [
+        str(default_model_dir), "--num-prompts", "3", "--input-len", "8", "--output-len", "5",
+        "--kv-cache-memory", str(64 << 20), "--result-json", str(out),
+    ])
+    assert engine_bench.run_throughput(args) == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 3
+    elapsed = result["elapsed_s"]
+    assert abs(result["output_tokens_per_s"] * elapsed - 15) < 1e-6

@@ -1,0 +1,161 @@
+"""Random paged-attention problems for checking kernels against the reference.
+
+Used by the kernel tests, `metal-serve doctor` and the dispatcher's first-use check. Blocks
+are handed out in a shuffled order; blocks no request owns are filled with NaN, so a kernel
+that reads a wrong block cannot pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.reference import paged_attention_reference
+
+# (atol, rtol) against the reference run in fp32 on the same (rounded) inputs: the kernels'
+# output rounding (half an ulp: 2^-11 fp16, 2^-8 bf16) plus fp16/bf16 probabilities in P V.
+TOLERANCE = {mx.float32: (1e-5, 1e-5), mx.float16: (1e-3, 4e-3), mx.bfloat16: (8e-3, 2e-2)}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: mx.Dtype
+    head_dim: int
+    block_size: int
+    num_heads: int
+    kv_heads: int
+    requests: tuple[tuple[int, int], ...]  # (tokens cached before the step, query rows now)
+    partition_size: int | None = None
+
+    @property
+    def name(self) -> str:
+        reqs = "+".join(f"{c}:{n}" for c, n in self.requests)
+        split = f"-p{self.partition_size}" if self.partition_size else ""
+        dtype = str(self.dtype).removeprefix("mlx.core.")
+        return (f"{dtype}-d{self.head_dim}-bs{self.block_size}-h{self.num_heads}"
+                f"kv{self.kv_heads}-[{reqs}]{split}")
+
+
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (16, 32)
+GQA = ((4, 4), (6, 2), (8, 2), (8, 1))  # (query heads, KV heads): ratios 1, 3, 4, 8
+
+
+def variant_cases() -> list[Case]:
+    """One mixed step per (dtype, head dim, block size), cycling GQA ratio and partitioning."""
+    cases = []
+    for i, (dtype, d, bs) in enumerate(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES)):
+        heads, kv = GQA[i % len(GQA)]
+        requests = (
+            (5 * bs + 3, 1),  # decode over 6 blocks
+            (bs - 1, 1),  # decode at a block boundary
+            (bs + 5, 19),  # prefill chunk on a cached prefix, crossing blocks mid-block
+            (0, 11),  # fresh prompt
+            (2 * bs, 3),  # a short multi-row run (per-token kernel)
+        )
+        partition = (None, 2 * bs, 3 * bs)[i % 3]
+        cases.append(Case(dtype, d, bs, heads, kv, requests, partition))
+    return cases
+
+
+EDGE_CASES = [
+    # Decode only: many requests, many partitions of very different counts.
+    Case(mx.float16, 128, 16, 8, 2, tuple((c, 1) for c in (1, 17, 63, 64, 65, 200, 31, 5)), 32),
+    Case(mx.bfloat16, 64, 32, 6, 2, ((300, 1), (2, 1)), 64),
+    Case(mx.float32, 256, 16, 4, 1, ((150, 1),), 48),
+    # Prefill only: a long chunk after a long prefix, many query tiles and key tiles.
+    Case(mx.float32, 80, 32, 6, 2, ((50, 70),)),
+    Case(mx.float16, 96, 16, 4, 4, ((0, 70), (33, 40))),
+    Case(mx.bfloat16, 128, 32, 8, 1, ((100, 25),)),
+    # Query counts around the decode / tiled switch, and tile edges.
+    Case(mx.float16, 64, 16, 8, 2, ((7, 4), (7, 5), (0, 8), (0, 9), (8, 16), (8, 17))),
+    Case(mx.float32, 64, 16, 8, 8, ((0, 1), (0, 32), (0, 33), (31, 2))),
+    # Head groups that need two threadgroups per KV head (more than 8 queries per KV head).
+    Case(mx.float16, 64, 16, 12, 1, ((40, 1), (9, 20)), 16),
+    Case(mx.float32, 128, 32, 16, 1, ((70, 1), (0, 10))),
+    Case(mx.bfloat16, 80, 16, 10, 2, ((25, 1), (3, 12))),
+    Case(mx.float16, 64, 32, 9, 1, ((50, 1), (5, 12)), 32),  # chunks of 5 and 4 heads
+    # A chunk that ends exactly on a block boundary, a context of exactly one block.
+    Case(mx.float16, 256, 32, 4, 2, ((32, 32), (31, 1))),
+    Case(mx.float32, 96, 16, 6, 3, ((16, 16), (15, 1), (0, 16))),
+    # Mixed step with a long decode split next to a chunk (the agent case).
+    Case(mx.bfloat16, 128, 16, 8, 2, ((400, 1), (60, 30), (3, 1)), 128),
+    Case(mx.float16, 80, 32, 6, 2, ((130, 1), (130, 2), (40, 24)), 32),
+    Case(mx.float32, 64, 32, 3, 1, ((90, 1), (0, 45)), 64),
+    # Single rows everywhere, GQA 3 and 4, both block sizes.
+    Case(mx.float16, 96, 32, 8, 2, tuple((c, 1) for c in range(0, 96, 13))),
+    Case(mx.bfloat16, 256, 16, 6, 2, ((20, 1), (20, 6), (0, 1))),
+    Case(mx.float32, 128, 16, 9, 3, ((45, 1), (12, 13)), 16),
+    Case(mx.float16, 64, 32, 2, 2, ((70, 1), (0, 40)), 32),
+]
+
+
+def grid() -> list[Case]:
+    """The kernel check grid: every variant once, then the edge cases."""
+    return variant_cases() + EDGE_CASES
+
+
+def make_inputs(case: Case, seed: int = 0):
+    """(q, k_pool, v_pool, meta, scale) for the case."""
+    rng = np.random.default_rng(seed)
+    bs, d = case.block_size, case.head_dim
+    seq_lens = np.array([c + n for c, n in case.requests], np.int32)
+    q_lens = np.array([n for _, n in case.requests], np.int32)
+    blocks_per_req = -(-seq_lens // bs)
+    max_blocks = int(blocks_per_req.max())
+    num_blocks = int(blocks_per_req.sum()) + 3  # block 0 stays unowned (table padding)
+    order = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(seq_lens), max_blocks), np.int32)
+    owned = np.zeros(num_blocks, bool)
+    start = 0
+    for r, n in enumerate(blocks_per_req):
+        tables[r, :n] = order[start:start + n]
+        owned[order[start:start + n]] = True
+        start += n
+    shape = (num_blocks, bs, case.kv_heads, d)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    nan_blocks = ~owned
+    nan_blocks[0] = False  # the reference gathers padding through block 0: keep it finite
+    k[nan_blocks], v[nan_blocks] = np.nan, np.nan
+    cu = np.zeros(len(q_lens) + 1, np.int32)
+    cu[1:] = np.cumsum(q_lens)
+    q = rng.standard_normal((int(cu[-1]), case.num_heads, d)).astype(np.float32)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
+        slot_mapping=np.zeros(int(cu[-1]), np.int64), block_size=bs,
+    )
+    cast = case.dtype
+    return (mx.array(q).astype(cast), mx.array(k).astype(cast), mx.array(v).astype(cast),
+            meta, d**-0.5)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    max_error: float  # largest |kernel - reference|; NaN if the kernel produced NaN
+    worst: float  # largest error / allowed error; <= 1 passes
+
+    @property
+    def passed(self) -> bool:
+        return self.worst <= 1.0
+
+
+def check(kernels, case: Case, seed: int = 0) -> CaseResult:
+    """Run `kernels` on the case and compare with the fp32 reference on the same inputs."""
+    q, k_pool, v_pool, meta, scale = make_inputs(case, seed)
+    f32 = [a.astype(mx.float32) for a in (q, k_pool, v_pool)]
+    expected = np.array(paged_attention_reference(*f32, meta, scale))
+    got = kernels(q, k_pool, v_pool, meta, scale)
+    if got.shape != q.shape or got.dtype != q.dtype:
+        raise AssertionError(f"{case.name}: got {got.shape} {got.dtype}, want {q.shape} {q.dtype}")
+    got = np.array(got.astype(mx.float32))
+    err = np.abs(got - expected)
+    if np.isnan(err).any():
+        return CaseResult(float("nan"), float("inf"))
+    atol, rtol = TOLERANCE[case.dtype]
+    return CaseResult(float(err.max()), float((err / (atol + rtol * np.abs(expected))).max()))

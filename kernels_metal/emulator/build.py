@@ -1,0 +1,136 @@
+"""Compile translated kernels with clang into shared objects, cached on disk by source hash."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+
+from kernels_metal.emulator.translate import MSLUnsupportedError
+
+HERE = Path(__file__).parent
+CLANG_NAMES = ("clang-19", "clang++-19", "clang")
+CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti", "-w")
+# Bump when the launch ABI between msl_runtime.cpp and generated launchers changes.
+ABI_VERSION = "2"
+RUNTIME_SOURCES = ("msl_runtime.cpp", "msl_buffers.cpp")
+
+
+class MSLCompileError(RuntimeError):
+    """clang rejected the translated kernel; the message carries its diagnostics."""
+
+
+def find_clang() -> str | None:
+    override = os.environ.get("METAL_SERVE_CLANG")
+    if override:
+        return override if shutil.which(override) else None
+    return next((path for name in CLANG_NAMES if (path := shutil.which(name))), None)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("METAL_SERVE_MSL_EMU_CACHE")
+    path = Path(root) if root else Path.home() / ".cache" / "metal-serve" / "msl-emu"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _clang() -> str:
+    clang = find_clang()
+    if clang is None:
+        raise RuntimeError(
+            "The MSL emulator needs clang 19 (apt-get install clang-19), or set METAL_SERVE_CLANG"
+        )
+    return clang
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _compile(sources: list[str], out: Path, extra: tuple[str, ...] = ()) -> None:
+    """clang C++ `sources` into `out` atomically (concurrent test workers share the cache)."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        files = []
+        for i, source in enumerate(sources):
+            files.append(Path(tmp) / f"unit{i}.cpp")
+            files[-1].write_text(source)
+        target = Path(tmp) / out.name
+        cmd = [_clang(), *CXXFLAGS, f"-I{HERE}", *map(str, files), "-o", str(target), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise _compile_error(proc.stderr)
+        os.replace(target, out)
+
+
+# clang's words for a name the compatibility header does not define.
+_UNDECLARED = re.compile(
+    r"use of undeclared identifier '(\w+)'|no member named '(\w+)' in namespace 'metal'"
+    r"|unknown type name '(\w+)'|no template named '(\w+)'"
+)
+
+
+def _compile_error(stderr: str) -> Exception:
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    m = _UNDECLARED.search(stderr)
+    if m:
+        name = next(g for g in m.groups() if g)
+        return MSLUnsupportedError(
+            f"MSL construct not supported by the emulator (or a typo in the kernel): {name!r}\n"
+            + "\n".join(errors[:5])
+        )
+    return MSLCompileError("clang rejected the kernel:\n" + "\n".join(errors[:10]) +
+                           "\n\n" + stderr[-4000:])
+
+
+_lock = threading.Lock()
+
+
+@cache
+def runtime_library() -> ctypes.CDLL:
+    """libmslrt: fibers, barriers, guarded buffers. Loaded globally so kernels bind to it."""
+    sources = [(HERE / name).read_text() for name in RUNTIME_SOURCES]
+    # The portable (ucontext) fiber switch, to test the path non-x86 hosts take.
+    extra = ("-DMSL_USE_UCONTEXT",) if os.environ.get("METAL_SERVE_MSL_EMU_UCONTEXT") else ()
+    path = cache_dir() / f"libmslrt-{_digest(*sources, *CXXFLAGS, *extra, ABI_VERSION)}.so"
+    with _lock:
+        if not path.exists():
+            _compile(sources, path, ("-lpthread", *extra))
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    lib.msl_buffer_alloc.restype = ctypes.c_void_p
+    lib.msl_buffer_alloc.argtypes = [ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int]
+    lib.msl_buffer_set_readonly.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.msl_buffer_check.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.msl_buffer_free.argtypes = [ctypes.c_void_p]
+    lib.msl_run.argtypes = [
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint32),
+        ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+    ]
+    return lib
+
+
+@cache
+def _headers() -> str:
+    return "".join(p.read_text() for p in sorted(HERE.glob("*.h")))
+
+
+def kernel_library_path(cpp: str) -> Path:
+    return cache_dir() / f"kernel-{_digest(cpp, _headers(), *CXXFLAGS, ABI_VERSION)}.so"
+
+
+def build_kernel(cpp: str) -> Path:
+    """Compile (or find in the cache) the shared object for a full translated kernel TU."""
+    path = kernel_library_path(cpp)
+    if not path.exists():
+        _compile([cpp], path, ("-lm",))
+    return path

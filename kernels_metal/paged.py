@@ -1,0 +1,64 @@
+"""The Metal kernels behind `paged_attention`, built with any `metal_kernel` factory.
+
+`mx.fast.metal_kernel` on a Mac; `kernels_metal.emulator.metal_kernel` in tests. Outputs of a
+`metal_kernel` are always fresh allocations, so the kernels only read the K/V pools; new K/V
+reach the pools through `write_kv`, an in-place MLX scatter.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kernels_metal.decode import make_decode_kernels, run_decode
+from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.plan import KernelPlan, PlanOptions, build_plan, params_for
+from kernels_metal.prefill import make_prefill_kernel, run_prefill
+
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+MAX_HEAD_DIM = 256
+
+
+def unsupported_reason(q: mx.array, k_pool: mx.array) -> str | None:
+    """Why the kernels cannot take this call (the reference then serves it), or None."""
+    head_dim, kv_heads = k_pool.shape[3], k_pool.shape[2]
+    if k_pool.dtype not in SUPPORTED_DTYPES:
+        return f"KV dtype {k_pool.dtype}"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} (kernels take multiples of 8 up to {MAX_HEAD_DIM})"
+    if q.shape[1] % kv_heads:
+        return f"{q.shape[1]} query heads over {kv_heads} KV heads"
+    return None
+
+
+class PagedAttentionKernels:
+    """Decode rows -> per-token split-K kernel (+ reduce); prefill chunks -> tiled kernel."""
+
+    def __init__(self, metal_kernel=None, options: PlanOptions | None = None) -> None:
+        factory = metal_kernel or mx.fast.metal_kernel
+        self.decode_kernels = make_decode_kernels(factory)
+        self.prefill_kernel = make_prefill_kernel(factory)
+        self.options = options or PlanOptions()
+
+    def plan(self, meta: AttentionMetadata, num_heads: int, kv_heads: int) -> KernelPlan:
+        key = ("metal-kernels", num_heads, kv_heads, self.options)
+        if key not in meta.backend_plans:
+            meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, self.options)
+        return meta.backend_plans[key]
+
+    def __call__(self, q: mx.array, k_pool: mx.array, v_pool: mx.array,
+                 meta: AttentionMetadata, scale: float) -> mx.array:
+        num_heads, kv_heads = q.shape[1], k_pool.shape[2]
+        plan = self.plan(meta, num_heads, kv_heads)
+        params = params_for(plan, num_heads, kv_heads, scale)
+        queries = q.astype(k_pool.dtype) if q.dtype != k_pool.dtype else q
+        parts = []
+        if plan.decode is not None:
+            parts.append(run_decode(self.decode_kernels, queries, k_pool, v_pool,
+                                    plan.block_tables, plan.decode, params))
+        if plan.prefill is not None:
+            parts.append(run_prefill(self.prefill_kernel, queries, k_pool, v_pool,
+                                     plan.block_tables, plan.prefill, params))
+        out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        if plan.row_order is not None:
+            out = out[plan.row_order]
+        return out.astype(q.dtype) if out.dtype != q.dtype else out

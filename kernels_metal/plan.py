@@ -1,0 +1,167 @@
+"""Split one packed step between the decode and the prefill kernel, once per step (numpy).
+
+    packed rows:  | req0: 6-row chunk | req1: 1 | req2: 1 | req3: 20-row chunk |
+    decode rows:                        r1       r2                            -> decode kernel
+    prefill tiles:  [req0 rows 0..5]                      [req3 0..15][16..19]  -> tiled kernel
+    output:       decode rows, then prefill rows; `row_order` puts them back in packed order.
+
+Requests with at most `decode_max_query_len` query rows (decodes, short speculative runs) go
+to the per-token kernel, the rest to the tiled kernel, so a co-scheduled prefill chunk never
+changes how a decode row is computed. Every layer of the step reuses the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from kernels_metal.decode import MAX_HEADS_PER_THREADGROUP
+from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.prefill import query_block
+
+DECODE_MAX_QUERY_LEN = 4
+PARTITION_SIZE = 512  # keys per split-K partition of a long decode context
+# Below this many decode threadgroups the GPU has idle cores: split long contexts.
+SPLIT_BELOW_THREADGROUPS = 128
+MIN_METADATA_ELEMENTS = 8  # MLX passes smaller inputs in `constant` space: another kernel source
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    decode_max_query_len: int = DECODE_MAX_QUERY_LEN
+    partition_size: int | None = None  # None: split only when the GPU would be under-filled
+
+    def with_partition(self, partition_size: int | None) -> PlanOptions:
+        return PlanOptions(self.decode_max_query_len, partition_size)
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    rows: mx.array  # [n, 4] int32: packed query row, request, context length, 0
+    num_rows: int
+    num_parts: int
+    part_size: int
+    heads_per_group: int  # query heads per threadgroup (NH)
+    chunks: int  # threadgroups per KV head
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    tiles: mx.array  # [n, 8] int32: request, first q row, first out row, rows, first position
+    num_tiles: int
+    num_rows: int
+    block_q: int
+    heads_per_group: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    decode: DecodeWork | None
+    prefill: PrefillWork | None
+    block_tables: mx.array
+    row_order: mx.array | None  # output rows (decode, then prefill) -> packed order
+    params: dict  # (scale, head_dim) -> int32 params array, filled lazily
+
+
+def head_chunks(queries_per_kv: int) -> tuple[int, int]:
+    """(query heads per threadgroup, threadgroups per KV head), at most 8 heads each."""
+    chunks = -(-queries_per_kv // MAX_HEADS_PER_THREADGROUP)
+    return -(-queries_per_kv // chunks), chunks
+
+
+def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
+               options: PlanOptions) -> KernelPlan:
+    cu = meta.cu_seqlens_q.astype(np.int64)
+    q_lens = np.diff(cu)
+    seq_lens = meta.seq_lens.astype(np.int64)
+    is_decode = q_lens <= options.decode_max_query_len
+    nh, chunks = head_chunks(num_heads // kv_heads)
+
+    decode = _decode_work(cu, q_lens, seq_lens, np.flatnonzero(is_decode & (q_lens > 0)),
+                          nh, chunks, kv_heads, options)
+    prefill, prefill_rows = _prefill_work(cu, q_lens, seq_lens,
+                                          np.flatnonzero(~is_decode), nh, chunks)
+    decode_rows = _rows_of(cu, np.flatnonzero(is_decode))
+    concat = np.concatenate([decode_rows, prefill_rows])
+    row_order = None
+    if not (concat == np.arange(len(concat))).all():
+        inverse = np.empty_like(concat)
+        inverse[concat] = np.arange(len(concat))
+        row_order = mx.array(inverse.astype(np.int32))
+    return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), row_order, {})
+
+
+def _rows_of(cu: np.ndarray, requests: np.ndarray) -> np.ndarray:
+    if len(requests) == 0:
+        return np.zeros(0, np.int64)
+    lens = cu[requests + 1] - cu[requests]
+    starts = np.repeat(cu[requests], lens)
+    return starts + np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
+def _decode_work(cu, q_lens, seq_lens, requests, nh, chunks, kv_heads, options):
+    if len(requests) == 0:
+        return None
+    rows = _rows_of(cu, requests)
+    req = np.repeat(requests, q_lens[requests])
+    ctx = seq_lens[req] - (cu[req + 1] - rows) + 1  # keys visible to each row
+    max_ctx = int(ctx.max())
+    part = options.partition_size
+    if part is None:
+        few = len(rows) * kv_heads * chunks < SPLIT_BELOW_THREADGROUPS
+        part = PARTITION_SIZE if few and max_ctx > PARTITION_SIZE else max_ctx
+    num_parts = -(-max_ctx // part)
+    table = np.zeros((max(len(rows), 2), 4), np.int32)
+    table[: len(rows), 0], table[: len(rows), 1], table[: len(rows), 2] = rows, req, ctx
+    return DecodeWork(mx.array(table), len(rows), num_parts, part, nh, chunks)
+
+
+def _prefill_work(cu, q_lens, seq_lens, requests, nh, chunks):
+    if len(requests) == 0:
+        return None, np.zeros(0, np.int64)
+    block_q = query_block(nh)
+    lens = q_lens[requests]
+    per_req = -(-lens // block_q)
+    req = np.repeat(requests, per_req)
+    tile_in_req = np.arange(per_req.sum()) - np.repeat(np.cumsum(per_req) - per_req, per_req)
+    first = tile_in_req * block_q  # first query index of the tile within its request
+    out_start = np.repeat(np.cumsum(lens) - lens, per_req) + first
+    tiles = np.zeros((len(req), 8), np.int32)
+    tiles[:, 0] = req
+    tiles[:, 1] = cu[req] + first
+    tiles[:, 2] = out_start
+    tiles[:, 3] = np.minimum(block_q, q_lens[req] - first)
+    tiles[:, 4] = seq_lens[req] - q_lens[req] + first
+    # Most keys first: the longest tiles start early instead of finishing last.
+    tiles = tiles[np.argsort(-(tiles[:, 4] + tiles[:, 3]), kind="stable")]
+    work = PrefillWork(mx.array(tiles), len(tiles), int(lens.sum()), block_q, nh, chunks)
+    return work, _rows_of(cu, requests)
+
+
+def _padded_tables(tables: np.ndarray) -> mx.array:
+    num_reqs, max_blocks = tables.shape
+    width = max(max_blocks, -(-MIN_METADATA_ELEMENTS // max(num_reqs, 1)))
+    padded = np.zeros((num_reqs, width), np.int32)
+    padded[:, :max_blocks] = tables
+    return mx.array(padded)
+
+
+def params_for(plan: KernelPlan, num_heads: int, kv_heads: int, scale: float) -> mx.array:
+    """The int32 params both kernels read (layout in decode.py / prefill.py), cached per step."""
+    key = (num_heads, kv_heads, scale)
+    if key not in plan.params:
+        p = np.zeros(16, np.int32)
+        d, f = plan.decode, plan.prefill
+        work = d or f
+        p[0], p[1], p[2] = num_heads, kv_heads, plan.block_tables.shape[1]
+        p[3] = d.part_size if d else 0
+        p[4] = d.num_parts if d else 1
+        p[5] = d.num_rows if d else 0
+        p[6], p[7] = work.chunks, work.heads_per_group
+        p[8] = np.array([scale * np.log2(np.e)], np.float32).view(np.int32)[0]
+        p[9] = f.block_q if f else 0
+        plan.params[key] = mx.array(p)
+    return plan.params[key]

@@ -1,0 +1,226 @@
+"""Tiled paged attention for prefill chunks, on 8x8 `simdgroup_matrix` multiply-accumulate.
+
+Launch geometry (threads; the threadgroup is `32 * NH * BQ / 8` threads):
+
+    grid = (32 * NH * BQ / 8 * kv_heads * chunks, num_tiles, 1)
+    threadgroup (x, y) = (KV head and head chunk, query tile: BQ rows of one request)
+
+Each simdgroup owns 8 query rows of one query head; all simdgroups of a threadgroup share the
+K/V tile that the threadgroup gathers through the block table into threadgroup memory, so a
+GQA group reads K/V once. Key tiles past the last query row are never loaded; a simdgroup
+skips tiles beyond its own rows, and the causal mask is applied only on tiles that cross the
+diagonal (or hang over the end of the context). S = Q K^T and O += P V run on 8x8 matrices;
+the online softmax runs per row in fp32 through a small per-simdgroup scratch, so the kernel
+does not depend on how a matrix's elements are spread over the lanes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kernels_metal.decode import THREADGROUP_MEMORY
+
+MAX_SIMDGROUPS = 8
+
+
+def prefill_tile(dtype_size: int, head_dim: int) -> int:
+    """Keys per tile: the largest of 32/16/8 whose buffers fit in threadgroup memory."""
+    ld = head_dim + 16 // dtype_size
+    for tile in (32, 16, 8):
+        kv = 2 * tile * ld * dtype_size
+        scratch = MAX_SIMDGROUPS * (8 * tile * 4 + 8 * tile * dtype_size + 64 * 4)
+        if kv + scratch <= THREADGROUP_MEMORY:
+            return tile
+    raise ValueError(f"head_dim {head_dim} is too large for the prefill kernel")
+
+
+def query_block(heads_per_group: int) -> int:
+    """Query rows per threadgroup: as many 8-row blocks as keep it at <= 8 simdgroups."""
+    return 8 * max(1, min(4, MAX_SIMDGROUPS // heads_per_group))
+
+
+# params: as decode.py, plus [9] = BQ. tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
+PREFILL_SOURCE = """
+  const int H = params[0], KVH = params[1], MB = params[2];
+  const int CHUNKS = params[6], NH = params[7], BQ = params[9];
+  const float scale_log2 = as_type<float>(params[8]);
+  const int qpg = H / KVH;
+  const int kvh = int(threadgroup_position_in_grid.x) / CHUNKS;
+  const int chunk = int(threadgroup_position_in_grid.x) % CHUNKS;
+  const int h0 = kvh * qpg + chunk * NH;
+  const int nh = min(NH, qpg - chunk * NH);
+  const device int* info = tiles + int(threadgroup_position_in_grid.y) * 8;
+  const int req = info[0], q_start = info[1], out_start = info[2], nq = info[3], pos0 = info[4];
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+  const int tid = int(thread_index_in_threadgroup);
+  const int nthreads = int(threads_per_threadgroup.x);
+  const int r0 = (sg / NH) * 8;  // first tile row of this simdgroup
+  const int h = h0 + sg % NH;
+  const int sg_rows = clamp(nq - r0, 0, 8);
+  const bool active = sg % NH < nh && sg_rows > 0 && r0 < BQ;
+  constexpr int LD = D + 16 / sizeof(T);
+  constexpr int DC = D / 8;
+  constexpr int KC = TK / 8;
+  constexpr float MASKED = -FLT_MAX;  // finite: exact under any Metal math mode
+
+  threadgroup T k_tg[TK * LD];
+  threadgroup T v_tg[TK * LD];
+  threadgroup float s_tg[8 * 8 * TK];
+  threadgroup T p_tg[8 * 8 * TK];
+  threadgroup float g_tg[8 * 64];
+  threadgroup float* S = s_tg + sg * 8 * TK;  // this simdgroup's scores, 8 x TK
+  threadgroup T* P = p_tg + sg * 8 * TK;      // its probabilities, 8 x TK
+  threadgroup float* G = g_tg + sg * 64;      // an 8 x 8 diagonal (row rescale)
+
+  simdgroup_matrix<T, 8, 8> qm[DC];
+  simdgroup_matrix<float, 8, 8> om[DC];
+  for (int c = 0; c < DC; ++c) {
+    om[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  if (active) {
+    for (int c = 0; c < DC; ++c) {
+      for (int i = lane; i < 64; i += 32) {
+        const int r = i / 8, col = i % 8;
+        P[i] = r < sg_rows ? q[(long(q_start + r0 + r) * H + h) * D + c * 8 + col] : T(0);
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      simdgroup_load(qm[c], P, 8);
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+
+  float m = MASKED;  // row state, held by lanes 0..7 (lane = row)
+  float l = 0.0f;
+  const int row_pos = pos0 + r0 + lane;
+  const bool row_valid = lane < sg_rows;
+  const int sg_first = pos0 + r0;
+  const int sg_last = pos0 + r0 + sg_rows - 1;
+  const int n_keys = pos0 + nq;  // keys up to the tile's last query position
+  const device int* table = block_tables + long(req) * MB;
+
+  for (int k0 = 0; k0 < n_keys; k0 += TK) {
+    const int n = min(TK, n_keys - k0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int i = tid; i < TK * D; i += nthreads) {
+      const int j = i / D;
+      const int d = i - j * D;
+      T kv = T(0), vv = T(0);  // rows past the context stay zero: 0 * V must not be NaN
+      if (j < n) {
+        const int pos = k0 + j;
+        const long slot = long(table[pos / BS]) * BS + pos % BS;
+        const long off = (slot * KVH + kvh) * D + d;
+        kv = k_pool[off];
+        vv = v_pool[off];
+      }
+      k_tg[j * LD + d] = kv;
+      v_tg[j * LD + d] = vv;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (!active || k0 > sg_last) {
+      continue;  // no key of this tile is visible to this simdgroup's rows
+    }
+    for (int kc = 0; kc < KC; ++kc) {
+      simdgroup_matrix<float, 8, 8> sm = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int c = 0; c < DC; ++c) {
+        simdgroup_matrix<T, 8, 8> km;
+        simdgroup_load(km, k_tg + kc * 8 * LD + c * 8, LD, ulong2(0, 0), true);
+        simdgroup_multiply_accumulate(sm, qm[c], km, sm);
+      }
+      simdgroup_store(sm, S + kc * 8, TK);
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    if (lane < 8) {
+      const bool masked = k0 + n - 1 > sg_first || n < TK || !row_valid;
+      float tile_max = MASKED;
+      for (int c = 0; c < TK; ++c) {
+        float s = S[lane * TK + c] * scale_log2;
+        if (masked && (c >= n || k0 + c > row_pos || !row_valid)) {
+          s = MASKED;
+        }
+        S[lane * TK + c] = s;
+        tile_max = max(tile_max, s);
+      }
+      const float m_new = max(m, tile_max);
+      const bool empty = m_new == MASKED;  // nothing visible to this row yet
+      const float alpha = empty ? 1.0f : exp2(m - m_new);
+      float sum = 0.0f;
+      for (int c = 0; c < TK; ++c) {
+        const T p = T(empty ? 0.0f : exp2(S[lane * TK + c] - m_new));
+        P[lane * TK + c] = p;
+        sum += float(p);  // normalise by what the P V product really uses
+      }
+      l = l * alpha + sum;
+      m = m_new;
+      for (int c = 0; c < 8; ++c) {
+        G[lane * 8 + c] = c == lane ? alpha : 0.0f;
+      }
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    simdgroup_matrix<float, 8, 8> gm;
+    simdgroup_load(gm, G, 8);
+    for (int c = 0; c < DC; ++c) {
+      simdgroup_multiply(om[c], gm, om[c]);
+    }
+    for (int kc = 0; kc < KC; ++kc) {
+      simdgroup_matrix<T, 8, 8> pm;
+      simdgroup_load(pm, P + kc * 8, TK);
+      for (int c = 0; c < DC; ++c) {
+        simdgroup_matrix<T, 8, 8> vm;
+        simdgroup_load(vm, v_tg + kc * 8 * LD + c * 8, LD);
+        simdgroup_multiply_accumulate(om[c], pm, vm, om[c]);
+      }
+    }
+  }
+
+  if (!active) {
+    return;
+  }
+  if (lane < 8) {
+    for (int c = 0; c < 8; ++c) {
+      G[lane * 8 + c] = c == lane && l > 0.0f ? 1.0f / l : 0.0f;
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_matrix<float, 8, 8> gm;
+  simdgroup_load(gm, G, 8);
+  for (int c = 0; c < DC; ++c) {
+    simdgroup_matrix<float, 8, 8> res;
+    simdgroup_multiply(res, gm, om[c]);
+    simdgroup_store(res, S, 8);
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    for (int i = lane; i < 64; i += 32) {
+      const int r = i / 8, col = i % 8;
+      if (r < sg_rows) {
+        out[(long(out_start + r0 + r) * H + h) * D + c * 8 + col] = T(S[i]);
+      }
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+  }
+"""
+
+
+def make_prefill_kernel(metal_kernel):
+    return metal_kernel(
+        name="paged_attention_prefill",
+        input_names=["q", "k_pool", "v_pool", "block_tables", "tiles", "params"],
+        output_names=["out"],
+        source=PREFILL_SOURCE,
+    )
+
+
+def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params) -> mx.array:
+    """Attention of the prefill rows, in tile order: `[work.num_rows, H, D]`, pool dtype."""
+    _, block_size, kv_heads, head_dim = k_pool.shape
+    dtype = k_pool.dtype
+    threads = 32 * work.heads_per_group * work.block_q // 8
+    (out,) = kernel(
+        inputs=[q, k_pool, v_pool, block_tables, work.tiles, params],
+        template=[("T", dtype), ("D", head_dim), ("BS", block_size),
+                  ("TK", prefill_tile(dtype.size, head_dim))],
+        grid=(threads * kv_heads * work.chunks, work.num_tiles, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(work.num_rows, q.shape[1], head_dim)],
+        output_dtypes=[dtype],
+    )
+    return out

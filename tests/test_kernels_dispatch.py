@@ -1,0 +1,80 @@
+"""The attention dispatcher: reference off Metal, kernels when told, one warning on failure."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels_metal import attention
+from kernels_metal.cases import Case, make_inputs
+from kernels_metal.paged import PagedAttentionKernels
+from kernels_metal.reference import paged_attention_reference
+
+CASE = Case(mx.float32, 64, 16, 6, 2, ((20, 1), (0, 12)))
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    monkeypatch.setattr(attention, "_state", attention._Dispatch())
+    return attention._state
+
+
+class RecordingKernels:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, q, k_pool, v_pool, meta, scale):
+        self.calls += 1
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale)
+
+
+def test_off_metal_the_reference_serves(fresh_dispatch):
+    assert not mx.metal.is_available()
+    q, k, v, meta, scale = make_inputs(CASE)
+    out = attention.paged_attention(q, k, v, meta, scale)
+    np.testing.assert_array_equal(np.array(out),
+                                  np.array(paged_attention_reference(q, k, v, meta, scale)))
+    assert fresh_dispatch.kernels is None
+
+
+def test_use_kernels_routes_supported_calls_only(fresh_dispatch):
+    kernels = RecordingKernels()
+    q, k, v, meta, scale = make_inputs(CASE)
+    with attention.use_kernels(kernels):
+        attention.paged_attention(q, k, v, meta, scale)
+        odd = Case(mx.float32, 12, 16, 6, 2, ((20, 1),))  # head_dim 12: not a multiple of 8
+        attention.paged_attention(*make_inputs(odd))
+    attention.paged_attention(q, k, v, meta, scale)
+    assert kernels.calls == 1
+
+
+def test_a_kernel_that_fails_on_first_use_warns_once_then_reference(
+        fresh_dispatch, monkeypatch, caplog):
+    def broken_metal_kernel(**_):
+        def launch(**__):
+            raise RuntimeError("Unable to build metal library from source")
+        return launch
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "PagedAttentionKernels",
+                        lambda options=None: PagedAttentionKernels(broken_metal_kernel, options))
+    q, k, v, meta, scale = make_inputs(CASE)
+    expected = np.array(paged_attention_reference(q, k, v, meta, scale))
+    with caplog.at_level(logging.WARNING, logger="kernels_metal.attention"):
+        for _ in range(3):
+            out = attention.paged_attention(q, k, v, meta, scale)
+            np.testing.assert_array_equal(np.array(out), expected)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Unable to build metal library" in warnings[0].getMessage()
+    assert "Unable to build" in attention.kernels_disabled_reason()
+
+
+def test_importing_kernels_needs_no_compiler():
+    code = ("import sys, kernels_metal.attention, kernels_metal.paged; "
+            "assert not any(m.startswith('kernels_metal.emulator') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

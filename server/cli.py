@@ -1,96 +1,44 @@
-"""The `metal-serve` command: `serve` a model over HTTP, or `convert` a checkpoint."""
+"""The `metal-serve` command: `serve`, `convert`, `bench` and `doctor`."""
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from pathlib import Path
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+from server.commands import Command, add_commands, run_command
+from server.serve_args import parse_size
 
+__all__ = ["COMMANDS", "build_parser", "main", "parse_size"]
 
-def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512MB", "1.5gib" or a plain byte count."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use bytes or a number with B, KB, MB, GB, KiB, MiB or GiB"
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return size
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+COMMANDS = {
+    "serve": Command(
+        "serve a model over HTTP", "server.launch", "add_serve_arguments", "serve"
+    ),
+    "convert": Command(
+        "convert a checkpoint into a model directory",
+        "convert.cli", "add_convert_arguments", "run_convert",
+    ),
+    "bench": Command(
+        "benchmark a server, peer servers, or the engine",
+        "server.bench.commands", "add_bench_arguments", "run_bench", nested=True,
+    ),
+    "doctor": Command(
+        "check the Metal attention kernels against the reference on this machine",
+        "kernels_metal.doctor", "add_doctor_arguments", "run_doctor",
+    ),
+}
 
 
-def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model_dir",
-        nargs="?",
-        type=Path,
-        help="converted model directory (default: the bundled SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--served-model-name",
-        default="default",
-        help="model id listed by /v1/models besides the directory name (any name is accepted)",
-    )
-    parser.add_argument("--max-num-seqs", type=_positive_int, help="most requests per step")
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int, help="most tokens per step")
-    parser.add_argument("--max-model-len", type=_positive_int, help="context limit in tokens")
-    parser.add_argument(
-        "--kv-cache-memory", type=parse_size, help='KV cache size, e.g. "2GiB", "512MB"'
-    )
-    parser.add_argument("--block-size", type=_positive_int, help="tokens per KV cache block")
-    parser.add_argument("--seed", type=int, help="the engine's random seed")
-    parser.add_argument(
-        "--cache-dir", type=Path, help="where the default model is converted and kept"
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-
-
-def build_parser(with_convert: bool = False) -> argparse.ArgumentParser:
-    """The CLI; the converter's own arguments load only when `with_convert` (its imports are
-    heavy, and `metal-serve --help` should be quick)."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI; only the subcommand named in `argv` loads its module for its arguments."""
     parser = argparse.ArgumentParser(
         prog="metal-serve", description="LLM serving on MLX with an OpenAI-compatible API."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_serve_arguments(commands.add_parser("serve", help="serve a model over HTTP"))
-    convert = commands.add_parser("convert", help="convert a checkpoint into a model directory")
-    if with_convert:
-        from convert.cli import add_convert_arguments
-
-        add_convert_arguments(convert)
+    add_commands(parser, COMMANDS, argv or [], dest="command")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_convert=argv[:1] == ["convert"]).parse_args(argv)
-    if args.command == "convert":
-        from convert.cli import run_convert
-
-        return run_convert(args)
-    from server.launch import serve
-
-    return serve(args)
+    args = build_parser(argv).parse_args(argv)
+    return run_command(COMMANDS[args.command], args)

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 
 # First, before anything can import mlx.core: it picks the BLAS that mlx will use.
 import metal_engine  # noqa: F401
+from server.serve_args import add_serve_arguments
+
+__all__ = ["add_serve_arguments", "serve"]
 
 if TYPE_CHECKING:
     from metal_engine.engine import LLMEngine

@@ -71,3 +71,8 @@ def test_help_does_not_load_mlx_or_the_converter():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "serve" in result.stdout and "convert" in result.stdout
+
+
+def test_doctor_off_metal_says_so_and_exits_2(capsys):
+    assert main(["doctor"]) == 2
+    assert "No Metal device" in capsys.readouterr().out

@@ -71,6 +71,8 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self._inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta)
+        # Evaluate now: a lazy array built here cannot be evaluated on the engine thread.
+        mx.eval(self._inv_freq)
 
     def __call__(self, input_ids, positions, meta, cache):
         h = self.embed_tokens(input_ids)

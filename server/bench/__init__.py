@@ -1,0 +1,1 @@
+"""Benchmarks: a load generator for OpenAI-compatible servers, and side-by-side peer runs."""

@@ -1,0 +1,197 @@
+"""`metal-serve bench serve`: arguments, and the run that prints, saves and plots results."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from server.bench.client import CHAT, ENDPOINTS
+from server.bench.workloads import WORKLOADS
+
+if TYPE_CHECKING:
+    from server.bench.runner import RunResult
+    from server.bench.serve_bench import ServeBenchConfig
+
+
+def concurrency_list(text: str) -> tuple[int, ...]:
+    """ "1,4,16" -> (1, 4, 16)."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,4,16, got {text!r}"
+        ) from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"concurrencies must be at least 1, got {text!r}")
+    return values
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_target_arguments(parser.add_argument_group("server"))
+    _add_workload_arguments(parser.add_argument_group("workload"))
+    _add_load_arguments(parser.add_argument_group("load and results"))
+
+
+def _add_target_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    group.add_argument("--endpoint", default=CHAT, choices=ENDPOINTS)
+    group.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    group.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="local model dir whose tokenizer builds prompts and counts tokens "
+        "(default: the converted default model)",
+    )
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let answers end early (default: always generate --output-len tokens)",
+    )
+    group.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+
+
+def _add_workload_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--workload", default="random", choices=WORKLOADS)
+    group.add_argument("--num-prompts", type=int, default=32, help="random: requests to send")
+    group.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        help="tokens of each prompt's unique part (shared-prefix: the suffix; agents: the task)",
+    )
+    group.add_argument("--output-len", type=int, default=64, help="tokens to generate")
+    group.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random: spread lengths uniformly over [len*(1-r), len*(1+r)]",
+    )
+    group.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups")
+    group.add_argument("--prompts-per-group", type=int, default=4, help="shared-prefix")
+    group.add_argument(
+        "--prefix-len", type=int, default=512, help="tokens of the shared system prompt"
+    )
+    group.add_argument("--sessions", type=int, default=4, help="agents: concurrent sessions")
+    group.add_argument("--turns", type=int, default=3, help="agents: requests per session")
+    group.add_argument("--tool-result-len", type=int, default=128, help="agents: tokens")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def _add_load_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--max-concurrency",
+        type=concurrency_list,
+        help="most requests (agents: sessions) in flight; a list like 1,4,16 runs each in turn",
+    )
+    group.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default inf: send all at once)",
+    )
+    group.add_argument("--num-warmups", type=int, default=1, help="untimed requests first")
+    group.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs in ms for goodput, e.g. ttft:500 tpot:50 (metrics: ttft, tpot, e2el)",
+    )
+    group.add_argument("--result-json", type=Path, help="write metrics, config and records")
+    group.add_argument(
+        "--plot", type=Path, metavar="DIR", help="write PNGs (several --max-concurrency values)"
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """0 when every request completed, 1 when some failed, 2 for bad arguments."""
+    from server.bench.metrics import parse_slos
+    from server.bench.report import format_run, format_sweep, write_result_json
+    from server.bench.serve_bench import load_tokenizer, run_serve_bench
+
+    try:
+        config = _config(args, parse_slos(args.goodput))
+        tokenizer = load_tokenizer(args.tokenizer)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"metal-serve bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        runs = asyncio.run(run_serve_bench(config, tokenizer))
+    except RuntimeError as exc:  # the warm-up failed: the server is not usable
+        print(f"metal-serve bench serve: error: {exc}", file=sys.stderr)
+        return 1
+    for run in runs:
+        print(format_run(f"{config.workload} @ {config.base_url}", run))
+    if len(runs) > 1:
+        print(format_sweep(runs))
+    if args.result_json is not None:
+        write_result_json(args.result_json, config.to_json(), runs)
+        print(f"results: {args.result_json}")
+    if args.plot is not None:
+        _plot(runs, args.plot, config.workload)
+    return 0 if all(run.metrics.failed == 0 for run in runs) else 1
+
+
+def _config(args: argparse.Namespace, slos_ms: dict[str, float]) -> ServeBenchConfig:
+    from server.bench.serve_bench import ServeBenchConfig
+
+    model = args.model if args.model is not None else first_model(args.base_url)
+    return ServeBenchConfig(
+        base_url=args.base_url,
+        workload=args.workload,
+        endpoint=args.endpoint,
+        model=model,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        max_concurrency=args.max_concurrency or (None,),
+        request_rate=args.request_rate,
+        num_groups=args.num_groups,
+        prompts_per_group=args.prompts_per_group,
+        prefix_len=args.prefix_len,
+        sessions=args.sessions,
+        turns=args.turns,
+        tool_result_len=args.tool_result_len,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        num_warmups=args.num_warmups,
+        timeout_s=args.request_timeout,
+        slos_ms=slos_ms,
+    )
+
+
+def first_model(base_url: str) -> str | None:
+    """The first id the server lists at /v1/models; None (send no name) if it lists none."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=30.0)
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise RuntimeError(
+            f"could not list models at {base_url}/v1/models ({exc}); check --base-url, "
+            "or pass --model"
+        ) from exc
+    return models[0]["id"] if models else None
+
+
+def _plot(runs: list[RunResult], out_dir: Path, workload: str) -> None:
+    if len(runs) < 2:
+        print("--plot: give several --max-concurrency values (e.g. 1,4,16) to plot a sweep")
+        return
+    from server.bench.plots import plot_sweep
+
+    try:
+        paths = plot_sweep(runs, out_dir, f"{workload} workload")
+    except RuntimeError as exc:
+        print(f"metal-serve bench serve: {exc}", file=sys.stderr)
+        return
+    print("plots: " + ", ".join(str(p) for p in paths))

@@ -1,0 +1,67 @@
+"""Arguments of `metal-serve serve`, and the size and count parsers they use."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512MB", "1.5gib" or a plain byte count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use bytes or a number with B, KB, MB, GB, KiB, MiB or GiB"
+        )
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        type=Path,
+        help="converted model directory (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name",
+        default="default",
+        help="model id listed by /v1/models besides the directory name (any name is accepted)",
+    )
+    parser.add_argument("--max-num-seqs", type=_positive_int, help="most requests per step")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, help="most tokens per step")
+    parser.add_argument("--max-model-len", type=_positive_int, help="context limit in tokens")
+    parser.add_argument(
+        "--kv-cache-memory", type=parse_size, help='KV cache size, e.g. "2GiB", "512MB"'
+    )
+    parser.add_argument("--block-size", type=_positive_int, help="tokens per KV cache block")
+    parser.add_argument("--seed", type=int, help="the engine's random seed")
+    parser.add_argument(
+        "--cache-dir", type=Path, help="where the default model is converted and kept"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )

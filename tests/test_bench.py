@@ -1,0 +1,306 @@
+"""`metal-serve bench`: metric math, SSE parsing, workloads, and one real run against our server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from server.bench.client import CHAT, COMPLETIONS, Sampling, StreamResult, request_body
+from server.bench.metrics import RequestRecord, compute_metrics, parse_slos
+from server.bench.runner import run_sessions, send_requests
+from server.bench.sse import SSEDecoder, parse_event
+from server.bench.workloads import (
+    RequestSpec,
+    TokenText,
+    agent_sessions,
+    random_requests,
+    shared_prefix_requests,
+)
+from server.cli import main
+
+# ---- metrics -------------------------------------------------------------------------------
+
+
+def record(chunk_times, latency, output_tokens, error=None) -> RequestRecord:
+    return RequestRecord(
+        start=0.0,
+        latency=latency,
+        chunk_times=tuple(chunk_times),
+        input_tokens=10,
+        output_tokens=output_tokens,
+        error=error,
+    )
+
+
+RECORDS = [
+    record([0.1, 0.2, 0.4], 0.5, 5),  # TTFT 100, TPOT (500-100)/4 = 100, ITL 100, 200
+    record([0.3, 0.35], 0.4, 3),  # TTFT 300, TPOT (400-300)/2 = 50, ITL 50
+    record([], 0.05, 0, error="HTTP 500 from /v1/chat/completions: boom"),
+    record([0.2], 0.2, 1),  # TTFT 200, no TPOT, no ITL
+]
+
+
+def test_metrics_match_hand_computed_values():
+    m = compute_metrics(RECORDS, duration_s=2.0)
+    assert (m.completed, m.failed) == (3, 1)
+    assert m.errors == ("HTTP 500 from /v1/chat/completions: boom",)
+    assert (m.total_input_tokens, m.total_output_tokens) == (30, 9)
+    assert m.request_throughput == pytest.approx(1.5)
+    assert m.output_throughput == pytest.approx(4.5)
+    assert m.total_token_throughput == pytest.approx(19.5)
+    # numpy's linear percentiles: TTFT sorted [100, 200, 300], p90 at rank 1.8 -> 280.
+    ttft = m.ttft
+    assert (ttft.mean, ttft.p50, ttft.p90, ttft.p99) == pytest.approx((200, 200, 280, 298))
+    tpot = m.tpot
+    assert (tpot.mean, tpot.p50, tpot.p90, tpot.p99) == pytest.approx((75, 75, 95, 99.5))
+    itl = m.itl  # pooled gaps [100, 200, 50]
+    assert (itl.mean, itl.p50, itl.p90, itl.p99) == pytest.approx((350 / 3, 100, 180, 198))
+    assert m.e2el.mean == pytest.approx(1100 / 3) and m.e2el.p50 == pytest.approx(400)
+    assert m.goodput is None
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    # TTFT <= 250 and TPOT <= 60: the first misses TPOT, the second TTFT; the single-token
+    # answer has no TPOT to miss. One good request in 2 s.
+    m = compute_metrics(RECORDS, 2.0, parse_slos(["ttft:250", "tpot:60"]))
+    assert m.goodput == pytest.approx(0.5)
+    assert compute_metrics(RECORDS, 2.0, {"e2el": 450}).goodput == pytest.approx(1.0)
+
+
+def test_empty_distributions_and_bad_slos():
+    m = compute_metrics([record([], 0.1, 0, error="x")], 1.0)
+    assert m.completed == 0 and m.ttft.mean is None and m.itl.p99 is None
+    with pytest.raises(ValueError, match="ttft, tpot, e2el"):
+        parse_slos(["latency:5"])
+    with pytest.raises(ValueError, match="ttft:500"):
+        parse_slos(["ttft:fast"])
+
+
+# ---- SSE -----------------------------------------------------------------------------------
+
+CHAT_STREAM = (
+    'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\r\n\r\n'
+    ": ping\r\n\r\n"
+    'data: {"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\r\n\r\n'
+    'data: {"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}\r\n\r\n'
+    'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\r\n\r\n'
+    'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}'
+    "\r\n\r\n"
+    "data: [DONE]\r\n\r\n"
+)
+COMPLETION_STREAM = (
+    'data: {"choices":[{"index":0,"text":" Par","finish_reason":null}]}\n\n'
+    'data: {"choices":[{"index":0,"text":"is","finish_reason":"stop"}]}\n\n'
+    "data: [DONE]\n\n"
+)
+
+
+def decode_in_pieces(stream: str, size: int) -> list[str]:
+    decoder = SSEDecoder()
+    events = []
+    for i in range(0, len(stream), size):
+        events += decoder.feed(stream[i : i + size])
+    return events + decoder.close()
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 10_000])
+def test_sse_chat_stream_in_any_pieces(size):
+    deltas = [parse_event(e) for e in decode_in_pieces(CHAT_STREAM, size)]
+    assert len(deltas) == 6  # the ping comment is not an event
+    assert "".join(d.text for d in deltas) == "Hello"
+    assert [d.completion_tokens for d in deltas if d.completion_tokens] == [2]
+    assert [d.done for d in deltas] == [False] * 5 + [True]
+    assert not any(d.error for d in deltas)
+
+
+def test_sse_completion_stream_without_usage_or_final_blank_line():
+    events = decode_in_pieces(COMPLETION_STREAM.removesuffix("\n\n"), 3)
+    deltas = [parse_event(e) for e in events]
+    assert [d.text for d in deltas] == [" Par", "is", ""]
+    assert deltas[-1].done and all(d.completion_tokens is None for d in deltas)
+
+
+def test_sse_errors_and_multiline_data():
+    assert SSEDecoder().feed("event: x\ndata: a\ndata: b\n\n") == ["a\nb"]
+    assert "overloaded" in parse_event('{"error": {"message": "overloaded"}}').error
+    assert "not JSON" in parse_event("<html>").error
+
+
+def test_request_body_per_endpoint():
+    spec = RequestSpec(({"role": "system", "content": "S"}, {"role": "user", "content": "U"}), 8)
+    sampling = Sampling(model="m", eos_token_ids=(2, 0))
+    chat = request_body(CHAT, spec, sampling)
+    assert chat["messages"] == [dict(m) for m in spec.messages] and "prompt" not in chat
+    assert chat["max_tokens"] == 8 and chat["stream"] and chat["temperature"] == 0.0
+    assert chat["ignore_eos"] and chat["logit_bias"] == {"2": -100, "0": -100}
+    completion = request_body(COMPLETIONS, spec, Sampling(model=None, ignore_eos=False))
+    assert completion["prompt"] == "S\n\nU" and "model" not in completion
+    assert "ignore_eos" not in completion and "logit_bias" not in completion
+
+
+# ---- workloads -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def token_text(default_tokenizer) -> TokenText:
+    return TokenText(default_tokenizer, random.Random(0))
+
+
+def test_random_lengths_stay_in_range(token_text):
+    specs = random_requests(token_text, random.Random(1), 20, 40, 10, range_ratio=0.5)
+    input_lens = [token_text.count(s.messages[0]["content"]) for s in specs]
+    assert all(20 <= n <= 60 for n in input_lens) and len(set(input_lens)) > 1
+    assert all(5 <= s.output_len <= 15 for s in specs)
+    exact = random_requests(token_text, random.Random(2), 5, 33, 7)
+    assert [token_text.count(s.messages[0]["content"]) for s in exact] == [33] * 5
+    assert [s.output_len for s in exact] == [7] * 5
+
+
+def test_shared_prefix_groups_share_prefix_tokens(token_text, default_tokenizer):
+    specs = shared_prefix_requests(token_text, 3, 4, 50, 10, 8)
+    assert [s.group for s in specs] == [0] * 4 + [1] * 4 + [2] * 4
+    prefixes = {g: {s.messages[0]["content"] for s in specs if s.group == g} for g in range(3)}
+    assert all(len(p) == 1 for p in prefixes.values()) and len(set.union(*prefixes.values())) == 3
+    for group in range(3):
+        members = [s for s in specs if s.group == group]
+        prefix = default_tokenizer.encode(members[0].messages[0]["content"])
+        assert len(prefix) == 50
+        for spec in members:  # the completions prompt keeps the prefix tokens intact
+            assert default_tokenizer.encode(spec.prompt())[:50] == prefix
+        assert len({s.messages[1]["content"] for s in members}) == 4
+
+
+def echo_sender(log: list[RequestSpec]):
+    async def send(spec: RequestSpec) -> StreamResult:
+        log.append(spec)
+        await asyncio.sleep(0)
+        return StreamResult((0.01,), 0.02, f"answer {len(spec.messages)}", None, None)
+
+    return send
+
+
+def test_agent_conversations_grow_turn_by_turn(token_text):
+    sessions = agent_sessions(token_text, random.Random(3), 3, 4, 200, 16, 24, 8)
+    assert len({s.system for s in sessions}) == 1 and "tool_0" in sessions[0].system
+    assert token_text.count(sessions[0].system) >= 200
+    sent = asyncio.run(run_sessions(sessions, echo_sender([])))
+    assert len(sent) == 12
+    for index, session in enumerate(sessions):
+        turns = [s for s in sent if s.session == index]
+        assert [s.turn for s in turns] == [0, 1, 2, 3]
+        assert [m["role"] for m in turns[0].spec.messages] == ["system", "user"]
+        for before, after in zip(turns, turns[1:], strict=False):
+            grown = before.spec.messages + (
+                {"role": "assistant", "content": before.result.text},
+                {"role": "user", "content": session.tool_results[before.turn]},
+            )
+            assert after.spec.messages == grown
+
+
+def test_a_failed_turn_ends_its_session(token_text):
+    sessions = agent_sessions(token_text, random.Random(4), 2, 3, 20, 4, 4, 4)
+
+    async def fail_second_turn(spec: RequestSpec) -> StreamResult:
+        error = "boom" if len(spec.messages) > 2 else None
+        return StreamResult((0.01,), 0.02, "ok", None, error)
+
+    sent = asyncio.run(run_sessions(sessions, fail_second_turn))
+    assert sorted((s.session, s.turn) for s in sent) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_send_requests_respects_max_concurrency():
+    in_flight = peak = 0
+
+    async def send(spec: RequestSpec) -> StreamResult:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return StreamResult((), 0.01, "", None, None)
+
+    specs = [RequestSpec(({"role": "user", "content": str(i)},), 1) for i in range(10)]
+    sent = asyncio.run(send_requests(specs, send, max_concurrency=3))
+    assert peak == 3 and [s.spec for s in sent] == specs
+
+
+# ---- a real run against our server ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_url(default_model_dir):
+    from metal_engine.config import EngineConfig
+    from metal_engine.engine import LLMEngine
+    from server.app import build_app
+    from server.async_engine import AsyncEngine
+
+    engine = LLMEngine.from_config(EngineConfig(model_dir=default_model_dir, max_model_len=512))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = build_app(AsyncEngine(engine), "default")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def bench(base_url, default_model_dir, tmp_path, options: str) -> dict:
+    out = tmp_path / "result.json"
+    fixed = f"--base-url {base_url} --tokenizer {default_model_dir} --output-len 4"
+    argv = ["bench", "serve", *fixed.split(), "--result-json", str(out), *options.split()]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_bench_serve_against_our_server(base_url, default_model_dir, tmp_path):
+    options = "--num-prompts 4 --input-len 16 --max-concurrency 2 --goodput e2el:60000"
+    result = bench(base_url, default_model_dir, tmp_path, options)
+    (run,) = result["runs"]
+    assert result["config"]["model"] == "default" and run["max_concurrency"] == 2
+    metrics = run["metrics"]
+    assert (metrics["completed"], metrics["failed"], metrics["errors"]) == (4, 0, [])
+    assert metrics["total_output_tokens"] == 16 and metrics["goodput"] > 0
+    for r in run["records"]:
+        assert r["output_tokens"] == 4 and r["server_output_tokens"] == 4 and r["error"] is None
+        assert r["ttft"] > 0 and len(r["itl"]) == len(r["chunk_times"]) - 1
+        assert r["input_tokens"] > 16  # the chat template's tokens count too
+
+
+@pytest.mark.slow
+def test_bench_agents_against_our_server(base_url, default_model_dir, tmp_path):
+    options = (
+        "--workload agents --sessions 2 --turns 2 --prefix-len 64 --input-len 8 "
+        "--tool-result-len 8 --num-warmups 0"
+    )
+    records = bench(base_url, default_model_dir, tmp_path, options)["runs"][0]["records"]
+    assert sorted((r["session"], r["turn"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    first = {r["session"]: r["input_tokens"] for r in records if r["turn"] == 0}
+    second = {r["session"]: r["input_tokens"] for r in records if r["turn"] == 1}
+    assert all(second[s] > first[s] + 8 for s in first)  # + the answer and the tool result
+
+
+@pytest.mark.slow
+def test_bench_shared_prefix_completions_against_our_server(base_url, default_model_dir, tmp_path):
+    options = (
+        "--workload shared-prefix --endpoint /v1/completions --num-groups 2 "
+        "--prompts-per-group 2 --prefix-len 32 --input-len 8 --num-warmups 0"
+    )
+    (run,) = bench(base_url, default_model_dir, tmp_path, options)["runs"]
+    assert run["metrics"]["completed"] == 4
+    # Re-tokenizing can merge what the model produced as separate tokens ("\n" "\n" -> "\n\n").
+    assert all(r["server_output_tokens"] == 4 for r in run["records"])
+    assert all(2 <= r["output_tokens"] <= 4 for r in run["records"])

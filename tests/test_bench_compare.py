@@ -1,0 +1,104 @@
+"""`metal-serve bench`: the CLI wiring, plots, server processes, peers and the compare page."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_bench import RECORDS  # the metric tests' hand-checked records
+
+from server.bench.compare import PeerResult
+from server.bench.compare_doc import BEGIN, END, write_doc
+from server.bench.metrics import compute_metrics
+from server.bench.peers import Peer, install
+from server.bench.runner import RunResult
+from server.bench.server_process import free_port, running_server
+from server.cli import main
+
+
+def test_help_stays_light():
+    probe = (
+        "import sys; from server.cli import build_parser; build_parser(); "
+        "print(any(m.startswith('server.bench') or m == 'httpx' for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("command", ["serve", "compare"])
+def test_bench_subcommands_are_wired(command):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", command, "--help"])
+    assert exit_info.value.code == 0
+
+
+def test_bad_bench_arguments_exit_2(capsys):
+    assert (
+        main(["bench", "serve", "--base-url", "http://x", "--model", "m", "--goodput", "speed:1"])
+        == 2
+    )
+    assert "unknown goodput metric" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--base-url", "http://x", "--max-concurrency", "1,x"])
+
+
+def test_missing_matplotlib_names_the_install(monkeypatch):
+    from server.bench.plots import pyplot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(RuntimeError, match=r"pip install 'metal-serve\[bench\]'"):
+        pyplot()
+
+
+def test_sweep_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from server.bench.plots import plot_sweep
+
+    runs = [RunResult(c, float("inf"), compute_metrics(RECORDS, c), ()) for c in (1, 4)]
+    paths = plot_sweep(runs, tmp_path, "random")
+    assert [p.name for p in paths] == ["ttft_vs_concurrency.png", "throughput_vs_concurrency.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
+
+
+def test_server_process_waits_for_health_and_stops(tmp_path):
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    command = [sys.executable, "-m", "http.server", str(port), "--directory", str(tmp_path)]
+    url = f"http://127.0.0.1:{port}"
+    with running_server(command, url, tmp_path / "logs" / "s.log", timeout_s=30) as process:
+        assert process.poll() is None
+    assert process.poll() is not None
+
+
+def test_server_process_that_exits_reports_its_log(tmp_path):
+    command = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
+    with (
+        pytest.raises(RuntimeError, match="exited with code 3(.|\\n)*no model here"),
+        running_server(command, "http://127.0.0.1:9", tmp_path / "s.log", timeout_s=30),
+    ):
+        pass
+
+
+def test_missing_peer_without_install_is_skipped_with_a_reason(tmp_path):
+    peer = Peer("nothing", ("nothing-at-all",), "nothing_at_all", None)
+    installed = install(peer, tmp_path, timeout_s=1, allow_install=False)
+    assert installed.python is None and "not installed under" in installed.error
+
+
+def test_compare_doc_replaces_only_its_section(tmp_path, monkeypatch):
+    import server.bench.compare_doc as compare_doc
+
+    monkeypatch.setattr(compare_doc, "_plots", lambda *args: [])
+    (tmp_path / "benchmarks.md").write_text(f"# Bench\n\nHand-written.\n\n{BEGIN}\nold\n{END}\n")
+    run = RunResult(16, float("inf"), compute_metrics(RECORDS, 2.0), tuple(RECORDS))
+    results = [
+        PeerResult("metal-serve", "0.1.0", None, 3.0, {"concurrent-16": run}),
+        PeerResult("llama-cpp-python", None, 1600.0, error="pip install took more than 25 min"),
+    ]
+    fields = dict(workload="random", num_prompts=16, input_len=128, max_concurrency=(16,))
+    write_doc(tmp_path, results, {}, {"concurrent-16": fields}, 64)
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert page.startswith("# Bench\n\nHand-written.\n") and "old" not in page
+    assert "| metal-serve | 3 | 1 | 4.5 | 1.50 | 200.0 | 200.0 | 298.0 |" in page
+    assert "| llama-cpp-python | - | 26.7 min | - | pip install took more than 25 min |" in page

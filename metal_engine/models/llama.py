@@ -6,6 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
+from kernels_metal.cpu_math import silu_mul
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.rope import apply_rope, inv_frequencies, rope_tables
@@ -48,7 +49,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

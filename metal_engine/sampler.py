@@ -25,6 +25,7 @@ class SamplingBatch:
     top_p: np.ndarray  # [S] float32; 1 = off
     seeds: list[int | None]  # per row: a seed mixed with the output index, or None
     all_greedy: bool
+    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # rows, token ids, values
 
     @classmethod
     def build(cls, params: list[SamplingParams], num_outputs: list[int]) -> SamplingBatch:
@@ -38,11 +39,15 @@ class SamplingBatch:
             top_p=np.array([p.top_p for p in params], np.float32),
             seeds=seeds,
             all_greedy=all(p.greedy for p in params),
+            bias=_bias_entries(params),
         )
 
 
 def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
     """`logits [S, V]` -> token ids `[S]` (lazy)."""
+    if batch.bias is not None:
+        rows, tokens, values = (mx.array(a) for a in batch.bias)
+        logits = logits.at[rows, tokens].add(values.astype(logits.dtype))
     greedy = mx.argmax(logits, axis=-1)
     if batch.all_greedy:
         return greedy
@@ -53,6 +58,14 @@ def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
         logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
     drawn = mx.argmax(logits + _gumbel_noise(logits.shape, batch.seeds), axis=-1)
     return mx.where(mx.array(batch.temperature == 0), greedy, drawn)
+
+
+def _bias_entries(params: list[SamplingParams]):
+    entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries, strict=True)
+    return (np.array(rows, np.int32), np.array(tokens, np.int32), np.array(values, np.float32))
 
 
 def _filter_top_k_top_p(logits: mx.array, top_k: np.ndarray, top_p: np.ndarray) -> mx.array:

@@ -11,7 +11,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `stop` strings are matched on the detokenized text by the engine's output processor;
-    `stop_token_ids` and EOS are matched by the scheduler.
+    `stop_token_ids` and EOS are matched by the scheduler. `logit_bias` pairs (token id, bias)
+    are added to the logits before any sampling, greedy included.
     """
 
     max_tokens: int = 16
@@ -22,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -32,6 +34,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-100, 100], "
+                    f"got {token_id}: {bias}"
+                )
 
     @property
     def greedy(self) -> bool:

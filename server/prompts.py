@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from jinja2 import TemplateError
@@ -41,13 +42,15 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list[str] | list[int]) -
         return list(tokenizer.encode(prompt))
     if isinstance(prompt[0], str):
         return list(tokenizer.encode(prompt[0]))
-    vocab_size = len(tokenizer)
-    bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise APIError(
-            f"Prompt token ids must be in [0, {vocab_size}); got {bad[:5]}.", param="prompt"
-        )
+    check_token_ids(tokenizer, prompt, "prompt")
     return [int(t) for t in prompt]
+
+
+def check_token_ids(tokenizer: Any, token_ids: Iterable[int], param: str) -> None:
+    vocab_size = len(tokenizer)
+    bad = [t for t in token_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise APIError(f"Token ids must be in [0, {vocab_size}); got {bad[:5]}.", param=param)
 
 
 def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str) -> int:

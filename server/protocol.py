@@ -68,6 +68,7 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
     n: int = 1
 
     @field_validator("n")
@@ -84,6 +85,14 @@ class _GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        try:
+            return tuple((int(token), float(b)) for token, b in (self.logit_bias or {}).items())
+        except ValueError:
+            raise APIError(
+                "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
+            ) from None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters, with `max_tokens` already fitted to the context."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -96,6 +105,7 @@ class _GenerationRequest(BaseModel):
                 seed=self.seed,
                 stop=tuple(s for s in stop if s),
                 ignore_eos=self.ignore_eos,
+                logit_bias=self._logit_bias(),
             )
         except ValueError as exc:
             raise APIError(str(exc)) from exc

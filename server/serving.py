@@ -15,7 +15,12 @@ from scheduler.request import FinishReason
 from server import generation
 from server.async_engine import AsyncEngine
 from server.generation import Outputs
-from server.prompts import chat_prompt_ids, check_context, completion_prompt_ids
+from server.prompts import (
+    chat_prompt_ids,
+    check_context,
+    check_token_ids,
+    completion_prompt_ids,
+)
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -66,6 +71,7 @@ class Serving:
             len(prompt_ids), body.requested_max_tokens(), self.engine.max_model_len, prompt_param
         )
         params = body.sampling_params(max_tokens)
+        check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         start = generation.start(self.engine, prompt_ids, params, request_id)
         outputs = await generation.unless_disconnected(request, start)

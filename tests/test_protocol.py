@@ -150,6 +150,9 @@ def test_malformed_json(client):
         (chat(n=2), "n", "n>1 is not supported yet"),
         (chat(logprobs=True), "logprobs", "not supported"),
         (chat(max_tokens="many"), "max_tokens", "valid integer"),
+        (chat(logit_bias={"word": 1}), "logit_bias", "token ids"),
+        (chat(logit_bias={"5": 150}), None, "[-100, 100]"),
+        (chat(logit_bias={"99999": 1}), "logit_bias", "99999"),
     ],
 )
 def test_invalid_chat_requests(client, body, param, contains):

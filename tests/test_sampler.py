@@ -62,3 +62,13 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     ]
     assert alone == batched
     assert len(set(alone)) > 1  # the output index moves the stream on
+
+
+def test_logit_bias_applies_to_greedy_and_sampled_rows():
+    logits = np.zeros((2, 10), np.float32)
+    logits[:, 3] = 5.0
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((3, -100.0), (7, 2.0))),
+        SamplingParams(temperature=1.0, seed=0, logit_bias=((3, -100.0), (9, 100.0))),
+    ]
+    assert run(logits, params) == [7, 9]

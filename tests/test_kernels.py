@@ -13,6 +13,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from markers import requires_emulator
 
 from kernels_metal import emulator
 from kernels_metal.cases import BLOCK_SIZES, DTYPES, HEAD_DIMS, Case, check, grid, make_inputs
@@ -20,7 +21,7 @@ from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import PlanOptions, build_plan
 from kernels_metal.reference import paged_attention_reference
 
-pytestmark = pytest.mark.skipif(not emulator.available(), reason="MSL emulator needs clang-19")
+pytestmark = requires_emulator
 
 CASES = grid()
 

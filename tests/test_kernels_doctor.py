@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
+from markers import requires_emulator
 
 from kernels_metal import decode, doctor, emulator
 
@@ -22,7 +22,7 @@ def test_without_metal_it_says_so_and_offers_the_emulator(capsys):
     assert ("--emulate" in out) == emulator.available()
 
 
-@pytest.mark.skipif(not emulator.available(), reason="MSL emulator needs clang-19")
+@requires_emulator
 def test_emulated_grid_passes(capsys):
     assert run(["--emulate", "--only", "float32-d80"]) == 0
     out = capsys.readouterr().out
@@ -30,7 +30,7 @@ def test_emulated_grid_passes(capsys):
     assert lines and all(line.startswith("PASS") and "max error" in line for line in lines)
 
 
-@pytest.mark.skipif(not emulator.available(), reason="MSL emulator needs clang-19")
+@requires_emulator
 def test_a_wrong_kernel_fails_with_exit_1(capsys, monkeypatch):
     wrong = decode.DECODE_SOURCE.replace("acc[k] * inv", "acc[k] * inv * 1.01f")
     monkeypatch.setattr(decode, "DECODE_SOURCE", wrong)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from engine_helpers import generate_greedy, make_runner_and_scheduler
+from markers import requires_emulator
 
 from kernels_metal import attention, emulator
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import PlanOptions
 
-pytestmark = pytest.mark.skipif(not emulator.available(), reason="MSL emulator needs clang-19")
+pytestmark = requires_emulator
 
 
 class CountingKernels(PagedAttentionKernels):

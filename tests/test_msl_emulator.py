@@ -9,12 +9,13 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from markers import requires_emulator
 
 from kernels_metal import emulator
 from kernels_metal.emulator import build
 from kernels_metal.emulator.signature import InputSpec, generate
 
-pytestmark = pytest.mark.skipif(not emulator.available(), reason="MSL emulator needs clang-19")
+pytestmark = requires_emulator
 
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 

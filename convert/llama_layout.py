@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+from metal_engine.model_config import SUPPORTED_MODEL_TYPES, read_rope_theta
+
 # Source checkpoints may carry these; they are derived from the config, so they are dropped.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -93,14 +94,6 @@ def _check_sliding_window(config: dict[str, Any]) -> None:
             f"this Mistral checkpoint uses sliding-window attention (window {window}), which the "
             "Llama layout cannot express; use a checkpoint with sliding_window null"
         )
-
-
-def read_rope_theta(config: dict[str, Any]) -> float:
-    """rope_theta from either the flat key (transformers 4) or rope_parameters (transformers 5)."""
-    if config.get("rope_theta") is not None:
-        return float(config["rope_theta"])
-    params = config.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
 
 
 def config_dict(spec: LlamaSpec, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:

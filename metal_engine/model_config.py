@@ -76,8 +76,9 @@ class ModelConfig:
 
 def read_rope_theta(cfg: dict) -> float:
     """transformers 5 writes `rope_parameters.rope_theta`, older configs `rope_theta`."""
-    params = cfg.get("rope_parameters") or {}
-    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    if cfg.get("rope_theta") is not None:
+        return float(cfg["rope_theta"])
+    return float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
 def _as_tuple(value) -> tuple[int, ...]:

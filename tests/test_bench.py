@@ -5,12 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
+from server_helpers import running_server, small_engine
 
 from server.bench.client import CHAT, COMPLETIONS, Sampling, StreamResult, request_body
 from server.bench.metrics import RequestRecord, compute_metrics, parse_slos
@@ -236,25 +233,8 @@ def test_send_requests_respects_max_concurrency():
 
 @pytest.fixture(scope="module")
 def base_url(default_model_dir):
-    from metal_engine.config import EngineConfig
-    from metal_engine.engine import LLMEngine
-    from server.app import build_app
-    from server.async_engine import AsyncEngine
-
-    engine = LLMEngine.from_config(EngineConfig(model_dir=default_model_dir, max_model_len=512))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = build_app(AsyncEngine(engine), "default")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
+    with running_server(small_engine(default_model_dir, max_model_len=512)) as url:
+        yield url
 
 
 def bench(base_url, default_model_dir, tmp_path, options: str) -> dict:

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from server_helpers import running_server, small_engine
 
-from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
-from server.app import build_app
-from server.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.slow
 
@@ -41,26 +36,13 @@ class RecordingEngine:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir) -> RecordingEngine:
-    config = EngineConfig(model_dir=default_model_dir, max_model_len=MAX_MODEL_LEN)
-    return RecordingEngine(LLMEngine.from_config(config))
+    return RecordingEngine(small_engine(default_model_dir, MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
 def base_url(engine):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = build_app(AsyncEngine(engine), "default")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with running_server(engine) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

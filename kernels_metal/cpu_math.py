@@ -29,7 +29,7 @@ def _exp_in_place(values: np.ndarray) -> np.ndarray:
     tiny = values < DENORMAL_EXP_BOUND
     with np.errstate(over="ignore"):
         np.exp(values, out=values)
-    values[tiny] = 0.0
+    np.copyto(values, 0.0, where=tiny)
     return values
 
 
@@ -39,14 +39,26 @@ def exp(x: mx.array) -> mx.array:
     return mx.array(_exp_in_place(_host(x))).astype(x.dtype)
 
 
+def masked_softmax(x: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
+    """Softmax over `axis` of `x` where `mask` (broadcastable bool) is True; 0 elsewhere."""
+    if not on_cpu():
+        return mx.softmax(mx.where(mask, x, -mx.inf), axis=axis, precise=True)
+    values = _host(x)
+    np.copyto(values, -np.inf, where=~np.asarray(mask))
+    return _softmax_in_place(values, axis, x.dtype)
+
+
 def softmax(x: mx.array, axis: int = -1) -> mx.array:
     if not on_cpu():
         return mx.softmax(x, axis=axis, precise=True)
-    values = _host(x)
+    return _softmax_in_place(_host(x), axis, x.dtype)
+
+
+def _softmax_in_place(values: np.ndarray, axis: int, dtype: mx.Dtype) -> mx.array:
     values -= values.max(axis=axis, keepdims=True)
     probs = _exp_in_place(values)
     probs /= probs.sum(axis=axis, keepdims=True)
-    return mx.array(probs).astype(x.dtype)
+    return mx.array(probs).astype(dtype)
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:

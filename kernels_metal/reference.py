@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu_math import softmax
+from kernels_metal.cpu_math import masked_softmax
 from kernels_metal.metadata import AttentionMetadata
 
 
@@ -70,8 +70,7 @@ def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float) -> mx.array:
     queries = queries.transpose(0, 2, 3, 1, 4).reshape(num_groups, kv_heads, -1, head_dim)
     scores = (queries @ mx.swapaxes(k, -1, -2)) * scale  # [G, kvh, g * n, L]
     scores = scores.reshape(num_groups, kv_heads, heads_per_kv, n, num_keys)
-    scores = mx.where(group.mask, scores, -mx.inf)
-    probs = softmax(scores, axis=-1).reshape(num_groups, kv_heads, -1, num_keys)
+    probs = masked_softmax(scores, group.mask, axis=-1).reshape(num_groups, kv_heads, -1, num_keys)
     out = (probs @ v).reshape(num_groups, kv_heads, heads_per_kv, n, head_dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(-1, kv_heads * heads_per_kv, head_dim)
 

@@ -28,3 +28,13 @@ def test_softmax_and_silu_mul_match_mlx():
     gate, up = (mx.array(rng.normal(size=(5, 64)).astype(np.float32) * 6) for _ in range(2))
     np.testing.assert_allclose(cpu_math.silu_mul(gate, up), nn.silu(gate) * up, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_masked_softmax_gives_masked_entries_exactly_zero():
+    rng = np.random.default_rng(1)
+    x = mx.array(rng.normal(size=(4, 2, 50)).astype(np.float32) * 5)
+    mask = mx.array(rng.random((4, 1, 50)) < 0.6)
+    got = np.array(cpu_math.masked_softmax(x, mask))
+    want = np.array(mx.softmax(mx.where(mask, x, -mx.inf), axis=-1))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert (got[np.broadcast_to(~np.array(mask), got.shape)] == 0).all()

@@ -14,7 +14,8 @@ class EngineConfig:
     """`kv_cache_memory` (bytes) and `max_model_len` default to what the machine and model allow.
 
     `dtype="auto"` runs float32 on the CPU backend (its half-precision matmuls are slow) and
-    float16 on Apple GPUs.
+    float16 on Apple GPUs. `enable_prefix_caching` reuses the KV cache of prompt prefixes
+    seen before.
     """
 
     model_dir: Path
@@ -25,6 +26,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     dtype: DType = "auto"
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -66,6 +66,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
         ))
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         return cls(ModelRunner(model, cache), scheduler, tokenizer, config.model_dir.name)
@@ -124,4 +125,5 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
         )

@@ -1,30 +1,100 @@
-"""Fixed pool of KV-cache block ids handed out to requests. Plain ints, no tensors."""
+"""Fixed pool of KV-cache block ids handed out to requests, with a prefix cache. Plain ints."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from scheduler.prefix_hash import BlockHash
 
 
 class BlockPool:
-    """Free-list allocator over block ids `0..num_blocks-1`.
+    """Refcounted allocator over block ids `0..num_blocks-1` that keeps freed blocks' contents.
 
-    Invariant: every id is either in the free list or owned by exactly one request.
+    A block is used (refcount > 0, held by that many requests) or free (refcount 0, in the free
+    list). The free list is an LRU queue:
+
+        head (taken first)                                      tail (freed last)
+        [ blocks without a hash ... | cached blocks, oldest freed ... newest freed ]
+
+    A free block keeps its hash until `allocate` takes it, so `lookup` still finds it.
+    Invariants: free + used == num_blocks; a hash maps to at most one block and back.
     Running out is a return value (`None`), never an exception: the scheduler preempts.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refcounts = [0] * num_blocks
+        self._hash_of: dict[int, BlockHash] = {}
+        self._block_of: dict[BlockHash, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcounts[block_id]
+
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        return self._hash_of.get(block_id)
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block holding `block_hash`'s contents, used or free, or None. Changes nothing."""
+        return self._block_of.get(block_hash)
+
     def allocate(self, count: int) -> list[int] | None:
-        """Take `count` free blocks, or none at all if there are fewer than that."""
+        """Take `count` blocks from the LRU head (refcount 1), evicting their hashes.
+
+        Takes none at all if fewer than `count` are free.
+        """
         if count > len(self._free):
             return None
-        return [self._free.popleft() for _ in range(count)]
+        blocks = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block_hash = self._hash_of.pop(block_id, None)
+            if block_hash is not None:
+                del self._block_of[block_hash]
+            self._refcounts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def take_cached(self, block_ids: Iterable[int]) -> None:
+        """Add one holder to each cached block; a free one leaves the free list."""
+        for block_id in block_ids:
+            assert block_id in self._hash_of, f"block {block_id} holds no cached prefix"
+            if self._refcounts[block_id] == 0:
+                del self._free[block_id]
+            self._refcounts[block_id] += 1
+
+    def cache(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a used, full block's contents under `block_hash`.
+
+        Returns False (and changes nothing) if the hash already names another block, as when
+        two requests computed the same prefix side by side, or the block already has a hash.
+        """
+        assert self._refcounts[block_id] > 0, f"block {block_id} is free"
+        if block_hash in self._block_of or block_id in self._hash_of:
+            return False
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        return True
 
     def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+        """Drop one holder from each block; a block left with none joins the free list.
+
+        Pass a request's blocks in table order: they are released last block first, so the
+        tail of a prefix is evicted before its head (a shorter prefix is likelier to recur).
+        """
+        for block_id in reversed(block_ids):
+            assert self._refcounts[block_id] > 0, f"block {block_id} freed twice"
+            self._refcounts[block_id] -= 1
+            if self._refcounts[block_id] == 0:
+                self._free[block_id] = None
+                if block_id not in self._hash_of:
+                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first

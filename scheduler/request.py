@@ -45,6 +45,12 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # Prefix caching: hashes of full blocks of `all_token_ids` (content only, so they stay
+        # valid across preemption); how many leading `block_ids` are registered in the pool;
+        # prompt tokens found cached at admission.
+        self.block_hashes: list[bytes] = []
+        self.num_hashed_blocks = 0
+        self.num_cached_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

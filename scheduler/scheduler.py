@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 
@@ -66,6 +67,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks)
+        self.prefix_cache = PrefixCache(
+            self.pool, config.block_size, config.enable_prefix_caching
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -141,16 +145,28 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order, each starting after its longest cached prefix."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if not self._reserve_blocks(request, num_new):
+            hits = self.prefix_cache.match(request)
+            num_new = min(request.num_tokens - len(hits) * self.config.block_size, budget)
+            if not self._can_admit(hits, num_new):
                 return
+            self.prefix_cache.take(request, hits)
+            reserved = self._reserve_blocks(request, num_new)
+            assert reserved, "_can_admit counted the blocks"
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def _can_admit(self, hits: list[int], num_new: int) -> bool:
+        """Whether the pool can back `hits` plus `num_new` tokens after them. Changes nothing."""
+        needed = cdiv(len(hits) * self.config.block_size + num_new, self.config.block_size)
+        # A cached block that is free leaves the free list when taken.
+        free_hits = sum(1 for block_id in hits if self.pool.refcount(block_id) == 0)
+        return needed - len(hits) <= self.pool.num_free_blocks - free_hits
 
     def _reserve_blocks(self, request: Request, num_new: int) -> bool:
         needed = cdiv(request.num_computed_tokens + num_new, self.config.block_size)
@@ -164,11 +180,12 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        """Recompute later: drop its KV, put it first in line."""
+        """Recompute later: release its blocks (cached ones stay findable), put it first in line."""
         self.running.remove(request)
         self.pool.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.num_hashed_blocks = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
@@ -187,6 +204,9 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Advance counters by the step's tokens; append sampled ids; finish stopped requests.
 
+        Blocks that became full this step are registered in the prefix cache at once, so a
+        request admitted next step can share them even while this one still runs.
+
         `sampled` maps request id -> token id for the scheduled requests that sampled.
         """
         updates = []
@@ -195,6 +215,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
             request.num_computed_tokens += len(item.token_ids)
+            self.prefix_cache.register(request)
             if not item.samples:
                 continue
             request.append_output(sampled[item.request_id])

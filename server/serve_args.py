@@ -60,6 +60,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=_positive_int, help="tokens per KV cache block")
     parser.add_argument("--seed", type=int, help="the engine's random seed")
     parser.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="compute every prompt in full instead of reusing the KV cache of seen prefixes",
+    )
+    parser.add_argument(
         "--cache-dir", type=Path, help="where the default model is converted and kept"
     )
     parser.add_argument(

@@ -11,7 +11,8 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
 def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_seqs=16,
-                              max_num_batched_tokens=512, max_model_len=512):
+                              max_num_batched_tokens=512, max_model_len=512,
+                              enable_prefix_caching=True):
     model = load_model(model_dir, mx.float32)
     cfg = model.config
     cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
@@ -19,6 +20,7 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
     ))
     return ModelRunner(model, cache), scheduler
 

@@ -10,16 +10,17 @@ import pytest
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
-def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256) -> Scheduler:
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256,
+         caching=True) -> Scheduler:
     return Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget, max_model_len=max_len,
+        max_num_batched_tokens=budget, max_model_len=max_len, enable_prefix_caching=caching,
     ))
 
 
-def req(rid: str, n: int, max_tokens: int = 4, **kw) -> Request:
-    return Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens, **kw),
-                   eos_token_ids=(2,))
+def req(rid: str, n: int, max_tokens: int = 4, first: int = 10, **kw) -> Request:
+    return Request(rid, list(range(first, first + n)),
+                   SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=(2,))
 
 
 def step(s: Scheduler, token: int = 7):
@@ -83,7 +84,8 @@ def test_preempts_newest_when_pool_runs_out_and_everything_finishes():
         out, updates = step(s)
         preempted += len(s.waiting) > 0 and any(r.output_token_ids for r in s.waiting)
         finished |= {u.request.request_id for u in updates if u.finish_reason}
-        assert s.pool.num_free_blocks + sum(len(r.block_ids) for r in s.running) == 6
+        used = {b for r in s.running for b in r.block_ids}  # shared prefix blocks count once
+        assert s.pool.num_free_blocks + len(used) == 6
         steps += 1
         assert steps < 100
     assert finished == {"r0", "r1", "r2"}
@@ -91,7 +93,7 @@ def test_preempts_newest_when_pool_runs_out_and_everything_finishes():
 
 
 def test_preempted_request_recomputes_prompt_and_outputs():
-    s = make(num_blocks=4, block_size=4, budget=64)
+    s = make(num_blocks=4, block_size=4, budget=64, caching=False)
     s.add_request(req("old", 8, max_tokens=8))
     s.add_request(req("new", 8, max_tokens=8))
     step(s)  # both prefilled: 2 blocks each, pool full
@@ -128,3 +130,83 @@ def test_scheduler_does_not_import_mlx():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+# -- prefix caching -----------------------------------------------------------------------------
+
+
+def run_to_end(s: Scheduler, token: int = 7) -> None:
+    while s.has_unfinished_requests():
+        step(s, token)
+
+
+def test_shared_prefix_of_a_finished_request_is_not_recomputed():
+    s = make(block_size=4, budget=64)
+    s.add_request(req("a", 14, max_tokens=1))
+    run_to_end(s)
+    b = Request("b", list(range(10, 22)) + [99, 98, 97], SamplingParams(max_tokens=2))
+    s.add_request(b)  # shares 12 tokens = 3 blocks with "a", then differs
+    out, _ = step(s)
+    assert b.num_computed_tokens == 15 and b.num_cached_tokens == 12
+    assert counts(out) == {"b": 3} and out.scheduled[0].start_position == 12
+    assert out.scheduled[0].token_ids == [99, 98, 97] and out.scheduled[0].samples
+    assert s.prefix_cache.stats.hit_tokens == 12
+    assert s.prefix_cache.stats.queried_tokens == 14 + 15
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    s = make(block_size=4, budget=64)
+    s.add_request(req("a", 12, max_tokens=1))
+    run_to_end(s)
+    s.add_request(req("b", 12, max_tokens=1))  # all 3 blocks cached; only 2 may be reused
+    out, _ = step(s)
+    assert counts(out) == {"b": 4} and out.scheduled[0].start_position == 8
+    s.add_request(req("c", 13, max_tokens=1))  # 3 blocks + 1 token: all 3 reused
+    out, _ = step(s)
+    assert counts(out) == {"c": 1} and out.scheduled[0].start_position == 12
+
+
+def test_hit_on_blocks_of_a_running_request_shares_them():
+    s = make(block_size=4, budget=64)
+    s.add_request(req("a", 10, max_tokens=20))
+    step(s)  # "a" has computed 10 tokens: blocks 0 and 1 are full and cached
+    a = s.requests["a"]
+    s.add_request(req("b", 9, max_tokens=20))
+    out, _ = step(s)
+    b = s.requests["b"]
+    assert counts(out) == {"a": 1, "b": 1}
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] not in a.block_ids
+    assert [s.pool.refcount(x) for x in a.block_ids[:2]] == [2, 2]
+    s.finish_request("a", "abort")
+    assert [s.pool.refcount(x) for x in b.block_ids[:2]] == [1, 1]
+    run_to_end(s)
+    assert s.pool.num_free_blocks == 64
+
+
+def test_least_recently_freed_prefix_is_evicted_first():
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.add_request(req("old", 8, max_tokens=1, first=10))
+    run_to_end(s)
+    s.add_request(req("new", 8, max_tokens=1, first=50))
+    run_to_end(s)  # 4 cached blocks, freed oldest first: old's, then new's
+    s.add_request(req("filler", 15, max_tokens=1, first=90))  # takes 4 blocks: 2 unhashed first
+    step(s)
+    s.finish_request("filler", "abort")
+    s.add_request(req("new2", 9, max_tokens=1, first=50))
+    s.add_request(req("old2", 9, max_tokens=1, first=10))
+    out, _ = step(s)
+    assert counts(out) == {"new2": 1, "old2": 9}  # old's prefix was evicted, new's kept
+
+
+def test_preempted_request_resumes_after_its_cached_prefix():
+    s = make(num_blocks=5, block_size=4, budget=64)
+    s.add_request(req("old", 8, max_tokens=4))
+    s.add_request(req("new", 8, max_tokens=8, first=50))
+    step(s)  # both prefilled: 2 full blocks each, cached; 1 block left
+    out, _ = step(s)  # "old" takes it; "new" finds no third block and is preempted
+    assert counts(out) == {"old": 1}
+    while s.requests.get("old"):
+        step(s)
+    out, _ = step(s)
+    assert counts(out) == {"new": 1}  # prompt blocks still cached: only its output token
+    assert s.requests["new"].num_cached_tokens == 0  # usage counts the first admission

@@ -91,7 +91,30 @@ def test_greedy_chat_answers_paris(client, engine):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reply.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == usage.model_dump()
+    assert chunks[-1].choices == []
+    streamed = chunks[-1].usage
+    assert streamed.model_dump(exclude={"prompt_tokens_details"}) == usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
+    # The same prompt again: its full blocks now come from the prefix cache.
+    assert streamed.prompt_tokens_details.cached_tokens > 0
+
+
+def test_repeated_chat_reports_cached_prompt_tokens(client, engine):
+    messages = [{"role": "user", "content": "Name three rivers of Europe, one per line."}]
+    replies = [
+        client.chat.completions.create(
+            model="default", messages=messages, temperature=0, max_tokens=4
+        )
+        for _ in range(2)
+    ]
+    first, second = (r.usage for r in replies)
+    block_size = engine.scheduler.config.block_size
+    cached = second.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.prompt_tokens and cached % block_size == 0
+    assert cached >= second.prompt_tokens - block_size  # all but the last partial block
+    assert first.prompt_tokens_details.cached_tokens < cached
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
 
 
 def test_greedy_completion(client, engine):

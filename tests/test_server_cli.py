@@ -76,3 +76,18 @@ def test_help_does_not_load_mlx_or_the_converter():
 def test_doctor_off_metal_says_so_and_exits_2(capsys):
     assert main(["doctor"]) == 2
     assert "No Metal device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "enabled"), [([], True), (["--no-prefix-caching"], False)])
+def test_prefix_caching_option_reaches_the_engine_config(tmp_path, monkeypatch, argv, enabled):
+    from metal_engine.engine import LLMEngine
+
+    seen = []
+
+    def capture(config):
+        seen.append(config)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(capture))
+    assert main(["serve", str(tmp_path), *argv]) == 2
+    assert seen[0].enable_prefix_caching is enabled

@@ -32,16 +32,21 @@ def decode_tile(dtype_size: int, head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
 
 
-# params: [H, KVH, max_blocks, part_size, num_parts, num_rows, chunks, NH, scale*log2e bits]
-DECODE_SOURCE = """
-  const int H = params[0], KVH = params[1], MB = params[2], PART = params[3];
-  const int NPARTS = params[4], NROWS = params[5], CHUNKS = params[6], NH = params[7];
+# Both kernels: which query heads this threadgroup serves (threadgroup x = KV head x chunk).
+HEAD_GROUP_SOURCE = """
   const float scale_log2 = as_type<float>(params[8]);
   const int qpg = H / KVH;
   const int kvh = int(threadgroup_position_in_grid.x) / CHUNKS;
   const int chunk = int(threadgroup_position_in_grid.x) % CHUNKS;
   const int h0 = kvh * qpg + chunk * NH;
   const int nh = min(NH, qpg - chunk * NH);
+"""
+
+# params: [H, KVH, max_blocks, part_size, num_parts, num_rows, chunks, NH, scale*log2e bits]
+DECODE_SOURCE = """
+  const int H = params[0], KVH = params[1], MB = params[2], PART = params[3];
+  const int NPARTS = params[4], NROWS = params[5], CHUNKS = params[6], NH = params[7];
+""" + HEAD_GROUP_SOURCE + """
   const int row = int(threadgroup_position_in_grid.y);
   const int part = int(threadgroup_position_in_grid.z);
   const int q_row = rows[row * 4], req = rows[row * 4 + 1], ctx = rows[row * 4 + 2];

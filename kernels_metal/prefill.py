@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels_metal.decode import THREADGROUP_MEMORY
+from kernels_metal.decode import HEAD_GROUP_SOURCE, THREADGROUP_MEMORY
 
 MAX_SIMDGROUPS = 8
 
@@ -43,12 +43,7 @@ def query_block(heads_per_group: int) -> int:
 PREFILL_SOURCE = """
   const int H = params[0], KVH = params[1], MB = params[2];
   const int CHUNKS = params[6], NH = params[7], BQ = params[9];
-  const float scale_log2 = as_type<float>(params[8]);
-  const int qpg = H / KVH;
-  const int kvh = int(threadgroup_position_in_grid.x) / CHUNKS;
-  const int chunk = int(threadgroup_position_in_grid.x) % CHUNKS;
-  const int h0 = kvh * qpg + chunk * NH;
-  const int nh = min(NH, qpg - chunk * NH);
+""" + HEAD_GROUP_SOURCE + """
   const device int* info = tiles + int(threadgroup_position_in_grid.y) * 8;
   const int req = info[0], q_start = info[1], out_start = info[2], nq = info[3], pos0 = info[4];
   const int sg = int(simdgroup_index_in_threadgroup);

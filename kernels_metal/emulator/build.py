@@ -102,7 +102,8 @@ def runtime_library() -> ctypes.CDLL:
     sources = [(HERE / name).read_text() for name in RUNTIME_SOURCES]
     # The portable (ucontext) fiber switch, to test the path non-x86 hosts take.
     extra = ("-DMSL_USE_UCONTEXT",) if os.environ.get("METAL_SERVE_MSL_EMU_UCONTEXT") else ()
-    path = cache_dir() / f"libmslrt-{_digest(*sources, *CXXFLAGS, *extra, ABI_VERSION)}.so"
+    digest = _digest(*sources, _headers(), *CXXFLAGS, *extra, ABI_VERSION)
+    path = cache_dir() / f"libmslrt-{digest}.so"
     with _lock:
         if not path.exists():
             _compile(sources, path, ("-lpthread", *extra))

@@ -22,29 +22,7 @@
 typedef unsigned int msl_uint3 __attribute__((ext_vector_type(3)));
 typedef unsigned int uint;
 typedef msl_uint3 uint3;
-// Same layout as in msl_compat.h.
-struct msl_thread_info {
-  uint dispatch_quadgroups_per_threadgroup;
-  uint dispatch_simdgroups_per_threadgroup;
-  uint3 dispatch_threads_per_threadgroup;
-  uint3 grid_origin;
-  uint3 grid_size;
-  uint quadgroup_index_in_threadgroup;
-  uint quadgroups_per_threadgroup;
-  uint simdgroup_index_in_threadgroup;
-  uint simdgroups_per_threadgroup;
-  uint thread_execution_width;
-  uint thread_index_in_quadgroup;
-  uint thread_index_in_simdgroup;
-  uint thread_index_in_threadgroup;
-  uint3 thread_position_in_grid;
-  uint3 thread_position_in_threadgroup;
-  uint3 threadgroup_position_in_grid;
-  uint3 threadgroups_per_grid;
-  uint3 threads_per_grid;
-  uint threads_per_simdgroup;
-  uint3 threads_per_threadgroup;
-};
+#include "msl_thread_info.h"
 
 typedef void (*msl_entry_fn)(void* const* args, const msl_thread_info* info);
 extern "C" int msl_buffer_describe_fault(const char* addr, const char* kind, char* msg, size_t n);

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from scheduler.config import SchedulingPolicy
+
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
@@ -15,7 +17,7 @@ class EngineConfig:
 
     `dtype="auto"` runs float32 on the CPU backend (its half-precision matmuls are slow) and
     float16 on Apple GPUs. `enable_prefix_caching` reuses the KV cache of prompt prefixes
-    seen before.
+    seen before. `scheduling_policy` is fcfs or priority (see SchedulerConfig).
     """
 
     model_dir: Path
@@ -27,6 +29,7 @@ class EngineConfig:
     dtype: DType = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

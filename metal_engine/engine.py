@@ -67,6 +67,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
+            scheduling_policy=config.scheduling_policy,
         ))
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         return cls(ModelRunner(model, cache), scheduler, tokenizer, config.model_dir.name)
@@ -76,9 +77,13 @@ class LLMEngine:
         return self.scheduler.config.max_model_len
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        """Queue a request; ValueError (with the limits) if it can never be served."""
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+                    params: SamplingParams, priority: int = 0) -> None:
+        """Queue a request; ValueError (with the limits) if it can never be served.
+
+        `priority` orders admission under the priority policy: lower values go first.
+        """
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                          priority=priority)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop

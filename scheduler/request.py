@@ -31,6 +31,7 @@ class Request:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_index: int = 0,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -41,6 +42,7 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.arrival_index = arrival_index
+        self.priority = priority
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0

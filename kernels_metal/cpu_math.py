@@ -1,9 +1,14 @@
-"""exp, softmax and SwiGLU with a fast path for MLX's CPU backend.
+"""exp, softmax, SwiGLU and one-row linear layers with a fast path for MLX's CPU backend.
 
 The CPU backend computes transcendental functions one scalar at a time (~16 ns an element,
 compiled or not), which made SiLU and the attention softmax cost more than the matmuls around
 them. Off Metal these hand the (already evaluated) array to numpy's vectorized math (~0.6 ns
 an element) and back; other devices use MLX's own ops.
+
+A one-row product (batch-1 decode) is memory-bound: the CPU backend sends it through the
+system BLAS's general matmul, which streams weights at about half the rate of the
+matrix-vector kernel numpy's BLAS picks, so that case goes to numpy over zero-copy views of
+the weights.
 """
 
 from __future__ import annotations
@@ -59,6 +64,18 @@ def _softmax_in_place(values: np.ndarray, axis: int, dtype: mx.Dtype) -> mx.arra
     probs = _exp_in_place(values)
     probs /= probs.sum(axis=axis, keepdims=True)
     return mx.array(probs).astype(dtype)
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """`x @ weight.T + bias` for `x [rows, in]` and `weight [out, in]`."""
+    if not (on_cpu() and x.shape[0] == 1 and x.dtype == weight.dtype == mx.float32):
+        if bias is None:
+            return x @ weight.T
+        return mx.addmm(bias, x, weight.T)
+    y = np.asarray(x) @ np.asarray(weight).T
+    if bias is not None:
+        y += np.asarray(bias)
+    return mx.array(y)
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:

@@ -30,6 +30,8 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # None: on where the forward runs asynchronously (Metal); see LLMEngine.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import mlx.core as mx
 from transformers import AutoTokenizer
 
 from metal_engine.config import EngineConfig
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
 from metal_engine.outputs import RequestOutput
-from metal_engine.runner import ModelRunner
+from metal_engine.runner import LaunchedStep, ModelRunner
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.scheduler import RequestUpdate
@@ -23,9 +24,16 @@ class LLMEngine:
 
     `step()` runs one packed forward over every scheduled request and returns a RequestOutput
     for each request that produced text or finished.
+
+    With `async_scheduling`, a step schedules and queues step N+1 on the device before it
+    waits for step N's tokens, so the host work (scheduling, input packing, building the
+    graph, detokenizing) overlaps the device's work; outputs then arrive one step later.
+    That pays off where the forward runs asynchronously (Metal); the CPU backend's numpy fast
+    paths evaluate the forward as it is built, so there it is off by default.
     """
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, model_name: str):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, model_name: str,
+                 async_scheduling: bool = False):
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -33,8 +41,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(runner.model.config.eos_token_ids) or (
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         )
+        self.async_scheduling = async_scheduling
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
+        self._in_flight: LaunchedStep | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -70,7 +80,11 @@ class LLMEngine:
             scheduling_policy=config.scheduling_policy,
         ))
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
-        return cls(ModelRunner(model, cache), scheduler, tokenizer, config.model_dir.name)
+        async_scheduling = (
+            mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
+        )
+        return cls(ModelRunner(model, cache), scheduler, tokenizer, config.model_dir.name,
+                   async_scheduling)
 
     @property
     def max_model_len(self) -> int:
@@ -98,7 +112,11 @@ class LLMEngine:
         self._pending.append(self._output(request, [], "", "abort"))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending)
+            or self._in_flight is not None
+        )
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
+from scheduler.request import PENDING_TOKEN
 from scheduler.scheduler import SchedulerOutput
 
 
@@ -17,6 +18,9 @@ class StepInputs:
     attention: AttentionMetadata
     sample_rows: np.ndarray  # [num_sampling] int32: last row of each request that samples
     sample_request_ids: list[str]
+    # Rows that feed a token still being sampled by the step in flight, and their requests.
+    pending_rows: np.ndarray  # [num_pending] int32
+    pending_request_ids: list[str]
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
@@ -42,10 +46,10 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
     )
 
     samples = np.array([s.samples for s in scheduled], bool)
+    input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), np.int32, count=total)
+    pending_rows = np.flatnonzero(input_ids == PENDING_TOKEN).astype(np.int32)
     return StepInputs(
-        input_ids=np.fromiter(
-            (t for s in scheduled for t in s.token_ids), np.int32, count=total
-        ),
+        input_ids=input_ids,
         positions=positions,
         attention=AttentionMetadata(
             cu_seqlens_q=cu_seqlens,
@@ -56,4 +60,6 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         ),
         sample_rows=(cu_seqlens[1:] - 1)[samples].astype(np.int32),
         sample_request_ids=[s.request_id for s in scheduled if s.samples],
+        pending_rows=pending_rows,
+        pending_request_ids=[scheduled[i].request_id for i in request_of_row[pending_rows]],
     )

@@ -6,6 +6,7 @@ import logging
 import os
 
 import mlx.core as mx
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,34 @@ class KVCache:
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.k + self.v if a is not None]
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.k[0].dtype
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's K then V of every layer, as raw bytes (waits for pending writes)."""
+        index = mx.array(block_ids)
+        # [n, 2 * layers, block_size, kv_heads, head_dim]; bit-cast so numpy takes any dtype
+        blocks = mx.stack([pool[index] for pool in self.k + self.v], axis=1)
+        raw = np.asarray(blocks.view(_BITS[self.dtype.size][0]))
+        return [raw[i].tobytes() for i in range(len(block_ids))]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Overwrite blocks with contents `read_blocks` gave, in place (queued, not waited for)."""
+        shape = (len(block_ids), len(self.k) + len(self.v), *self.k[0].shape[1:])
+        raw = np.frombuffer(b"".join(payloads), _BITS[self.dtype.size][1]).reshape(shape)
+        blocks = mx.array(raw).view(self.dtype)
+        index = mx.array(block_ids)
+        for layer in range(len(self.k)):
+            k, v = self.take(layer)
+            k[index] = blocks[:, layer]
+            v[index] = blocks[:, len(self.k) + layer]
+            self.put(layer, k, v)
+
+
+# Unsigned ints of each element size (MLX, numpy): blocks travel as raw bits.
+_BITS = {4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16)}
 
 
 def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,

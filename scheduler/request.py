@@ -9,6 +9,9 @@ from scheduler.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# Stands for an output token that a step still in flight is sampling (async scheduling).
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()

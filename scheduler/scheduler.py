@@ -2,19 +2,22 @@
 
 There is no prefill or decode phase. Each step a request gets
 `min(num_uncomputed_tokens, remaining budget)` tokens; a prompt longer than the budget is
-chunked over several steps while running streams keep decoding.
+chunked over several steps while running streams keep decoding. Waiting requests are admitted
+in the order of the scheduling policy (fcfs or priority); when the pool runs out, the running
+request that policy ranks last is preempted and recomputed later.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.prefix_cache import PrefixCache
+from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
+from scheduler.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(
             self.pool, config.block_size, config.enable_prefix_caching
         )
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
@@ -79,14 +82,16 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; raise ValueError if it could never fit the context or the pool."""
+        """Queue a request; raise ValueError if it could never fit the context or the pool,
+        or if it has a priority that the fcfs policy would ignore."""
         self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
+        self.check_priority(request.priority)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.arrival_index = self._arrivals
         self._arrivals += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         cfg = self.config
@@ -102,6 +107,14 @@ class Scheduler:
                 f"the request needs up to {worst_case} tokens of KV cache but the pool holds "
                 f"{cfg.num_blocks * cfg.block_size}: lower max_tokens or start the server "
                 "with more --kv-cache-memory"
+            )
+
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.config.scheduling_policy == "fcfs":
+            raise ValueError(
+                f"the request has priority {priority} but the server schedules first come, "
+                "first served: send priority 0 or start the server with "
+                "--scheduling-policy priority"
             )
 
     def has_unfinished_requests(self) -> bool:
@@ -124,42 +137,77 @@ class Scheduler:
         """Pick this step's tokens: running requests first (oldest first), then waiting ones."""
         out = SchedulerOutput(finished_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        self._schedule_waiting(out, budget)
+        budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not preempted:  # the pool is short: whatever joins now would be preempted next
+            self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Give each running request its next tokens; return the budget left and whether a
+        request had to be preempted for lack of blocks."""
+        preempted = False
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted this step to make room for another
             num_new = min(request.num_uncomputed_tokens, budget)
             while not self._reserve_blocks(request, num_new):
-                victim = self.running[-1]
+                # The one the policy would admit last: fcfs, the newest; priority, the lowest.
+                victim = max(self.running, key=self.waiting.key)
+                budget += self._unschedule(out, victim)
                 self._preempt(victim)
+                preempted = True
                 if victim is request:
-                    return budget
-            out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
-            index += 1
-        return budget
+                    break
+            if request.status == RequestStatus.RUNNING:
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+        return budget, preempted
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in order, each starting after its longest cached prefix."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Admit waiting requests in policy order, each starting after its longest cached prefix.
+
+        A request whose next uncached block a running request is computing is passed over: it
+        shares that block once it is cached instead of computing it twice. Requests behind it
+        may be admitted meanwhile; the first that does not fit the pool ends admission.
+        """
+        in_flight = self._blocks_in_flight()
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
             hits = self.prefix_cache.match(request)
+            if self._next_block_in_flight(request, hits, in_flight):
+                continue
             num_new = min(request.num_tokens - len(hits) * self.config.block_size, budget)
             if not self._can_admit(hits, num_new):
                 return
-            self.prefix_cache.take(request, hits)
-            reserved = self._reserve_blocks(request, num_new)
-            assert reserved, "_can_admit counted the blocks"
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new))
+            self._admit(request, hits, num_new, out)
+            in_flight.update(request.block_hashes[len(hits) :])
             budget -= num_new
+
+    def _blocks_in_flight(self) -> set[BlockHash]:
+        """Hashes of the full blocks that running requests have yet to compute and cache."""
+        return {h for r in self.running for h in r.block_hashes[r.num_hashed_blocks :]}
+
+    @staticmethod
+    def _next_block_in_flight(
+        request: Request, hits: list[int], in_flight: set[BlockHash]
+    ) -> bool:
+        # Hashes are chained, so an equal hash means the whole prefix up to it is equal.
+        hashes = request.block_hashes
+        return len(hits) < len(hashes) and hashes[len(hits)] in in_flight
+
+    def _admit(
+        self, request: Request, hits: list[int], num_new: int, out: SchedulerOutput
+    ) -> None:
+        self.prefix_cache.take(request, hits)
+        reserved = self._reserve_blocks(request, num_new)
+        assert reserved, "_can_admit counted the blocks"
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(self._scheduled(request, num_new))
 
     def _can_admit(self, hits: list[int], num_new: int) -> bool:
         """Whether the pool can back `hits` plus `num_new` tokens after them. Changes nothing."""
@@ -179,15 +227,24 @@ class Scheduler:
         request.block_ids.extend(blocks)
         return True
 
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        """Drop the request's share of this step, if it has one; return its token count."""
+        for index, item in enumerate(out.scheduled):
+            if item.request_id == request.request_id:
+                del out.scheduled[index]
+                return len(item.token_ids)
+        return 0
+
     def _preempt(self, request: Request) -> None:
-        """Recompute later: release its blocks (cached ones stay findable), put it first in line."""
+        """Recompute later: release its blocks (cached ones stay findable), queue it again."""
         self.running.remove(request)
         self.pool.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_hashed_blocks = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.add(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -12,15 +12,18 @@ from fastapi.responses import Response
 from server.async_engine import AsyncEngine
 from server.errors import install_error_handlers
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.serve_args import DEFAULT_MAX_N
 from server.serving import Serving
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str = "default") -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine, served_model_name: str = "default", max_n: int = DEFAULT_MAX_N
+) -> FastAPI:
     """An app serving one model.
 
     The `model` field of requests is not checked: a single-model server answers whatever
     name the client uses (clients send all sorts). `/v1/models` lists `served_model_name`
-    and the model directory's name.
+    and the model directory's name. A request may ask for up to `max_n` choices.
     """
 
     @asynccontextmanager
@@ -31,7 +34,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str = "default") -> 
 
     app = FastAPI(title="metal-serve", lifespan=lifespan)
     install_error_handlers(app)
-    serving = Serving(async_engine, served_model_name)
+    serving = Serving(async_engine, served_model_name, max_n)
     created = int(time.time())
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
 

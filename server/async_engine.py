@@ -37,7 +37,11 @@ class Engine(Protocol):
     max_model_len: int
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -64,6 +68,7 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int
     stream: _Stream
 
 
@@ -116,7 +121,7 @@ class AsyncEngine:
             self._thread.start()
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until one is finished.
 
@@ -127,7 +132,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         with self._cond:
             self._start_locked()
-            self._adds.append(_Add(request_id, list(prompt_ids), params, stream))
+            self._adds.append(_Add(request_id, list(prompt_ids), params, priority, stream))
             self._cond.notify()
         done = False
         try:
@@ -171,7 +176,9 @@ class AsyncEngine:
     def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
         for add in adds:
             try:
-                self.engine.add_request(add.request_id, add.prompt_ids, add.params)
+                self.engine.add_request(
+                    add.request_id, add.prompt_ids, add.params, priority=add.priority
+                )
             except ValueError as exc:
                 add.stream.put(exc)
                 continue

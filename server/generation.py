@@ -1,11 +1,12 @@
-"""Run one request through the AsyncEngine: start it, collect it, or stream it as SSE."""
+"""Run a request's choices through the AsyncEngine: start them, collect them, or stream them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -23,31 +24,86 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Outputs = AsyncGenerator["RequestOutput", None]
+# Every choice's outputs in the order they arrive, each with its choice index.
+Choices = AsyncGenerator[tuple[int, "RequestOutput"], None]
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    text: str
+    finish_reason: FinishReason | None
 
 
 @dataclass(frozen=True)
 class Result:
-    text: str
-    finish_reason: FinishReason | None
+    choices: list[Choice]
     usage: Usage
 
 
-def usage_of(output: RequestOutput) -> Usage:
-    return Usage.of(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+def usage_of(lasts: Iterable[RequestOutput]) -> Usage:
+    """Usage over the last output of each choice: the choices share one prompt, so it counts
+    once (with the cache hit of the choice that found least cached) and their outputs add up."""
+    lasts = list(lasts)
+    return Usage.of(
+        lasts[0].num_prompt_tokens,
+        sum(o.num_output_tokens for o in lasts),
+        min(o.num_cached_tokens for o in lasts),
+    )
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` samples with seed `seed + index` (as vLLM does): seeded choices differ
+    from each other, and a rerun with the same seed reproduces each of them."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+def choice_request_ids(request_id: str, n: int) -> list[str]:
+    # A single choice keeps the response id, so logs and aborts name what the client saw.
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
 async def start(
-    engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str
-) -> Outputs:
-    """Submit the request and wait for its first output, so that a refusal is still a 400."""
-    outputs = engine.generate(prompt_ids, params, request_id)
+    engine: AsyncEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    n: int = 1,
+    priority: int = 0,
+) -> Choices:
+    """Submit `n` choices of one prompt together and wait for each one's first output, so
+    that a refusal is still a 400. Submitted together, the choices compute the prompt's full
+    blocks once and share them through the prefix cache."""
+    streams = [
+        engine.generate(prompt_ids, choice_params(params, i), choice_id, priority)
+        for i, choice_id in enumerate(choice_request_ids(request_id, n))
+    ]
+    firsts = [asyncio.ensure_future(anext(s)) for s in streams]
     try:
-        first = await anext(outputs)
-    except ValueError as exc:
-        raise APIError(str(exc)) from exc
-    except EngineError as exc:
-        raise APIError(str(exc), status_code=500) from exc
-    return _prepend(first, outputs)
+        await asyncio.gather(*firsts)
+    except BaseException as exc:
+        await _close(firsts, streams)  # a refusal or a disconnect ends every choice
+        if isinstance(exc, ValueError):
+            raise APIError(str(exc)) from exc
+        if isinstance(exc, EngineError):
+            raise APIError(str(exc), status_code=500) from exc
+        raise
+    return _merge([
+        _prepend(first.result(), s) for first, s in zip(firsts, streams, strict=True)
+    ])
+
+
+async def _close(pending: Iterable[asyncio.Future], streams: list[Outputs]) -> None:
+    """Stop waiting on `pending` outputs, then close every stream (which aborts its request
+    if it is still running). A stream cannot be closed while a wait on it is running."""
+    pending = list(pending)
+    for future in pending:
+        future.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for stream in streams:
+        await stream.aclose()
 
 
 async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
@@ -59,19 +115,40 @@ async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
                 yield output
 
 
-async def collect(outputs: Outputs) -> Result:
-    """The whole completion, for non-streaming responses."""
-    pieces: list[str] = []
-    last: RequestOutput | None = None
+async def _merge(streams: list[Outputs]) -> Choices:
+    """Interleave the choices' outputs as they arrive. Closing this closes every stream,
+    which aborts the choices still running."""
+    nexts = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
-        async with contextlib.aclosing(outputs):
-            async for output in outputs:
-                pieces.append(output.new_text)
-                last = output
+        while nexts:
+            done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=nexts.__getitem__):
+                index = nexts.pop(future)
+                try:
+                    output = future.result()
+                except StopAsyncIteration:
+                    continue
+                nexts[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, output
+    finally:
+        await _close(nexts, streams)
+
+
+async def collect(choices: Choices, n: int) -> Result:
+    """Every choice's whole text, for non-streaming responses."""
+    pieces: list[list[str]] = [[] for _ in range(n)]
+    lasts: dict[int, RequestOutput] = {}
+    try:
+        async with contextlib.aclosing(choices):
+            async for index, output in choices:
+                pieces[index].append(output.new_text)
+                lasts[index] = output
     except EngineError as exc:
         raise APIError(str(exc), status_code=500) from exc
-    assert last is not None, "start() always yields a first output"
-    return Result("".join(pieces), last.finish_reason, usage_of(last))
+    return Result(
+        [Choice(i, "".join(pieces[i]), lasts[i].finish_reason) for i in range(n)],
+        usage_of(lasts.values()),
+    )
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -80,25 +157,28 @@ def sse(payload: BaseModel | dict) -> str:
 
 
 async def sse_stream(
-    outputs: Outputs,
-    chunk: Callable[[str, FinishReason | None], BaseModel],
+    choices: Choices,
+    n: int,
+    chunk: Callable[[int, str, FinishReason | None], BaseModel],
     usage_chunk: Callable[[Usage], BaseModel] | None = None,
-    head: BaseModel | None = None,
+    head: Callable[[int], BaseModel] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE events: `head`, one chunk per non-empty delta (the last carries the finish
-    reason), then the usage chunk if asked for, then `[DONE]`. An engine failure after the
-    headers went out becomes an error event, which the OpenAI clients raise."""
+    """SSE events: `head(i)` for each choice, one chunk per non-empty delta of a choice (its
+    last carries the finish reason), then the usage chunk if asked for, then `[DONE]`. An
+    engine failure after the headers went out becomes an error event, which the OpenAI
+    clients raise."""
     try:
-        async with contextlib.aclosing(outputs):
+        async with contextlib.aclosing(choices):
             if head is not None:
-                yield sse(head)
-            last: RequestOutput | None = None
-            async for output in outputs:
-                last = output
+                for index in range(n):
+                    yield sse(head(index))
+            lasts: dict[int, RequestOutput] = {}
+            async for index, output in choices:
+                lasts[index] = output
                 if output.new_text or output.finished:
-                    yield sse(chunk(output.new_text, output.finish_reason))
-        if usage_chunk is not None and last is not None:
-            yield sse(usage_chunk(usage_of(last)))
+                    yield sse(chunk(index, output.new_text, output.finish_reason))
+        if usage_chunk is not None and lasts:
+            yield sse(usage_chunk(usage_of(lasts.values())))
     except EngineError as exc:
         yield sse(APIError(str(exc), status_code=500).body())
     yield "data: [DONE]\n\n"

@@ -22,7 +22,7 @@ log = logging.getLogger("metal_serve")
 # EngineConfig field <- CLI option; options left unset keep the engine's defaults.
 _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
-    "seed", "enable_prefix_caching",
+    "seed", "enable_prefix_caching", "scheduling_policy",
 )  # fmt: skip
 
 
@@ -43,7 +43,7 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.async_engine import AsyncEngine
 
-    app = build_app(AsyncEngine(engine), args.served_model_name)
+    app = build_app(AsyncEngine(engine), args.served_model_name, args.max_n)
     log.info(
         "serving %s as %r on http://%s:%d/v1", model_dir, args.served_model_name,
         args.host, args.port,

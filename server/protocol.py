@@ -69,14 +69,9 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
-    n: int = 1
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n>1 is not supported yet (got n={n}); send n=1")
-        return n
+    n: int = Field(default=1, ge=1)
+    # vLLM's extension: lower values are admitted first under `--scheduling-policy priority`.
+    priority: int = 0
 
     @property
     def include_usage(self) -> bool:

@@ -12,6 +12,9 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 
+# Each choice is a request of its own in the scheduler; more would crowd out other clients.
+DEFAULT_MAX_N = 16
+
 
 def parse_size(text: str) -> int:
     """Bytes from "2GiB", "512MB", "1.5gib" or a plain byte count."""
@@ -65,6 +68,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         default=None,
         help="compute every prompt in full instead of reusing the KV cache of seen prefixes",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="fcfs (default): first come, first served; priority: requests with a lower "
+        "`priority` field go first, and are preempted last",
+    )
+    parser.add_argument(
+        "--max-n",
+        type=_positive_int,
+        default=DEFAULT_MAX_N,
+        help=f"most choices (`n`) one request may ask for (default {DEFAULT_MAX_N})",
     )
     parser.add_argument(
         "--cache-dir", type=Path, help="where the default model is converted and kept"

@@ -14,7 +14,8 @@ from starlette.requests import Request
 from scheduler.request import FinishReason
 from server import generation
 from server.async_engine import AsyncEngine
-from server.generation import Outputs
+from server.errors import APIError
+from server.generation import Choices
 from server.prompts import (
     chat_prompt_ids,
     check_context,
@@ -44,6 +45,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Serving:
     engine: AsyncEngine
     model_name: str
+    max_n: int  # most choices one request may ask for
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         prompt_ids = chat_prompt_ids(self.engine.tokenizer, body.messages)
@@ -64,36 +66,54 @@ class Serving:
         prompt_ids: list[int],
         prompt_param: str,
         id_prefix: str,
-        events: Callable[[str, Outputs, bool], AsyncIterator[str]],
+        events: Callable[[str, Choices, int, bool], AsyncIterator[str]],
         respond: Callable[[str, generation.Result], BaseModel],
     ) -> Response:
+        self._check_n(body.n)
         max_tokens = check_context(
             len(prompt_ids), body.requested_max_tokens(), self.engine.max_model_len, prompt_param
         )
         params = body.sampling_params(max_tokens)
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        start = generation.start(self.engine, prompt_ids, params, request_id)
-        outputs = await generation.unless_disconnected(request, start)
-        if outputs is None:
+        start = generation.start(
+            self.engine, prompt_ids, params, request_id, body.n, body.priority
+        )
+        choices = await generation.unless_disconnected(request, start)
+        if choices is None:
             return Response(status_code=_CLIENT_CLOSED)
         if body.stream:
             return StreamingResponse(
-                events(request_id, outputs, body.include_usage),
+                events(request_id, choices, body.n, body.include_usage),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
-        result = await generation.unless_disconnected(request, generation.collect(outputs))
+        collect = generation.collect(choices, body.n)
+        result = await generation.unless_disconnected(request, collect)
         if result is None:
             return Response(status_code=_CLIENT_CLOSED)
         return JSONResponse(respond(request_id, result).model_dump())
 
+    def _check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise APIError(
+                f"n is {n} but this server returns at most {self.max_n} choices per request; "
+                "lower n (or start the server with a higher --max-n).",
+                param="n",
+            )
+
     def _chat(self, request_id: str, result: generation.Result) -> ChatCompletion:
-        message = AssistantMessage(content=result.text)
         return ChatCompletion(
             id=request_id,
             model=self.model_name,
-            choices=[ChatChoice(message=message, finish_reason=result.finish_reason)],
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.text),
+                    finish_reason=c.finish_reason,
+                )
+                for c in result.choices
+            ],
             usage=result.usage,
         )
 
@@ -101,42 +121,49 @@ class Serving:
         return Completion(
             id=request_id,
             model=self.model_name,
-            choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
+            choices=[
+                CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
+                for c in result.choices
+            ],
             usage=result.usage,
         )
 
     def _chat_events(
-        self, request_id: str, outputs: Outputs, include_usage: bool
+        self, request_id: str, choices: Choices, n: int, include_usage: bool
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(
-            delta: ChatDelta, finish: FinishReason | None = None, usage: Usage | None = None
-        ) -> ChatCompletionChunk:
-            choices = [] if usage else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+        def chunk(items: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
             return ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id, created=created, model=self.model_name, choices=items, usage=usage
             )
 
+        def one(index: int, delta: ChatDelta, finish: FinishReason | None = None) -> BaseModel:
+            return chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish)])
+
         return generation.sse_stream(
-            outputs,
-            chunk=lambda text, finish: chunk(ChatDelta(content=text or None), finish),
-            usage_chunk=(lambda usage: chunk(ChatDelta(), usage=usage)) if include_usage else None,
-            head=chunk(ChatDelta(role="assistant", content="")),
+            choices,
+            n,
+            chunk=lambda index, text, finish: one(index, ChatDelta(content=text or None), finish),
+            usage_chunk=(lambda usage: chunk([], usage)) if include_usage else None,
+            head=lambda index: one(index, ChatDelta(role="assistant", content="")),
         )
 
     def _completion_events(
-        self, request_id: str, outputs: Outputs, include_usage: bool
+        self, request_id: str, choices: Choices, n: int, include_usage: bool
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        def chunk(items: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
             return Completion(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id, created=created, model=self.model_name, choices=items, usage=usage
             )
 
         return generation.sse_stream(
-            outputs,
-            chunk=lambda text, finish: chunk([CompletionChoice(text=text, finish_reason=finish)]),
+            choices,
+            n,
+            chunk=lambda index, text, finish: chunk(
+                [CompletionChoice(index=index, text=text, finish_reason=finish)]
+            ),
             usage_chunk=(lambda usage: chunk([], usage)) if include_usage else None,
         )

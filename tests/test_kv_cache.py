@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from engine_helpers import make_runner_and_scheduler
 
+from metal_engine.kv_cache import KVCache, bytes_per_block
 from scheduler import Request, SamplingParams
 
 
@@ -41,3 +42,20 @@ def test_written_slots_hold_the_new_keys(tiny_llama):
     assert (written[:10] > 0).all().item() and (written[10:] == 0).all().item()
     untouched = [b for b in range(8) if b not in blocks]
     assert mx.abs(k[mx.array(untouched)]).sum().item() == 0
+
+
+def test_blocks_read_as_bytes_write_back_bit_exact_into_other_blocks():
+    for dtype in (mx.float32, mx.bfloat16):
+        cache = KVCache(num_layers=3, num_blocks=6, block_size=4, kv_heads=2, head_dim=8,
+                        dtype=dtype)
+        for layer in range(3):
+            k, v = cache.take(layer)
+            cache.put(layer, mx.random.normal(k.shape).astype(dtype),
+                      mx.random.normal(v.shape).astype(dtype))
+        payloads = cache.read_blocks([1, 4])
+        assert len(payloads[0]) == bytes_per_block(3, 4, 2, 8, dtype)
+        cache.write_blocks([0, 5], payloads)
+        for pools in (cache.k, cache.v):
+            for pool in pools:
+                assert mx.array_equal(pool[0], pool[1]) and mx.array_equal(pool[5], pool[4])
+                assert not mx.array_equal(pool[0], pool[4])

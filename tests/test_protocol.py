@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from metal_engine.outputs import RequestOutput
+from server import generation
 from server.app import build_app
 from server.async_engine import AsyncEngine
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,12 +43,16 @@ class CountingEngine:
     def __init__(self) -> None:
         self.live: dict[str, list] = {}
         self.fail_at_token: int | None = None  # step raises when a request would reach it
+        self.added: dict[str, tuple] = {}  # request id -> (params, priority)
+        self.aborted: list[str] = []
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0):
         self.live[request_id] = [len(prompt_token_ids), params.max_tokens, 0]
+        self.added[request_id] = (params, priority)
 
     def abort_request(self, request_id):
-        self.live.pop(request_id, None)
+        if self.live.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
 
     def has_unfinished_requests(self):
         return bool(self.live)
@@ -147,7 +152,8 @@ def test_malformed_json(client):
         (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
         (chat(temperature=-0.5), "temperature", "temperature"),
         (chat(top_p=0), "top_p", "top_p"),
-        (chat(n=2), "n", "n>1 is not supported yet"),
+        (chat(n=0), "n", "greater than or equal to 1"),
+        (chat(n=17), "n", "at most 16 choices"),
         (chat(logprobs=True), "logprobs", "not supported"),
         (chat(max_tokens="many"), "max_tokens", "valid integer"),
         (chat(logit_bias={"word": 1}), "logit_bias", "token ids"),
@@ -262,3 +268,52 @@ def test_models_and_health(client):
     ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert ids == ["default", "char-model"]
     assert client.get("/health").json() == {"status": "ok"}
+
+
+# ---- several choices ------------------------------------------------------------------------
+
+
+def test_n_choices_are_indexed_and_usage_counts_the_prompt_once(client):
+    body = chat(max_tokens=2, n=3)
+    response = client.post("/v1/chat/completions", json=body).json()
+    assert [(c["index"], c["message"]["content"]) for c in response["choices"]] == [
+        (0, "aa"), (1, "aa"), (2, "aa")
+    ]
+    prompt_len = len("user: hi\nassistant: ")
+    assert response["usage"]["prompt_tokens"] == prompt_len
+    assert response["usage"]["completion_tokens"] == 3 * 2
+    body = {"prompt": "hi", "max_tokens": 4, "n": 2}
+    response = client.post("/v1/completions", json=body).json()
+    assert [(c["index"], c["text"]) for c in response["choices"]] == [(0, "aaaa"), (1, "aaaa")]
+    assert response["usage"]["total_tokens"] == 2 + 2 * 4
+
+
+def test_n_choices_stream_each_with_its_index(client):
+    body = chat(max_tokens=2, n=2, stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    *chunks, usage = [json.loads(e) for e in events[:-1]]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [c["delta"]["content"] for c in mine[1:]] == ["a", "a"]
+        assert [c["finish_reason"] for c in mine[1:]] == [None, "length"]
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+
+
+def test_choices_get_derived_seeds_and_the_request_priority(client, engine):
+    body = {"prompt": "hi", "n": 3, "seed": 40, "max_tokens": 1, "priority": -2}
+    request_id = client.post("/v1/completions", json=body).json()["id"]
+    added = [engine.added[f"{request_id}-{i}"] for i in range(3)]
+    assert [params.seed for params, _ in added] == [40, 41, 42]
+    assert [priority for _, priority in added] == [-2, -2, -2]
+
+
+def test_usage_of_several_choices():
+    lasts = [RequestOutput("a", [], "", "length", 10, 3, num_cached_tokens=8),
+             RequestOutput("b", [], "", "stop", 10, 5, num_cached_tokens=0)]
+    usage = generation.usage_of(lasts)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (10, 8, 18)
+    assert usage.prompt_tokens_details.cached_tokens == 0

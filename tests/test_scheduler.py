@@ -18,9 +18,11 @@ def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256,
     ))
 
 
-def req(rid: str, n: int, max_tokens: int = 4, first: int = 10, **kw) -> Request:
+def req(rid: str, n: int, max_tokens: int = 4, first: int = 10, priority: int = 0,
+        **kw) -> Request:
     return Request(rid, list(range(first, first + n)),
-                   SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=(2,))
+                   SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=(2,),
+                   priority=priority)
 
 
 def step(s: Scheduler, token: int = 7):
@@ -100,7 +102,7 @@ def test_preempted_request_recomputes_prompt_and_outputs():
     out, _ = step(s)  # "old" needs a third block: "new" is preempted
     assert counts(out) == {"old": 1}
     new = s.requests["new"]
-    assert new.num_computed_tokens == 0 and new.block_ids == [] and s.waiting[0] is new
+    assert new.num_computed_tokens == 0 and new.block_ids == [] and list(s.waiting) == [new]
     while s.requests.get("old"):
         step(s)
     out, _ = step(s)
@@ -210,3 +212,142 @@ def test_preempted_request_resumes_after_its_cached_prefix():
     out, _ = step(s)
     assert counts(out) == {"new": 1}  # prompt blocks still cached: only its output token
     assert s.requests["new"].num_cached_tokens == 0  # usage counts the first admission
+
+
+# -- scheduling policy --------------------------------------------------------------------------
+
+
+def make_with(policy: str, **kw) -> Scheduler:
+    defaults = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                    max_model_len=256)
+    return Scheduler(SchedulerConfig(scheduling_policy=policy, **{**defaults, **kw}))
+
+
+def test_priority_policy_admits_lower_priority_values_first_then_by_arrival():
+    s = make_with("priority", max_num_seqs=2)
+    for rid, priority in [("a", 2), ("b", 0), ("c", 1), ("d", 0)]:
+        s.add_request(req(rid, 4, max_tokens=1, priority=priority))
+    assert [x.request_id for x in step(s)[0].scheduled] == ["b", "d"]
+    assert [x.request_id for x in step(s)[0].scheduled] == ["c", "a"]
+
+
+def test_fcfs_refuses_a_priority_and_names_the_flag():
+    s = make_with("fcfs")
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        s.add_request(req("a", 4, priority=3))
+    s.add_request(req("b", 4, priority=0))
+    assert counts(step(s)[0]) == {"b": 4}
+
+
+@pytest.mark.parametrize(
+    ("policy", "priorities", "victim"),
+    [
+        ("fcfs", {"lazy": 0, "mid": 0, "urgent": 0}, "urgent"),  # the newest
+        ("priority", {"lazy": 5, "mid": 1, "urgent": 0}, "lazy"),  # the lowest priority
+    ],
+)
+def test_preemption_victim_follows_the_policy(policy, priorities, victim):
+    s = make_with(policy, num_blocks=6, enable_prefix_caching=False)
+    for rid, priority in priorities.items():  # arrival order: lazy, mid, urgent
+        s.add_request(req(rid, 8, max_tokens=4, priority=priority))
+    step(s)  # all three prefilled: 2 blocks each, the pool is full
+    out, _ = step(s)  # the first two to decode need a third block each
+    assert set(counts(out)) == set(priorities) - {victim}
+    assert [r.request_id for r in s.waiting] == [victim]
+    run_to_end(s)
+    assert s.pool.num_free_blocks == 6
+
+
+def test_priority_victim_already_scheduled_this_step_is_taken_back():
+    s = make_with("priority", num_blocks=5, enable_prefix_caching=False)
+    s.add_request(req("lazy", 6, max_tokens=10, priority=5))
+    step(s)  # lazy: 2 blocks
+    s.add_request(req("urgent", 12, max_tokens=8, priority=0))
+    step(s)  # urgent: 3 blocks; the pool is full
+    out, _ = step(s)  # lazy decodes first, then urgent needs a fourth block: lazy gives way
+    assert counts(out) == {"urgent": 1}
+    lazy = s.requests["lazy"]
+    assert lazy.block_ids == [] and lazy.num_computed_tokens == 0 and lazy.num_output_tokens == 2
+    run_to_end(s)
+    assert s.pool.num_free_blocks == 5
+
+
+def test_no_request_is_admitted_in_a_step_that_preempts():
+    s = make_with("fcfs", num_blocks=4, enable_prefix_caching=False)
+    s.add_request(req("a", 8, max_tokens=8))
+    s.add_request(req("b", 4, max_tokens=8, first=50))
+    step(s)  # a: 2 blocks, b: 1 block
+    s.add_request(req("c", 2, max_tokens=1, first=90))
+    out, _ = step(s)  # a takes the last block; b needs one and is preempted
+    assert counts(out) == {"a": 1}
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    run_to_end(s)
+
+
+# -- concurrent identical prefixes --------------------------------------------------------------
+
+
+def test_identical_prompts_arriving_together_compute_the_prefix_once():
+    s = make(block_size=4, budget=64)
+    s.add_request(req("a", 14, max_tokens=4))
+    s.add_request(req("b", 14, max_tokens=4))
+    out, _ = step(s)
+    assert counts(out) == {"a": 14}  # b waits for a's three full blocks
+    out, _ = step(s)
+    a, b = s.requests["a"], s.requests["b"]
+    assert counts(out) == {"a": 1, "b": 2} and out.scheduled[1].start_position == 12
+    assert b.block_ids[:3] == a.block_ids[:3] and b.num_cached_tokens == 12
+    assert s.prefix_cache.stats.hit_tokens == 12
+    assert s.prefix_cache.stats.queried_tokens == 14 + 14
+
+
+def test_identical_prompts_are_both_computed_without_prefix_caching():
+    s = make(block_size=4, budget=64, caching=False)
+    s.add_request(req("a", 14))
+    s.add_request(req("b", 14))
+    assert counts(step(s)[0]) == {"a": 14, "b": 14}
+
+
+def test_waiter_shares_the_blocks_of_a_chunked_prefill_as_they_fill():
+    s = make(block_size=4, budget=10)
+    s.add_request(req("a", 18, max_tokens=4))
+    step(s)  # a: 10 tokens, blocks 0-1 cached
+    s.add_request(req("b", 18, max_tokens=4))
+    out, _ = step(s)  # a's last 8 tokens; b could take blocks 0-1 but a is filling block 2
+    assert counts(out) == {"a": 8}
+    out, _ = step(s)
+    assert counts(out) == {"a": 1, "b": 2}
+    assert s.requests["b"].num_cached_tokens == 16
+
+
+def test_request_waiting_for_blocks_does_not_hold_back_the_ones_behind_it():
+    s = make(block_size=4, budget=64)
+    s.add_request(req("a", 14))
+    s.add_request(req("b", 14))
+    s.add_request(req("c", 5, first=60))
+    assert counts(step(s)[0]) == {"a": 14, "c": 5}
+
+
+def test_waiter_computes_the_prefix_itself_when_the_computing_request_is_aborted():
+    s = make(block_size=4, budget=64)
+    s.add_request(req("a", 14))
+    s.add_request(req("b", 14))
+    out = s.schedule()
+    assert counts(out) == {"a": 14}
+    s.finish_request("a", "abort")  # while its step runs: its blocks are never cached
+    s.update(out, {"a": 7})
+    out, _ = step(s)
+    assert counts(out) == {"b": 14} and s.requests["b"].num_cached_tokens == 0
+    run_to_end(s)
+    assert s.pool.num_free_blocks == 64
+
+
+def test_abort_of_a_waiting_request_takes_it_out_of_the_queue():
+    s = make(max_seqs=1)
+    s.add_request(req("a", 4))
+    s.add_request(req("b", 4, first=50))
+    step(s)
+    s.finish_request("b", "abort")
+    out, _ = step(s)
+    assert out.finished_ids == ["b"] and counts(out) == {"a": 1}
+    assert len(s.waiting) == 0

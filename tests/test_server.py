@@ -65,6 +65,18 @@ def wait_until_idle(engine, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def wait_for_aborts(engine, request_ids: list[str], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not set(request_ids) <= set(engine.aborted):
+        assert time.monotonic() < deadline, f"the server did not abort {request_ids}"
+        time.sleep(0.05)
+
+
+def assert_every_block_free(engine) -> None:
+    pool = engine.scheduler.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list().data] == ["default", "SmolLM2-135M-Instruct"]
     response = httpx.get(f"{base_url}/health")
@@ -198,11 +210,9 @@ def test_stream_disconnect_aborts_the_request(base_url, engine):
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         request_id = json.loads(first[6:])["id"]
-    deadline = time.monotonic() + 10
-    while request_id not in engine.aborted:
-        assert time.monotonic() < deadline, "the server did not abort the request"
-        time.sleep(0.05)
+    wait_for_aborts(engine, [request_id])
     wait_until_idle(engine)
+    assert_every_block_free(engine)
 
 
 def test_non_stream_disconnect_aborts_the_request(base_url, engine):
@@ -215,3 +225,54 @@ def test_non_stream_disconnect_aborts_the_request(base_url, engine):
         assert time.monotonic() < deadline, "the server did not abort the request"
         time.sleep(0.05)
     wait_until_idle(engine)
+    assert_every_block_free(engine)
+
+
+def test_stream_disconnect_aborts_every_choice(base_url, engine):
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "n": 2}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        request_id = json.loads(first[6:])["id"]
+    wait_for_aborts(engine, [f"{request_id}-0", f"{request_id}-1"])
+    wait_until_idle(engine)
+    assert_every_block_free(engine)
+
+
+def test_seeded_choices_differ_and_reproduce(client, engine):
+    prompt = "Once upon a time"
+    sample = dict(model="default", prompt=prompt, max_tokens=8, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    first, again = (client.completions.create(n=3, **sample) for _ in range(2))
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len(set(texts)) > 1 and [c.text for c in again.choices] == texts
+    assert client.completions.create(n=1, **sample).choices[0].text == texts[0]
+    assert first.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    assert first.usage.completion_tokens == 3 * 8
+    wait_until_idle(engine)
+
+
+def test_choices_compute_the_prompt_once(client, engine):
+    stats = engine.scheduler.prefix_cache.stats
+    hits_before = stats.hit_tokens
+    prompt = "A lighthouse keeper's log, day one: " + "wind, " * 40
+    reply = client.completions.create(
+        model="default", prompt=prompt, n=4, temperature=0, max_tokens=4
+    )
+    block_size = engine.scheduler.config.block_size
+    full_blocks = (reply.usage.prompt_tokens - 1) // block_size * block_size
+    assert full_blocks >= 3 * block_size
+    assert stats.hit_tokens - hits_before == 3 * full_blocks  # every choice but the first
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # a new prompt
+    assert len({c.text for c in reply.choices}) == 1  # greedy: one answer, four times
+
+
+def test_priority_needs_the_priority_policy(base_url):
+    body = {"prompt": "hi", "max_tokens": 2, "priority": 1}
+    response = httpx.post(f"{base_url}/v1/completions", json=body)
+    assert response.status_code == 400
+    assert "--scheduling-policy priority" in response.json()["error"]["message"]
+    response = httpx.post(f"{base_url}/v1/completions", json={**body, "priority": 0})
+    assert response.status_code == 200

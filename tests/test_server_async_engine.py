@@ -1,4 +1,5 @@
-"""AsyncEngine against a scripted engine: delivery, refusals, aborts, engine failures."""
+"""AsyncEngine against a scripted engine: delivery, refusals, aborts, engine failures, and
+requests of several choices."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from metal_engine.outputs import RequestOutput
 from scheduler import SamplingParams
+from server import generation
 from server.async_engine import AsyncEngine, EngineError
 
 
@@ -27,7 +29,8 @@ class ScriptedEngine:
         self.fail_next_step = False
         self.threads: set[str] = set()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0):
         self.threads.add(threading.current_thread().name)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt too long, limit {self.max_model_len}")
@@ -169,3 +172,47 @@ def test_shutdown_fails_live_requests_and_refuses_new_ones(engine):
 
     asyncio.run(shut_down_midway())
     assert scripted.aborted == ["live"]
+
+
+async def _start_three_choices(bridge: AsyncEngine) -> generation.Choices:
+    params = SamplingParams(max_tokens=100_000)
+    return await generation.start(bridge, [1, 2, 3], params, "multi", n=3)
+
+
+async def _all_three_aborted(scripted: ScriptedEngine) -> None:
+    # Checked while the event loop still runs: closing the loop would cancel leftovers anyway.
+    deadline = time.monotonic() + 2
+    while sorted(scripted.aborted) != ["multi-0", "multi-1", "multi-2"]:
+        assert time.monotonic() < deadline, f"aborted only {scripted.aborted}"
+        await asyncio.sleep(0.01)
+
+
+def test_closing_the_stream_of_several_choices_aborts_every_choice(engine):
+    scripted, bridge = engine
+
+    async def read_each_then_leave():
+        choices = await _start_three_choices(bridge)
+        seen = set()
+        async for index, _ in choices:
+            seen.add(index)
+            if seen == {0, 1, 2}:
+                break
+        await choices.aclose()
+        await _all_three_aborted(scripted)
+
+    asyncio.run(read_each_then_leave())
+    assert not scripted.has_unfinished_requests()
+
+
+def test_cancelled_collection_of_several_choices_aborts_every_choice(engine):
+    scripted, bridge = engine
+
+    async def cancel_midway():
+        task = asyncio.create_task(generation.collect(await _start_three_choices(bridge), 3))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _all_three_aborted(scripted)
+
+    asyncio.run(cancel_midway())

@@ -25,6 +25,8 @@ def test_parse_size(text, size):
         ["serve", "--kv-cache-memory", "lots"],
         ["serve", "--port", "x"],
         ["serve", "--max-num-seqs", "0"],
+        ["serve", "--scheduling-policy", "lifo"],
+        ["serve", "--max-n", "0"],
         ["nonsense"],
     ],
 )
@@ -78,8 +80,16 @@ def test_doctor_off_metal_says_so_and_exits_2(capsys):
     assert "No Metal device" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("argv", "enabled"), [([], True), (["--no-prefix-caching"], False)])
-def test_prefix_caching_option_reaches_the_engine_config(tmp_path, monkeypatch, argv, enabled):
+@pytest.mark.parametrize(
+    ("argv", "field", "value"),
+    [
+        ([], "enable_prefix_caching", True),
+        (["--no-prefix-caching"], "enable_prefix_caching", False),
+        ([], "scheduling_policy", "fcfs"),
+        (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
+    ],
+)
+def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, value):
     from metal_engine.engine import LLMEngine
 
     seen = []
@@ -90,4 +100,18 @@ def test_prefix_caching_option_reaches_the_engine_config(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(LLMEngine, "from_config", staticmethod(capture))
     assert main(["serve", str(tmp_path), *argv]) == 2
-    assert seen[0].enable_prefix_caching is enabled
+    assert getattr(seen[0], field) == value
+
+
+@pytest.mark.parametrize(("argv", "max_n"), [([], 16), (["--max-n", "3"], 3)])
+def test_max_n_option_reaches_the_app(tmp_path, monkeypatch, argv, max_n):
+    import uvicorn
+
+    from server import app, launch
+
+    built = []
+    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: object())
+    monkeypatch.setattr(app, "build_app", lambda engine, name, max_n: built.append(max_n))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    assert main(["serve", str(tmp_path), *argv]) == 0
+    assert built == [max_n]

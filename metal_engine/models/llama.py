@@ -6,10 +6,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
-from kernels_metal.cpu_math import silu_mul
+from kernels_metal.cpu_math import linear, silu_mul
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.rope import apply_rope, inv_frequencies, rope_tables
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters) with the CPU backend's one-row fast path."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return linear(x, self.weight, self.get("bias"))
 
 
 class Attention(nn.Module):
@@ -20,10 +27,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.attention_bias)
 
     def __call__(
         self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
@@ -44,9 +51,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -91,14 +98,14 @@ class Model(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def __call__(self, input_ids, positions, meta, cache) -> mx.array:
         return self.model(input_ids, positions, meta, cache)
 
     def logits(self, hidden: mx.array) -> mx.array:
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
+            return linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -121,12 +121,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return outputs
-        sampled = self.runner.execute(scheduled)
-        for update in self.scheduler.update(scheduled, sampled):
-            outputs.append(self._process(update))
+        launched = None
+        if not scheduled.is_empty:
+            launched = self.runner.launch(scheduled, previous=self._in_flight)
+            self.scheduler.advance(scheduled)
+        finished, self._in_flight = self._in_flight, launched
+        if not self.async_scheduling:
+            finished, self._in_flight = launched, None
+        if finished is not None:
+            outputs += self._resolve(finished)
         return outputs
+
+    def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs."""
+        updates = self.scheduler.resolve(launched.out, launched.sampled())
+        return [self._process(update) for update in updates]
 
     def _process(self, update: RequestUpdate) -> RequestOutput:
         request, reason = update.request, update.finish_reason
@@ -137,16 +146,19 @@ class LLMEngine:
         text = detok.take_delta(final=reason is not None)
         if reason is not None:
             del self._detokenizers[request.request_id]
-        return self._output(request, update.new_token_ids, text, reason)
+        return self._output(request, update.new_token_ids, text, reason, update.num_output_tokens)
 
     @staticmethod
-    def _output(request: Request, token_ids: list[int], text: str, reason) -> RequestOutput:
+    def _output(request: Request, token_ids: list[int], text: str, reason,
+                num_output_tokens: int | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
             new_text=text,
             finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=(
+                request.num_output_tokens if num_output_tokens is None else num_output_tokens
+            ),
             num_cached_tokens=request.num_cached_tokens,
         )

@@ -71,11 +71,12 @@ class PrefixCache:
             self.stats.queried_tokens += request.num_tokens
             self.stats.hit_tokens += num_hit_tokens
 
-    def register(self, request: Request) -> None:
-        """Hash every block the request filled since the last call and cache it in the pool."""
+    def register(self, request: Request, num_tokens: int) -> None:
+        """Hash every block of the first `num_tokens` tokens (all computed and known) that
+        the request filled since the last call, and cache it in the pool."""
         if not self.enabled:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full)
         for i in range(request.num_hashed_blocks, num_full):
             self.pool.cache(request.block_ids[i], request.block_hashes[i])

@@ -73,17 +73,40 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def has_pending_output(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def check_stop(self, max_model_len: int) -> FinishReason | None:
-        """Stop by token id or length, judged on the last appended output token."""
-        last = self.output_token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
+    def resolve_output(self, index: int, token_id: int) -> None:
+        """Replace the pending output token at `index` by the sampled one."""
+        assert self.output_token_ids[index] == PENDING_TOKEN, "output already resolved"
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[self.num_prompt_tokens + index] = token_id
+
+    def drop_pending_outputs(self) -> None:
+        """Forget trailing outputs still being sampled: the request ends before them."""
+        while self.has_pending_output:
+            self.output_token_ids.pop()
+            self.all_token_ids.pop()
+
+    def reached_length(self, max_model_len: int) -> bool:
+        """Whether the outputs so far (pending ones too) leave no room for another token."""
+        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
+
+    def check_stop(self, index: int, max_model_len: int) -> FinishReason | None:
+        """Stop by token id or length, judged on the output token at `index`."""
+        token = self.output_token_ids[index]
+        if not self.params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if last in self.params.stop_token_ids:
+        if token in self.params.stop_token_ids:
             return "stop"
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        num_outputs = index + 1
+        if num_outputs >= self.params.max_tokens or (
+            self.num_prompt_tokens + num_outputs >= max_model_len
+        ):
             return "length"
         return None

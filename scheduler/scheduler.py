@@ -15,7 +15,7 @@ from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.waiting_queue import WaitingQueue
 
@@ -58,6 +58,7 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finish_reason: FinishReason | None
+    num_output_tokens: int  # the request's outputs up to and including these
 
 
 def cdiv(a: int, b: int) -> int:
@@ -78,6 +79,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self._arrivals = 0
+        self.num_preemptions = 0
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -151,6 +153,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted this step to make room for another
+            if request.reached_length(self.config.max_model_len):
+                continue  # its last token is still being sampled; nothing more to compute
             num_new = min(request.num_uncomputed_tokens, budget)
             while not self._reserve_blocks(request, num_new):
                 # The one the policy would admit last: fcfs, the newest; priority, the lowest.
@@ -176,6 +180,8 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if request.has_pending_output:
+                continue  # preempted while its last token was being sampled: wait for it
             hits = self.prefix_cache.match(request)
             if self._next_block_in_flight(request, hits, in_flight):
                 continue
@@ -238,6 +244,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: release its blocks (cached ones stay findable), queue it again."""
+        self.num_preemptions += 1
         self.running.remove(request)
         self.pool.free(request.block_ids)
         request.block_ids = []
@@ -259,9 +266,26 @@ class Scheduler:
         )
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
-        """Advance counters by the step's tokens; append sampled ids; finish stopped requests.
+        """`advance` then `resolve`: the whole bookkeeping of a step whose tokens are known."""
+        self.advance(out)
+        return self.resolve(out, sampled)
 
-        Blocks that became full this step are registered in the prefix cache at once, so a
+    def advance(self, out: SchedulerOutput) -> None:
+        """Count the step's tokens as computed once the step is launched, before its samples
+        are known: each sampling request gets a pending output token, which the next step
+        may already feed (the runner takes its value from this step's device array)."""
+        for item in out.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None:
+                continue  # finished since it was scheduled
+            request.num_computed_tokens += len(item.token_ids)
+            if item.samples:
+                request.append_output(PENDING_TOKEN)
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Fill in a launched step's sampled tokens; finish requests that stop on them.
+
+        Blocks that became full in the step are registered in the prefix cache now, so a
         request admitted next step can share them even while this one still runs.
 
         `sampled` maps request id -> token id for the scheduled requests that sampled.
@@ -269,20 +293,24 @@ class Scheduler:
         updates = []
         for item in out.scheduled:
             request = self.requests.get(item.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or preempted while the step ran
-            request.num_computed_tokens += len(item.token_ids)
-            self.prefix_cache.register(request)
+            if request is None:
+                continue  # finished while the step ran
+            if request.status == RequestStatus.RUNNING:
+                self.prefix_cache.register(request, item.start_position + len(item.token_ids))
             if not item.samples:
                 continue
-            request.append_output(sampled[item.request_id])
-            reason = request.check_stop(self.config.max_model_len)
+            index = item.num_output_tokens
+            request.resolve_output(index, sampled[item.request_id])
+            reason = request.check_stop(index, self.config.max_model_len)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
-            updates.append(RequestUpdate(request, [request.output_token_ids[-1]], reason))
+            updates.append(RequestUpdate(
+                request, [request.output_token_ids[index]], reason, num_output_tokens=index + 1
+            ))
         return updates
 
     def _release(self, request: Request, reason: FinishReason) -> None:
+        request.drop_pending_outputs()
         self.pool.free(request.block_ids)
         request.block_ids = []
         request.status = RequestStatus.FINISHED

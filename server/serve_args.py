@@ -70,6 +70,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt in full instead of reusing the KV cache of seen prefixes",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue step N+1 on the device before step N's tokens are back, overlapping host "
+        "work with the forward (default: on with Metal, off on the CPU backend, whose forward "
+        "runs synchronously)",
+    )
+    parser.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         help="fcfs (default): first come, first served; priority: requests with a lower "

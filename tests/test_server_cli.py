@@ -87,6 +87,9 @@ def test_doctor_off_metal_says_so_and_exits_2(capsys):
         (["--no-prefix-caching"], "enable_prefix_caching", False),
         ([], "scheduling_policy", "fcfs"),
         (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
+        ([], "async_scheduling", None),
+        (["--async-scheduling"], "async_scheduling", True),
+        (["--no-async-scheduling"], "async_scheduling", False),
     ],
 )
 def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, value):

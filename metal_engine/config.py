@@ -32,9 +32,15 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     # None: on where the forward runs asynchronously (Metal); see LLMEngine.
     async_scheduling: bool | None = None
+    # Opt-in second tier of the prefix cache: blocks evicted from the pool (and all cached
+    # blocks at shutdown) are kept here, keyed by model identity, up to this many bytes.
+    kv_cache_dir: Path | None = None
+    kv_cache_dir_size: int = 8 << 30
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.kv_cache_dir is not None:
+            object.__setattr__(self, "kv_cache_dir", Path(self.kv_cache_dir))
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -10,13 +10,29 @@ from transformers import AutoTokenizer
 from metal_engine.config import EngineConfig
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
+from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
 from metal_engine.outputs import RequestOutput
 from metal_engine.runner import LaunchedStep, ModelRunner
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.scheduler import RequestUpdate
+from scheduler.scheduler import RequestUpdate, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+# Blocks read from the pool per batch when spilling at shutdown (bounds the host copy).
+_SPILL_BATCH = 64
+
+
+def _disk_store(config: EngineConfig, cache: KVCache) -> KVDiskStore:
+    layout = BlockLayout(
+        num_layers=len(cache.k), block_size=cache.block_size, kv_heads=cache.k[0].shape[2],
+        head_dim=cache.k[0].shape[3], dtype=str(cache.dtype).removeprefix("mlx.core."),
+    )
+    store = KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout), layout,
+                        config.kv_cache_dir_size)
+    log.info("KV disk cache: %d blocks (%.1f MiB) in %s", store.num_blocks,
+             store.used_bytes / 2**20, store.root)
+    return store
 
 
 class LLMEngine:
@@ -33,8 +49,10 @@ class LLMEngine:
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, model_name: str,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, block_store: KVDiskStore | None = None):
+        """`block_store` must be the store the scheduler was given."""
         self.runner = runner
+        self.block_store = block_store
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -70,6 +88,7 @@ class LLMEngine:
         )
         cache = KVCache(mc.num_hidden_layers, num_blocks, config.block_size,
                         mc.num_key_value_heads, mc.head_dim, dtype)
+        store = _disk_store(config, cache) if config.kv_cache_dir is not None else None
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -78,13 +97,13 @@ class LLMEngine:
             max_model_len=max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
-        ))
+        ), store)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         async_scheduling = (
             mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
         )
         return cls(ModelRunner(model, cache), scheduler, tokenizer, config.model_dir.name,
-                   async_scheduling)
+                   async_scheduling, store)
 
     @property
     def max_model_len(self) -> int:
@@ -121,6 +140,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
+        self._move_blocks(scheduled)
         launched = None
         if not scheduled.is_empty:
             launched = self.runner.launch(scheduled, previous=self._in_flight)
@@ -131,6 +151,34 @@ class LLMEngine:
         if finished is not None:
             outputs += self._resolve(finished)
         return outputs
+
+    def _move_blocks(self, scheduled: SchedulerOutput) -> None:
+        """Spill evicted blocks to the store before the step overwrites them; load hits."""
+        if scheduled.blocks_to_save:
+            block_ids, hashes = zip(*scheduled.blocks_to_save, strict=True)
+            for block_hash, payload in zip(
+                hashes, self.runner.cache.read_blocks(list(block_ids)), strict=True
+            ):
+                self.block_store.save(block_hash, payload)
+        if scheduled.blocks_to_load:
+            block_ids, payloads = zip(*scheduled.blocks_to_load, strict=True)
+            self.runner.cache.write_blocks(list(block_ids), list(payloads))
+
+    def close(self) -> None:
+        """Spill every cached block in the pool to the store (if any), for the next start."""
+        if self.block_store is None:
+            return
+        if self._in_flight is not None:
+            self._in_flight.sampled()  # its K/V writes must land first
+        cached = [(b, h) for b, h in self.scheduler.pool.cached_blocks()
+                  if h not in self.block_store]
+        for start in range(0, len(cached), _SPILL_BATCH):
+            batch = cached[start : start + _SPILL_BATCH]
+            payloads = self.runner.cache.read_blocks([b for b, _ in batch])
+            for (_, block_hash), payload in zip(batch, payloads, strict=True):
+                self.block_store.save(block_hash, payload)
+        log.info("KV disk cache: saved %d blocks, %d on disk in %s", len(cached),
+                 self.block_store.num_blocks, self.block_store.root)
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from scheduler.prefix_hash import BlockHash
 
@@ -22,8 +22,13 @@ class BlockPool:
     Running out is a return value (`None`), never an exception: the scheduler preempts.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(
+        self, num_blocks: int, on_evict: Callable[[int, BlockHash], None] | None = None
+    ) -> None:
+        """`on_evict(block_id, hash)` hears of each cached block `allocate` reuses, before
+        the caller can overwrite its contents."""
         self.num_blocks = num_blocks
+        self._on_evict = on_evict
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refcounts = [0] * num_blocks
         self._hash_of: dict[int, BlockHash] = {}
@@ -60,9 +65,15 @@ class BlockPool:
             block_hash = self._hash_of.pop(block_id, None)
             if block_hash is not None:
                 del self._block_of[block_hash]
+                if self._on_evict is not None:
+                    self._on_evict(block_id, block_hash)
             self._refcounts[block_id] = 1
             blocks.append(block_id)
         return blocks
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """Every block that holds a cached prefix, used or free: (block id, hash)."""
+        return list(self._hash_of.items())
 
     def take_cached(self, block_ids: Iterable[int]) -> None:
         """Add one holder to each cached block; a free one leaves the free list."""

@@ -1,20 +1,45 @@
-"""Automatic prefix caching: reuse the K/V of full blocks whose token prefix was seen before."""
+"""Automatic prefix caching: reuse the K/V of full blocks whose token prefix was seen before.
+
+Two tiers: blocks in the KV pool (free ones keep their contents until evicted), and, when a
+`BlockStore` is given, blocks the engine spilled to it (e.g. on disk), which are loaded back
+into fresh pool blocks at admission.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from scheduler.block_pool import BlockPool
-from scheduler.prefix_hash import extend_block_hashes
+from scheduler.prefix_hash import BlockHash, extend_block_hashes
 from scheduler.request import Request
+
+
+class BlockStore(Protocol):
+    """Block contents kept outside the pool, keyed by hash. Payloads are opaque bytes."""
+
+    def __contains__(self, block_hash: BlockHash) -> bool: ...
+
+    def load(self, block_hash: BlockHash) -> bytes | None:
+        """The payload, or None if it is gone or unreadable."""
+
+
+@dataclass(frozen=True)
+class StoredPrefix:
+    """Blocks of a request's prefix found in the store, right after its pool hits."""
+
+    hashes: list[BlockHash]
+    payloads: list[bytes]
 
 
 @dataclass
 class PrefixCacheStats:
-    """Token counts over admitted requests: looked up, and found cached."""
+    """Token counts over admitted requests: looked up, found cached (either tier), and found
+    in the store only."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
+    stored_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -28,10 +53,12 @@ class PrefixCache:
     (kept on the request, `request.block_hashes`) and those to block ids.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, enabled: bool) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, enabled: bool,
+                 store: BlockStore | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.enabled = enabled
+        self.store = store if enabled else None
         self.stats = PrefixCacheStats()
 
     def match(self, request: Request) -> list[int]:
@@ -42,7 +69,7 @@ class PrefixCache:
         """
         if not self.enabled:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = self._max_blocks(request)
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, max_blocks
         )
@@ -54,22 +81,61 @@ class PrefixCache:
             hits.append(block_id)
         return hits
 
-    def take(self, request: Request, hits: list[int]) -> None:
-        """Give a request with no blocks the `hits` blocks and count their tokens as computed.
+    def stored_after(self, request: Request, num_hits: int) -> list[BlockHash]:
+        """Hashes of the blocks right after the first `num_hits` that the store holds (no
+        read yet). Call after `match`."""
+        if self.store is None:
+            return []
+        found = []
+        for block_hash in request.block_hashes[num_hits : self._max_blocks(request)]:
+            if block_hash not in self.store:
+                break
+            found.append(block_hash)
+        return found
 
-        Mutates the pool refcounts, the request's block table and counters, and the stats.
+    def load_stored(self, hashes: list[BlockHash]) -> StoredPrefix:
+        """Read the blocks, stopping at the first one the store cannot give back."""
+        payloads = []
+        for block_hash in hashes:
+            payload = self.store.load(block_hash) if self.store is not None else None
+            if payload is None:
+                break
+            payloads.append(payload)
+        return StoredPrefix(hashes[: len(payloads)], payloads)
+
+    def take(self, request: Request, hits: list[int],
+             stored: StoredPrefix | None = None) -> list[tuple[int, bytes]]:
+        """Give a request with no blocks the `hits` blocks, then fresh blocks for the `stored`
+        prefix after them, and count all their tokens as computed.
+
+        Stored blocks are registered at once; the returned (block id, payload) pairs must be
+        written into the pool before the step runs. The caller checked that the pool has room.
+        Mutates the pool, the request's block table and counters, and the stats.
         """
         assert not request.block_ids and request.num_computed_tokens == 0
         self.pool.take_cached(hits)
-        num_hit_tokens = len(hits) * self.block_size
-        request.block_ids = list(hits)
-        request.num_computed_tokens = num_hit_tokens
-        request.num_hashed_blocks = len(hits)
+        loads = self._allocate_stored(stored) if stored is not None else []
+        request.block_ids = hits + [block_id for block_id, _ in loads]
+        num_cached_tokens = len(request.block_ids) * self.block_size
+        request.num_computed_tokens = num_cached_tokens
+        request.num_hashed_blocks = len(request.block_ids)
         if request.num_output_tokens == 0:  # first admission: what usage reports
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = num_cached_tokens
         if self.enabled:
             self.stats.queried_tokens += request.num_tokens
-            self.stats.hit_tokens += num_hit_tokens
+            self.stats.hit_tokens += num_cached_tokens
+            self.stats.stored_hit_tokens += len(loads) * self.block_size
+        return loads
+
+    def _allocate_stored(self, stored: StoredPrefix) -> list[tuple[int, bytes]]:
+        blocks = self.pool.allocate(len(stored.payloads))
+        assert blocks is not None, "the caller checked the pool has room"
+        for block_id, block_hash in zip(blocks, stored.hashes, strict=True):
+            self.pool.cache(block_id, block_hash)
+        return list(zip(blocks, stored.payloads, strict=True))
+
+    def _max_blocks(self, request: Request) -> int:
+        return (request.num_tokens - 1) // self.block_size
 
     def register(self, request: Request, num_tokens: int) -> None:
         """Hash every block of the first `num_tokens` tokens (all computed and known) that

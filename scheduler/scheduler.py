@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
-from scheduler.prefix_cache import PrefixCache
+from scheduler.prefix_cache import BlockStore, PrefixCache, StoredPrefix
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -41,6 +41,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Before the step runs: save these evicted blocks to the store (their contents are about
+    # to be overwritten), then write these stored payloads into freshly allocated blocks.
+    blocks_to_save: list[tuple[int, BlockHash]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -68,11 +72,15 @@ def cdiv(a: int, b: int) -> int:
 class Scheduler:
     """Owns request state and the block pool. Not thread-safe: one engine thread calls it."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, store: BlockStore | None = None) -> None:
+        """`store` (optional) keeps cached blocks evicted from the pool, for later hits."""
         self.config = config
-        self.pool = BlockPool(config.num_blocks)
+        self._evicted: list[tuple[int, BlockHash]] = []
+        self.pool = BlockPool(
+            config.num_blocks, on_evict=self._on_evict if store is not None else None
+        )
         self.prefix_cache = PrefixCache(
-            self.pool, config.block_size, config.enable_prefix_caching
+            self.pool, config.block_size, config.enable_prefix_caching, store
         )
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -142,7 +150,12 @@ class Scheduler:
         budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:  # the pool is short: whatever joins now would be preempted next
             self._schedule_waiting(out, budget)
+        out.blocks_to_save, self._evicted = self._evicted, []
         return out
+
+    def _on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        if block_hash not in self.prefix_cache.store:
+            self._evicted.append((block_id, block_hash))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Give each running request its next tokens; return the budget left and whether a
@@ -185,11 +198,17 @@ class Scheduler:
             hits = self.prefix_cache.match(request)
             if self._next_block_in_flight(request, hits, in_flight):
                 continue
-            num_new = min(request.num_tokens - len(hits) * self.config.block_size, budget)
-            if not self._can_admit(hits, num_new):
+            stored = self.prefix_cache.stored_after(request, len(hits))
+            if not self._can_admit(request, hits, len(stored), budget):
                 return
-            self._admit(request, hits, num_new, out)
-            in_flight.update(request.block_hashes[len(hits) :])
+            loaded = self.prefix_cache.load_stored(stored)  # reads only once it fits
+            if len(loaded.hashes) < len(stored) and not self._can_admit(
+                request, hits, len(loaded.hashes), budget
+            ):
+                return  # a stored block could not be read, and computing it does not fit
+            num_new = self._num_new(request, len(hits) + len(loaded.hashes), budget)
+            self._admit(request, hits, loaded, num_new, out)
+            in_flight.update(request.block_hashes[request.num_hashed_blocks :])
             budget -= num_new
 
     def _blocks_in_flight(self) -> set[BlockHash]:
@@ -204,10 +223,9 @@ class Scheduler:
         hashes = request.block_hashes
         return len(hits) < len(hashes) and hashes[len(hits)] in in_flight
 
-    def _admit(
-        self, request: Request, hits: list[int], num_new: int, out: SchedulerOutput
-    ) -> None:
-        self.prefix_cache.take(request, hits)
+    def _admit(self, request: Request, hits: list[int], stored: StoredPrefix, num_new: int,
+               out: SchedulerOutput) -> None:
+        out.blocks_to_load += self.prefix_cache.take(request, hits, stored)
         reserved = self._reserve_blocks(request, num_new)
         assert reserved, "_can_admit counted the blocks"
         self.waiting.remove(request)
@@ -215,9 +233,17 @@ class Scheduler:
         self.running.append(request)
         out.scheduled.append(self._scheduled(request, num_new))
 
-    def _can_admit(self, hits: list[int], num_new: int) -> bool:
-        """Whether the pool can back `hits` plus `num_new` tokens after them. Changes nothing."""
-        needed = cdiv(len(hits) * self.config.block_size + num_new, self.config.block_size)
+    def _num_new(self, request: Request, num_cached_blocks: int, budget: int) -> int:
+        """Tokens the request computes in its first step after `num_cached_blocks` blocks."""
+        return min(request.num_tokens - num_cached_blocks * self.config.block_size, budget)
+
+    def _can_admit(self, request: Request, hits: list[int], num_stored: int,
+                   budget: int) -> bool:
+        """Whether the pool can back `hits`, `num_stored` loaded blocks after them and the
+        first step's new tokens after those. Changes nothing."""
+        block_size = self.config.block_size
+        num_new = self._num_new(request, len(hits) + num_stored, budget)
+        needed = cdiv((len(hits) + num_stored) * block_size + num_new, block_size)
         # A cached block that is free leaves the free list when taken.
         free_hits = sum(1 for block_id in hits if self.pool.refcount(block_id) == 0)
         return needed - len(hits) <= self.pool.num_free_blocks - free_hits

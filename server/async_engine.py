@@ -50,6 +50,9 @@ class Engine(Protocol):
 
     def step(self) -> list[RequestOutput]: ...
 
+    def close(self) -> None:
+        """Last call, on the engine thread: e.g. spill cached KV blocks to disk."""
+
 
 @dataclass
 class _Stream:
@@ -168,6 +171,10 @@ class AsyncEngine:
             if self._live():
                 self._step()
         self._fail_all(EngineError("The server is shutting down; retry on a running server."))
+        try:
+            self.engine.close()
+        except Exception:
+            log.exception("closing the engine failed")
 
     def _live(self) -> bool:
         # The engine may hold work without a stream: an abort's output is flushed by a step.

@@ -22,7 +22,8 @@ log = logging.getLogger("metal_serve")
 # EngineConfig field <- CLI option; options left unset keep the engine's defaults.
 _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
-    "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling",
+    "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
+    "kv_cache_dir_size",
 )  # fmt: skip
 
 

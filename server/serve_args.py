@@ -70,6 +70,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute every prompt in full instead of reusing the KV cache of seen prefixes",
     )
     parser.add_argument(
+        "--kv-cache-dir",
+        type=Path,
+        help="keep prefix-cache blocks evicted from memory (and all of them at shutdown) in "
+        "this directory, so a restarted server reuses them (off by default)",
+    )
+    parser.add_argument(
+        "--kv-cache-dir-size",
+        type=parse_size,
+        help='most disk the --kv-cache-dir cache may use, e.g. "20GiB" (default 8GiB); '
+        "least recently used blocks go first",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -3,15 +3,20 @@
 8 sessions x 4 turns share a ~1k-token system prompt. Each turn resends the whole
 conversation with the assistant's answer and a tool result appended, and a session's next
 turn starts as soon as its previous one finishes. The test prints the prefix hit rate and the
-prefill tokens saved, and holds the hit rate to what a prefix cache must reuse here.
+prefill tokens saved, and holds the hit rate to what a prefix cache must reuse here; a second
+test restarts the engine halfway with an on-disk prefix cache and keeps the hits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from engine_helpers import make_runner_and_scheduler
 
-from scheduler import Request, SamplingParams, Scheduler
+from metal_engine.engine import LLMEngine
+from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 BLOCK = 16
 SESSIONS, TURNS = 8, 4
@@ -22,9 +27,11 @@ PARAMS = SamplingParams(max_tokens=ANSWER_LEN, temperature=0.0, ignore_eos=True)
 class Agents:
     """Submits each session's turns and keeps the count a perfect prefix cache would reuse."""
 
-    def __init__(self, scheduler: Scheduler, rng: np.random.Generator) -> None:
-        self.scheduler = scheduler
+    def __init__(self, add: Callable[[str, list[int]], None], rng: np.random.Generator,
+                 turns: int = TURNS) -> None:
+        self.add = add
         self.rng = rng
+        self.turns = turns
         self.prompt_tokens = 0
         self.reusable_tokens = 0
         self.turns_done = 0
@@ -33,8 +40,7 @@ class Agents:
         return [int(t) for t in self.rng.integers(3, 128, size=count)]
 
     def submit(self, session: int, turn: int, prompt: list[int], reusable: int) -> None:
-        request = Request(f"s{session}-t{turn}", prompt, PARAMS, eos_token_ids=(2,))
-        self.scheduler.add_request(request)
+        self.add(f"s{session}-t{turn}", prompt)
         self.prompt_tokens += len(prompt)
         self.reusable_tokens += reusable
 
@@ -45,14 +51,13 @@ class Agents:
         for session in range(SESSIONS):
             self.submit(session, 0, system + self.tokens(USER_LEN), shared if session else 0)
 
-    def next_turn(self, finished: Request) -> None:
+    def next_turn(self, request_id: str, history: list[int]) -> None:
         """Resend the conversation with the answer and a tool result; the previous turn left
         the full blocks of all but its last token (a sampled token has no K/V yet) cached."""
         self.turns_done += 1
-        session, turn = (int(part[1:]) for part in finished.request_id.split("-"))
-        if turn + 1 == TURNS:
+        session, turn = (int(part[1:]) for part in request_id.split("-"))
+        if turn + 1 == self.turns:
             return
-        history = finished.all_token_ids
         reusable = (len(history) - 1) // BLOCK * BLOCK
         self.submit(session, turn + 1, history + self.tokens(TOOL_RESULT_LEN), reusable)
 
@@ -64,7 +69,10 @@ def test_agent_sessions_reuse_the_system_prompt_and_their_history(tiny_llama):
         tiny_llama[1], num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS,
         max_num_batched_tokens=2048, max_model_len=2048,
     )  # fmt: skip
-    agents = Agents(scheduler, np.random.default_rng(5))
+    def add(request_id: str, prompt: list[int]) -> None:
+        scheduler.add_request(Request(request_id, prompt, PARAMS, eos_token_ids=(2,)))
+
+    agents = Agents(add, np.random.default_rng(5))
     agents.start(agents.tokens(SYSTEM_LEN))
     computed_prompt_tokens = 0
     while scheduler.has_unfinished_requests():
@@ -75,7 +83,7 @@ def test_agent_sessions_reuse_the_system_prompt_and_their_history(tiny_llama):
                                                  num_prompt - item.start_position))
         for update in scheduler.update(out, runner.execute(out)):
             if update.finish_reason is not None:
-                agents.next_turn(update.request)
+                agents.next_turn(update.request.request_id, update.request.all_token_ids)
 
     stats = scheduler.prefix_cache.stats
     saved = agents.prompt_tokens - computed_prompt_tokens
@@ -86,3 +94,61 @@ def test_agent_sessions_reuse_the_system_prompt_and_their_history(tiny_llama):
     assert stats.queried_tokens == agents.prompt_tokens  # every request admitted once
     assert stats.hit_tokens == saved  # what the stats report is what was not computed
     assert stats.hit_rate >= floor
+
+
+def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
+    """An engine whose prefix cache spills to (and loads from) `kv_dir`."""
+    runner, _ = make_runner_and_scheduler(model_dir, num_blocks=1024, block_size=BLOCK)
+    cache = runner.cache
+    layout = BlockLayout(len(cache.k), BLOCK, cache.k[0].shape[2], cache.k[0].shape[3],
+                         "float32")
+    store = KVDiskStore(kv_dir, "tiny-agents", layout, 1 << 30)
+    scheduler = Scheduler(SchedulerConfig(
+        num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS, max_num_batched_tokens=2048,
+        max_model_len=2048,
+    ), store)  # fmt: skip
+    return LLMEngine(runner, scheduler, tokenizer, "tiny", block_store=store)
+
+
+def run_turns(engine: LLMEngine, agents: Agents, prompts: dict[str, list[int]]
+              ) -> dict[str, list[int]]:
+    """Step until every submitted turn (and the turns they lead to) has finished; return
+    each turn's conversation: its prompt and answer."""
+    histories: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            rid = output.request_id
+            histories[rid] = histories.get(rid, prompts[rid]) + output.new_token_ids
+            if output.finished:
+                agents.next_turn(rid, histories[rid])
+    return histories
+
+
+def test_agent_sessions_keep_their_hits_across_a_restart_with_a_kv_cache_dir(
+    tiny_llama, default_tokenizer, tmp_path
+):
+    prompts: dict[str, list[int]] = {}
+    engine = agents_engine(tiny_llama[1], default_tokenizer, tmp_path)
+
+    def add(request_id: str, prompt: list[int]) -> None:
+        prompts[request_id] = prompt
+        engine.add_request(request_id, prompt, PARAMS)
+
+    first_half = Agents(add, np.random.default_rng(5), turns=TURNS // 2)
+    first_half.start(first_half.tokens(SYSTEM_LEN))
+    histories = run_turns(engine, first_half, prompts)
+    engine.close()
+
+    engine = agents_engine(tiny_llama[1], default_tokenizer, tmp_path)  # the restart
+    second_half = Agents(add, np.random.default_rng(6))
+    last_turn = TURNS // 2 - 1
+    for session in range(SESSIONS):  # each conversation goes on where it stopped
+        rid = f"s{session}-t{last_turn}"
+        second_half.next_turn(rid, histories[rid])
+    run_turns(engine, second_half, prompts)
+    stats = engine.scheduler.prefix_cache.stats
+    floor = second_half.reusable_tokens / second_half.prompt_tokens
+    print(f"\nafter a restart: prefix hit rate {stats.hit_rate:.1%} (floor {floor:.1%}), "
+          f"{stats.stored_hit_tokens} tokens loaded from disk")
+    assert all(f"s{session}-t{TURNS - 1}" in prompts for session in range(SESSIONS))
+    assert stats.hit_rate >= floor and stats.stored_hit_tokens > 0

@@ -28,6 +28,7 @@ class ScriptedEngine:
         self.steps = 0
         self.fail_next_step = False
         self.threads: set[str] = set()
+        self.closed_on: str | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0):
@@ -42,6 +43,9 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        self.closed_on = threading.current_thread().name
 
     def step(self) -> list[RequestOutput]:
         self.threads.add(threading.current_thread().name)
@@ -172,6 +176,7 @@ def test_shutdown_fails_live_requests_and_refuses_new_ones(engine):
 
     asyncio.run(shut_down_midway())
     assert scripted.aborted == ["live"]
+    assert scripted.closed_on == "engine-loop"  # closed last, where the engine lives
 
 
 async def _start_three_choices(bridge: AsyncEngine) -> generation.Choices:

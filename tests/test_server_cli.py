@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,9 @@ def test_doctor_off_metal_says_so_and_exits_2(capsys):
         ([], "async_scheduling", None),
         (["--async-scheduling"], "async_scheduling", True),
         (["--no-async-scheduling"], "async_scheduling", False),
+        ([], "kv_cache_dir", None),
+        (["--kv-cache-dir", "/tmp/kv"], "kv_cache_dir", Path("/tmp/kv")),
+        (["--kv-cache-dir-size", "2GiB"], "kv_cache_dir_size", 2 << 30),
     ],
 )
 def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, value):

@@ -140,6 +140,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
+        self.runner.release(scheduled.finished_ids)
         self._move_blocks(scheduled)
         launched = None
         if not scheduled.is_empty:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
+from metal_engine.block_tables import BlockTables
 from scheduler.request import PENDING_TOKEN
 from scheduler.scheduler import SchedulerOutput
 
@@ -23,8 +24,13 @@ class StepInputs:
     pending_request_ids: list[str]
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
-    """Packed token ids, positions and paging metadata for every scheduled request."""
+def build_step_inputs(out: SchedulerOutput, block_size: int,
+                      tables: BlockTables | None = None) -> StepInputs:
+    """Packed token ids, positions and paging metadata for every scheduled request.
+
+    `tables` carries block tables over from earlier steps (the serving path); without it
+    they are built from scratch.
+    """
     scheduled = out.scheduled
     q_lens = np.array([len(s.token_ids) for s in scheduled], np.int32)
     starts = np.array([s.start_position for s in scheduled], np.int32)
@@ -36,10 +42,10 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
     positions = (np.arange(total) - cu_seqlens[request_of_row] + starts[request_of_row])
     positions = positions.astype(np.int32)
 
+    tables = tables if tables is not None else BlockTables(len(scheduled))
     max_blocks = max(len(s.block_ids) for s in scheduled)
-    block_tables = np.zeros((len(scheduled), max_blocks), np.int32)
-    for i, s in enumerate(scheduled):
-        block_tables[i, : len(s.block_ids)] = s.block_ids
+    rows = tables.rows_for(scheduled)  # may grow `tables.table`: read it after
+    block_tables = tables.table[rows, :max_blocks]
     slots = (
         block_tables[request_of_row, positions // block_size].astype(np.int64) * block_size
         + positions % block_size

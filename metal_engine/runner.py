@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from metal_engine.block_tables import BlockTables
 from metal_engine.input_batch import StepInputs, build_step_inputs
 from metal_engine.kv_cache import KVCache
 from metal_engine.models.llama import Model
@@ -33,6 +34,11 @@ class ModelRunner:
     def __init__(self, model: Model, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
+        self.block_tables = BlockTables()
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop state kept for requests that finished (call with every step's finished ids)."""
+        self.block_tables.release(request_ids)
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run the forward for every scheduled token; return the sampled id per sampling request."""
@@ -44,7 +50,7 @@ class ModelRunner:
         Tokens the scheduler fed before knowing them (sampled by `previous`, still in flight)
         are taken from `previous`'s device array, so the step can be queued right behind it.
         """
-        step = build_step_inputs(out, self.cache.block_size)
+        step = build_step_inputs(out, self.cache.block_size, self.block_tables)
         input_ids = _with_pending_tokens(step, previous)
         hidden = self.model(input_ids, mx.array(step.positions), step.attention, self.cache)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V

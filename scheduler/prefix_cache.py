@@ -115,7 +115,7 @@ class PrefixCache:
         assert not request.block_ids and request.num_computed_tokens == 0
         self.pool.take_cached(hits)
         loads = self._allocate_stored(stored) if stored is not None else []
-        request.block_ids = hits + [block_id for block_id, _ in loads]
+        request.start_block_table(hits + [block_id for block_id, _ in loads])
         num_cached_tokens = len(request.block_ids) * self.block_size
         request.num_computed_tokens = num_cached_tokens
         request.num_hashed_blocks = len(request.block_ids)

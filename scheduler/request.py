@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from typing import Literal
 
 from scheduler.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
+
+_epochs = itertools.count(1)
 
 # Stands for an output token that a step still in flight is sampling (async scheduling).
 PENDING_TOKEN = -1
@@ -50,6 +53,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.block_table_epoch = 0  # new whenever block_ids starts over (each admission)
         # Prefix caching: hashes of full blocks of `all_token_ids` (content only, so they stay
         # valid across preemption); how many leading `block_ids` are registered in the pool;
         # prompt tokens found cached at admission.
@@ -76,6 +80,11 @@ class Request:
     @property
     def has_pending_output(self) -> bool:
         return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
+
+    def start_block_table(self, block_ids: list[int]) -> None:
+        """Replace the block table, under an epoch no other table in this process has had."""
+        self.block_ids = block_ids
+        self.block_table_epoch = next(_epochs)
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -32,6 +32,7 @@ class ScheduledRequest:
     token_ids: list[int]
     start_position: int
     block_ids: list[int]
+    block_table_epoch: int  # changes when the request's blocks were replaced, not appended to
     samples: bool
     params: SamplingParams
     num_output_tokens: int
@@ -286,6 +287,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_new],
             start_position=start,
             block_ids=list(request.block_ids),
+            block_table_epoch=request.block_table_epoch,
             samples=start + num_new == request.num_tokens,
             params=request.params,
             num_output_tokens=request.num_output_tokens,

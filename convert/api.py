@@ -16,7 +16,7 @@ def convert_model(
     force: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Convert `source` (a .gguf file or a Hugging Face Llama dir) into the model dir `out`.
+    """Convert `source` (a .gguf file or a Hugging Face model dir) into the model dir `out`.
 
     `out` appears only once complete; an existing non-empty `out` is replaced only with `force`.
     Returns `out`.

@@ -13,7 +13,9 @@ from convert.model_dir import DTYPES, read_manifest
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """Add source, --out, --dtype, --force and --no-progress to `parser`."""
-    parser.add_argument("source", type=Path, help="a .gguf file or a Hugging Face Llama dir")
+    parser.add_argument("source", type=Path,
+                        help="a .gguf file or a Hugging Face model dir (Llama, Mistral, Qwen2, "
+                             "Qwen3, Gemma 2, Gemma 3 text, Phi-3)")
     parser.add_argument("--out", type=Path, required=True, help="model directory to create")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="dtype of the written weights (default: float32)")

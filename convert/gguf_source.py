@@ -13,9 +13,10 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from convert.llama_layout import LlamaSpec, check_tensors, tensor_shapes
+from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import write_gguf_tokenizer
+from metal_engine.model_config import ModelConfig
 
 # Types gguf.quants can dequantize in numpy.
 SUPPORTED_TYPES = frozenset({
@@ -47,15 +48,16 @@ def open_gguf(path: Path) -> ModelSource:
     _check_file(reader)
     tensors = {hf_name(t.name): t for t in reader.tensors}
     _check_types(reader.tensors)
-    spec = _spec_from_metadata(reader, tensors)
-    check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(spec))
+    config = _config_from_metadata(reader, tensors)
+    check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(config))
+    eos = config.eos_token_ids[0] if config.eos_token_ids else None
     return ModelSource(
         kind="gguf",
         path=path,
-        spec=spec,
+        config=config,
         base_config={},
-        tensors=partial(_read_tensors, tensors, spec),
-        write_tokenizer=partial(write_gguf_tokenizer, path, eos_token_id=spec.eos_token_id),
+        tensors=partial(_read_tensors, tensors, config),
+        write_tokenizer=partial(write_gguf_tokenizer, path, eos_token_id=eos),
         files=(path,),
     )
 
@@ -109,12 +111,14 @@ def _check_types(tensors: list[ReaderTensor]) -> None:
             )
 
 
-def _spec_from_metadata(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> LlamaSpec:
+def _config_from_metadata(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> ModelConfig:
+    """The Hugging Face config keys llama.cpp's metadata describes, read like a config.json."""
     hidden = _require(reader, "llama.embedding_length")
     heads = _require(reader, "llama.attention.head_count")
     head_dim = (_get(reader, "llama.attention.key_length")
                 or _get(reader, "llama.rope.dimension_count") or hidden // heads)
-    return LlamaSpec(
+    return ModelConfig.from_dict(dict(
+        model_type="llama",
         hidden_size=hidden,
         intermediate_size=_require(reader, "llama.feed_forward_length"),
         num_hidden_layers=_require(reader, "llama.block_count"),
@@ -130,17 +134,18 @@ def _spec_from_metadata(reader: GGUFReader, tensors: dict[str, ReaderTensor]) ->
         eos_token_id=_get(reader, "tokenizer.ggml.eos_token_id"),
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors,
-    )
+    ))
 
 
-def _read_tensors(tensors: dict[str, ReaderTensor], spec: LlamaSpec) -> Iterator[tuple[str, Any]]:
-    for name, shape in tensor_shapes(spec).items():
+def _read_tensors(tensors: dict[str, ReaderTensor],
+                  config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    for name, shape in tensor_shapes(config).items():
         tensor = tensors[name]
         weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if ".q_proj." in name:
-            weights = undo_rope_permutation(weights, spec.num_attention_heads)
+            weights = undo_rope_permutation(weights, config.num_attention_heads)
         elif ".k_proj." in name:
-            weights = undo_rope_permutation(weights, spec.num_key_value_heads)
+            weights = undo_rope_permutation(weights, config.num_key_value_heads)
         yield name, weights
 
 

@@ -1,4 +1,7 @@
-"""Open a Hugging Face Llama dir (config.json + safetensors + tokenizer files) as a ModelSource."""
+"""Open a Hugging Face model dir (config.json + safetensors + tokenizer files) as a ModelSource.
+
+Tensors pass through unchanged: the model classes use the Hugging Face names and layouts.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 from safetensors import safe_open
 
-from convert.llama_layout import IGNORED_SUFFIXES, check_tensors, spec_from_hf_config, tensor_shapes
+from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
 
@@ -26,17 +29,17 @@ def open_hf_dir(path: Path) -> ModelSource:
             "or a .gguf file"
         )
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    spec = spec_from_hf_config(config)
+    model_config = config_from_hf(config)
     files = _weight_files(path)
-    names_by_file = _tensor_names(files, tied=spec.tie_word_embeddings)
+    names_by_file = _tensor_names(files, tied=model_config.tie_word_embeddings)
     check_tensors(
         {name: shape for names in names_by_file.values() for name, shape in names.items()},
-        tensor_shapes(spec),
+        tensor_shapes(model_config),
     )
     return ModelSource(
         kind="hf",
         path=path,
-        spec=spec,
+        config=model_config,
         base_config=config,
         tensors=partial(_read_tensors, names_by_file),
         write_tokenizer=partial(copy_hf_tokenizer, path),

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 from tqdm import tqdm
 
-from convert.llama_layout import config_dict, tensor_shapes
+from convert.layout import config_dict, tensor_shapes
 from convert.source import ModelSource, fingerprint
 
 CONVERTER_VERSION = "1"
@@ -44,7 +44,7 @@ def write_model_dir(
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; a model dir is meant to be shared
         source.write_tokenizer(tmp)  # first: it fails fast on an unusable tokenizer
         num_params = write_weights(source, tmp, dtype, progress)
-        _write_json(tmp / "config.json", config_dict(source.spec, dtype, source.base_config))
+        _write_json(tmp / "config.json", config_dict(source.config, dtype, source.base_config))
         _write_json(tmp / MANIFEST_FILE, _manifest(source, dtype, num_params))
         _publish(tmp, out, force)
     except BaseException:
@@ -60,7 +60,7 @@ def write_weights(source: ModelSource, folder: Path, dtype: str, progress: bool)
     """
     target = DTYPES[dtype]
     writer = _ShardWriter(folder, MAX_SHARD_BYTES)
-    total = len(tensor_shapes(source.spec))
+    total = len(tensor_shapes(source.config))
     for name, tensor in tqdm(source.tensors(), total=total, desc="converting", unit="tensor",
                              disable=not progress):
         array = mx.array(tensor).astype(target)

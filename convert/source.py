@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from convert.llama_layout import LlamaSpec
+from metal_engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -21,14 +21,14 @@ class ModelSource:
     """One opened source; nothing heavy is read until `tensors()` is iterated.
 
     `tensors()` yields (Hugging Face name, tensor in [out, in] layout) for every name in
-    `tensor_shapes(spec)`, each exactly once. `write_tokenizer(dir)` writes the tokenizer files
+    `tensor_shapes(config)`, each exactly once. `write_tokenizer(dir)` writes the tokenizer files
     into dir. `base_config` holds source config keys to keep (empty for GGUF); `files` are the
     source files the manifest fingerprints.
     """
 
     kind: Literal["gguf", "hf"]
     path: Path
-    spec: LlamaSpec
+    config: ModelConfig
     base_config: dict[str, Any]
     tensors: Callable[[], Iterator[tuple[str, Tensor]]]
     write_tokenizer: Callable[[Path], None]

@@ -42,17 +42,20 @@ _state = _Dispatch()
 
 
 def paged_attention(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: int | None = None, softcap: float | None = None,
 ) -> mx.array:
     """Packed varlen causal attention: `q [total_q, H, D]` -> `[total_q, H, D]`.
 
     `k_pool`/`v_pool` are `[num_blocks, block_size, kv_heads, head_dim]`; query heads
-    `h` use KV head `h // (H // kv_heads)` (GQA).
+    `h` use KV head `h // (H // kv_heads)` (GQA). A layer's `window` (None: global) limits a
+    row at position p to keys `p - window + 1 .. p`; `softcap` maps scores s (after `scale`)
+    to `softcap * tanh(s / softcap)` before the softmax.
     """
     kernels = _kernels_for(q, k_pool)
     if kernels is None:
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale)
-    return kernels(q, k_pool, v_pool, meta, scale)
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
+    return kernels(q, k_pool, v_pool, meta, scale, window, softcap)
 
 
 @contextlib.contextmanager

@@ -30,14 +30,18 @@ class Case:
     kv_heads: int
     requests: tuple[tuple[int, int], ...]  # (tokens cached before the step, query rows now)
     partition_size: int | None = None
+    window: int | None = None  # sliding window of the layer; None: global attention
+    softcap: float | None = None
 
     @property
     def name(self) -> str:
         reqs = "+".join(f"{c}:{n}" for c, n in self.requests)
         split = f"-p{self.partition_size}" if self.partition_size else ""
+        window = f"-w{self.window}" if self.window else ""
+        softcap = f"-cap{self.softcap:g}" if self.softcap else ""
         dtype = str(self.dtype).removeprefix("mlx.core.")
         return (f"{dtype}-d{self.head_dim}-bs{self.block_size}-h{self.num_heads}"
-                f"kv{self.kv_heads}-[{reqs}]{split}")
+                f"kv{self.kv_heads}-[{reqs}]{split}{window}{softcap}")
 
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -94,10 +98,24 @@ EDGE_CASES = [
     Case(mx.float16, 64, 32, 2, 2, ((70, 1), (0, 40)), 32),
 ]
 
+# Sliding windows (Mistral, Gemma, Qwen) and soft-capped scores (Gemma 2).
+WINDOW_CASES = [
+    # Decode rows whose window starts mid-block, in split partitions and in one.
+    Case(mx.float32, 64, 16, 8, 2, tuple((c, 1) for c in (3, 20, 37, 150, 333)), 16, window=20),
+    Case(mx.float16, 128, 16, 6, 2, ((200, 1), (5, 1), (90, 2)), None, window=64),
+    # Prefill chunks longer than the window: tiles skipped before it, masked across its edge.
+    Case(mx.float32, 64, 16, 4, 2, ((0, 70), (30, 40)), window=13),
+    Case(mx.bfloat16, 80, 32, 6, 2, ((100, 45), (0, 9), (50, 1)), 32, window=33),
+    Case(mx.float16, 64, 16, 8, 1, ((40, 20), (7, 1)), window=1),  # each row sees itself only
+    Case(mx.float32, 96, 16, 4, 4, ((60, 30), (250, 1)), 64, window=512),  # longer than context
+    Case(mx.float32, 64, 16, 8, 2, ((20, 1), (45, 1), (0, 33), (10, 12)), 16, softcap=20.0),
+    Case(mx.bfloat16, 128, 16, 4, 2, ((70, 1), (30, 25)), 32, window=24, softcap=50.0),
+]
+
 
 def grid() -> list[Case]:
     """The kernel check grid: every variant once, then the edge cases."""
-    return variant_cases() + EDGE_CASES
+    return variant_cases() + EDGE_CASES + WINDOW_CASES
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -149,8 +167,8 @@ def check(kernels, case: Case, seed: int = 0) -> CaseResult:
     """Run `kernels` on the case and compare with the fp32 reference on the same inputs."""
     q, k_pool, v_pool, meta, scale = make_inputs(case, seed)
     f32 = [a.astype(mx.float32) for a in (q, k_pool, v_pool)]
-    expected = np.array(paged_attention_reference(*f32, meta, scale))
-    got = kernels(q, k_pool, v_pool, meta, scale)
+    expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap))
+    got = kernels(q, k_pool, v_pool, meta, scale, case.window, case.softcap)
     if got.shape != q.shape or got.dtype != q.dtype:
         raise AssertionError(f"{case.name}: got {got.shape} {got.dtype}, want {q.shape} {q.dtype}")
     got = np.array(got.astype(mx.float32))

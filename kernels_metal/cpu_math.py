@@ -1,9 +1,10 @@
-"""exp, softmax, SwiGLU and one-row linear layers with a fast path for MLX's CPU backend.
+"""exp, softmax, gated activations, soft-capping and one-row linear layers with a fast path
+for MLX's CPU backend.
 
 The CPU backend computes transcendental functions one scalar at a time (~16 ns an element,
-compiled or not), which made SiLU and the attention softmax cost more than the matmuls around
-them. Off Metal these hand the (already evaluated) array to numpy's vectorized math (~0.6 ns
-an element) and back; other devices use MLX's own ops.
+compiled or not), which made SiLU, tanh and the attention softmax cost more than the matmuls
+around them. Off Metal these hand the (already evaluated) array to numpy's vectorized math
+(~0.6 ns an element) and back; other devices use MLX's own ops.
 
 A one-row product (batch-1 decode) is memory-bound: the CPU backend sends it through the
 system BLAS's general matmul, which streams weights at about half the rate of the
@@ -13,12 +14,15 @@ the weights.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 from mlx import nn
 
 # exp below this is a float32 denormal: flushed to 0, since denormals slow every later op.
 DENORMAL_EXP_BOUND = -87.0
+SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 
 def on_cpu() -> bool:
@@ -83,3 +87,19 @@ def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     if not on_cpu():
         return nn.silu(gate) * up
     return gate * up / (1 + exp(-gate))
+
+
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """GeGLU's `gelu_tanh(gate) * up` (transformers' `gelu_pytorch_tanh`, as in Gemma)."""
+    if not on_cpu():
+        return nn.gelu_approx(gate) * up
+    g = _host(gate)
+    activated = 0.5 * g * (1 + np.tanh(SQRT_2_OVER_PI * (g + 0.044715 * g**3)))
+    return mx.array(activated).astype(gate.dtype) * up
+
+
+def tanh_softcap(x: mx.array, cap: float) -> mx.array:
+    """`cap * tanh(x / cap)`: squashes x smoothly into (-cap, cap)."""
+    if not on_cpu():
+        return mx.tanh(x / cap) * cap
+    return mx.array(np.tanh(_host(x) / cap) * cap).astype(x.dtype)

@@ -5,10 +5,12 @@ Launch geometry (threads; the threadgroup is `32 * NH` threads, one simdgroup pe
     grid = (32 * NH * kv_heads * chunks, num_rows, num_parts)
     threadgroup (x, y, z) = (KV head and head chunk, decode row, key partition)
 
-A threadgroup stages a tile of its KV head's keys and values in threadgroup memory once and
-every simdgroup (one query head of the GQA group) reads it from there: K/V is read from device
-memory once per group, not once per head. Within a tile each lane scores one key; the online
-softmax runs in fp32 in the exp2 domain (queries are pre-scaled by scale * log2(e)).
+A row walks the keys it sees: from the start of its sliding window (or of the context) to
+its own position. A threadgroup stages a tile of its KV head's keys and values in threadgroup
+memory once and every simdgroup (one query head of the GQA group) reads it from there: K/V is
+read from device memory once per group, not once per head. Within a tile each lane scores one
+key (soft-capped when the call asks for it); the online softmax runs in fp32 in the exp2
+domain (queries are pre-scaled by scale * log2(e)).
 
 With one partition the kernel writes the final output; with several it writes each
 partition's normalised output and (max, sum), and `reduce` merges them.
@@ -32,9 +34,11 @@ def decode_tile(dtype_size: int, head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
 
 
-# Both kernels: which query heads this threadgroup serves (threadgroup x = KV head x chunk).
+# Both kernels: score scale and soft-cap (exp2 domain; cap 0 = none), and which query heads
+# this threadgroup serves (threadgroup x = KV head x chunk).
 HEAD_GROUP_SOURCE = """
   const float scale_log2 = as_type<float>(params[8]);
+  const float cap_log2 = as_type<float>(params[11]);
   const int qpg = H / KVH;
   const int kvh = int(threadgroup_position_in_grid.x) / CHUNKS;
   const int chunk = int(threadgroup_position_in_grid.x) % CHUNKS;
@@ -42,7 +46,9 @@ HEAD_GROUP_SOURCE = """
   const int nh = min(NH, qpg - chunk * NH);
 """
 
-# params: [H, KVH, max_blocks, part_size, num_parts, num_rows, chunks, NH, scale*log2e bits]
+# params: [H, KVH, max_blocks, part_size, num_parts, num_rows, chunks, NH, scale*log2e bits,
+#          (prefill: BQ), (prefill: window), softcap*log2e bits]
+# rows: [packed query row, request, context length, first key it sees] per decode row
 DECODE_SOURCE = """
   const int H = params[0], KVH = params[1], MB = params[2], PART = params[3];
   const int NPARTS = params[4], NROWS = params[5], CHUNKS = params[6], NH = params[7];
@@ -50,7 +56,7 @@ DECODE_SOURCE = """
   const int row = int(threadgroup_position_in_grid.y);
   const int part = int(threadgroup_position_in_grid.z);
   const int q_row = rows[row * 4], req = rows[row * 4 + 1], ctx = rows[row * 4 + 2];
-  const int k_begin = part * PART;
+  const int k_begin = rows[row * 4 + 3] + part * PART;
   if (k_begin >= ctx) {
     return;  // the whole threadgroup: this row has fewer partitions than the grid
   }
@@ -101,6 +107,9 @@ DECODE_SOURCE = """
       s = 0.0f;
       for (int d = 0; d < D; ++d) {
         s += q_tg[sg * D + d] * float(k_tg[lane * LDK + d]);
+      }
+      if (cap_log2 > 0.0f) {
+        s = cap_log2 * tanh(s / cap_log2);
       }
     }
     const float m_new = max(m, simd_max(s));  // finite: every tile has a key
@@ -158,7 +167,7 @@ REDUCE_SOURCE = """
   const int row = int(threadgroup_position_in_grid.z);
   const int lane = int(thread_index_in_simdgroup);
   constexpr int NACC = (D + 31) / 32;
-  const int nparts = (rows[row * 4 + 2] + PART - 1) / PART;
+  const int nparts = (rows[row * 4 + 2] - rows[row * 4 + 3] + PART - 1) / PART;
   float top = -FLT_MAX;
   for (int p = 0; p < nparts; ++p) {
     top = max(top, part_ml[((long(p) * NROWS + row) * H + h) * 2]);

@@ -39,17 +39,20 @@ class PagedAttentionKernels:
         self.prefill_kernel = make_prefill_kernel(factory)
         self.options = options or PlanOptions()
 
-    def plan(self, meta: AttentionMetadata, num_heads: int, kv_heads: int) -> KernelPlan:
-        key = ("metal-kernels", num_heads, kv_heads, self.options)
+    def plan(self, meta: AttentionMetadata, num_heads: int, kv_heads: int,
+             window: int | None = None) -> KernelPlan:
+        key = ("metal-kernels", num_heads, kv_heads, self.options, window)
         if key not in meta.backend_plans:
-            meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, self.options)
+            meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, self.options, window)
         return meta.backend_plans[key]
 
     def __call__(self, q: mx.array, k_pool: mx.array, v_pool: mx.array,
-                 meta: AttentionMetadata, scale: float) -> mx.array:
+                 meta: AttentionMetadata, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> mx.array:
+        """Same contract as `paged_attention_reference`."""
         num_heads, kv_heads = q.shape[1], k_pool.shape[2]
-        plan = self.plan(meta, num_heads, kv_heads)
-        params = params_for(plan, num_heads, kv_heads, scale)
+        plan = self.plan(meta, num_heads, kv_heads, window)
+        params = params_for(plan, num_heads, kv_heads, scale, softcap)
         queries = q.astype(k_pool.dtype) if q.dtype != k_pool.dtype else q
         parts = []
         if plan.decode is not None:

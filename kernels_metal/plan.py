@@ -39,7 +39,7 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class DecodeWork:
-    rows: mx.array  # [n, 4] int32: packed query row, request, context length, 0
+    rows: mx.array  # [n, 4] int32: packed query row, request, context length, first key seen
     num_rows: int
     num_parts: int
     part_size: int
@@ -63,7 +63,8 @@ class KernelPlan:
     prefill: PrefillWork | None
     block_tables: mx.array
     row_order: mx.array | None  # output rows (decode, then prefill) -> packed order
-    params: dict  # (scale, head_dim) -> int32 params array, filled lazily
+    window: int | None  # keys a row sees, its own included; None: the whole context
+    params: dict  # (heads, kv heads, scale, softcap) -> int32 params array, filled lazily
 
 
 def head_chunks(queries_per_kv: int) -> tuple[int, int]:
@@ -73,7 +74,7 @@ def head_chunks(queries_per_kv: int) -> tuple[int, int]:
 
 
 def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
-               options: PlanOptions) -> KernelPlan:
+               options: PlanOptions, window: int | None = None) -> KernelPlan:
     cu = meta.cu_seqlens_q.astype(np.int64)
     q_lens = np.diff(cu)
     seq_lens = meta.seq_lens.astype(np.int64)
@@ -81,7 +82,7 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
     nh, chunks = head_chunks(num_heads // kv_heads)
 
     decode = _decode_work(cu, q_lens, seq_lens, np.flatnonzero(is_decode & (q_lens > 0)),
-                          nh, chunks, kv_heads, options)
+                          nh, chunks, kv_heads, options, window)
     prefill, prefill_rows = _prefill_work(cu, q_lens, seq_lens,
                                           np.flatnonzero(~is_decode), nh, chunks)
     decode_rows = _rows_of(cu, np.flatnonzero(is_decode))
@@ -91,7 +92,7 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
         inverse = np.empty_like(concat)
         inverse[concat] = np.arange(len(concat))
         row_order = mx.array(inverse.astype(np.int32))
-    return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), row_order, {})
+    return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), row_order, window, {})
 
 
 def _rows_of(cu: np.ndarray, requests: np.ndarray) -> np.ndarray:
@@ -102,20 +103,21 @@ def _rows_of(cu: np.ndarray, requests: np.ndarray) -> np.ndarray:
     return starts + np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
 
 
-def _decode_work(cu, q_lens, seq_lens, requests, nh, chunks, kv_heads, options):
+def _decode_work(cu, q_lens, seq_lens, requests, nh, chunks, kv_heads, options, window):
     if len(requests) == 0:
         return None
     rows = _rows_of(cu, requests)
     req = np.repeat(requests, q_lens[requests])
-    ctx = seq_lens[req] - (cu[req + 1] - rows) + 1  # keys visible to each row
-    max_ctx = int(ctx.max())
+    ctx = seq_lens[req] - (cu[req + 1] - rows) + 1  # keys up to and including each row's own
+    first = np.maximum(ctx - window, 0) if window is not None else np.zeros_like(ctx)
+    max_ctx = int((ctx - first).max())  # the most keys a row sees
     part = options.partition_size
     if part is None:
         few = len(rows) * kv_heads * chunks < SPLIT_BELOW_THREADGROUPS
         part = PARTITION_SIZE if few and max_ctx > PARTITION_SIZE else max_ctx
     num_parts = -(-max_ctx // part)
     table = np.zeros((max(len(rows), 2), 4), np.int32)
-    table[: len(rows), 0], table[: len(rows), 1], table[: len(rows), 2] = rows, req, ctx
+    table[: len(rows)] = np.stack([rows, req, ctx, first], axis=1)
     return DecodeWork(mx.array(table), len(rows), num_parts, part, nh, chunks)
 
 
@@ -149,9 +151,10 @@ def _padded_tables(tables: np.ndarray) -> mx.array:
     return mx.array(padded)
 
 
-def params_for(plan: KernelPlan, num_heads: int, kv_heads: int, scale: float) -> mx.array:
+def params_for(plan: KernelPlan, num_heads: int, kv_heads: int, scale: float,
+               softcap: float | None = None) -> mx.array:
     """The int32 params both kernels read (layout in decode.py / prefill.py), cached per step."""
-    key = (num_heads, kv_heads, scale)
+    key = (num_heads, kv_heads, scale, softcap)
     if key not in plan.params:
         p = np.zeros(16, np.int32)
         d, f = plan.decode, plan.prefill
@@ -161,7 +164,13 @@ def params_for(plan: KernelPlan, num_heads: int, kv_heads: int, scale: float) ->
         p[4] = d.num_parts if d else 1
         p[5] = d.num_rows if d else 0
         p[6], p[7] = work.chunks, work.heads_per_group
-        p[8] = np.array([scale * np.log2(np.e)], np.float32).view(np.int32)[0]
+        p[8] = _float_bits(scale * np.log2(np.e))
         p[9] = f.block_q if f else 0
+        p[10] = plan.window or 0
+        p[11] = _float_bits(softcap * np.log2(np.e)) if softcap else 0
         plan.params[key] = mx.array(p)
     return plan.params[key]
+
+
+def _float_bits(value: float) -> np.int32:
+    return np.array([value], np.float32).view(np.int32)[0]

@@ -7,11 +7,12 @@ Launch geometry (threads; the threadgroup is `32 * NH * BQ / 8` threads):
 
 Each simdgroup owns 8 query rows of one query head; all simdgroups of a threadgroup share the
 K/V tile that the threadgroup gathers through the block table into threadgroup memory, so a
-GQA group reads K/V once. Key tiles past the last query row are never loaded; a simdgroup
-skips tiles beyond its own rows, and the causal mask is applied only on tiles that cross the
-diagonal (or hang over the end of the context). S = Q K^T and O += P V run on 8x8 matrices;
-the online softmax runs per row in fp32 through a small per-simdgroup scratch, so the kernel
-does not depend on how a matrix's elements are spread over the lanes.
+GQA group reads K/V once. Key tiles past the last query row (or, with a sliding window, before
+the first row's window) are never loaded; a simdgroup skips tiles none of its rows sees, and
+the mask is applied only on tiles that cross the diagonal or a window edge (or hang over the
+end of the context). Scores are soft-capped when the call asks for it. S = Q K^T and O += P V
+run on 8x8 matrices; the online softmax runs per row in fp32 through a small per-simdgroup
+scratch, so the kernel does not depend on how a matrix's elements are spread over the lanes.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def query_block(heads_per_group: int) -> int:
     return 8 * max(1, min(4, MAX_SIMDGROUPS // heads_per_group))
 
 
-# params: as decode.py, plus [9] = BQ. tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
+# params: as decode.py: [9] = BQ, [10] = window (0: none).
+# tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
 PREFILL_SOURCE = """
   const int H = params[0], KVH = params[1], MB = params[2];
   const int CHUNKS = params[6], NH = params[7], BQ = params[9];
+  const int WIN = params[10] > 0 ? params[10] : (1 << 30);  // row p sees keys > p - WIN
 """ + HEAD_GROUP_SOURCE + """
   const device int* info = tiles + int(threadgroup_position_in_grid.y) * 8;
   const int req = info[0], q_start = info[1], out_start = info[2], nq = info[3], pos0 = info[4];
@@ -92,9 +95,10 @@ PREFILL_SOURCE = """
   const int sg_first = pos0 + r0;
   const int sg_last = pos0 + r0 + sg_rows - 1;
   const int n_keys = pos0 + nq;  // keys up to the tile's last query position
+  const int k_first = max(0, pos0 - WIN + 1);  // the first key the tile's first row sees
   const device int* table = block_tables + long(req) * MB;
 
-  for (int k0 = 0; k0 < n_keys; k0 += TK) {
+  for (int k0 = k_first; k0 < n_keys; k0 += TK) {
     const int n = min(TK, n_keys - k0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (int i = tid; i < TK * D; i += nthreads) {
@@ -112,7 +116,7 @@ PREFILL_SOURCE = """
       v_tg[j * LD + d] = vv;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (!active || k0 > sg_last) {
+    if (!active || k0 > sg_last || k0 + n - 1 <= sg_first - WIN) {
       continue;  // no key of this tile is visible to this simdgroup's rows
     }
     for (int kc = 0; kc < KC; ++kc) {
@@ -126,11 +130,15 @@ PREFILL_SOURCE = """
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
     if (lane < 8) {
-      const bool masked = k0 + n - 1 > sg_first || n < TK || !row_valid;
+      const bool masked = k0 + n - 1 > sg_first || k0 <= sg_last - WIN || n < TK || !row_valid;
       float tile_max = MASKED;
       for (int c = 0; c < TK; ++c) {
         float s = S[lane * TK + c] * scale_log2;
-        if (masked && (c >= n || k0 + c > row_pos || !row_valid)) {
+        if (cap_log2 > 0.0f) {
+          s = cap_log2 * tanh(s / cap_log2);
+        }
+        const int key = k0 + c;
+        if (masked && (c >= n || key > row_pos || key <= row_pos - WIN || !row_valid)) {
           s = MASKED;
         }
         S[lane * TK + c] = s;

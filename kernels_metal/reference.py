@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu_math import masked_softmax
+from kernels_metal.cpu_math import masked_softmax, tanh_softcap
 from kernels_metal.metadata import AttentionMetadata
 
 
@@ -40,24 +40,28 @@ class ReferencePlan:
 
 
 def paged_attention_reference(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
+    window: int | None = None, softcap: float | None = None,
 ) -> mx.array:
     """Causal varlen attention of packed queries `[total_q, H, D]` over paged K/V.
 
     Decode rows of all requests go through one batched call; each prefill chunk gets its own
-    call with a causal mask offset by its cached prefix.
+    call with a causal mask offset by its cached prefix. With a `window` a row at position p
+    sees keys `p - window + 1 .. p` only; `softcap` squashes scores to `cap * tanh(s / cap)`.
     """
-    if "reference" not in meta.backend_plans:
-        meta.backend_plans["reference"] = build_plan(meta)
-    plan: ReferencePlan = meta.backend_plans["reference"]
-    parts = [_attend(q, k_pool, v_pool, group, scale) for group in plan.groups]
+    key = ("reference", window)
+    if key not in meta.backend_plans:
+        meta.backend_plans[key] = build_plan(meta, window)
+    plan: ReferencePlan = meta.backend_plans[key]
+    parts = [_attend(q, k_pool, v_pool, group, scale, softcap) for group in plan.groups]
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
     if plan.row_order is not None:
         out = out[plan.row_order]
     return out.astype(q.dtype)
 
 
-def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float) -> mx.array:
+def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float,
+            cap: float | None) -> mx.array:
     """Masked softmax attention of one group, the query heads of a KV head batched together."""
     k = _gather_kv(k_pool, group.tables, group.num_keys)  # [G, kvh, L, d]
     v = _gather_kv(v_pool, group.tables, group.num_keys)
@@ -69,6 +73,8 @@ def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float) -> mx.array:
     queries = rows.reshape(num_groups, n, kv_heads, heads_per_kv, head_dim)
     queries = queries.transpose(0, 2, 3, 1, 4).reshape(num_groups, kv_heads, -1, head_dim)
     scores = (queries @ mx.swapaxes(k, -1, -2)) * scale  # [G, kvh, g * n, L]
+    if cap is not None:
+        scores = tanh_softcap(scores, cap)
     scores = scores.reshape(num_groups, kv_heads, heads_per_kv, n, num_keys)
     probs = masked_softmax(scores, group.mask, axis=-1).reshape(num_groups, kv_heads, -1, num_keys)
     out = (probs @ v).reshape(num_groups, kv_heads, heads_per_kv, n, head_dim)
@@ -83,14 +89,14 @@ def _gather_kv(pool: mx.array, tables: mx.array, num_keys: int) -> mx.array:
     return mx.swapaxes(kv, 1, 2).astype(mx.float32)
 
 
-def build_plan(meta: AttentionMetadata) -> ReferencePlan:
-    """Group the step's rows once; every layer reuses the groups, tables and masks."""
+def build_plan(meta: AttentionMetadata, window: int | None = None) -> ReferencePlan:
+    """Group the step's rows once; every layer with this window reuses groups, tables, masks."""
     starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
     decode, prefill = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
     groups = []
     if len(decode):
-        groups.append(_decode_group(meta, decode))
-    groups += [_prefill_group(meta, int(r)) for r in prefill]
+        groups.append(_decode_group(meta, decode, window))
+    groups += [_prefill_group(meta, int(r), window) for r in prefill]
     concat_rows = np.concatenate(
         [starts[decode]] + [np.arange(starts[r], starts[r] + q_lens[r]) for r in prefill]
     )
@@ -101,11 +107,15 @@ def build_plan(meta: AttentionMetadata) -> ReferencePlan:
     return ReferencePlan(groups, mx.array(row_order))
 
 
-def _decode_group(meta: AttentionMetadata, requests: np.ndarray) -> AttentionGroup:
+def _decode_group(meta: AttentionMetadata, requests: np.ndarray,
+                  window: int | None) -> AttentionGroup:
     seq_lens = meta.seq_lens[requests]
     num_blocks = -(-int(seq_lens.max()) // meta.block_size)
     num_keys = num_blocks * meta.block_size
-    mask = np.arange(num_keys)[None, :] < seq_lens[:, None]
+    keys = np.arange(num_keys)[None, :]
+    mask = keys < seq_lens[:, None]
+    if window is not None:
+        mask &= keys >= seq_lens[:, None] - window
     return AttentionGroup(
         rows=mx.array(meta.cu_seqlens_q[requests]),
         tables=mx.array(meta.block_tables[requests, :num_blocks]),
@@ -115,14 +125,18 @@ def _decode_group(meta: AttentionMetadata, requests: np.ndarray) -> AttentionGro
     )
 
 
-def _prefill_group(meta: AttentionMetadata, r: int) -> AttentionGroup:
+def _prefill_group(meta: AttentionMetadata, r: int, window: int | None) -> AttentionGroup:
     start, end = int(meta.cu_seqlens_q[r]), int(meta.cu_seqlens_q[r + 1])
     seq_len = int(meta.seq_lens[r])
-    q_pos = np.arange(seq_len - (end - start), seq_len)
+    q_pos = np.arange(seq_len - (end - start), seq_len)[:, None]
+    keys = np.arange(seq_len)[None, :]
+    mask = keys <= q_pos
+    if window is not None:
+        mask &= keys > q_pos - window
     return AttentionGroup(
         rows=slice(start, end),
         tables=mx.array(meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]),
         num_keys=seq_len,
-        mask=mx.array((np.arange(seq_len)[None, :] <= q_pos[:, None])[None, None, None]),
+        mask=mx.array(mask[None, None, None]),
         is_decode=False,
     )

@@ -1,12 +1,47 @@
-"""The model's shape, read from a model dir's config.json."""
+"""The model's shape and architecture options: read from, and written back to, config.json.
+
+One ModelConfig covers every supported family; fields a family lacks keep their neutral
+default (no bias, no window, no soft-capping). Keys are Hugging Face's, so a converted model
+dir stays loadable by transformers.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+from metal_engine.models.rope_parameters import RopeParameters, read_rope, read_rope_theta
+
+# model_type -> the transformers class that runs it (config.json's `architectures`).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LayerType = Literal["full_attention", "sliding_attention"]
+GEMMA = ("gemma2", "gemma3_text")
+QWEN = ("qwen2", "qwen3")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads")
+
+# What transformers assumes for keys a config.json leaves out, where a family differs.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "qwen3": {"head_dim": 128},
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+}
 
 
 @dataclass(frozen=True)
@@ -20,11 +55,19 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    rope: RopeParameters = field(default_factory=RopeParameters)
+    local_rope: RopeParameters | None = None  # sliding layers' own rope (Gemma 3)
+    hidden_act: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None  # keys a sliding layer sees, its own included
+    layer_types: tuple[LayerType, ...] = ()  # empty: every layer full attention
+    query_pre_attn_scalar: float | None = None  # attention scale**-2 when not head_dim
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -33,20 +76,58 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        for rope in (self.rope, self.local_rope or self.rope):
+            if int(self.head_dim * rope.partial_rotary_factor) % 2:
+                raise ValueError(f"the rotated part of head_dim {self.head_dim} must be even")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"activation {self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has "
+                             f"{self.num_hidden_layers}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+
+    def layer_type(self, layer: int) -> LayerType:
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    def window(self, layer: int) -> int | None:
+        """Keys layer `layer` attends to (its own included); None: the whole context."""
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    def rope_for(self, layer_type: LayerType) -> RopeParameters:
+        if layer_type == "sliding_attention" and self.local_rope is not None:
+            return self.local_rope
+        return self.rope
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> ModelConfig:
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json (transformers 4 or 5 style)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        cfg = {**_FAMILY_DEFAULTS.get(model_type, {}), **cfg, "model_type": model_type}
+        missing = [k for k in REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("bidirectional (embedding) Gemma models are not causal LMs; "
+                             "use a checkpoint with use_bidirectional_attention false")
         heads = cfg["num_attention_heads"]
-        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {rope_scaling!r} is not supported yet")
+        window = _sliding_window(cfg)
+        rope, local_rope = _ropes(cfg)
         return cls(
-            model_type=cfg.get("model_type", "llama"),
+            model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -55,11 +136,19 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=read_rope_theta(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=rope,
+            local_rope=local_rope,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=window,
+            layer_types=_layer_types(cfg, window),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if model_type in GEMMA else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
         )
 
@@ -73,12 +162,95 @@ class ModelConfig:
             )
         return cls.from_dict(json.loads(path.read_text()))
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json keys that define this model, readable by transformers 4 and 5."""
+        eos = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        config: dict[str, Any] = {
+            "model_type": self.model_type,
+            "architectures": [ARCHITECTURES[self.model_type]],
+            **{k: getattr(self, k) for k in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+                "bos_token_id")},
+            "eos_token_id": eos if self.eos_token_ids else None,
+            "hidden_activation" if self.model_type in GEMMA else "hidden_act": self.hidden_act,
+        }
+        if self.model_type == "llama":
+            config["mlp_bias"] = self.mlp_bias
+        else:
+            config["sliding_window"] = self.sliding_window
+        if self.model_type in QWEN + GEMMA:  # the others derive layer types from the window
+            config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
+        if self.model_type in QWEN:
+            config["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type in GEMMA:
+            config.update(query_pre_attn_scalar=self.query_pre_attn_scalar,
+                          attn_logit_softcapping=self.attn_logit_softcapping,
+                          final_logit_softcapping=self.final_logit_softcapping)
+        config.update(self._rope_keys())
+        return config
 
-def read_rope_theta(cfg: dict) -> float:
-    """transformers 5 writes `rope_parameters.rope_theta`, older configs `rope_theta`."""
-    if cfg.get("rope_theta") is not None:
-        return float(cfg["rope_theta"])
-    return float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    def _rope_keys(self) -> dict[str, Any]:
+        # transformers 5 reads only rope_parameters, older tools only rope_theta/rope_scaling.
+        full = self.rope.to_hf()
+        keys: dict[str, Any] = {"rope_theta": self.rope.rope_theta, "rope_parameters": full}
+        if self.rope.rope_type != "default":
+            keys["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+        if self.rope.partial_rotary_factor != 1.0:
+            keys["partial_rotary_factor"] = self.rope.partial_rotary_factor
+        if self.model_type == "gemma3_text":
+            local = self.rope_for("sliding_attention")
+            keys["rope_parameters"] = {"full_attention": full, "sliding_attention": local.to_hf()}
+            keys["rope_local_base_freq"] = local.rope_theta
+        return keys
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    model_type = cfg["model_type"]
+    if model_type == "llama":
+        return None  # transformers' Llama has no window, whatever the config says
+    if model_type in QWEN and not cfg.get("use_sliding_window"):
+        return None
+    return cfg.get("sliding_window")
+
+
+def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ...]:
+    """Which layers slide. Mistral and Phi-3 slide on every layer whenever a window is set."""
+    n, model_type = cfg["num_hidden_layers"], cfg["model_type"]
+    if window is None and model_type not in GEMMA:
+        return ()
+    if model_type in ("mistral", "phi3"):
+        return ("sliding_attention",) * n
+    if cfg.get("layer_types"):
+        types = tuple(cfg["layer_types"])
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported")
+        return types
+    if model_type in GEMMA:
+        # Gemma 2 alternates; Gemma 3 has one global layer every `sliding_window_pattern`.
+        pattern = 2 if model_type == "gemma2" else (
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(n))
+    first = cfg.get("max_window_layers", 28)  # Qwen: layers from this one on slide
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+
+
+def _ropes(cfg: dict[str, Any]) -> tuple[RopeParameters, RopeParameters | None]:
+    """(rope of full-attention layers, rope of sliding layers if it differs)."""
+    params = cfg.get("rope_parameters") or {}
+    if cfg["model_type"] != "gemma3_text":
+        theta = read_rope_theta(cfg)
+        return read_rope(cfg, params or cfg.get("rope_scaling"), theta), None
+    if "full_attention" in params:  # transformers 5: one dict per layer type
+        full, local = params["full_attention"], params.get("sliding_attention")
+    else:  # older: rope_theta and rope_scaling are global, rope_local_base_freq local
+        full, local = cfg.get("rope_scaling") or params, None
+    theta = float(cfg.get("rope_theta") or 1_000_000.0)
+    local_theta = float(cfg.get("rope_local_base_freq") or 10_000.0)
+    return read_rope(cfg, full, theta), read_rope(cfg, local, local_theta)
 
 
 def _as_tuple(value) -> tuple[int, ...]:

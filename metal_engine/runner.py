@@ -10,7 +10,7 @@ import numpy as np
 from metal_engine.block_tables import BlockTables
 from metal_engine.input_batch import StepInputs, build_step_inputs
 from metal_engine.kv_cache import KVCache
-from metal_engine.models.llama import Model
+from metal_engine.models.decoder import CausalLM
 from metal_engine.sampler import SamplingBatch, sample
 from scheduler.scheduler import SchedulerOutput
 
@@ -31,7 +31,7 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, cache: KVCache) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
         self.block_tables = BlockTables()

@@ -17,10 +17,12 @@ from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_torch
+from tiny_models import TINY_MODELS, build_tiny_model
 
 from convert import DefaultModelMissing, convert_model, ensure_default_model, model_dir
 from convert.cli import add_convert_arguments, run_convert
 from convert.default_model import default_gguf_path
+from metal_engine.model_config import ModelConfig
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -162,6 +164,36 @@ def test_bad_sources_are_refused(hf_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="would replace the source"):
         convert_model(hf_dir, hf_dir, force=True)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", list(TINY_MODELS))
+def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "hf"
+    model = build_tiny_model(model_type, source)
+    out = convert_model(source, tmp_path / "out", progress=False)
+
+    expected, got = _hf_tensors(source), _hf_tensors(out)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    source_config = json.loads((source / "config.json").read_text())
+    assert "rope_theta" not in source_config and "rope_parameters" in config
+    if model_type == "gemma3_text":
+        assert config["rope_theta"] == config["rope_parameters"]["full_attention"]["rope_theta"]
+        assert (config["rope_local_base_freq"]
+                == config["rope_parameters"]["sliding_attention"]["rope_theta"])
+    else:
+        assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+        kind = source_config["rope_parameters"]["rope_type"]
+        assert (config.get("rope_scaling") or {"rope_type": "default"})["rope_type"] == kind
+    assert ModelConfig.from_dict(config) == ModelConfig.from_dict(source_config)
+    ids = torch.tensor([[5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6]])
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- GGUF source

@@ -1,4 +1,5 @@
-"""The CPU fast paths of exp, softmax and SwiGLU agree with MLX's own ops."""
+"""The CPU fast paths of exp, softmax, gated activations, soft-capping and linear agree with
+MLX's own ops."""
 
 from __future__ import annotations
 
@@ -49,3 +50,14 @@ def test_linear_matches_mlx_for_one_row_and_many_with_and_without_bias():
                                    atol=1e-5)
         np.testing.assert_allclose(cpu_math.linear(x, weight, bias), x @ weight.T + bias,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_tanh_mul_and_softcap_match_mlx():
+    rng = np.random.default_rng(3)
+    gate, up = (mx.array(rng.normal(size=(5, 64)).astype(np.float32) * 4) for _ in range(2))
+    np.testing.assert_allclose(cpu_math.gelu_tanh_mul(gate, up), nn.gelu_approx(gate) * up,
+                               rtol=1e-5, atol=1e-6)
+    x = mx.array(rng.normal(size=(3, 70)).astype(np.float32) * 80)
+    got = np.array(cpu_math.tanh_softcap(x, 30.0))
+    np.testing.assert_allclose(got, np.array(mx.tanh(x / 30.0) * 30.0), rtol=1e-5, atol=1e-5)
+    assert np.abs(got).max() < 30.0

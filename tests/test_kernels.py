@@ -40,6 +40,7 @@ def test_grid_covers_the_required_shapes():
     assert {(c.head_dim, c.block_size) for c in CASES} >= set(
         itertools.product(HEAD_DIMS, BLOCK_SIZES))
     assert {c.num_heads // c.kv_heads for c in CASES} >= {1, 3, 4, 8}
+    assert any(c.window for c in CASES) and any(c.softcap for c in CASES)
 
 
 def test_decode_rows_are_unchanged_by_a_co_scheduled_prefill():

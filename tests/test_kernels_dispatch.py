@@ -28,9 +28,9 @@ class RecordingKernels:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, q, k_pool, v_pool, meta, scale):
+    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None):
         self.calls += 1
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale)
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
 
 
 def test_off_metal_the_reference_serves(fresh_dispatch):

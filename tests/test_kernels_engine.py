@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from engine_helpers import generate_greedy, make_runner_and_scheduler
 from markers import requires_emulator
+from tiny_models import WINDOW, build_tiny_model
 
 from kernels_metal import attention, emulator
 from kernels_metal.paged import PagedAttentionKernels
@@ -17,14 +18,17 @@ class CountingKernels(PagedAttentionKernels):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.decode_steps = self.prefill_steps = self.mixed_steps = self.split_steps = 0
+        self.windowed_calls = self.softcapped_calls = 0
 
-    def __call__(self, q, k_pool, v_pool, meta, scale):
-        plan = self.plan(meta, q.shape[1], k_pool.shape[2])
+    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None):
+        self.windowed_calls += window is not None
+        self.softcapped_calls += softcap is not None
+        plan = self.plan(meta, q.shape[1], k_pool.shape[2], window)
         self.decode_steps += plan.decode is not None
         self.prefill_steps += plan.prefill is not None
         self.mixed_steps += plan.decode is not None and plan.prefill is not None
         self.split_steps += plan.decode is not None and plan.decode.num_parts > 1
-        return super().__call__(q, k_pool, v_pool, meta, scale)
+        return super().__call__(q, k_pool, v_pool, meta, scale, window, softcap)
 
 
 def test_mixed_batch_greedy_tokens_match_the_reference_backend(tiny_llama):
@@ -44,3 +48,21 @@ def test_mixed_batch_greedy_tokens_match_the_reference_backend(tiny_llama):
         got = generate_greedy(runner, scheduler, prompts, max_tokens=8)
     assert got == expected
     assert kernels.mixed_steps > 0 and kernels.split_steps > 0
+
+
+def test_sliding_window_and_softcapped_model_matches_the_reference_backend(tmp_path):
+    """Gemma 2: windowed layers interleaved with global ones, soft-capped scores."""
+    build_tiny_model("gemma2", tmp_path)
+    rng = np.random.default_rng(8)
+    prompts = {f"r{i}": list(rng.integers(3, 128, size=n)) for i, n in
+               enumerate([5 * WINDOW, 2, 3 * WINDOW + 1, 11])}
+    budget = dict(max_num_batched_tokens=20, block_size=8)
+    runner, scheduler = make_runner_and_scheduler(tmp_path, **budget)
+    expected = generate_greedy(runner, scheduler, prompts, max_tokens=6)
+
+    kernels = CountingKernels(emulator.metal_kernel, PlanOptions(partition_size=16))
+    runner, scheduler = make_runner_and_scheduler(tmp_path, **budget)
+    with attention.use_kernels(kernels):
+        got = generate_greedy(runner, scheduler, prompts, max_tokens=6)
+    assert got == expected
+    assert kernels.windowed_calls > 0 and kernels.softcapped_calls > kernels.windowed_calls

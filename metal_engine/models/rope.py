@@ -1,26 +1,162 @@
 """Rotary position embedding over packed rows, from cos/sin tables built once per step.
 
-Every row carries its own position, so the tables are `[total_q, 1, head_dim / 2]` and all
-layers (and both q and k) share them. Rotation is the non-interleaved ("rotate half") form.
+Every row carries its own position, so the tables are `[total_q, 1, rotary_dim / 2]` and all
+layers of a rope kind (and both q and k) share them. Rotation is the non-interleaved ("rotate
+half") form over the first `rotary_dim` features; the rest pass through (partial rotary).
+
+Frequencies follow transformers' `modeling_rope_utils` for each kind. Two kinds depend on the
+sequence length: transformers recomputes them from the longest position of a forward; here a
+row uses its own request's context length after the step, which gives the same tables for a
+sequence prefilled at once and then decoded, and does not depend on what else is batched.
 """
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+import numpy as np
+
+from kernels_metal.metadata import AttentionMetadata
+from metal_engine.model_config import ModelConfig
+from metal_engine.models.rope_parameters import RopeParameters
+
+CONTEXT_DEPENDENT = ("dynamic", "longrope")
 
 
-def inv_frequencies(head_dim: int, theta: float) -> mx.array:
-    return 1.0 / (theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim))
+def frequencies(params: RopeParameters, dim: int, max_positions: int,
+                context_len: int | None = None) -> tuple[np.ndarray, float]:
+    """(inverse frequencies `[dim / 2]` in float64, scale of cos and sin)."""
+    base = params.rope_theta
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    kind = params.rope_type
+    if kind == "dynamic":
+        length = max(context_len or max_positions, max_positions)
+        base *= (params.factor * length / max_positions - (params.factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / base**exponents
+    if kind == "linear":
+        return inv_freq / params.factor, 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, params), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, params, dim, max_positions)
+    if kind == "longrope":
+        return _longrope(exponents, params, max_positions, context_len)
+    return inv_freq, 1.0
 
 
-def rope_tables(positions: mx.array, inv_freq: mx.array) -> tuple[mx.array, mx.array]:
-    angles = positions.astype(mx.float32)[:, None] * inv_freq[None, :]
-    return mx.cos(angles)[:, None, :], mx.sin(angles)[:, None, :]
+def _llama3(inv_freq: np.ndarray, p: RopeParameters) -> np.ndarray:
+    """Long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
+    original = p.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original / p.low_freq_factor
+    high_freq_wavelen = original / p.high_freq_factor
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / p.factor, inv_freq)
+    smooth = (original / wavelen - p.low_freq_factor) / (p.high_freq_factor - p.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / p.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: np.ndarray, p: RopeParameters, dim: int,
+          max_positions: int) -> tuple[np.ndarray, float]:
+    """Interpolate low frequencies, keep high ones (ramp between), and scale cos/sin."""
+    original = p.original_max_position_embeddings
+    factor = p.factor or max_positions / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.attention_factor
+    if attention_factor is None:
+        attention_factor = (mscale(factor, p.mscale) / mscale(factor, p.mscale_all_dim)
+                            if p.mscale and p.mscale_all_dim else mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(p.rope_theta))
+
+    low, high = correction_dim(p.beta_fast or 32), correction_dim(p.beta_slow or 1)
+    if p.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, attention_factor
+
+
+def _longrope(exponents: np.ndarray, p: RopeParameters, max_positions: int,
+              context_len: int | None) -> tuple[np.ndarray, float]:
+    """Per-frequency stretch factors: short ones up to the pretraining length, long beyond."""
+    original = p.original_max_position_embeddings
+    factor = p.factor or max_positions / original
+    attention_factor = p.attention_factor
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    long = context_len is not None and context_len > original
+    stretch = np.array(p.long_factor if long else p.short_factor, dtype=np.float64)
+    return 1.0 / (stretch * p.rope_theta**exponents), attention_factor
+
+
+class RotaryEmbedding:
+    """The cos/sin tables of one rope kind for a step's packed rows."""
+
+    def __init__(self, params: RopeParameters, head_dim: int, max_position_embeddings: int):
+        self.params = params
+        self.rotary_dim = int(head_dim * params.partial_rotary_factor)
+        self.max_positions = max_position_embeddings
+        inv_freq, self.scale = frequencies(params, self.rotary_dim, max_position_embeddings)
+        self._inv_freq = mx.array(inv_freq.astype(np.float32))
+        # Evaluate now: a lazy array built here cannot be evaluated on the engine thread.
+        mx.eval(self._inv_freq)
+
+    def tables(self, positions: mx.array, meta: AttentionMetadata) -> tuple[mx.array, mx.array]:
+        """(cos, sin), each `[total_q, 1, rotary_dim / 2]`, for rows at `positions`."""
+        inv_freq = self._inv_freq[None, :]
+        if self.params.rope_type in CONTEXT_DEPENDENT:
+            inv_freq = self._per_row_frequencies(meta)
+        angles = positions.astype(mx.float32)[:, None] * inv_freq
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos[:, None, :], sin[:, None, :]
+
+    def _per_row_frequencies(self, meta: AttentionMetadata) -> mx.array:
+        """`[total_q, rotary_dim / 2]`: each row's frequencies for its request's context."""
+        contexts, table_row = np.unique(meta.seq_lens, return_inverse=True)
+        table = np.stack([
+            frequencies(self.params, self.rotary_dim, self.max_positions, int(c))[0]
+            for c in contexts
+        ]).astype(np.float32)
+        rows = np.repeat(table_row, np.diff(meta.cu_seqlens_q))
+        return mx.array(table[rows])
+
+
+class LayerRopes:
+    """Each layer's rope; tables are built once per step for each distinct rope (Gemma 3 has a
+    local and a global one) and shared by the layers that use it."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.layer_params = [cfg.rope_for(cfg.layer_type(i)) for i in range(cfg.num_hidden_layers)]
+        self.embeddings = {
+            params: RotaryEmbedding(params, cfg.head_dim, cfg.max_position_embeddings)
+            for params in set(self.layer_params)
+        }
+
+    def tables(self, positions: mx.array,
+               meta: AttentionMetadata) -> list[tuple[mx.array, mx.array]]:
+        """(cos, sin) for every layer, in layer order."""
+        built = {params: rope.tables(positions, meta) for params, rope in self.embeddings.items()}
+        return [built[params] for params in self.layer_params]
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate `x [total_q, heads, head_dim]` by its row's angles."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    """Rotate the first `2 * cos.shape[-1]` features of `x [total_q, heads, head_dim]`."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if 2 * half < x.shape[-1]:
+        parts.append(x[..., 2 * half:])
+    return mx.concatenate(parts, axis=-1).astype(x.dtype)

@@ -1,0 +1,56 @@
+"""The layout every source is converted to: Hugging Face config keys and tensor names of the
+model's family, as ModelConfig reads them and the model classes name their weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metal_engine.model_config import ModelConfig
+from metal_engine.models.decoder import DERIVED_WEIGHTS
+from metal_engine.weights import weight_shapes
+
+# Source checkpoints may carry these; they are derived from the config, so they are dropped.
+IGNORED_SUFFIXES = DERIVED_WEIGHTS
+
+
+def config_from_hf(config: dict[str, Any]) -> ModelConfig:
+    """Read a Hugging Face config.json (transformers 4 or 5 style) of a float checkpoint."""
+    if config.get("quantization_config") or config.get("quantization"):
+        raise ValueError("quantized checkpoints are not supported; convert the float checkpoint")
+    return ModelConfig.from_dict(config)
+
+
+def config_dict(config: ModelConfig, dtype: str,
+                base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json to write: `base` (the source config, if any) plus every defining key."""
+    written = dict(base or {})
+    written.update(config.to_hf_dict())
+    written["torch_dtype"] = written["dtype"] = dtype
+    return written
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model dir holds, in writing order, with its `[out, in]` shape."""
+    return weight_shapes(config)
+
+
+def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise ValueError unless `found` has exactly the expected names and shapes."""
+    missing = [n for n in expected if n not in found]
+    extra = [n for n in found if n not in expected]
+    if missing or extra:
+        raise ValueError(
+            "the checkpoint does not match the layout its config describes: "
+            f"missing {_few(missing)}, unexpected {_few(extra)}"
+        )
+    wrong = [f"{n} {tuple(found[n])} (expected {expected[n]})"
+             for n in expected if tuple(found[n]) != expected[n]]
+    if wrong:
+        raise ValueError(f"tensor shapes do not match the config: {_few(wrong)}")
+
+
+def _few(names: list[str], limit: int = 4) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,73 @@
+"""The decoder stack and causal-LM head every family builds on.
+
+A family's `Model` passes its layers and norm class; this module embeds the packed tokens,
+builds each step's rope tables once (one set per distinct rope, e.g. Gemma 3's local and
+global), runs the layers and computes logits for the rows that need them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels_metal.attention import AttentionMetadata
+from kernels_metal.cpu_math import linear, tanh_softcap
+from metal_engine.kv_cache import KVCache
+from metal_engine.model_config import ModelConfig
+from metal_engine.models.layers import Linear
+from metal_engine.models.rope import LayerRopes
+
+# Source checkpoints may hold these; they are derived from the config, not parameters here.
+DERIVED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm (the `model.*` weights)."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: type[nn.Module],
+                 embed_scale: float | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = layers
+        self.norm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self._embed_scale = embed_scale  # Gemma: sqrt(hidden_size)
+        self._ropes = LayerRopes(cfg)
+
+    def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
+                 cache: KVCache) -> mx.array:
+        h = self.embed_tokens(input_ids)
+        if self._embed_scale is not None:
+            h = h * mx.array(self._embed_scale, dtype=h.dtype)  # rounded as transformers does
+        tables = self._ropes.tables(positions, meta)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, tables[i], meta, cache, i)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """`__call__` gives final hidden states for every packed row; `logits` only for chosen rows."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module],
+                 norm: type[nn.Module] = nn.RMSNorm, embed_scale: float | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, layers, norm, embed_scale)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
+                 cache: KVCache) -> mx.array:
+        return self.model(input_ids, positions, meta, cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.config.tie_word_embeddings:
+            logits = linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else tanh_softcap(logits, cap)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drop source tensors that are not parameters here (a tied head has no weight)."""
+        dropped = DERIVED_WEIGHTS + (("lm_head.",) if self.config.tie_word_embeddings else ())
+        return {k: v for k, v in weights.items() if not any(d in k for d in dropped)}

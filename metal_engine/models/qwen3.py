@@ -1,0 +1,20 @@
+"""Qwen3: the Llama layout with an RMSNorm over each head of q and k before rope."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from metal_engine.model_config import ModelConfig
+from metal_engine.models.decoder import CausalLM
+from metal_engine.models.layers import MLP, Attention, PreNormDecoderLayer
+
+
+class Model(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        bias = cfg.attention_bias
+        layers = [
+            PreNormDecoderLayer(cfg, Attention(cfg, i, qkv_bias=bias, o_bias=bias,
+                                               qk_norm=nn.RMSNorm), MLP(cfg))
+            for i in range(cfg.num_hidden_layers)
+        ]
+        super().__init__(cfg, layers)

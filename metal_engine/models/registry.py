@@ -1,0 +1,24 @@
+"""Which model class runs each Hugging Face `model_type`."""
+
+from __future__ import annotations
+
+from metal_engine.model_config import SUPPORTED_MODEL_TYPES
+from metal_engine.models import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
+from metal_engine.models.decoder import CausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": llama.Model,
+    "mistral": mistral.Model,
+    "qwen2": qwen2.Model,
+    "qwen3": qwen3.Model,
+    "gemma2": gemma2.Model,
+    "gemma3_text": gemma3.Model,
+    "phi3": phi3.Model,
+}
+
+
+def model_class(model_type: str) -> type[CausalLM]:
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return MODEL_CLASSES[model_type]

@@ -1,0 +1,75 @@
+"""ModelConfig reads every family's config.json as transformers does, and writes it back."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+import transformers
+from tiny_models import COMMON, TINY_MODELS
+
+from metal_engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from metal_engine.models.registry import MODEL_CLASSES
+from metal_engine.weights import load_model
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def hf_config(config_class: str, **overrides) -> dict:
+    return getattr(transformers, config_class)(**{**SHAPE, **overrides}).to_dict()
+
+
+def test_every_supported_family_has_a_model_class_and_a_parity_case():
+    assert set(SUPPORTED_MODEL_TYPES) == set(MODEL_CLASSES) == set(TINY_MODELS)
+
+
+@pytest.mark.parametrize(("config_class", "overrides", "sliding"), [
+    ("LlamaConfig", {}, []),
+    ("MistralConfig", {"sliding_window": 16}, list(range(7))),
+    ("MistralConfig", {"sliding_window": None}, []),
+    ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 4},
+     [4, 5, 6]),
+    ("Qwen3Config", {"use_sliding_window": False, "sliding_window": 16}, []),
+    ("Gemma2Config", {"sliding_window": 16}, [0, 2, 4, 6]),
+    ("Gemma3TextConfig", {"sliding_window": 16}, [0, 1, 2, 3, 4, 6]),
+    ("Phi3Config", {"sliding_window": 16}, list(range(7))),
+])
+def test_sliding_layers_are_the_ones_transformers_slides(config_class, overrides, sliding):
+    config = ModelConfig.from_dict(hf_config(config_class, **overrides))
+    windows = [config.window(i) for i in range(7)]
+    assert [i for i, w in enumerate(windows) if w is not None] == sliding
+    assert {w for w in windows if w is not None} <= {16}
+
+
+def test_keys_a_gemma2_config_leaves_out_get_transformers_defaults():
+    shape = {k: v for k, v in SHAPE.items() if k != "head_dim"}
+    config = ModelConfig.from_dict({**shape, "model_type": "gemma2"})
+    assert (config.head_dim, config.query_pre_attn_scalar) == (256, 256)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.tie_word_embeddings and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.window(0) == 4096 and config.window(1) is None
+
+
+@pytest.mark.parametrize("model_type", list(TINY_MODELS))
+def test_written_config_reads_back_the_same(model_type):
+    config_class, _, overrides = TINY_MODELS[model_type]
+    config = ModelConfig.from_dict(hf_config(config_class, **{**COMMON, **overrides}))
+    assert ModelConfig.from_dict(config.to_hf_dict()) == config
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "gpt2"}))
+    supported = "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3"
+    with pytest.raises(ValueError, match=f"'gpt2' is not supported; supported: {supported}"):
+        load_model(tmp_path, mx.float32)
+
+
+def test_bad_shapes_are_refused_with_the_value():
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be a multiple"):
+        ModelConfig.from_dict({**SHAPE, "model_type": "llama", "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="activation 'relu' is not supported"):
+        ModelConfig.from_dict({**SHAPE, "model_type": "llama", "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="lacks required keys: vocab_size"):
+        ModelConfig.from_dict({k: v for k, v in SHAPE.items() if k != "vocab_size"})

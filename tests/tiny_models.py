@@ -1,0 +1,71 @@
+"""Tiny random-weight checkpoints of every supported family, saved by transformers.
+
+Each config switches on what sets its family apart (biases, q/k norms, soft-capping, fused
+projections, partial rotary) plus a rope kind and, where the family has one, a sliding window
+much shorter than the test prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models
+
+VOCAB = 128
+WINDOW = 8
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    # No end-of-sequence token: transformers' `generate` would mask it out, the engine would not.
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    attn_implementation="eager",
+)
+# model_type -> (transformers config class, model class, config overrides)
+TINY_MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=32))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=WINDOW + 3, max_window_layers=1,
+        max_position_embeddings=128,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=32))),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=1e4,
+                                                    factor=2.0))),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=1.0)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=4, sliding_window=2 * WINDOW, original_max_position_embeddings=128,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, factor=2.0,
+                             partial_rotary_factor=0.5, short_factor=[1.0, 1.1, 1.2, 1.5],
+                             long_factor=[2.0, 3.0, 4.0, 5.0]))),
+}
+
+
+def build_tiny_model(model_type: str, path: Path):
+    """Save a tiny random `model_type` checkpoint (+ a word-level tokenizer) into `path` and
+    return the float32 PyTorch model."""
+    config_class, model_class, overrides = TINY_MODELS[model_type]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        # Move norms off 1 (or 0) and biases off 0, so a misread one cannot go unnoticed.
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
+    return model

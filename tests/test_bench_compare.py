@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -41,6 +42,18 @@ def test_bad_bench_arguments_exit_2(capsys):
     assert "unknown goodput metric" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--base-url", "http://x", "--max-concurrency", "1,x"])
+
+
+def test_compare_runs_only_the_workloads_asked_for(capsys):
+    from server.bench.compare import add_compare_arguments, workloads
+
+    parser = argparse.ArgumentParser()
+    add_compare_arguments(parser)
+    args = parser.parse_args(["--workloads", "agents", "--sessions", "8", "--output-len", "48"])
+    assert list(workloads(args)) == ["agents"] and workloads(args)["agents"]["sessions"] == 8
+    assert len(workloads(parser.parse_args([]))) == 3
+    assert main(["bench", "compare", "--workloads", "agents,speed"]) == 2
+    assert "unknown workloads ['speed']" in capsys.readouterr().err
 
 
 def test_missing_matplotlib_names_the_install(monkeypatch):
@@ -100,5 +113,6 @@ def test_compare_doc_replaces_only_its_section(tmp_path, monkeypatch):
     write_doc(tmp_path, results, {}, {"concurrent-16": fields}, 64)
     page = (tmp_path / "benchmarks.md").read_text()
     assert page.startswith("# Bench\n\nHand-written.\n") and "old" not in page
-    assert "| metal-serve | 3 | 1 | 4.5 | 1.50 | 200.0 | 200.0 | 298.0 |" in page
+    assert ("| metal-serve | 3 | 1 | 2.0 | 4.5 | 1.50 | 200.0 | 200.0 | 280.0 | 298.0 | 75.0 "
+            "| 75.0 | 100.0 | 198.0 | 400.0 |") in page
     assert "| llama-cpp-python | - | 26.7 min | - | pip install took more than 25 min |" in page

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 DEFAULT_WORK_DIR = Path.home() / ".cache" / "metal-serve" / "peers"
 DEFAULT_DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 PEER_NAMES = ("metal-serve", "mlx-lm", "llama-cpp-python")
+WORKLOAD_KINDS = ("single", "concurrent", "agents")
 _WORKLOAD_OPTIONS = (
     ("--output-len", 64, "tokens per answer, in every workload"),
     ("--single-requests", 4, "`single`: requests sent one at a time"),
@@ -52,6 +53,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="where benchmarks.md and its plots go",
     )
     peers.add_argument(
+        "--doc",
+        default="benchmarks.md",
+        help="page in --docs-dir whose results section is rewritten (plots named after it)",
+    )
+    peers.add_argument(
         "--build-timeout",
         type=float,
         default=25 * 60,
@@ -73,6 +79,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip `bench throughput` and `bench step` for metal-serve",
     )
     loads = parser.add_argument_group("workloads")
+    loads.add_argument(
+        "--workloads",
+        default=",".join(WORKLOAD_KINDS),
+        help=f"comma-separated, from: {', '.join(WORKLOAD_KINDS)}",
+    )
     for flag, default, help_text in _WORKLOAD_OPTIONS:
         loads.add_argument(flag, type=int, default=default, help=help_text)
 
@@ -88,8 +99,10 @@ class PeerResult:
 
 
 def workloads(args: argparse.Namespace) -> dict[str, dict]:
-    """Workload name -> ServeBenchConfig fields; every one generates `--output-len` tokens."""
-    return {
+    """Workload name -> ServeBenchConfig fields of the `--workloads` asked for; every one
+    generates `--output-len` tokens."""
+    chosen = {k.strip() for k in args.workloads.split(",")}
+    every = {
         "single": dict(
             workload="random", num_prompts=args.single_requests, input_len=32, max_concurrency=(1,)
         ),
@@ -108,6 +121,7 @@ def workloads(args: argparse.Namespace) -> dict[str, dict]:
             tool_result_len=args.tool_result_len,
         ),
     }
+    return {name: fields for name, fields in every.items() if name.split("-")[0] in chosen}
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -125,6 +139,14 @@ def run_compare(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    unknown = sorted({k.strip() for k in args.workloads.split(",")} - set(WORKLOAD_KINDS))
+    if unknown:
+        print(
+            f"metal-serve bench compare: error: unknown workloads {unknown}; "
+            f"use {', '.join(WORKLOAD_KINDS)}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         model_dir, gguf = ensure_default_model(), default_gguf_path()
     except RuntimeError as exc:
@@ -133,7 +155,7 @@ def run_compare(args: argparse.Namespace) -> int:
     available = peers()
     results = [_bench_peer(available[name], model_dir, gguf, args) for name in names]
     engine = _engine_benches(args) if args.engine_bench and "metal-serve" in names else {}
-    path = write_doc(args.docs_dir, results, engine, workloads(args), args.output_len)
+    path = write_doc(args.docs_dir, results, engine, workloads(args), args.output_len, args.doc)
     print(f"wrote {path}")
     return 0 if all(r.error is None for r in results) else 1
 

@@ -27,14 +27,17 @@ COLUMNS = (
     "server",
     "ok",
     "failed",
+    "wall s",
     "out tok/s",
     "req/s",
     "TTFT mean",
     "TTFT p50",
+    "TTFT p90",
     "TTFT p99",
     "TPOT mean",
     "TPOT p50",
     "ITL p50",
+    "ITL p99",
     "E2EL p50",
 )
 
@@ -45,12 +48,14 @@ def write_doc(
     engine: dict[str, dict | str],
     workloads: dict[str, dict],
     output_len: int,
+    doc_name: str = DOC_NAME,
 ) -> Path:
-    """Replace the results section of `docs_dir/benchmarks.md` (create the page if needed)."""
+    """Replace the results section of `docs_dir/doc_name` (create the page if needed); its
+    plots are named after the page."""
     docs_dir.mkdir(parents=True, exist_ok=True)
-    images = _plots(docs_dir, results, list(workloads))
+    images = _plots(docs_dir, Path(doc_name).stem, results, list(workloads))
     section = "\n".join([BEGIN, *_section(results, engine, workloads, output_len, images), END])
-    path = docs_dir / DOC_NAME
+    path = docs_dir / doc_name
     page = path.read_text() if path.is_file() else "# Benchmarks\n"
     if BEGIN in page and END in page:
         head, rest = page.split(BEGIN, 1)
@@ -107,10 +112,12 @@ def _table(results: Sequence[PeerResult], workload: str) -> list[str]:
 
 def _cells(run: RunResult) -> list[str]:
     m = run.metrics
-    values = (m.ttft.mean, m.ttft.p50, m.ttft.p99, m.tpot.mean, m.tpot.p50, m.itl.p50, m.e2el.p50)
+    values = (m.ttft.mean, m.ttft.p50, m.ttft.p90, m.ttft.p99, m.tpot.mean, m.tpot.p50,
+              m.itl.p50, m.itl.p99, m.e2el.p50)
     return [
         str(m.completed),
         str(m.failed),
+        f"{m.duration_s:.1f}",
         f"{m.output_throughput:.1f}",
         f"{m.request_throughput:.2f}",
         *("-" if v is None else f"{v:.1f}" for v in values),
@@ -147,7 +154,7 @@ def _engine_lines(engine: dict[str, dict | str]) -> list[str]:
 
 
 def _plots(
-    docs_dir: Path, results: Sequence[PeerResult], workloads: list[str]
+    docs_dir: Path, stem: str, results: Sequence[PeerResult], workloads: list[str]
 ) -> list[tuple[str, str]]:
     from server.bench.plots import plot_bars
 
@@ -164,7 +171,7 @@ def _plots(
             series = {
                 r.name: [value(r.runs[w]) if w in r.runs else 0.0 for w in workloads] for r in ran
             }
-            path = plot_bars(docs_dir / f"benchmarks-{file}.png", title, title, workloads, series)
+            path = plot_bars(docs_dir / f"{stem}-{file}.png", title, title, workloads, series)
             images.append((title, path.name))
     except RuntimeError as exc:  # matplotlib missing: the tables are still written
         print(f"no plots: {exc}", file=sys.stderr)

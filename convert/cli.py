@@ -7,35 +7,59 @@ import sys
 import time
 from pathlib import Path
 
-from convert.api import convert_model
+from convert.api import convert_model, local_source
 from convert.model_dir import DTYPES, read_manifest
+from metal_engine.quantization import GROUP_SIZES
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add source, --out, --dtype, --force and --no-progress to `parser`."""
-    parser.add_argument("source", type=Path,
-                        help="a .gguf file or a Hugging Face model dir (Llama, Mistral, Qwen2, "
-                             "Qwen3, Gemma 2, Gemma 3 text, Phi-3)")
+    """Add the source and the options of `metal-serve convert` to `parser`."""
+    parser.add_argument("source",
+                        help="a .gguf file, a Hugging Face model dir, or a hub repo id (org/name) "
+                             "of Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text or Phi-3")
     parser.add_argument("--out", type=Path, required=True, help="model directory to create")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                        help="dtype of the written weights (default: float32)")
+                        help="dtype of the written weights, or of the scales and biases of "
+                             "quantized ones (default: float32)")
+    parser.add_argument("--quantize", type=int, choices=(4, 8),
+                        help="quantize Linear and Embedding weights to this many bits "
+                             "(MLX affine quantization, as mlx-lm writes it)")
+    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
+                        help="weights sharing one scale and bias when quantizing (default: 64)")
+    parser.add_argument("--revision", help="branch, tag or commit of a hub repo (default: main)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--no-validate", dest="validate", action="store_false",
+                        help="skip loading the result and comparing its logits with the source")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    """Convert, print a short summary, return the exit code (2 for a bad source or --out)."""
+    """Convert, validate, print a short summary; return the exit code (2 for a bad source or
+    --out, 1 when the result's logits are off)."""
     start = time.perf_counter()
     try:
         out = convert_model(args.source, args.out, dtype=args.dtype, force=args.force,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, quantize=args.quantize,
+                            group_size=args.group_size, revision=args.revision)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"metal-serve convert: error: {exc}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
     manifest = read_manifest(out) or {}
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    bits = f"  {args.quantize}-bit (group size {args.group_size})" if args.quantize else ""
     print(f"wrote {out}")
-    print(f"  parameters {manifest.get('num_parameters', 0):,}  dtype {args.dtype}  "
+    print(f"  parameters {manifest.get('num_parameters', 0):,}  dtype {args.dtype}{bits}  "
           f"size {size / 1e6:,.1f} MB  in {seconds:.1f} s")
-    return 0
+    if not args.validate:
+        return 0
+    from convert.validate import validate_conversion  # loads the engine: only when asked
+
+    try:
+        check = validate_conversion(local_source(args.source, args.revision), out)
+    except (ValueError, FileNotFoundError) as exc:  # e.g. the result does not load
+        print(f"metal-serve convert: validation failed: {exc}", file=sys.stderr)
+        return 1
+    verdict = "ok" if check.passed else f"FAILED (tolerance {check.tolerance:g})"
+    print(f"  logits vs {check.reference}: relative error {check.relative_error:.2e}  {verdict}")
+    return 0 if check.passed else 1

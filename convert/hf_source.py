@@ -16,6 +16,7 @@ from safetensors import safe_open
 from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
+from metal_engine.weights import safetensors_files
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -58,16 +59,7 @@ def _weight_files(path: Path) -> list[Path]:
         return files
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
-        raise ValueError(
-            f"{path} has only pickle checkpoints (*.bin/*.pt), which can run code when loaded, "
-            "so they are never read. Re-save the model as safetensors first "
-            "(model.save_pretrained(dir, safe_serialization=True))"
-        )
-    raise ValueError(f"{path} has no *.safetensors weights")
+    return safetensors_files(path)  # refuses a dir of pickle checkpoints
 
 
 def _tensor_names(files: list[Path], tied: bool) -> dict[Path, dict[str, tuple[int, ...]]]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import DERIVED_WEIGHTS
+from metal_engine.quantization import QuantizationConfig
 from metal_engine.weights import weight_shapes
 
 # Source checkpoints may carry these; they are derived from the config, so they are dropped.
@@ -15,8 +16,9 @@ IGNORED_SUFFIXES = DERIVED_WEIGHTS
 
 def config_from_hf(config: dict[str, Any]) -> ModelConfig:
     """Read a Hugging Face config.json (transformers 4 or 5 style) of a float checkpoint."""
-    if config.get("quantization_config") or config.get("quantization"):
-        raise ValueError("quantized checkpoints are not supported; convert the float checkpoint")
+    if QuantizationConfig.from_config(config) is not None:  # raises for foreign schemes
+        raise ValueError("this checkpoint is already in MLX's quantized layout: serve it as it is "
+                         "(`metal-serve serve DIR`), or convert its float checkpoint")
     return ModelConfig.from_dict(config)
 
 

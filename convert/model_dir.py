@@ -13,7 +13,9 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from convert.layout import config_dict, tensor_shapes
+from convert.quantize import TensorQuantizer
 from convert.source import ModelSource, fingerprint
+from metal_engine.quantization import QuantParams
 
 CONVERTER_VERSION = "1"
 MANIFEST_FILE = "metal_serve_manifest.json"
@@ -33,9 +35,14 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 
 def write_model_dir(
-    source: ModelSource, out: Path, dtype: str, force: bool, progress: bool
+    source: ModelSource, out: Path, dtype: str, force: bool, progress: bool,
+    quantization: QuantParams | None = None,
 ) -> Path:
-    """Write config, weights, tokenizer and manifest for `source`; `out` appears only when done."""
+    """Write config, weights, tokenizer and manifest for `source`; `out` appears only when done.
+
+    With `quantization`, Linear and Embedding weights are written quantized (mlx-lm's layout)
+    and `dtype` is that of their scales and biases and of every other tensor.
+    """
     check_out_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Same filesystem as `out`, so the final rename is atomic.
@@ -43,9 +50,13 @@ def write_model_dir(
     try:
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; a model dir is meant to be shared
         source.write_tokenizer(tmp)  # first: it fails fast on an unusable tokenizer
-        num_params = write_weights(source, tmp, dtype, progress)
-        _write_json(tmp / "config.json", config_dict(source.config, dtype, source.base_config))
-        _write_json(tmp / MANIFEST_FILE, _manifest(source, dtype, num_params))
+        quantizer = (TensorQuantizer(source.config, quantization, DTYPES[dtype])
+                     if quantization else None)
+        num_params = write_weights(source, tmp, dtype, progress, quantizer)
+        config = config_dict(source.config, dtype, source.base_config)
+        config.update(quantizer.config_entries() if quantizer else {})
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / MANIFEST_FILE, _manifest(source, dtype, num_params, quantization))
         _publish(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -53,21 +64,27 @@ def write_model_dir(
     return out
 
 
-def write_weights(source: ModelSource, folder: Path, dtype: str, progress: bool) -> int:
-    """Write the tensors as safetensors shards of at most MAX_SHARD_BYTES; return the param count.
+def write_weights(source: ModelSource, folder: Path, dtype: str, progress: bool,
+                  quantizer: TensorQuantizer | None = None) -> int:
+    """Write the tensors as safetensors shards of at most MAX_SHARD_BYTES; return the param count
+    (of the float model, also when `quantizer` packs the weights).
 
     One shard is named model.safetensors; several get the Hugging Face names plus an index.
     """
     target = DTYPES[dtype]
     writer = _ShardWriter(folder, MAX_SHARD_BYTES)
     total = len(tensor_shapes(source.config))
+    num_params = 0
     for name, tensor in tqdm(source.tensors(), total=total, desc="converting", unit="tensor",
                              disable=not progress):
-        array = mx.array(tensor).astype(target)
-        mx.eval(array)
-        writer.add(name, array)
+        array = mx.array(tensor)
+        num_params += array.size
+        stored = quantizer(name, array) if quantizer else [(name, array.astype(target))]
+        for stored_name, stored_array in stored:
+            mx.eval(stored_array)
+            writer.add(stored_name, stored_array)
     writer.finish()
-    return writer.num_params
+    return num_params
 
 
 def save_shard(path: Path, tensors: dict[str, mx.array]) -> None:
@@ -81,7 +98,7 @@ class _ShardWriter:
     def __init__(self, folder: Path, max_bytes: int) -> None:
         self.folder, self.max_bytes = folder, max_bytes
         self.pending: dict[str, mx.array] = {}
-        self.pending_bytes = self.total_bytes = self.num_params = 0
+        self.pending_bytes = self.total_bytes = 0
         self.saved: list[tuple[Path, list[str]]] = []
 
     def add(self, name: str, array: mx.array) -> None:
@@ -90,7 +107,6 @@ class _ShardWriter:
         self.pending[name] = array
         self.pending_bytes += array.nbytes
         self.total_bytes += array.nbytes
-        self.num_params += array.size
 
     def finish(self) -> None:
         """Save the last shard and give every shard its final name (names need the count)."""
@@ -121,11 +137,13 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _manifest(source: ModelSource, dtype: str, num_params: int) -> dict[str, Any]:
+def _manifest(source: ModelSource, dtype: str, num_params: int,
+              quantization: QuantParams | None) -> dict[str, Any]:
     return {
         "converter_version": CONVERTER_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "dtype": dtype,
+        "quantization": quantization.to_dict() if quantization else None,
         "num_parameters": num_params,
         "source": {
             "kind": source.kind,

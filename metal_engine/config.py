@@ -21,6 +21,7 @@ class EngineConfig:
     """
 
     model_dir: Path
+    model_name: str | None = None  # what the API calls it; default: the model dir's name
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512

@@ -11,8 +11,9 @@ from metal_engine.config import EngineConfig
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
-from metal_engine.outputs import RequestOutput
-from metal_engine.runner import LaunchedStep, ModelRunner
+from metal_engine.outputs import RequestOutput, TokenLogprobs
+from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
+from metal_engine.structured import StructuredOutputs
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.scheduler import RequestUpdate, SchedulerOutput
@@ -45,7 +46,9 @@ class LLMEngine:
     waits for step N's tokens, so the host work (scheduling, input packing, building the
     graph, detokenizing) overlaps the device's work; outputs then arrive one step later.
     That pays off where the forward runs asynchronously (Metal); the CPU backend's numpy fast
-    paths evaluate the forward as it is built, so there it is off by default.
+    paths evaluate the forward as it is built, so there it is off by default. A request that
+    reads its earlier tokens on the host to sample (penalties, a grammar) cannot sample behind
+    its own pending token: before such a step the engine waits for the step in flight.
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, model_name: str,
@@ -60,6 +63,7 @@ class LLMEngine:
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         )
         self.async_scheduling = async_scheduling
+        self.structured = StructuredOutputs(tokenizer, self.eos_token_ids)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._in_flight: LaunchedStep | None = None
@@ -102,8 +106,8 @@ class LLMEngine:
         async_scheduling = (
             mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
         )
-        return cls(ModelRunner(model, cache), scheduler, tokenizer, config.model_dir.name,
-                   async_scheduling, store)
+        name = config.model_name or config.model_dir.name
+        return cls(ModelRunner(model, cache), scheduler, tokenizer, name, async_scheduling, store)
 
     @property
     def max_model_len(self) -> int:
@@ -111,13 +115,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> None:
-        """Queue a request; ValueError (with the limits) if it can never be served.
+        """Queue a request; ValueError (with the limits) if it can never be served, or naming
+        the schema feature if its structured output cannot be enforced.
 
         `priority` orders admission under the priority policy: lower values go first.
         """
+        grammar = self.structured.compile(params.structured) if params.structured else None
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           priority=priority)
         self.scheduler.add_request(request)
+        if grammar is not None:
+            self.structured.add(request_id, grammar)
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop
         )
@@ -127,7 +135,7 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.finish_request(request_id, "abort")
-        self._detokenizers.pop(request_id, None)
+        self._forget(request_id)
         self._pending.append(self._output(request, [], "", "abort"))
 
     def has_unfinished_requests(self) -> bool:
@@ -142,9 +150,12 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         self.runner.release(scheduled.finished_ids)
         self._move_blocks(scheduled)
-        launched = None
+        previous, launched = self._in_flight, None
+        if previous is not None and self._samples_behind_pending_history(scheduled):
+            outputs += self._resolve(previous)  # `previous` still supplies the pending inputs
+            self._in_flight = None
         if not scheduled.is_empty:
-            launched = self.runner.launch(scheduled, previous=self._in_flight)
+            launched = self.runner.launch(scheduled, previous, self._sampling_context(scheduled))
             self.scheduler.advance(scheduled)
         finished, self._in_flight = self._in_flight, launched
         if not self.async_scheduling:
@@ -181,25 +192,51 @@ class LLMEngine:
         log.info("KV disk cache: saved %d blocks, %d on disk in %s", len(cached),
                  self.block_store.num_blocks, self.block_store.root)
 
+    def _samples_behind_pending_history(self, scheduled: SchedulerOutput) -> bool:
+        """Whether a request that reads its earlier tokens on the host to sample (penalties, a
+        grammar) samples in this step while its last token is still in flight."""
+        requests = self.scheduler.requests
+        return any(
+            s.samples and s.params.needs_token_history
+            and (request := requests.get(s.request_id)) is not None
+            and request.has_pending_output
+            for s in scheduled.scheduled
+        )
+
+    def _sampling_context(self, scheduled: SchedulerOutput) -> SamplingContext:
+        sampling_ids = [s.request_id for s in scheduled.scheduled if s.samples]
+        return SamplingContext(self.scheduler.requests, self.structured.bitmasks(sampling_ids))
+
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
-        updates = self.scheduler.resolve(launched.out, launched.sampled())
-        return [self._process(update) for update in updates]
+        sampled, logprobs = launched.sampled(), launched.sampled_logprobs()
+        updates = self.scheduler.resolve(launched.out, sampled)
+        return [self._process(u, logprobs.get(u.request.request_id)) for u in updates]
 
-    def _process(self, update: RequestUpdate) -> RequestOutput:
+    def _process(self, update: RequestUpdate, logprobs: TokenLogprobs | None) -> RequestOutput:
         request, reason = update.request, update.finish_reason
-        detok = self._detokenizers[request.request_id]
-        if detok.add_token(update.new_token_ids[-1]) and reason is None:
+        request_id, token_id = request.request_id, update.new_token_ids[-1]
+        detok = self._detokenizers[request_id]
+        grammar_complete = (
+            request_id in self.structured and self.structured.accept(request_id, token_id)
+        )
+        if (detok.add_token(token_id) or grammar_complete) and reason is None:
             reason = "stop"
-            self.scheduler.finish_request(request.request_id, reason)
+            self.scheduler.finish_request(request_id, reason)
         text = detok.take_delta(final=reason is not None)
         if reason is not None:
-            del self._detokenizers[request.request_id]
-        return self._output(request, update.new_token_ids, text, reason, update.num_output_tokens)
+            self._forget(request_id)
+        return self._output(request, update.new_token_ids, text, reason, update.num_output_tokens,
+                            [logprobs] if logprobs is not None else [])
+
+    def _forget(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+        self.structured.remove(request_id)
 
     @staticmethod
     def _output(request: Request, token_ids: list[int], text: str, reason,
-                num_output_tokens: int | None = None) -> RequestOutput:
+                num_output_tokens: int | None = None,
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -210,4 +247,5 @@ class LLMEngine:
                 request.num_output_tokens if num_output_tokens is None else num_output_tokens
             ),
             num_cached_tokens=request.num_cached_tokens,
+            logprobs=(logprobs or []) if request.params.logprobs is not None else None,
         )

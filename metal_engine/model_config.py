@@ -154,13 +154,7 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path} not found: point at a converted model dir "
-                "(make one with `metal-serve convert <source> --out DIR`)"
-            )
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_config_json(model_dir))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json keys that define this model, readable by transformers 4 and 5."""
@@ -204,6 +198,17 @@ class ModelConfig:
             keys["rope_parameters"] = {"full_attention": full, "sliding_attention": local.to_hf()}
             keys["rope_local_base_freq"] = local.rope_theta
         return keys
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    """A model dir's config.json as a dict."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} not found: point at a converted model dir "
+            "(make one with `metal-serve convert <source> --out DIR`)"
+        )
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

@@ -7,12 +7,28 @@ from dataclasses import dataclass
 from scheduler.request import FinishReason
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of one generated token and of the `k` most likely tokens at its position.
+
+    These are the model's raw log-softmax, before logit bias, grammar mask, penalties,
+    temperature or any filter (as vLLM reports by default): what the model thinks, not the
+    distribution the token was drawn from. `top` is (token id, logprob) by descending logprob,
+    empty when the request asked for k = 0.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class RequestOutput:
     """The delta of one request produced by one engine step.
 
     `new_text` is the newly decoded text (never a partial multi-byte character, never part of
-    a stop string); `finish_reason` is set on the last output of a request.
+    a stop string); `finish_reason` is set on the last output of a request. `logprobs` has one
+    entry per `new_token_ids` entry, or is None when the request did not ask for logprobs.
     """
 
     request_id: str
@@ -22,6 +38,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

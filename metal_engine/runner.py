@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -10,9 +11,25 @@ import numpy as np
 from metal_engine.block_tables import BlockTables
 from metal_engine.input_batch import StepInputs, build_step_inputs
 from metal_engine.kv_cache import KVCache
+from metal_engine.logprobs import LogprobArrays, compute_logprobs
 from metal_engine.models.decoder import CausalLM
-from metal_engine.sampler import SamplingBatch, sample
-from scheduler.scheduler import SchedulerOutput
+from metal_engine.outputs import TokenLogprobs
+from metal_engine.sampler import SamplingBatch, SamplingRow, sample
+from scheduler.request import Request
+from scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SamplingContext:
+    """What the sampler needs beyond each request's params, from the engine.
+
+    `requests` gives token histories (penalties) and EOS ids (min_tokens); a request that
+    samples with penalties or a grammar must have no output still pending. `allowed_tokens`
+    holds the grammar bitmask of each structured request that samples this step.
+    """
+
+    requests: Mapping[str, Request]
+    allowed_tokens: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -22,12 +39,20 @@ class LaunchedStep:
     out: SchedulerOutput
     sample_request_ids: list[str]
     token_ids: mx.array | None  # [len(sample_request_ids)], being computed
+    logprobs: LogprobArrays | None = None
 
     def sampled(self) -> dict[str, int]:
         """The sampled id per sampling request (blocks until the device has them)."""
         if self.token_ids is None:
             return {}
         return dict(zip(self.sample_request_ids, self.token_ids.tolist(), strict=True))
+
+    def sampled_logprobs(self) -> dict[str, TokenLogprobs]:
+        """Logprobs per sampling request that asked for them (blocks like `sampled()`)."""
+        if self.logprobs is None:
+            return {}
+        by_row = self.logprobs.to_host(self.token_ids.tolist())
+        return {self.sample_request_ids[row]: lp for row, lp in by_row.items()}
 
 
 class ModelRunner:
@@ -40,15 +65,19 @@ class ModelRunner:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
         self.block_tables.release(request_ids)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput,
+                context: SamplingContext | None = None) -> dict[str, int]:
         """Run the forward for every scheduled token; return the sampled id per sampling request."""
-        return self.launch(out).sampled()
+        return self.launch(out, context=context).sampled()
 
-    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None,
+               context: SamplingContext | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling on the device and return without waiting.
 
         Tokens the scheduler fed before knowing them (sampled by `previous`, still in flight)
         are taken from `previous`'s device array, so the step can be queued right behind it.
+        Penalties and grammars need `context`; a request missing from it samples from its
+        params alone (it finished since it was scheduled: its token is dropped).
         """
         step = build_step_inputs(out, self.cache.block_size, self.block_tables)
         input_ids = _with_pending_tokens(step, previous)
@@ -58,13 +87,11 @@ class ModelRunner:
             return LaunchedStep(out, [], None)
         logits = self.model.logits(hidden[mx.array(step.sample_rows)])
         by_id = {s.request_id: s for s in out.scheduled}
-        sampled = [by_id[r] for r in step.sample_request_ids]
-        batch = SamplingBatch.build(
-            [s.params for s in sampled], [s.num_output_tokens for s in sampled]
-        )
-        token_ids = sample(logits, batch)
-        mx.async_eval(token_ids, self.cache.arrays())
-        return LaunchedStep(out, step.sample_request_ids, token_ids)
+        rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]
+        token_ids = sample(logits, SamplingBatch.build(rows))
+        logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
+        mx.async_eval(token_ids, *(logprobs.arrays() if logprobs else ()), self.cache.arrays())
+        return LaunchedStep(out, step.sample_request_ids, token_ids, logprobs)
 
     def forward_logits(self, out: SchedulerOutput) -> mx.array:
         """Logits of every packed row (for tests and diagnostics, not the serving path)."""
@@ -75,6 +102,29 @@ class ModelRunner:
         logits = self.model.logits(hidden)
         mx.eval(logits, self.cache.arrays())
         return logits
+
+
+def _sampling_row(item: ScheduledRequest, context: SamplingContext | None) -> SamplingRow:
+    params = item.params
+    if context is None:
+        if params.needs_token_history:
+            raise ValueError(
+                f"request {item.request_id!r} has penalties or a grammar: launch its step "
+                "with a SamplingContext"
+            )
+        return SamplingRow(params, item.num_output_tokens)
+    request = context.requests.get(item.request_id)
+    if request is None:
+        return SamplingRow(params, item.num_output_tokens)
+    if params.needs_token_history and request.has_pending_output:
+        raise RuntimeError(
+            f"request {item.request_id!r} reads its earlier tokens to sample but the last one "
+            "is still being sampled: resolve the step in flight before launching"
+        )
+    return SamplingRow(
+        params, item.num_output_tokens, request.prompt_token_ids, request.output_token_ids,
+        request.eos_token_ids, context.allowed_tokens.get(item.request_id),
+    )
 
 
 def _with_pending_tokens(step: StepInputs, previous: LaunchedStep | None) -> mx.array:

@@ -1,19 +1,43 @@
 """Batched on-device sampling with per-row parameters.
 
-One row per request that samples this step. Greedy rows take the argmax; the others apply
-temperature, top-k and top-p, then draw with the Gumbel-max trick. A row with a seed draws its
-noise from a key derived from (seed, output index), so its tokens do not depend on which other
-requests share the batch.
+One row per request that samples this step. All rows go through the same passes, each one an
+identity for the rows that do not use it, so a row samples the same token whatever shares its
+batch:
+
+    grammar mask -> logit bias, min_tokens -> penalties -> (greedy rows: argmax)
+    -> temperature -> min-p -> top-k, top-p -> Gumbel-max draw
+
+A row with a seed draws its noise from a key derived from (seed, output index), so its tokens do
+not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from metal_engine.penalties import Penalties, apply_penalties
 from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One request that samples this step, as the host knows it.
+
+    The token histories are read only when the request has penalties. `allowed_tokens` is the
+    grammar's bitmask (bit `t % 32` of int32 word `t // 32` set: token t allowed); None for a
+    request without structure.
+    """
+
+    params: SamplingParams
+    num_output_tokens: int
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    eos_token_ids: tuple[int, ...] = ()  # suppressed with stop_token_ids until min_tokens
+    allowed_tokens: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -23,49 +47,101 @@ class SamplingBatch:
     temperature: np.ndarray  # [S] float32; 0 = greedy
     top_k: np.ndarray  # [S] int32; 0 = off
     top_p: np.ndarray  # [S] float32; 1 = off
+    log_min_p: np.ndarray  # [S] float32; -inf = off
     seeds: list[int | None]  # per row: a seed mixed with the output index, or None
     all_greedy: bool
-    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # rows, token ids, values
+    additions: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # rows, token ids, values
+    penalties: Penalties | None
+    allowed: tuple[np.ndarray, np.ndarray] | None  # [S, W] int32 bitmask, [S] bool: has one
 
     @classmethod
-    def build(cls, params: list[SamplingParams], num_outputs: list[int]) -> SamplingBatch:
-        seeds = [
-            None if p.seed is None else hash((p.seed, n)) & 0xFFFFFFFF
-            for p, n in zip(params, num_outputs, strict=True)
-        ]
+    def build(cls, rows: list[SamplingRow]) -> SamplingBatch:
+        params = [r.params for r in rows]
+        min_p = np.array([p.min_p for p in params], np.float32)
+        log_min_p = np.full(len(rows), -np.inf, np.float32)
+        np.log(min_p, out=log_min_p, where=min_p > 0)
         return cls(
             temperature=np.array([p.temperature for p in params], np.float32),
             top_k=np.array([p.top_k for p in params], np.int32),
             top_p=np.array([p.top_p for p in params], np.float32),
-            seeds=seeds,
+            log_min_p=log_min_p,
+            seeds=[
+                None if r.params.seed is None
+                else hash((r.params.seed, r.num_output_tokens)) & 0xFFFFFFFF
+                for r in rows
+            ],
             all_greedy=all(p.greedy for p in params),
-            bias=_bias_entries(params),
+            additions=_additions(rows),
+            penalties=Penalties.build(rows),
+            allowed=_allowed_bitmask(rows),
         )
 
 
 def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
     """`logits [S, V]` -> token ids `[S]` (lazy)."""
-    if batch.bias is not None:
-        rows, tokens, values = (mx.array(a) for a in batch.bias)
-        logits = logits.at[rows, tokens].add(values.astype(logits.dtype))
+    logits = process_logits(logits, batch)
     greedy = mx.argmax(logits, axis=-1)
     if batch.all_greedy:
         return greedy
-    logits = logits.astype(mx.float32)
     temperature = np.where(batch.temperature > 0, batch.temperature, 1.0)
     logits = logits / mx.array(temperature)[:, None]
+    if (batch.log_min_p > -np.inf).any():
+        # min-p keeps tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p).
+        floor = mx.max(logits, axis=-1, keepdims=True) + mx.array(batch.log_min_p)[:, None]
+        logits = mx.where(logits >= floor, logits, -mx.inf)
     if (batch.top_k > 0).any() or (batch.top_p < 1).any():
         logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
     drawn = mx.argmax(logits + _gumbel_noise(logits.shape, batch.seeds), axis=-1)
     return mx.where(mx.array(batch.temperature == 0), greedy, drawn)
 
 
-def _bias_entries(params: list[SamplingParams]):
-    entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
+    """The float32 logits every row's choice is made from, before temperature and filters:
+    grammar mask, logit bias, min_tokens suppression and penalties applied."""
+    logits = logits.astype(mx.float32)
+    if batch.allowed is not None:
+        logits = mx.where(_expand_bitmask(*batch.allowed, logits.shape[-1]), logits, -mx.inf)
+    if batch.additions is not None:
+        rows, tokens, values = (mx.array(a) for a in batch.additions)
+        logits = logits.at[rows, tokens].add(values)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    return logits
+
+
+def _additions(rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(row, token, value) added to the logits: each logit_bias, and -inf on the stop tokens
+    of rows that have not reached min_tokens yet."""
+    entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+    for i, r in enumerate(rows):
+        if r.num_output_tokens < r.params.min_tokens:
+            eos = () if r.params.ignore_eos else r.eos_token_ids
+            entries += [(i, t, -np.inf) for t in (*r.params.stop_token_ids, *eos)]
     if not entries:
         return None
-    rows, tokens, values = zip(*entries, strict=True)
-    return (np.array(rows, np.int32), np.array(tokens, np.int32), np.array(values, np.float32))
+    rows_, tokens, values = zip(*entries, strict=True)
+    return (np.array(rows_, np.int32), np.array(tokens, np.int32), np.array(values, np.float32))
+
+
+def _allowed_bitmask(rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray] | None:
+    masks = [r.allowed_tokens for r in rows]
+    constrained = np.array([m is not None for m in masks])
+    if not constrained.any():
+        return None
+    width = next(len(m) for m in masks if m is not None)
+    everything = np.full(width, -1, np.int32)
+    return np.stack([everything if m is None else m for m in masks]), constrained
+
+
+def _expand_bitmask(words: np.ndarray, constrained: np.ndarray, vocab: int) -> mx.array:
+    """`[S, W]` int32 words -> `[S, vocab]` bool. Logits past the grammar tokenizer's words
+    (a model vocab padded beyond the tokenizer) are allowed only in unconstrained rows."""
+    missing = -(-vocab // 32) - words.shape[1]
+    if missing > 0:
+        padding = np.where(constrained[:, None], 0, -1).astype(np.int32)
+        words = np.concatenate([words, np.broadcast_to(padding, (len(words), missing))], 1)
+    bits = (mx.array(words)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
+    return bits.reshape(len(words), -1)[:, :vocab].astype(mx.bool_)
 
 
 def _filter_top_k_top_p(logits: mx.array, top_k: np.ndarray, top_p: np.ndarray) -> mx.array:

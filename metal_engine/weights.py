@@ -1,16 +1,22 @@
-"""Build a model from a model dir: config.json + safetensors (sharded or not)."""
+"""Build a model from a model dir: config.json + safetensors (sharded or not), in float or in
+MLX's affine quantized layout (see metal_engine.quantization)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.model_config import ModelConfig, read_config_json
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.registry import model_class
+from metal_engine.quantization import QuantizationConfig, dequantize_weights
+
+log = logging.getLogger("metal_serve")
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -19,25 +25,67 @@ def resolve_dtype(name: str) -> mx.Dtype:
     return getattr(mx, name)
 
 
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The dir's *.safetensors files; a dir with only pickle checkpoints is refused."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if files:
+        return files
+    if any(any(Path(model_dir).glob(pattern)) for pattern in PICKLE_PATTERNS):
+        raise ValueError(
+            f"{model_dir} has only pickle checkpoints (*.bin/*.pt), which can run code when "
+            "loaded, so metal-serve never reads them. Re-save the model as safetensors "
+            "(transformers: model.save_pretrained(dir, safe_serialization=True)), then "
+            "`metal-serve convert DIR --out OUT`"
+        )
+    raise FileNotFoundError(
+        f"no *.safetensors in {model_dir}: convert the model first with "
+        "`metal-serve convert <source> --out DIR`"
+    )
+
+
+def keeps_quantized() -> bool:
+    """Quantized layers run as such off the CPU. MLX's CPU quantized matmul runs at about
+    1.5 GFLOP/s, far below its float32 BLAS matmul, so the CPU backend dequantizes at load."""
+    return mx.default_device() != mx.cpu
+
+
 def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
     """Instantiate the config's model class and load every weight; missing or unexpected names
-    are errors."""
-    config = ModelConfig.from_model_dir(model_dir)
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors in {model_dir}: convert the model first with "
-            "`metal-serve convert <source> --out DIR`"
-        )
+    are errors. Quantized checkpoints keep quantized layers, or are dequantized on the CPU."""
+    raw_config = read_config_json(model_dir)
+    config = ModelConfig.from_dict(raw_config)
+    quantization = QuantizationConfig.from_config(raw_config)
+    files = safetensors_files(model_dir)
     model = model_class(config.model_type)(config)
     weights: dict[str, mx.array] = {}
     for path in files:
         weights.update(mx.load(str(path)))
-    weights = {k: v.astype(dtype) for k, v in model.sanitize(weights).items()}
+    weights = model.sanitize(weights)
+    if quantization is not None and keeps_quantized():
+        nn.quantize(model, class_predicate=_quantized_modules(weights, quantization))
+    elif quantization is not None:
+        log.info("CPU backend: dequantizing the %d-bit weights of %s to %s at load (MLX's CPU "
+                 "quantized matmul is slow)", quantization.default.bits, model_dir, dtype)
+        weights = dequantize_weights(weights, quantization)
+    # Packed quantized weights are uint32 and stay so; every float tensor takes `dtype`.
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def _quantized_modules(weights: dict[str, mx.array], quantization: QuantizationConfig):
+    """nn.quantize's predicate, mlx-lm's rule: a module is quantized iff the checkpoint has its
+    scales; it gets its own per-module params where the config lists them."""
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, int]:
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return quantization.params_for(path).to_dict()
+
+    return predicate
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

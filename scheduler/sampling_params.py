@@ -4,15 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+
+
+# Far past any useful value (1.1-1.5 is typical); bounds the logits it divides or multiplies.
+MAX_REPETITION_PENALTY = 100.0
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to JSON: matching `json_schema` (a JSON schema as text), or any
+    JSON object when it is None."""
+
+    json_schema: str | None = None
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
-    `stop` strings are matched on the detokenized text by the engine's output processor;
-    `stop_token_ids` and EOS are matched by the scheduler. `logit_bias` pairs (token id, bias)
-    are added to the logits before any sampling, greedy included.
+    `temperature == 0` means greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0` disable those
+    filters. `stop` strings are matched on the detokenized text by the engine's output
+    processor; `stop_token_ids` and EOS are matched by the scheduler, and suppressed until
+    `min_tokens` tokens are out. `logit_bias` pairs (token id, bias) are added to the logits
+    before any sampling, greedy included; so are the penalties: `presence_penalty` and
+    `frequency_penalty` (OpenAI) over the output tokens, `repetition_penalty` (divides positive
+    logits, multiplies negative ones) over prompt and output tokens. `logprobs = k` returns the
+    sampled token's logprob and its top-k alternatives; `structured` constrains the output to
+    a grammar.
     """
 
     max_tokens: int = 16
@@ -24,6 +43,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,13 +60,45 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         for token_id, bias in self.logit_bias:
             if token_id < 0 or not -100 <= bias <= 100:
                 raise ValueError(
                     f"logit_bias needs token ids >= 0 and biases in [-100, 100], "
                     f"got {token_id}: {bias}"
                 )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 disables it), "
+                f"got {self.repetition_penalty}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] (or None for no logprobs), "
+                f"got {self.logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens on the host (penalties, grammar)."""
+        return self.has_penalties or self.structured is not None

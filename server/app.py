@@ -1,30 +1,67 @@
-"""The FastAPI app: OpenAI-compatible routes over one AsyncEngine."""
+"""The FastAPI app: OpenAI-compatible routes over one AsyncEngine, behind the guards that
+`HttpOptions` configures."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
+from server.anthropic_api import anthropic_router
 from server.async_engine import AsyncEngine
+from server.auth import ApiKeyAuth
+from server.body_limit import BodySizeLimit
 from server.errors import install_error_handlers
+from server.limits import check_request_limits
+from server.logs import RequestIdMiddleware
+from server.metrics import ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.serve_args import DEFAULT_MAX_N
+from server.responses_api import responses_router
+from server.serve_args import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY
 from server.serving import Serving
+from server.shutdown import Drain, DrainGate
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """What the HTTP layer enforces before a request reaches a route.
+
+    `api_key`: None leaves `/v1/*` open. `allowed_origins`: browser origins that may call the
+    API (CORS); empty sends no CORS headers at all, "*" allows any. `max_request_body`: bytes.
+    """
+
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_request_body: int = DEFAULT_MAX_REQUEST_BODY
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty; pass a non-empty --api-key or omit it")
+        if self.max_request_body < 1:
+            raise ValueError(f"max_request_body must be positive, got {self.max_request_body}")
 
 
 def build_app(
-    async_engine: AsyncEngine, served_model_name: str = "default", max_n: int = DEFAULT_MAX_N
+    async_engine: AsyncEngine,
+    served_model_name: str = "default",
+    max_n: int = DEFAULT_MAX_N,
+    options: HttpOptions | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving one model.
 
     The `model` field of requests is not checked: a single-model server answers whatever
     name the client uses (clients send all sorts). `/v1/models` lists `served_model_name`
     and the model directory's name. A request may ask for up to `max_n` choices.
+    `tool_call_parser` names the tool-call format (default: picked from the chat template).
+    `app.state.drain` is what a graceful shutdown drains.
     """
+    options = options or HttpOptions()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -34,13 +71,21 @@ def build_app(
 
     app = FastAPI(title="metal-serve", lifespan=lifespan)
     install_error_handlers(app)
-    serving = Serving(async_engine, served_model_name, max_n)
+    _add_guards(app, options, Drain(async_engine))
+    metrics = ServerMetrics(async_engine.stats)
+    async_engine.observe_requests(metrics.request)
+    serving = Serving(async_engine, served_model_name, max_n, tool_call_parser)
     created = int(time.time())
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -49,10 +94,33 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_request_limits(body)
         return await serving.chat(body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_request_limits(body)
         return await serving.completion(body, request)
 
+    parser = serving.tool_call_parser
+    app.include_router(responses_router(async_engine, served_model_name, parser))
+    app.include_router(anthropic_router(async_engine, served_model_name, parser))
     return app
+
+
+def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
+    """Outermost first: request id → drain gate → CORS → API key → body size → routes. CORS
+    sits outside the key check so that preflights pass and a 401 still carries CORS headers."""
+    app.state.drain = drain
+    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_body)
+    if options.api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=options.api_key)
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(options.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],  # the SDKs send many of their own (x-stainless-*, ...)
+            expose_headers=["x-request-id", "retry-after"],
+        )  # fmt: skip
+    app.add_middleware(DrainGate, drain=drain)
+    app.add_middleware(RequestIdMiddleware)

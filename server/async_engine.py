@@ -4,8 +4,12 @@ One background thread owns the engine: it applies queued adds and aborts, then s
 sleeps on a condition variable while no request is live. Each request's deltas travel to
 its handler through an `asyncio.Queue` fed with `loop.call_soon_threadsafe`.
 
-    handler ──add/abort──▶ [pending, under lock] ──▶ engine thread: apply → step
+    handler ──add/abort──▶ [pending, under lock] ──▶ engine thread: apply → step → stats
     handler ◀──RequestOutput / exception── per-request asyncio.Queue ◀──┘
+
+A failure inside one request (refused or failed add, an output that cannot be delivered)
+fails that request only. A step that raises fails the live requests (the bridge cannot tell
+which of them it ran) and leaves the engine to the next request. The thread lives on.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from metal_engine.outputs import RequestOutput
+from server.engine_stats import EngineStats, read_engine_stats
+from server.logs import current_request_id
+
 if TYPE_CHECKING:
-    from metal_engine.outputs import RequestOutput
     from scheduler import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -27,6 +35,17 @@ log = logging.getLogger(__name__)
 
 class EngineError(RuntimeError):
     """The engine failed while running a request, or stopped; the request cannot finish."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait for their first token; the client should retry shortly."""
+
+    retry_after_s = 1
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"The server already has {limit} requests waiting to start; retry in a moment."
+        )
 
 
 class Engine(Protocol):
@@ -54,16 +73,49 @@ class Engine(Protocol):
         """Last call, on the engine thread: e.g. spill cached KV blocks to disk."""
 
 
+class RequestObserver(Protocol):
+    """Sees one request's outputs on its handler's event loop (e.g. to time them)."""
+
+    def on_output(self, output: RequestOutput) -> None: ...
+
+    def on_finish(self, outcome: str) -> None:
+        """Once: the finish reason, "error" (engine failure) or "rejected" (never ran)."""
+
+
+class _NoObserver:
+    def on_output(self, output: RequestOutput) -> None:
+        pass
+
+    def on_finish(self, outcome: str) -> None:
+        pass
+
+
 @dataclass
 class _Stream:
     """Where one request's outputs go: a queue living on the handler's event loop."""
 
     loop: asyncio.AbstractEventLoop
+    log_id: str  # the HTTP request's id, for the engine thread's log lines
+    num_prompt_tokens: int
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    last: RequestOutput | None = None  # engine thread only
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def abort_output(self, request_id: str) -> RequestOutput:
+        """A last output saying the server ended the request (finish_reason "abort")."""
+        last = self.last
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text="",
+            finish_reason="abort",
+            num_prompt_tokens=last.num_prompt_tokens if last else self.num_prompt_tokens,
+            num_output_tokens=last.num_output_tokens if last else 0,
+            num_cached_tokens=last.num_cached_tokens if last else 0,
+        )
 
 
 @dataclass
@@ -79,17 +131,28 @@ class AsyncEngine:
     """Async front of an engine that only one thread may touch.
 
     `generate` may be called from any event loop; `tokenizer`, `model_name` and
-    `max_model_len` are read-only and safe to use from handlers.
+    `max_model_len` are read-only and safe to use from handlers; `stats()` is a snapshot the
+    engine thread publishes after every step. At most `max_queued_requests` requests (None:
+    no limit) may wait for their first output; more raise `QueueFull`.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False
+    ) -> None:
         self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.log_prompts = log_prompts
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._abort_everything = False
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._num_awaiting_first = 0  # under the lock
+        self._stats = EngineStats()  # under the lock
+        self._observe: Callable[[], RequestObserver] = _NoObserver
         self._streams: dict[str, _Stream] = {}  # live requests; engine thread only
+        self._stalled = False  # engine thread only: a step failed and nothing was added since
 
     @property
     def tokenizer(self) -> Any:
@@ -103,10 +166,24 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def observe_requests(self, observer: Callable[[], RequestObserver]) -> None:
+        """Give every request from now on an observer made by `observer()`."""
+        self._observe = observer
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            return self._stats
+
     def start(self) -> None:
         """Start the engine thread (idempotent; `generate` calls it too)."""
         with self._cond:
             self._start_locked()
+
+    def abort_all(self) -> None:
+        """End every live request now; each gets a last output with finish_reason "abort"."""
+        with self._cond:
+            self._abort_everything = True
+            self._cond.notify()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread for good; requests still live fail with `EngineError`."""
@@ -128,27 +205,59 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until one is finished.
 
-        Raises the engine's `ValueError` if it refuses the request (before any output), and
-        `EngineError` if the engine fails. Stopping early (a client disconnect cancels the
-        consumer) aborts the request in the engine.
+        Raises `QueueFull` if too many requests wait already, the engine's `ValueError` if it
+        refuses the request (both before any output), and `EngineError` if the engine fails.
+        Stopping early (a client disconnect cancels the consumer) aborts the request.
         """
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), current_request_id(), len(prompt_ids))
+        observer = self._observe()
         with self._cond:
             self._start_locked()
+            if self._queue_full_locked():
+                observer.on_finish("rejected")
+                raise QueueFull(self.max_queued_requests)
+            self._num_awaiting_first += 1
             self._adds.append(_Add(request_id, list(prompt_ids), params, priority, stream))
             self._cond.notify()
-        done = False
+        self._log_prompt(request_id, prompt_ids)
+        started, awaiting_first, done = time.monotonic(), True, False
+        outcome, last = "abort", None  # "abort" unless the request ends on its own
         try:
             while not done:
                 item = await stream.queue.get()
+                if awaiting_first:
+                    awaiting_first = False
+                    self._release_queue_slot()
                 if isinstance(item, BaseException):
                     done = True  # the engine thread has already dropped the request
+                    outcome = "rejected" if isinstance(item, ValueError) else "error"
                     raise item
-                done = item.finished
+                observer.on_output(item)
+                done, last = item.finished, item
+                outcome = item.finish_reason or outcome
                 yield item
         finally:
+            if awaiting_first:
+                self._release_queue_slot()
             if not done:
                 self._abort(request_id)
+            observer.on_finish(outcome)
+            _log_finish(request_id, outcome, last, time.monotonic() - started)
+
+    def _queue_full_locked(self) -> bool:
+        limit = self.max_queued_requests
+        return limit is not None and self._num_awaiting_first >= limit
+
+    def _release_queue_slot(self) -> None:
+        with self._cond:
+            self._num_awaiting_first -= 1
+
+    def _log_prompt(self, request_id: str, prompt_ids: list[int]) -> None:
+        # Prompt text stays out of the logs unless the operator asked for it (--log-prompts).
+        if self.log_prompts:
+            log.info("%s prompt: %r", request_id, self.tokenizer.decode(prompt_ids))
+        else:
+            log.debug("%s queued with %d prompt tokens", request_id, len(prompt_ids))
 
     def _abort(self, request_id: str) -> None:
         with self._cond:
@@ -158,66 +267,125 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._publish_stats()
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stopping or self._live()):
+                while not (self._adds or self._aborts or self._abort_everything
+                           or self._stopping or self._live()):  # fmt: skip
                     self._cond.wait()
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                abort_everything, self._abort_everything = self._abort_everything, False
                 stopping = self._stopping
-            self._apply(adds, aborts)
             if stopping:
+                self._apply(adds, aborts)
                 break
-            if self._live():
-                self._step()
+            try:
+                self._iterate(adds, aborts, abort_everything)
+            except Exception as exc:  # a bug outside any one request: fail the live ones
+                log.exception("the engine loop failed; failing %d requests", len(self._streams))
+                self._fail_all(EngineError(f"The engine failed: {exc!r}"))
         self._fail_all(EngineError("The server is shutting down; retry on a running server."))
         try:
             self.engine.close()
         except Exception:
             log.exception("closing the engine failed")
 
+    def _iterate(self, adds: list[_Add], aborts: list[str], abort_everything: bool) -> None:
+        """Apply what the handlers queued, then step once if anything is live."""
+        self._apply(adds, aborts)
+        if abort_everything:
+            self._abort_live()
+        outputs = self._step() if self._live() else []
+        self._publish_stats()  # first: a client that got its last output sees it in /metrics
+        for output in outputs:
+            self._deliver(output)
+
     def _live(self) -> bool:
         # The engine may hold work without a stream: an abort's output is flushed by a step.
-        return bool(self._streams) or self.engine.has_unfinished_requests()
+        # After a failed step, leftovers wait for the next add rather than failing in a loop.
+        if self._streams:
+            return True
+        return not self._stalled and self.engine.has_unfinished_requests()
+
+    def _publish_stats(self) -> None:
+        stats = read_engine_stats(self.engine)
+        with self._cond:
+            self._stats = stats
 
     def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
         for add in adds:
-            try:
-                self.engine.add_request(
-                    add.request_id, add.prompt_ids, add.params, priority=add.priority
-                )
-            except ValueError as exc:
-                add.stream.put(exc)
-                continue
-            except Exception as exc:
-                log.exception("engine.add_request failed for %s", add.request_id)
-                add.stream.put(EngineError(f"The engine could not add the request: {exc!r}"))
-                continue
-            self._streams[add.request_id] = add.stream
+            self._add(add)
         for request_id in aborts:
-            if self._streams.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._abort_in_engine(request_id, stream)
 
-    def _step(self) -> None:
+    def _add(self, add: _Add) -> None:
         try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed; failing %d live requests", len(self._streams))
-            self._fail_all(EngineError(f"The engine failed while generating: {exc!r}"))
+            self.engine.add_request(
+                add.request_id, add.prompt_ids, add.params, priority=add.priority
+            )
+        except ValueError as exc:
+            add.stream.put(exc)
             return
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:  # aborted after this step was scheduled
-                continue
+        except Exception as exc:
+            log.exception("engine.add_request failed for %s", add.request_id,
+                          extra={"request_id": add.stream.log_id})  # fmt: skip
+            add.stream.put(EngineError(f"The engine could not add the request: {exc!r}"))
+            return
+        self._streams[add.request_id] = add.stream
+        self._stalled = False
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing its %d requests", len(self._streams))
+            self._fail_all(EngineError(f"The engine failed while generating: {exc!r}"))
+            self._stalled = True
+            return []
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:  # aborted after this step was scheduled
+            return
+        try:
             if output.finished:
                 del self._streams[output.request_id]
+            stream.last = output
             stream.put(output)
+        except Exception as exc:
+            log.exception("could not deliver an output of %s", output.request_id,
+                          extra={"request_id": stream.log_id})  # fmt: skip
+            self._streams.pop(output.request_id, None)
+            self._abort_in_engine(output.request_id, stream)
+            stream.put(EngineError(f"The server could not deliver the output: {exc!r}"))
+
+    def _abort_live(self) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self._abort_in_engine(request_id, stream)
+            stream.put(stream.abort_output(request_id))
 
     def _fail_all(self, error: EngineError) -> None:
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                log.exception("could not abort %s after an engine failure", request_id)
+            self._abort_in_engine(request_id, stream)
             stream.put(error)
+
+    def _abort_in_engine(self, request_id: str, stream: _Stream) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            log.exception("could not abort %s", request_id, extra={"request_id": stream.log_id})
+
+
+def _log_finish(request_id: str, outcome: str, last: RequestOutput | None, seconds: float) -> None:
+    if last is None:
+        log.info("%s ended (%s) before any output, after %.2fs", request_id, outcome, seconds)
+        return
+    log.info(
+        "%s ended (%s): %d prompt tokens (%d cached), %d generated, %.2fs", request_id, outcome,
+        last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens, seconds,
+    )  # fmt: skip

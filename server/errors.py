@@ -1,4 +1,8 @@
-"""OpenAI-style error bodies, and the exception handlers that produce them."""
+"""Error bodies in the style of the API that was called, and the handlers that produce them.
+
+OpenAI routes answer `{"error": {message, type, param, code}}`; Anthropic routes
+(`/v1/messages...`) answer `{"type": "error", "error": {type, message}}`.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.async_engine import QueueFull
+
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}
+_TYPES = {
+    400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+}  # fmt: skip
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    503: "overloaded_error", 529: "overloaded_error",
+}  # fmt: skip
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 class APIError(Exception):
-    """An error that reaches the client as `{"error": {message, type, param, code}}`."""
+    """An error that reaches the client as the error body of the API it called."""
 
     def __init__(
         self,
@@ -25,6 +44,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -32,6 +52,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status_code, "server_error")
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {
@@ -43,8 +64,30 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+    def anthropic_body(self) -> dict[str, Any]:
+        error_type = _ANTHROPIC_TYPES.get(self.status_code, "api_error")
+        return {"type": "error", "error": {"type": error_type, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The response for a request to `path`, in that API's style."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+def request_too_large() -> APIError:
+    return APIError(
+        "The request body is larger than this server accepts; send less, or start the server "
+        "with a higher --max-request-body.",
+        status_code=413,
+        code="request_too_large",
+    )
+
+
+def _queue_full_error(exc: QueueFull) -> APIError:
+    return APIError(
+        str(exc), status_code=429, code="rate_limit_exceeded",
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )  # fmt: skip
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -67,24 +110,35 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make every error, including FastAPI's own 404/405/422, use the OpenAI body."""
+    """Make every error, including FastAPI's own 404/405/422, use the caller's API style."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+        return _queue_full_error(exc).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
-        if exc.status_code == 404:
-            message = f"No route for {request.method} {request.url.path}."
-        return APIError(message, status_code=exc.status_code).response()
+        return _http_error(request, exc).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error while serving a request")
-        return APIError(f"Internal server error: {exc!r}", status_code=500).response()
+        error = APIError(f"Internal server error: {exc!r}", status_code=500)
+        return error.response(request.url.path)
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """Starlette's own errors (no route, wrong method) and a body over the size limit."""
+    if exc.status_code == 404:
+        return APIError(f"No route for {request.method} {request.url.path}.", status_code=404)
+    if exc.status_code == 413:
+        return request_too_large()
+    return APIError(str(exc.detail), status_code=exc.status_code)

@@ -1,4 +1,8 @@
-"""Run a request's choices through the AsyncEngine: start them, collect them, or stream them."""
+"""Run a request's choices through the AsyncEngine: start them, collect them, or stream them.
+
+A request has one or more prompts and `n` choices per prompt; choice `p * n + i` is choice
+`i` of prompt `p` (the completions API's numbering).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,11 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from scheduler.request import FinishReason
 from server.async_engine import AsyncEngine, EngineError
 from server.errors import APIError
 from server.protocol import Usage
@@ -28,41 +30,29 @@ Outputs = AsyncGenerator["RequestOutput", None]
 Choices = AsyncGenerator[tuple[int, "RequestOutput"], None]
 
 
-@dataclass(frozen=True)
-class Choice:
-    index: int
-    text: str
-    finish_reason: FinishReason | None
-
-
-@dataclass(frozen=True)
-class Result:
-    choices: list[Choice]
-    usage: Usage
-
-
-def usage_of(lasts: Iterable[RequestOutput]) -> Usage:
-    """Usage over the last output of each choice: the choices share one prompt, so it counts
-    once (with the cache hit of the choice that found least cached) and their outputs add up."""
-    lasts = list(lasts)
+def usage_of(lasts: list[RequestOutput], n: int = 1) -> Usage:
+    """Usage over the last output of each choice, in choice order. The `n` choices of a
+    prompt share it, so it counts once (with the cache hit of the choice that found least
+    cached); the outputs of all choices add up."""
+    per_prompt = [lasts[p : p + n] for p in range(0, len(lasts), n)]
     return Usage.of(
-        lasts[0].num_prompt_tokens,
+        sum(choices[0].num_prompt_tokens for choices in per_prompt),
         sum(o.num_output_tokens for o in lasts),
-        min(o.num_cached_tokens for o in lasts),
+        sum(min(o.num_cached_tokens for o in choices) for choices in per_prompt),
     )
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index` samples with seed `seed + index` (as vLLM does): seeded choices differ
-    from each other, and a rerun with the same seed reproduces each of them."""
+    """Choice `index` of a prompt samples with seed `seed + index` (as vLLM does): seeded
+    choices differ from each other, and a rerun with the same seed reproduces each of them."""
     if params.seed is None or index == 0:
         return params
     return dataclasses.replace(params, seed=params.seed + index)
 
 
-def choice_request_ids(request_id: str, n: int) -> list[str]:
+def choice_request_ids(request_id: str, count: int) -> list[str]:
     # A single choice keeps the response id, so logs and aborts name what the client saw.
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+    return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
 
 
 async def start(
@@ -73,12 +63,25 @@ async def start(
     n: int = 1,
     priority: int = 0,
 ) -> Choices:
-    """Submit `n` choices of one prompt together and wait for each one's first output, so
-    that a refusal is still a 400. Submitted together, the choices compute the prompt's full
-    blocks once and share them through the prefix cache."""
+    """`start_prompts` for a single prompt."""
+    return await start_prompts(engine, [prompt_ids], params, request_id, n, priority)
+
+
+async def start_prompts(
+    engine: AsyncEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    n: int = 1,
+    priority: int = 0,
+) -> Choices:
+    """Submit `n` choices of each prompt together and wait for each one's first output, so
+    that a refusal is still a 400. Submitted together, the choices of a prompt compute its
+    full blocks once and share them through the prefix cache."""
+    ids = choice_request_ids(request_id, len(prompts) * n)
     streams = [
-        engine.generate(prompt_ids, choice_params(params, i), choice_id, priority)
-        for i, choice_id in enumerate(choice_request_ids(request_id, n))
+        engine.generate(prompts[k // n], choice_params(params, k % n), choice_id, priority)
+        for k, choice_id in enumerate(ids)
     ]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]
     try:
@@ -134,21 +137,16 @@ async def _merge(streams: list[Outputs]) -> Choices:
         await _close(nexts, streams)
 
 
-async def collect(choices: Choices, n: int) -> Result:
-    """Every choice's whole text, for non-streaming responses."""
-    pieces: list[list[str]] = [[] for _ in range(n)]
-    lasts: dict[int, RequestOutput] = {}
+async def collect(choices: Choices, count: int) -> list[list[RequestOutput]]:
+    """Every output of each of `count` choices, for non-streaming responses."""
+    outputs: list[list[RequestOutput]] = [[] for _ in range(count)]
     try:
         async with contextlib.aclosing(choices):
             async for index, output in choices:
-                pieces[index].append(output.new_text)
-                lasts[index] = output
+                outputs[index].append(output)
     except EngineError as exc:
         raise APIError(str(exc), status_code=500) from exc
-    return Result(
-        [Choice(i, "".join(pieces[i]), lasts[i].finish_reason) for i in range(n)],
-        usage_of(lasts.values()),
-    )
+    return outputs
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -158,27 +156,29 @@ def sse(payload: BaseModel | dict) -> str:
 
 async def sse_stream(
     choices: Choices,
+    count: int,
     n: int,
-    chunk: Callable[[int, str, FinishReason | None], BaseModel],
+    chunk: Callable[[int, RequestOutput], BaseModel | None],
     usage_chunk: Callable[[Usage], BaseModel] | None = None,
     head: Callable[[int], BaseModel] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE events: `head(i)` for each choice, one chunk per non-empty delta of a choice (its
-    last carries the finish reason), then the usage chunk if asked for, then `[DONE]`. An
-    engine failure after the headers went out becomes an error event, which the OpenAI
-    clients raise."""
+    """SSE events: `head(i)` for each of the `count` choices, `chunk(i, output)` for each
+    output (skipped when None), then the usage chunk if asked for, then `[DONE]`. An engine
+    failure after the headers went out becomes an error event, which the OpenAI clients
+    raise."""
     try:
         async with contextlib.aclosing(choices):
             if head is not None:
-                for index in range(n):
+                for index in range(count):
                     yield sse(head(index))
             lasts: dict[int, RequestOutput] = {}
             async for index, output in choices:
                 lasts[index] = output
-                if output.new_text or output.finished:
-                    yield sse(chunk(index, output.new_text, output.finish_reason))
+                event = chunk(index, output)
+                if event is not None:
+                    yield sse(event)
         if usage_chunk is not None and lasts:
-            yield sse(usage_chunk(usage_of(lasts.values())))
+            yield sse(usage_chunk(usage_of([lasts[i] for i in sorted(lasts)], n)))
     except EngineError as exc:
         yield sse(APIError(str(exc), status_code=500).body())
     yield "data: [DONE]\n\n"

@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 
 # First, before anything can import mlx.core: it picks the BLAS that mlx will use.
 import metal_engine  # noqa: F401
+from server.logs import configure_logging
 from server.serve_args import add_serve_arguments
 
 __all__ = ["add_serve_arguments", "serve"]
 
 if TYPE_CHECKING:
     from metal_engine.engine import LLMEngine
+    from server.app import HttpOptions
 
 log = logging.getLogger("metal_serve")
 
@@ -29,35 +31,48 @@ _ENGINE_OPTIONS = (
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
-        model_dir = args.model_dir or _default_model(args.cache_dir)
+        options = _http_options(args)
+        model_dir = _resolve_model(args)
         engine = _load_engine(model_dir, args)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"metal-serve: error: {exc}", file=sys.stderr)
         return 2
 
-    import uvicorn
-
     from server.app import build_app
     from server.async_engine import AsyncEngine
+    from server.shutdown import run_server
 
-    app = build_app(AsyncEngine(engine), args.served_model_name, args.max_n)
+    bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts)
+    app = build_app(bridge, args.served_model_name, args.max_n, options=options,
+                    tool_call_parser=args.tool_call_parser)
     log.info(
         "serving %s as %r on http://%s:%d/v1", model_dir, args.served_model_name,
         args.host, args.port,
     )  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0
 
 
-def _default_model(cache_dir: Path | None) -> Path:
-    # Raises a RuntimeError naming the pip command when the model package is missing.
-    from convert import ensure_default_model
+def _resolve_model(args: argparse.Namespace) -> Path:
+    """The model dir to load: the default model, or a model dir, .gguf file or hub repo id
+    (converted into the cache on first use where it needs to be)."""
+    import convert
 
-    return ensure_default_model(cache_dir)
+    if args.model_dir is None:
+        # Raises a RuntimeError naming the pip command when the model package is missing.
+        return convert.ensure_default_model(args.cache_dir)
+    return convert.resolve_model(str(args.model_dir), args.revision, args.cache_dir)
+
+
+def _model_name(args: argparse.Namespace, model_dir: Path) -> str:
+    """What /v1/models calls the model: the reference as typed (a hub repo id, not its
+    snapshot dir), else the model dir's name."""
+    reference = args.model_dir
+    if reference is not None and not Path(reference).expanduser().exists():
+        return str(reference)
+    return model_dir.name
 
 
 def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
@@ -71,6 +86,13 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
         )
     options = {name: getattr(args, name) for name in _ENGINE_OPTIONS}
     config = EngineConfig(
-        model_dir=model_dir, **{k: v for k, v in options.items() if v is not None}
+        model_dir=model_dir, model_name=_model_name(args, model_dir),
+        **{k: v for k, v in options.items() if v is not None},
     )
     return LLMEngine.from_config(config)
+
+
+def _http_options(args: argparse.Namespace) -> HttpOptions:
+    from server.app import HttpOptions
+
+    return HttpOptions(args.api_key, args.allowed_origins, args.max_request_body)

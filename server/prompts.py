@@ -1,47 +1,53 @@
-"""Turn request messages / prompts into token ids, and check them against the context."""
+"""Turn chat conversations / prompts into token ids, and check them against the context."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
 from server.errors import APIError
-from server.protocol import ChatMessage
-
-# The chat templates of most models know only these roles; "developer" is OpenAI's new
-# name for the system prompt.
-_ROLE_ALIASES = {"developer": "system"}
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """Render the model's chat template (with the assistant turn opened) and tokenize it."""
-    if not getattr(tokenizer, "chat_template", None):
+class ChatPrompt(NamedTuple):
+    text: str
+    ids: list[int]
+
+
+def chat_template(tokenizer: Any) -> str:
+    """The model's chat template text; a 400 if it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise APIError(
             "This model has no chat template; use /v1/completions with a plain prompt.",
             param="messages",
         )
-    conversation = [
-        {"role": _ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in messages
-    ]
+    return str(template)
+
+
+def chat_prompt(
+    tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> ChatPrompt:
+    """Render the model's chat template (with the assistant turn opened) and tokenize it."""
+    # Tools come only for templates with tool syntax (ToolPlan.template_tools).
+    extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
+            conversation, add_generation_prompt=True, tokenize=False, **extra
         )
-    except (TemplateError, ValueError) as exc:  # e.g. roles in an order the model rejects
+    except (TemplateError, ValueError, TypeError) as exc:
+        # e.g. roles in an order the model rejects, or a field the template cannot handle
         message = f"The chat template rejected the messages: {exc}"
         raise APIError(message, param="messages") from exc
     # The template already holds the special tokens (BOS, turn markers).
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str | list[str] | list[int]) -> list[int]:
-    """Token ids of a completion prompt: a string, a one-string list, or token ids."""
+def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+    """Token ids of one completion prompt: a string, or token ids."""
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
-    if isinstance(prompt[0], str):
-        return list(tokenizer.encode(prompt[0]))
     check_token_ids(tokenizer, prompt, "prompt")
     return [int(t) for t in prompt]
 

@@ -18,7 +18,9 @@ from pydantic import (
 
 from scheduler import SamplingParams
 from scheduler.request import FinishReason
+from scheduler.sampling_params import MAX_REPETITION_PENALTY, StructuredOutput
 from server.errors import APIError
+from server.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -35,6 +37,9 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # on assistant messages
+    tool_call_id: str | None = None  # on tool messages
+    name: str | None = None
 
     def text(self) -> str:
         """The content as one string; only text parts are supported."""
@@ -63,11 +68,17 @@ class _GenerationRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     # -1 is how vLLM-style clients spell "disabled"; 0 means the same here.
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # vLLM's extension: EOS and stop strings are ignored until this many tokens are out.
+    min_tokens: int = Field(default=0, ge=0)
     logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1)
     # vLLM's extension: lower values are admitted first under `--scheduling-policy priority`.
@@ -80,6 +91,10 @@ class _GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report (0: only the sampled token's); None: no logprobs."""
+        raise NotImplementedError
+
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         try:
             return tuple((int(token), float(b)) for token, b in (self.logit_bias or {}).items())
@@ -88,7 +103,9 @@ class _GenerationRequest(BaseModel):
                 "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
             ) from None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, structured: StructuredOutput | None = None
+    ) -> SamplingParams:
         """The engine's parameters, with `max_tokens` already fitted to the context."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
@@ -97,10 +114,17 @@ class _GenerationRequest(BaseModel):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=max(self.top_k or 0, 0),
+                min_p=self.min_p or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
                 seed=self.seed,
                 stop=tuple(s for s in stop if s),
                 ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
                 logit_bias=self._logit_bias(),
+                logprobs=self.num_logprobs(),
+                structured=structured,
             )
         except ValueError as exc:
             raise APIError(str(exc)) from exc
@@ -110,6 +134,11 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = None  # 0..20, checked by server.limits
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -118,42 +147,59 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("messages must contain at least one message")
         return messages
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported yet; omit the field or send false")
-        return logprobs
-
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.
         return self.max_completion_tokens or self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise APIError("top_logprobs needs logprobs: true.", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    def response_structure(self) -> StructuredOutput | None:
+        return self.response_format.structured() if self.response_format else None
+
+
+# One prompt (text or token ids) or a batch of them.
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = None
+    prompt: PromptInput
+    logprobs: int | None = None  # alternatives per token, checked by server.limits
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) > 1:
-            raise ValueError(
-                f"a list of {len(prompt)} prompts is not supported yet; send one request per prompt"
-            )
-        if not prompt or prompt == [""]:
-            raise ValueError("prompt must not be empty")
+    def _no_empty_prompt(cls, prompt: PromptInput) -> PromptInput:
+        if not prompt or any(p in ("", []) for p in (prompt if isinstance(prompt, list) else ())):
+            raise ValueError("prompt must not be empty, nor hold an empty prompt")
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported yet; omit the field")
-        return logprobs
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch, each as text or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def num_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                "echo with logprobs needs the prompt's logprobs, which this server does not "
+                "compute; drop echo or logprobs.",
+                param="echo",
+            )
+        return self.logprobs
 
 
 # ---- responses ------------------------------------------------------------------------------
+
+# Chat adds "tool_calls": the choice ended with calls for the client to run.
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -182,16 +228,49 @@ class _Response(BaseModel):
     model: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, `text_offset` indexing the choice text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+def _drop_nulls(data: dict, keep: tuple[str, ...] = ()) -> dict:
+    return {key: value for key, value in data.items() if value is not None or key in keep}
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_extras(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return _drop_nulls(handler(self), keep=("content",))  # content is null beside calls
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: FinishReason | None
-    logprobs: None = None
+    finish_reason: ChatFinishReason | None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(_Response):
@@ -205,17 +284,19 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
+        return _drop_nulls(handler(self))
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
+    finish_reason: ChatFinishReason | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -228,7 +309,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Response):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
+
+from server.tool_parsers import PARSERS
 
 _UNITS = {
     "": 1, "b": 1,
@@ -14,6 +17,13 @@ _UNITS = {
 
 # Each choice is a request of its own in the scheduler; more would crowd out other clients.
 DEFAULT_MAX_N = 16
+# Chat requests are small; 8 MiB leaves room for long agent transcripts.
+DEFAULT_MAX_REQUEST_BODY = 8 << 20
+# Requests waiting for their first token beyond this get a 429 with Retry-After.
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+API_KEY_ENV = "METAL_SERVE_API_KEY"
+# Under the 30 s that process managers (Kubernetes, systemd) wait before SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 
 
 def parse_size(text: str) -> int:
@@ -47,6 +57,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="converted model directory (default: the bundled SmolLM2-135M-Instruct)",
     )
+    parser.add_argument(
+        "--revision", help="hub repo ids: the branch, tag or commit to serve (default: main)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -68,6 +81,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         default=None,
         help="compute every prompt in full instead of reusing the KV cache of seen prefixes",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help="how the model writes tool calls (default: recognized from the chat template)",
     )
     parser.add_argument(
         "--kv-cache-dir",
@@ -106,4 +124,65 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    add_hardening_arguments(parser)
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(origin.strip() for origin in text.split(",") if origin.strip())
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
+    return value
+
+
+def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("access, limits and shutdown")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help="require this key (Authorization: Bearer, or x-api-key) on /v1/* routes; "
+        f"/health and /metrics stay open (default: ${API_KEY_ENV}, else no key)",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=(),
+        metavar="ORIGINS",
+        help="comma-separated browser origins allowed to call the API (CORS), e.g. "
+        '"http://localhost:3000", or "*" for any (default: none, no CORS headers)',
+    )
+    group.add_argument(
+        "--max-request-body",
+        type=parse_size,
+        default=DEFAULT_MAX_REQUEST_BODY,
+        help="larger request bodies get a 413 (default 8MiB)",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        help="most requests waiting for their first token; more get a 429 with Retry-After "
+        f"(default {DEFAULT_MAX_QUEUED_REQUESTS})",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds to let running requests finish before aborting them "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})",
+    )
+    group.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="log each request's prompt text (off by default: prompts may hold private data)",
+    )
+    group.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="log line format"
     )

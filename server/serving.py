@@ -6,39 +6,65 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from scheduler.request import FinishReason
 from server import generation
 from server.async_engine import AsyncEngine
+from server.chat_tools import plan_tools
+from server.choice_streams import ChatChoiceStream, CompletionChoiceStream
 from server.errors import APIError
-from server.generation import Choices
+from server.logprobs import LogprobsAligner
 from server.prompts import (
-    chat_prompt_ids,
+    chat_prompt,
+    chat_template,
     check_context,
     check_token_ids,
     completion_prompt_ids,
 )
 from server.protocol import (
-    AssistantMessage,
-    ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
     Completion,
-    CompletionChoice,
     CompletionRequest,
     Usage,
 )
+from server.reasoning import ReasoningStream, opens_reasoning
+from server.tool_parsers import ToolCallStream, parser_named
+
+if TYPE_CHECKING:
+    from metal_engine.outputs import RequestOutput
+    from scheduler.sampling_params import StructuredOutput
 
 # Sent instead of a body when the client left before its non-streaming answer was ready.
 _CLIENT_CLOSED = 499
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ChoiceStream(Protocol):
+    """One choice's outputs as the endpoint's choice objects (see server.choice_streams)."""
+
+    def chunk_choice(self, index: int, output: RequestOutput) -> BaseModel | None: ...
+
+    def whole_choice(self, index: int, outputs: list[RequestOutput]) -> BaseModel: ...
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """What differs between chat and completions once the prompts are known."""
+
+    id_prefix: str
+    prompt_param: str  # the field a too-long prompt is blamed on
+    new_stream: Callable[[int], ChoiceStream]  # for choice k
+    # The response (whole, or one stream chunk) from id, created, choices and usage.
+    response: Callable[[str, int, list[Any], Usage | None], BaseModel]
+    head: Callable[[int], BaseModel] | None = None  # a stream's first item for choice k
 
 
 @dataclass(frozen=True)
@@ -46,124 +72,141 @@ class Serving:
     engine: AsyncEngine
     model_name: str
     max_n: int  # most choices one request may ask for
+    tool_call_parser: str | None = None  # overrides the one picked from the chat template
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            parser_named(self.tool_call_parser)  # a ValueError naming the known parsers
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        prompt_ids = chat_prompt_ids(self.engine.tokenizer, body.messages)
-        return await self._serve(
-            body, request, prompt_ids, "messages", "chatcmpl", self._chat_events, self._chat
-        )
+        tokenizer = self.engine.tokenizer
+        tools = plan_tools(body, chat_template(tokenizer), self.tool_call_parser)
+        prompt = chat_prompt(tokenizer, tools.conversation(body.messages), tools.template_tools())
+        structured = tools.structured() or body.response_structure()
+
+        def new_stream(_: int) -> ChatChoiceStream:
+            return ChatChoiceStream(
+                ReasoningStream(starts_inside=opens_reasoning(prompt.text)),
+                ToolCallStream(tools.parser) if tools.parser is not None else None,
+                LogprobsAligner(tokenizer, prompt.ids) if body.logprobs else None,
+                body.parallel_tool_calls,
+            )
+
+        def response(
+            request_id: str, created: int, choices: list[Any], usage: Usage | None
+        ) -> BaseModel:
+            kind = ChatCompletionChunk if body.stream else ChatCompletion
+            return kind(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+
+        def head(index: int) -> BaseModel:
+            return ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+
+        endpoint = _Endpoint("chatcmpl", "messages", new_stream, response, head)
+        return await self._serve(body, request, [prompt.ids], structured, endpoint)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
-        prompt_ids = completion_prompt_ids(self.engine.tokenizer, body.prompt)
-        return await self._serve(
-            body, request, prompt_ids, "prompt", "cmpl", self._completion_events, self._completion
-        )
+        tokenizer = self.engine.tokenizer
+        prompts = body.prompts()
+        prompt_ids = [completion_prompt_ids(tokenizer, prompt) for prompt in prompts]
+
+        def new_stream(k: int) -> CompletionChoiceStream:
+            p = k // body.n
+            echo = _prompt_text(tokenizer, prompts[p]) if body.echo else ""
+            logprobs = body.logprobs is not None
+            return CompletionChoiceStream(
+                echo, LogprobsAligner(tokenizer, prompt_ids[p]) if logprobs else None
+            )
+
+        def response(
+            request_id: str, created: int, choices: list[Any], usage: Usage | None
+        ) -> BaseModel:
+            return Completion(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+
+        endpoint = _Endpoint("cmpl", "prompt", new_stream, response)
+        return await self._serve(body, request, prompt_ids, None, endpoint)
 
     async def _serve(
         self,
         body: ChatCompletionRequest | CompletionRequest,
         request: Request,
-        prompt_ids: list[int],
-        prompt_param: str,
-        id_prefix: str,
-        events: Callable[[str, Choices, int, bool], AsyncIterator[str]],
-        respond: Callable[[str, generation.Result], BaseModel],
+        prompts: list[list[int]],
+        structured: StructuredOutput | None,
+        endpoint: _Endpoint,
     ) -> Response:
-        self._check_n(body.n)
-        max_tokens = check_context(
-            len(prompt_ids), body.requested_max_tokens(), self.engine.max_model_len, prompt_param
+        count = len(prompts) * body.n
+        self._check_count(body.n, len(prompts))
+        # One SamplingParams serves every prompt, so the longest one bounds max_tokens.
+        requested, context = body.requested_max_tokens(), self.engine.max_model_len
+        max_tokens = min(
+            check_context(len(ids), requested, context, endpoint.prompt_param) for ids in prompts
         )
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, structured)
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        start = generation.start(
-            self.engine, prompt_ids, params, request_id, body.n, body.priority
+        request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        start = generation.start_prompts(
+            self.engine, prompts, params, request_id, body.n, body.priority
         )
         choices = await generation.unless_disconnected(request, start)
         if choices is None:
             return Response(status_code=_CLIENT_CLOSED)
+        streams = [endpoint.new_stream(k) for k in range(count)]
         if body.stream:
             return StreamingResponse(
-                events(request_id, choices, body.n, body.include_usage),
+                self._events(endpoint, request_id, choices, streams, body),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
-        collect = generation.collect(choices, body.n)
-        result = await generation.unless_disconnected(request, collect)
-        if result is None:
+        collect = generation.collect(choices, count)
+        outputs = await generation.unless_disconnected(request, collect)
+        if outputs is None:
             return Response(status_code=_CLIENT_CLOSED)
-        return JSONResponse(respond(request_id, result).model_dump())
+        whole = [stream.whole_choice(k, outputs[k]) for k, stream in enumerate(streams)]
+        usage = generation.usage_of([choice_outputs[-1] for choice_outputs in outputs], body.n)
+        return JSONResponse(
+            endpoint.response(request_id, int(time.time()), whole, usage).model_dump()
+        )
 
-    def _check_n(self, n: int) -> None:
-        if n > self.max_n:
+    def _check_count(self, n: int, num_prompts: int) -> None:
+        if n * num_prompts > self.max_n:
+            prompts = f" for each of {num_prompts} prompts" if num_prompts > 1 else ""
             raise APIError(
-                f"n is {n} but this server returns at most {self.max_n} choices per request; "
-                "lower n (or start the server with a higher --max-n).",
+                f"n is {n}{prompts} but this server returns at most {self.max_n} choices per "
+                "request; lower n, send fewer prompts (or start the server with a higher "
+                "--max-n).",
                 param="n",
             )
 
-    def _chat(self, request_id: str, result: generation.Result) -> ChatCompletion:
-        return ChatCompletion(
-            id=request_id,
-            model=self.model_name,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=c.text),
-                    finish_reason=c.finish_reason,
-                )
-                for c in result.choices
-            ],
-            usage=result.usage,
-        )
-
-    def _completion(self, request_id: str, result: generation.Result) -> Completion:
-        return Completion(
-            id=request_id,
-            model=self.model_name,
-            choices=[
-                CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
-                for c in result.choices
-            ],
-            usage=result.usage,
-        )
-
-    def _chat_events(
-        self, request_id: str, choices: Choices, n: int, include_usage: bool
+    def _events(
+        self,
+        endpoint: _Endpoint,
+        request_id: str,
+        choices: generation.Choices,
+        streams: list[ChoiceStream],
+        body: ChatCompletionRequest | CompletionRequest,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(items: list[ChatChunkChoice], usage: Usage | None = None) -> BaseModel:
-            return ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=items, usage=usage
-            )
+        def chunk(items: list[Any], usage: Usage | None = None) -> BaseModel:
+            return endpoint.response(request_id, created, items, usage)
 
-        def one(index: int, delta: ChatDelta, finish: FinishReason | None = None) -> BaseModel:
-            return chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish)])
+        def one(index: int, output: RequestOutput) -> BaseModel | None:
+            item = streams[index].chunk_choice(index, output)
+            return None if item is None else chunk([item])
 
+        head = endpoint.head
         return generation.sse_stream(
             choices,
-            n,
-            chunk=lambda index, text, finish: one(index, ChatDelta(content=text or None), finish),
-            usage_chunk=(lambda usage: chunk([], usage)) if include_usage else None,
-            head=lambda index: one(index, ChatDelta(role="assistant", content="")),
+            len(streams),
+            body.n,
+            one,
+            usage_chunk=(lambda usage: chunk([], usage)) if body.include_usage else None,
+            head=(lambda index: chunk([head(index)])) if head is not None else None,
         )
 
-    def _completion_events(
-        self, request_id: str, choices: Choices, n: int, include_usage: bool
-    ) -> AsyncIterator[str]:
-        created = int(time.time())
 
-        def chunk(items: list[CompletionChoice], usage: Usage | None = None) -> BaseModel:
-            return Completion(
-                id=request_id, created=created, model=self.model_name, choices=items, usage=usage
-            )
-
-        return generation.sse_stream(
-            choices,
-            n,
-            chunk=lambda index, text, finish: chunk(
-                [CompletionChoice(index=index, text=text, finish_reason=finish)]
-            ),
-            usage_chunk=(lambda usage: chunk([], usage)) if include_usage else None,
-        )
+def _prompt_text(tokenizer: Any, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)

@@ -28,9 +28,15 @@ def small_engine(model_dir, max_model_len: int) -> LLMEngine:
 @contextlib.contextmanager
 def running_server(engine, served_model_name: str = "default") -> Iterator[str]:
     """Serve `engine` until the block exits; yields the base URL (no /v1)."""
+    with running_app(build_app(AsyncEngine(engine), served_model_name)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_app(app) -> Iterator[str]:
+    """Serve an app made by `build_app` until the block exits; yields the base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    app = build_app(AsyncEngine(engine), served_model_name)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

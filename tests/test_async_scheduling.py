@@ -31,9 +31,9 @@ def run(path, tokenizer, requests: dict[str, SamplingParams], async_scheduling: 
     fed_pending = []
     launch = runner.launch
 
-    def spy(out, previous=None):
+    def spy(out, previous=None, context=None):
         fed_pending.append(any(PENDING_TOKEN in s.token_ids for s in out.scheduled))
-        return launch(out, previous)
+        return launch(out, previous, context)
 
     runner.launch = spy
     for rid, params in requests.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import time
@@ -12,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter
-from gguf.quants import dequantize, quantize
+from gguf import GGUFWriter
+from gguf_files import TEMPLATE, copy_tokenizer_metadata, finish, llama_cpp_permute, stored_tensor
 from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_torch
@@ -24,10 +23,6 @@ from convert.cli import add_convert_arguments, run_convert
 from convert.default_model import default_gguf_path
 from metal_engine.model_config import ModelConfig
 
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 2, 64, 4, 2, 256, 400
 
 
@@ -210,54 +205,6 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def llama_cpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows (interleaves the two rotary halves)."""
-    half = rows.shape[0] // n_heads // 2
-    return rows.reshape(n_heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def _stored(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q):
-    """(array to write, its qtype, the float32 values a correct reader must recover)."""
-    weights = rng.standard_normal(shape).astype(np.float32)
-    if qtype == Q.F32:
-        return weights, None, weights
-    if qtype == Q.F16:
-        return weights.astype(np.float16), None, weights.astype(np.float16).astype(np.float32)
-    if qtype == Q.Q6_K:  # gguf cannot quantize K types; random blocks with a sane scale will do
-        blocks = rng.integers(0, 256, size=(shape[0], shape[1] // 256, 210), dtype=np.uint8)
-        blocks[..., 208:] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-        raw = blocks.reshape(shape[0], -1)
-        return raw, qtype, dequantize(raw, qtype)
-    raw = quantize(weights, qtype)
-    return raw, qtype, dequantize(raw, qtype)
-
-
-@functools.cache
-def _default_tokenizer_metadata() -> tuple[str, list[str], list[int], list[str]]:
-    """The default model's first VOCAB tokens and the merges among them (read once: slow)."""
-    fields = GGUFReader(_default_gguf()).fields
-    tokens = fields["tokenizer.ggml.tokens"].contents(slice(0, VOCAB))
-    known = set(tokens)
-    merges = [m for m in fields["tokenizer.ggml.merges"].contents()
-              if set(m.split(" ")) <= known and m.replace(" ", "") in known]
-    types = fields["tokenizer.ggml.token_type"].contents(slice(0, VOCAB))
-    return fields["tokenizer.ggml.pre"].contents(), tokens, types, merges
-
-
-def _copy_tokenizer_metadata(writer: GGUFWriter) -> None:
-    pre, tokens, types, merges = _default_tokenizer_metadata()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(TEMPLATE)
-
-
 def write_gguf(path: Path, override: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """A tiny untied Llama GGUF; returns the float32 tensors (HF names) conversion must give."""
     rng = np.random.default_rng(0)
@@ -270,11 +217,11 @@ def write_gguf(path: Path, override: dict[str, np.ndarray] | None = None) -> dic
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(HIDDEN // HEADS)
     writer.add_vocab_size(VOCAB)
-    _copy_tokenizer_metadata(writer)
+    copy_tokenizer_metadata(writer, VOCAB)
     expected: dict[str, np.ndarray] = {}
 
     def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: Q, heads: int = 0):
-        data, raw_type, reference = _stored(rng, shape, qtype)
+        data, raw_type, reference = stored_tensor(rng, shape, qtype)
         if heads:
             data = llama_cpp_permute(data, heads)
         writer.add_tensor(gguf_name, (override or {}).get(gguf_name, data), raw_dtype=raw_type)
@@ -296,10 +243,7 @@ def write_gguf(path: Path, override: dict[str, np.ndarray] | None = None) -> dic
             (HIDDEN,), Q.F32)
     add("output_norm.weight", "model.norm.weight", (HIDDEN,), Q.F32)
     add("output.weight", "lm_head.weight", (VOCAB, HIDDEN), Q.Q4_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return expected
 
 
@@ -403,3 +347,20 @@ def test_cli_prints_summary(hf_dir: Path, tmp_path: Path, capsys) -> None:
     assert run_convert(args) == 0
     out = capsys.readouterr().out
     assert str(tmp_path / "out") in out and "parameters" in out and "float32" in out
+
+
+def test_cli_validation_catches_a_wrong_conversion(hf_dir: Path, tmp_path: Path, capsys,
+                                                   monkeypatch) -> None:
+    save_shard = model_dir.save_shard
+
+    def corrupting(path, tensors):
+        name = "model.layers.0.mlp.up_proj.weight"
+        if name in tensors:
+            tensors[name] = tensors[name] * 1.5
+        save_shard(path, tensors)
+
+    monkeypatch.setattr(model_dir, "save_shard", corrupting)
+    args = _cli_args(str(hf_dir), "--out", str(tmp_path / "out"), "--no-progress")
+    assert run_convert(args) == 1
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert "logits vs transformers (float32)" in verdict and "FAILED" in verdict

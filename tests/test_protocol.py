@@ -5,32 +5,28 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_engine import CharTokenizer
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from metal_engine.outputs import RequestOutput
+from scheduler.sampling_params import StructuredOutput
 from server import generation
 from server.app import build_app
 from server.async_engine import AsyncEngine
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
 CONTEXT = 32
-
-
-class CharTokenizer:
-    """One token per character; the chat template is `role: content` lines."""
-
-    chat_template = "lines"
-
-    def __len__(self) -> int:
-        return 256
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert add_generation_prompt and not tokenize
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [min(ord(c), 255) for c in text]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+NAMED_F = {"type": "function", "function": {"name": "f"}}
+JSON_OBJECT = {"type": "json_object"}
 
 
 class CountingEngine:
@@ -125,12 +121,34 @@ def test_text_parts_are_joined_and_unknown_fields_ignored():
 
 
 def test_prompt_shapes():
-    assert CompletionRequest(prompt=["one"]).prompt == ["one"]
-    assert CompletionRequest(prompt=[1, 2, 3]).prompt == [1, 2, 3]
-    with pytest.raises(ValidationError, match="send one request per prompt"):
-        CompletionRequest(prompt=["one", "two"])
-    with pytest.raises(ValidationError, match="must not be empty"):
-        CompletionRequest(prompt="")
+    assert CompletionRequest(prompt="one").prompts() == ["one"]
+    assert CompletionRequest(prompt=["one", "two"]).prompts() == ["one", "two"]
+    assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    for empty in ("", [], [""], [[1], []]):
+        with pytest.raises(ValidationError, match="must not be empty"):
+            CompletionRequest(prompt=empty)
+    with pytest.raises(ValidationError, match="prompt"):
+        CompletionRequest(prompt=[1, "two"])
+
+
+def test_new_sampling_fields_reach_the_engine():
+    body = ChatCompletionRequest(**chat(
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_p=0.1,
+        min_tokens=2, logprobs=True, top_logprobs=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+    ))  # fmt: skip
+    params = body.sampling_params(5, body.response_structure())
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert (params.repetition_penalty, params.min_p, params.min_tokens) == (1.2, 0.1, 2)
+    assert params.logprobs == 3
+    assert json.loads(params.structured.json_schema) == SCHEMA
+    plain = ChatCompletionRequest(**chat()).sampling_params(5)
+    assert (plain.logprobs, plain.structured, plain.repetition_penalty) == (None, None, 1.0)
+    assert ChatCompletionRequest(**chat(logprobs=True)).sampling_params(5).logprobs == 0
+    json_object = ChatCompletionRequest(**chat(response_format={"type": "json_object"}))
+    assert json_object.response_structure() == StructuredOutput(json_schema=None)
+    assert CompletionRequest(prompt="x", logprobs=2).sampling_params(5).logprobs == 2
 
 
 # ---- error bodies ---------------------------------------------------------------------------
@@ -154,7 +172,21 @@ def test_malformed_json(client):
         (chat(top_p=0), "top_p", "top_p"),
         (chat(n=0), "n", "greater than or equal to 1"),
         (chat(n=17), "n", "at most 16 choices"),
-        (chat(logprobs=True), "logprobs", "not supported"),
+        (chat(top_logprobs=2), "top_logprobs", "logprobs: true"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs", "20"),
+        (chat(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+        (chat(frequency_penalty=-3), "frequency_penalty", "greater than or equal to -2"),
+        (chat(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+        (chat(min_p=1.5), "min_p", "less than or equal to 1"),
+        (chat(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
+        (chat(stop=["x"] * 17), "stop", "16"),
+        (chat(response_format={"type": "xml"}), "response_format", "json_schema"),
+        (chat(response_format={"type": "json_schema"}), "response_format", "json_schema"),
+        (chat(tool_choice="required"), "tool_choice", "needs tools"),
+        (chat(tools=[WEATHER_TOOL], tool_choice=NAMED_F), "tool_choice", "'f'"),
+        (chat(tools=[WEATHER_TOOL], tool_choice="required", response_format=JSON_OBJECT),
+         "response_format", "tool_choice"),
+        (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools", "pattern"),
         (chat(max_tokens="many"), "max_tokens", "valid integer"),
         (chat(logit_bias={"word": 1}), "logit_bias", "token ids"),
         (chat(logit_bias={"5": 150}), None, "[-100, 100]"),
@@ -314,6 +346,53 @@ def test_choices_get_derived_seeds_and_the_request_priority(client, engine):
 def test_usage_of_several_choices():
     lasts = [RequestOutput("a", [], "", "length", 10, 3, num_cached_tokens=8),
              RequestOutput("b", [], "", "stop", 10, 5, num_cached_tokens=0)]
-    usage = generation.usage_of(lasts)
+    usage = generation.usage_of(lasts, n=2)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (10, 8, 18)
     assert usage.prompt_tokens_details.cached_tokens == 0
+    # Two prompts of one choice each: both prompts count, and both cache hits.
+    usage = generation.usage_of(lasts, n=1)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (20, 8)
+    assert usage.prompt_tokens_details.cached_tokens == 8
+
+
+# ---- completions: batches, echo, token ids --------------------------------------------------
+
+
+def test_a_batch_of_prompts_numbers_choices_by_prompt(client, engine):
+    body = {"prompt": ["ab", "cde"], "n": 2, "max_tokens": 2, "seed": 5}
+    response = client.post("/v1/completions", json=body).json()
+    assert [(c["index"], c["text"]) for c in response["choices"]] == [
+        (0, "aa"), (1, "aa"), (2, "aa"), (3, "aa")
+    ]
+    assert response["usage"]["prompt_tokens"] == 2 + 3
+    assert response["usage"]["completion_tokens"] == 4 * 2
+    request_id = response["id"]
+    added = [engine.added[f"{request_id}-{k}"][0] for k in range(4)]
+    assert [params.seed for params in added] == [5, 6, 5, 6]  # choice i of each prompt
+    token_ids = {"prompt": [[104, 105], [106]], "max_tokens": 1}
+    response = client.post("/v1/completions", json=token_ids).json()
+    assert response["usage"]["prompt_tokens"] == 3 and len(response["choices"]) == 2
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    body = {"prompt": "hi", "max_tokens": 2, "echo": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "hiaa"
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    assert texts == ["hia", "a"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "contains"),
+    [
+        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "20"),
+        ({"prompt": ["a", "b"], "n": 9}, "n", "for each of 2 prompts"),
+        ({"prompt": [[1], [999]]}, "prompt", "999"),
+        ({"prompt": [[]]}, "prompt", "must not be empty"),
+        ({"prompt": "hi", "stop": ["x"] * 17}, "stop", "16"),
+    ],
+)
+def test_invalid_completion_requests(client, body, param, contains):
+    assert_openai_error(client.post("/v1/completions", json=body), param, contains)

@@ -1,17 +1,28 @@
-"""Batched sampler: greedy rows, filters, seeds independent of batch composition, distribution."""
+"""Batched sampler: greedy rows, filters, seeds independent of batch composition, distribution,
+penalties, min-p, min_tokens, grammar bitmasks and logprobs against numpy references."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
-from metal_engine.sampler import SamplingBatch, sample
+from metal_engine.logprobs import compute_logprobs
+from metal_engine.sampler import SamplingBatch, SamplingRow, process_logits, sample
 from scheduler import SamplingParams
 
 
 def run(logits: np.ndarray, params: list[SamplingParams], outputs=None) -> list[int]:
-    batch = SamplingBatch.build(params, outputs or [0] * len(params))
-    return sample(mx.array(logits, dtype=mx.float32), batch).tolist()
+    rows = [SamplingRow(p, n) for p, n in zip(params, outputs or [0] * len(params), strict=True)]
+    return run_rows(logits, rows)
+
+
+def run_rows(logits: np.ndarray, rows: list[SamplingRow]) -> list[int]:
+    return sample(mx.array(logits, dtype=mx.float32), SamplingBatch.build(rows)).tolist()
+
+
+def processed(logits: np.ndarray, rows: list[SamplingRow]) -> np.ndarray:
+    return np.array(process_logits(mx.array(logits), SamplingBatch.build(rows)))
 
 
 def test_greedy_rows_take_argmax_next_to_sampled_rows():
@@ -72,3 +83,118 @@ def test_logit_bias_applies_to_greedy_and_sampled_rows():
         SamplingParams(temperature=1.0, seed=0, logit_bias=((3, -100.0), (9, 100.0))),
     ]
     assert run(logits, params) == [7, 9]
+
+
+def penalized_reference(logits: np.ndarray, row: SamplingRow) -> np.ndarray:
+    """One row's logits penalized token by token, as vLLM / OpenAI define it."""
+    p, out = row.params, logits.astype(np.float64)
+    outputs = list(row.output_token_ids)
+    for t in set(row.prompt_token_ids) | set(outputs):
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t in set(outputs):
+        out[t] -= p.frequency_penalty * outputs.count(t) + p.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("penalty", [
+    dict(presence_penalty=1.5),
+    dict(frequency_penalty=-0.7),
+    dict(repetition_penalty=1.8),
+    dict(repetition_penalty=0.5, presence_penalty=-2.0, frequency_penalty=2.0),
+])
+def test_penalties_match_a_numpy_reference(penalty):
+    logits = np.random.default_rng(3).normal(size=(3, 12)).astype(np.float32)
+    history = dict(prompt_token_ids=[1, 4, 4, 9], output_token_ids=[4, 7, 7, 7, 2])
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), 5, **history),  # no penalty: untouched
+        SamplingRow(SamplingParams(**penalty), 5, **history),
+        SamplingRow(SamplingParams(**penalty), 2, prompt_token_ids=[3, 3],
+                    output_token_ids=[5, 0]),
+    ]
+    got = processed(logits, rows)
+    np.testing.assert_array_equal(got[0], logits[0])
+    for i in (1, 2):
+        np.testing.assert_allclose(got[i], penalized_reference(logits[i], rows[i]),
+                                   rtol=1e-6, atol=1e-6)
+        assert not np.allclose(got[i], logits[i])
+
+
+def test_greedy_rows_choose_from_the_penalized_logits():
+    logits = np.array([[0.0, 3.0, 2.5, 0.0]], np.float32)
+    row = SamplingRow(SamplingParams(temperature=0.0, presence_penalty=1.0), 1,
+                      output_token_ids=[1])
+    assert run_rows(logits, [row]) == [2]
+
+
+def test_min_p_never_samples_below_its_share_of_the_top_probability():
+    logits = np.tile(np.log(np.array([0.5, 0.3, 0.15, 0.05])), (2000, 1)).astype(np.float32)
+    assert set(run(logits, [SamplingParams(min_p=0.35)] * 2000)) == {0, 1}
+    # min-p judges the tempered distribution: at T=2 the probabilities relative to the top
+    # are sqrt(p / 0.5) = 1, .77, .55, .32.
+    assert set(run(logits, [SamplingParams(min_p=0.5, temperature=2.0)] * 2000)) == {0, 1, 2}
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens_until_reached():
+    logits = np.zeros((1, 10), np.float32)
+    logits[0, [2, 5, 7]] = [9.0, 8.0, 7.0]  # 2 is EOS, 5 a stop token id
+
+    def greedy(params: SamplingParams, num_outputs: int) -> int:
+        row = SamplingRow(params, num_outputs, eos_token_ids=(2,))
+        return run_rows(logits, [row])[0]
+
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(5,))
+    assert [greedy(params, n) for n in range(4)] == [7, 7, 7, 2]
+    ignoring_eos = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True,
+                                  stop_token_ids=(5,))
+    assert greedy(ignoring_eos, 0) == 2  # EOS does not stop it, so it is not held back
+
+
+def bitmask(allowed: list[int], num_words: int) -> np.ndarray:
+    words = np.zeros(num_words, np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32)
+
+
+def test_grammar_bitmask_limits_only_its_row():
+    logits = np.random.default_rng(4).normal(size=(2, 64)).astype(np.float32)
+    allowed = [3, 40, 63]  # 63: the sign bit of its word
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0, allowed_tokens=bitmask(allowed, 2)),
+            SamplingRow(SamplingParams(temperature=0.0), 0)]
+    got = processed(logits, rows)
+    assert np.flatnonzero(np.isfinite(got[0])).tolist() == allowed
+    np.testing.assert_array_equal(got[1], logits[1])
+    draws = run_rows(np.zeros((300, 64), np.float32),
+                     [SamplingRow(SamplingParams(seed=i), 0, allowed_tokens=bitmask(allowed, 2))
+                      for i in range(300)])
+    assert set(draws) == set(allowed)
+
+
+def test_logits_beyond_the_grammar_vocabulary_are_masked_in_constrained_rows_only():
+    logits = np.random.default_rng(5).normal(size=(2, 70)).astype(np.float32)
+    everything = np.full(2, -1, np.int32)  # a 64-token tokenizer; the model has 70 logits
+    got = processed(logits, [SamplingRow(SamplingParams(), 0, allowed_tokens=everything),
+                             SamplingRow(SamplingParams(), 0)])
+    assert np.isfinite(got[0]).sum() == 64 and np.isneginf(got[0, 64:]).all()
+    np.testing.assert_array_equal(got[1], logits[1])
+
+
+def test_logprobs_are_the_log_softmax_with_the_top_k_in_order():
+    logits = (3 * np.random.default_rng(6).normal(size=(4, 50))).astype(np.float32)
+    tokens = [5, 17, 0, 49]
+    arrays = compute_logprobs(mx.array(logits), mx.array(tokens), [3, None, 0, 20])
+    got = arrays.to_host(tokens)
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    reference = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    assert sorted(got) == [0, 2, 3]
+    for row, k in ((0, 3), (2, 0), (3, 20)):
+        assert got[row].token_id == tokens[row]
+        assert got[row].logprob == pytest.approx(reference[row, tokens[row]], abs=1e-5)
+        best = np.argsort(-reference[row])[:k]
+        assert [t for t, _ in got[row].top] == best.tolist()
+        np.testing.assert_allclose([v for _, v in got[row].top], reference[row, best],
+                                   atol=1e-5)
+
+
+def test_no_row_asks_for_logprobs():
+    assert compute_logprobs(mx.zeros((2, 8)), mx.array([0, 1]), [None, None]) is None

@@ -1,5 +1,5 @@
-"""AsyncEngine against a scripted engine: delivery, refusals, aborts, engine failures, and
-requests of several choices."""
+"""AsyncEngine against a scripted engine: delivery, refusals, aborts, engine failures (kept to
+the requests they touch), requests of several choices, draining, the queue limit and observers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,18 @@ import pytest
 from metal_engine.outputs import RequestOutput
 from scheduler import SamplingParams
 from server import generation
-from server.async_engine import AsyncEngine, EngineError
+from server.async_engine import AsyncEngine, EngineError, QueueFull
+
+
+class GarbledOutput:
+    """An output whose `finished` cannot be read."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    @property
+    def finished(self) -> bool:
+        raise AttributeError("garbled output")
 
 
 class ScriptedEngine:
@@ -27,6 +38,12 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.steps = 0
         self.fail_next_step = False
+        self.fail_add_of: set[str] = set()  # add_request raises RuntimeError for these
+        self.poison: str | None = None  # a step with this request live raises
+        self.stuck: set[str] = set()  # abort_request leaves these in place
+        self.garbled: str | None = None  # this request gets an output the bridge cannot read
+        self.gate = threading.Event()  # step waits for it; set unless a test holds steps
+        self.gate.set()
         self.threads: set[str] = set()
         self.closed_on: str | None = None
 
@@ -35,9 +52,13 @@ class ScriptedEngine:
         self.threads.add(threading.current_thread().name)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt too long, limit {self.max_model_len}")
+        if request_id in self.fail_add_of:
+            raise RuntimeError(f"cannot add {request_id}")
         self.requests[request_id] = (len(prompt_token_ids), params, 0)
 
     def abort_request(self, request_id: str) -> None:
+        if request_id in self.stuck:
+            return
         if self.requests.pop(request_id, None) is not None:
             self.aborted.append(request_id)
 
@@ -50,12 +71,18 @@ class ScriptedEngine:
     def step(self) -> list[RequestOutput]:
         self.threads.add(threading.current_thread().name)
         self.steps += 1
+        self.gate.wait()
         time.sleep(0.002)
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("kernel exploded")
+        if self.poison in self.requests:
+            raise RuntimeError(f"{self.poison} broke the step")
         outputs = []
         for rid, (num_prompt, params, done) in list(self.requests.items()):
+            if rid == self.garbled:
+                outputs.append(GarbledOutput(rid))
+                continue
             done += 1
             finished = done >= params.max_tokens
             self.requests[rid] = (num_prompt, params, done)
@@ -221,3 +248,147 @@ def test_cancelled_collection_of_several_choices_aborts_every_choice(engine):
         await _all_three_aborted(scripted)
 
     asyncio.run(cancel_midway())
+
+
+# ---- one request's failure stays its own ----------------------------------------------------
+
+
+def _gather(bridge: AsyncEngine, max_tokens: dict[str, int]):
+    async def main():
+        jobs = (_collect(bridge, rid, n) for rid, n in max_tokens.items())
+        return dict(zip(max_tokens, await asyncio.gather(*jobs, return_exceptions=True),
+                        strict=True))
+
+    return asyncio.run(main())
+
+
+def test_failed_add_fails_only_that_request(engine):
+    scripted, bridge = engine
+    scripted.fail_add_of = {"bad"}
+    results = _gather(bridge, {"a": 20, "bad": 20, "b": 20})
+    assert isinstance(results["bad"], EngineError) and "cannot add bad" in str(results["bad"])
+    assert [o.finish_reason for o in results["a"]][-1] == "length" and len(results["a"]) == 20
+    assert len(results["b"]) == 20
+
+
+def test_undeliverable_output_fails_only_its_request(engine):
+    scripted, bridge = engine
+    scripted.garbled = "garbled"
+    results = _gather(bridge, {"a": 10, "garbled": 10})
+    assert isinstance(results["garbled"], EngineError)
+    assert len(results["a"]) == 10 and results["a"][-1].finish_reason == "length"
+    assert "garbled" in scripted.aborted
+
+
+def test_step_raising_for_one_request_fails_that_step_and_the_thread_serves_on(engine):
+    scripted, bridge = engine
+    scripted.poison = "poison"
+
+    async def poison_midway():
+        running = [asyncio.create_task(_collect(bridge, f"ok{i}", 1000)) for i in range(2)]
+        await asyncio.sleep(0.05)
+        poisoned = await asyncio.gather(_collect(bridge, "poison", 5), return_exceptions=True)
+        ran = await asyncio.gather(*running, return_exceptions=True)
+        return poisoned + ran, await _collect(bridge, "after", 3)
+
+    failed, after = asyncio.run(poison_midway())
+    assert all(isinstance(r, EngineError) and "poison broke the step" in str(r) for r in failed)
+    assert sorted(scripted.aborted) == ["ok0", "ok1", "poison"]
+    assert after[-1].finish_reason == "length"
+    assert bridge._thread.is_alive()
+
+
+def test_failed_step_with_leftovers_does_not_spin(engine):
+    scripted, bridge = engine
+    scripted.poison = "poison"
+    scripted.stuck = {"poison"}  # the engine cannot drop it: every step would fail again
+    with pytest.raises(EngineError):
+        asyncio.run(_collect(bridge, "poison", 5))
+    steps = scripted.steps
+    time.sleep(0.2)
+    assert scripted.steps == steps
+
+
+# ---- drain, queue limit, observers ----------------------------------------------------------
+
+
+def test_abort_all_ends_live_requests_with_finish_reason_abort(engine):
+    scripted, bridge = engine
+
+    async def abort_midway():
+        tasks = [asyncio.create_task(_collect(bridge, f"r{i}", 100_000, prompt_len=5))
+                 for i in range(2)]
+        await asyncio.sleep(0.05)
+        bridge.abort_all()
+        return await asyncio.gather(*tasks)
+
+    for outputs in asyncio.run(abort_midway()):
+        last = outputs[-1]
+        assert last.finish_reason == "abort" and last.new_text == ""
+        assert last.num_prompt_tokens == 5
+        assert last.num_output_tokens == outputs[-2].num_output_tokens > 0
+    assert sorted(scripted.aborted) == ["r0", "r1"]
+    assert asyncio.run(_collect(bridge, "after", 2))[-1].finish_reason == "length"
+
+
+def test_requests_beyond_the_queue_limit_raise_queue_full():
+    scripted = ScriptedEngine()
+    bridge = AsyncEngine(scripted, max_queued_requests=2)
+    scripted.gate.clear()  # no first output yet: both requests keep waiting
+
+    async def overflow():
+        waiting = [asyncio.create_task(_collect(bridge, f"w{i}", 2)) for i in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull, match="2 requests waiting"):
+            await _collect(bridge, "third", 2)
+        scripted.gate.set()
+        await asyncio.gather(*waiting)
+        for _ in range(2):  # refusals give their slots back too
+            with pytest.raises(ValueError):
+                await _collect(bridge, "too-long", 2, prompt_len=100)
+        return await asyncio.gather(*(_collect(bridge, f"later{i}", 2) for i in range(2)))
+
+    try:
+        assert all(o[-1].finish_reason == "length" for o in asyncio.run(overflow()))
+    finally:
+        scripted.gate.set()
+        bridge.shutdown()
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.seen: list[int | str] = []  # output token counts, then the outcome
+
+    def on_output(self, output: RequestOutput) -> None:
+        self.seen.append(output.num_output_tokens)
+
+    def on_finish(self, outcome: str) -> None:
+        self.seen.append(outcome)
+
+
+def test_observers_see_each_output_and_how_the_request_ended(engine):
+    scripted, bridge = engine
+    observers: list[RecordingObserver] = []
+
+    def observer() -> RecordingObserver:
+        observers.append(RecordingObserver())
+        return observers[-1]
+
+    async def leave_after_two():
+        outputs = bridge.generate([1, 2], SamplingParams(max_tokens=1000), "left")
+        async for output in outputs:
+            if output.num_output_tokens == 2:
+                break
+        await outputs.aclose()
+
+    bridge.observe_requests(observer)
+    asyncio.run(_collect(bridge, "ok", 3))
+    asyncio.run(leave_after_two())
+    with pytest.raises(ValueError):
+        asyncio.run(_collect(bridge, "refused", 3, prompt_len=100))
+    scripted.fail_next_step = True
+    with pytest.raises(EngineError):
+        asyncio.run(_collect(bridge, "failed", 3))
+    assert [o.seen for o in observers] == [
+        [1, 2, 3, "length"], [1, 2, "abort"], ["rejected"], ["error"]
+    ]

@@ -110,15 +110,24 @@ def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, val
     assert getattr(seen[0], field) == value
 
 
-@pytest.mark.parametrize(("argv", "max_n"), [([], 16), (["--max-n", "3"], 3)])
-def test_max_n_option_reaches_the_app(tmp_path, monkeypatch, argv, max_n):
-    import uvicorn
-
-    from server import app, launch
+@pytest.mark.parametrize(
+    ("argv", "seen"),
+    [
+        ([], {"max_n": 16, "tool_call_parser": None}),
+        (["--max-n", "3"], {"max_n": 3, "tool_call_parser": None}),
+        (["--tool-call-parser", "hermes"], {"max_n": 16, "tool_call_parser": "hermes"}),
+    ],
+)
+def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
+    from server import app, launch, shutdown
 
     built = []
+
+    def build_app(engine, name, max_n, tool_call_parser=None, **_):
+        built.append({"max_n": max_n, "tool_call_parser": tool_call_parser})
+
     monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: object())
-    monkeypatch.setattr(app, "build_app", lambda engine, name, max_n: built.append(max_n))
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(app, "build_app", build_app)
+    monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", str(tmp_path), *argv]) == 0
-    assert built == [max_n]
+    assert built == [seen]

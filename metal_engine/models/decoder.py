@@ -60,10 +60,13 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta, cache)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if self.config.tie_word_embeddings:
-            logits = linear(hidden, self.model.embed_tokens.weight)
-        else:
+        embed = self.model.embed_tokens
+        if not self.config.tie_word_embeddings:
             logits = self.lm_head(hidden)
+        elif isinstance(embed, nn.QuantizedEmbedding):  # its weight is packed
+            logits = embed.as_linear(hidden)
+        else:
+            logits = linear(hidden, embed.weight)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else tanh_softcap(logits, cap)
 

@@ -1,0 +1,44 @@
+"""The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+Errors on these paths get Anthropic's error body (see `server.errors`), also mid-stream.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from starlette.requests import Request
+
+from server import assistant_turn
+from server.anthropic_input import chat_request
+from server.anthropic_output import MessageBuilder
+from server.anthropic_protocol import CountTokensRequest, MessagesRequest, TokenCount
+from server.async_engine import AsyncEngine
+from server.limits import check_request_limits
+from server.turn_serving import serve_turn
+
+
+def anthropic_router(
+    engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None
+) -> APIRouter:
+    """Routes answering as `model_name`; `tool_call_parser` overrides the template's parser."""
+    router = APIRouter()
+
+    @router.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        check_request_limits(body)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        start = assistant_turn.start(engine, chat_request(body), message_id, tool_call_parser)
+        return await serve_turn(
+            request, start, lambda turn: MessageBuilder(message_id, model_name, turn), body.stream
+        )
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        """The prompt tokens a /v1/messages call with these fields reports."""
+        prompt, _ = assistant_turn.prompt_of(engine.tokenizer, chat_request(body), tool_call_parser)
+        return TokenCount(input_tokens=len(prompt.ids)).model_dump()
+
+    return router

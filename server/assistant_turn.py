@@ -1,0 +1,181 @@
+"""One assistant turn of a chat request, for the APIs that speak in items and blocks
+(Responses, Anthropic Messages). The chat path's pieces render the prompt, constrain and
+parse tool calls; the turn comes back as plain events that each API turns into its own
+output object and stream.
+
+    ChatCompletionRequest ─start─▶ Turn.events: (ReasoningDelta | TextDelta | ToolCall)* TurnEnd
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from metal_engine.outputs import RequestOutput
+from scheduler.request import FinishReason
+from server import generation
+from server.async_engine import AsyncEngine, EngineError
+from server.chat_tools import ToolPlan, plan_tools
+from server.choice_streams import ChatChoiceStream
+from server.errors import APIError
+from server.prompts import ChatPrompt, chat_prompt, chat_template, check_context
+from server.protocol import ChatCompletionRequest, Usage
+from server.reasoning import ReasoningStream, opens_reasoning
+from server.tool_parsers import ToolCallStream
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str  # from a reasoning model's `<think>` block
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    finish_reason: FinishReason
+    stop_sequence: str | None  # the request's stop string that ended the turn, if one did
+    usage: Usage
+
+
+TurnEvent = ReasoningDelta | TextDelta | ToolCall | TurnEnd
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A turn the engine accepted: its events, read from the engine's `choices`."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    events: AsyncGenerator[TurnEvent, None]
+    choices: generation.Choices
+
+    async def aclose(self) -> None:
+        """Abort the request if it still runs. `choices` is closed too, in case `events`
+        never started (its body, which closes them, then never runs)."""
+        await self.events.aclose()
+        await self.choices.aclose()
+
+
+def validated_chat_request(
+    fields: dict[str, Any], param_names: dict[str, str] | None = None
+) -> ChatCompletionRequest:
+    """The chat request from translated `fields`; a 400 names the caller's field, through
+    `param_names` (chat field -> the API's own name)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        chat_field = str(error["loc"][0]) if error["loc"] else None
+        param = (param_names or {}).get(chat_field, chat_field) if chat_field else None
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise APIError(f"Invalid request: {param or 'body'}: {message}", param=param) from exc
+
+
+def prompt_of(
+    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None
+) -> tuple[ChatPrompt, ToolPlan]:
+    """The rendered prompt (tools described or passed to the template) and the tool plan."""
+    plan = plan_tools(chat, chat_template(tokenizer), parser_name)
+    return chat_prompt(tokenizer, plan.conversation(chat.messages), plan.template_tools()), plan
+
+
+async def start(
+    engine: AsyncEngine,
+    chat: ChatCompletionRequest,
+    request_id: str,
+    parser_name: str | None,
+    param_names: dict[str, str] | None = None,
+) -> Turn:
+    """Render and submit the turn, and wait for its first output, so that a refusal is
+    still a 400; its `param` is renamed through `param_names` to the caller's field."""
+    names = param_names or {}
+    try:
+        prompt, plan = prompt_of(engine.tokenizer, chat, parser_name)
+        max_tokens = check_context(
+            len(prompt.ids),
+            chat.requested_max_tokens(),
+            engine.max_model_len,
+            names.get("messages", "messages"),
+        )
+        structured = plan.structured() or chat.response_structure()
+        params = chat.sampling_params(max_tokens, structured)
+        choices = await generation.start(engine, prompt.ids, params, request_id)
+    except APIError as exc:
+        exc.param = names.get(exc.param or "", exc.param)
+        raise
+    try:
+        _, first = await anext(choices)  # at hand: `generation.start` waited for it
+    except BaseException:  # e.g. the client left: stop the request
+        await choices.aclose()
+        raise
+    # The chat path's splitter into reasoning, content and tool calls (never raw call syntax).
+    pieces = ChatChoiceStream(
+        ReasoningStream(starts_inside=opens_reasoning(prompt.text)),
+        ToolCallStream(plan.parser) if plan.parser is not None else None,
+        None,
+        chat.parallel_tool_calls,
+    )
+    events = _events(engine.tokenizer, first, choices, params.stop, pieces)
+    return Turn(first.num_prompt_tokens, first.num_cached_tokens, events, choices)
+
+
+async def _events(
+    tokenizer: Any,
+    first: RequestOutput,
+    choices: generation.Choices,
+    stop: tuple[str, ...],
+    pieces: ChatChoiceStream,
+) -> AsyncGenerator[TurnEvent, None]:
+    token_ids: list[int] = []
+    async with contextlib.aclosing(choices):
+        output = first
+        while True:
+            token_ids += output.new_token_ids
+            piece = pieces.feed(output)
+            if piece.reasoning:
+                yield ReasoningDelta(piece.reasoning)
+            if piece.content:
+                yield TextDelta(piece.content)
+            for call in piece.tool_calls:
+                yield ToolCall(call.function.name, call.function.arguments)
+            if output.finished:
+                break
+            _, output = await anext(choices)
+    reason = output.finish_reason or "abort"
+    matched = matched_stop(tokenizer, token_ids, stop) if reason == "stop" else None
+    yield TurnEnd(reason, matched, generation.usage_of([output]))
+
+
+def matched_stop(tokenizer: Any, token_ids: list[int], stop: tuple[str, ...]) -> str | None:
+    """Which stop string ended the output, if one did. The engine cuts the text before the
+    earliest match without saying which; the decoded tokens still hold it."""
+    if not stop:
+        return None
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    hits = [(i, len(s), s) for s in stop if (i := text.find(s)) >= 0]
+    return min(hits)[2] if hits else None
+
+
+async def consume(turn: Turn, on_event: Callable[[TurnEvent], object]) -> None:
+    """Run the whole turn through `on_event`, for non-streaming responses (an engine
+    failure becomes a 500)."""
+    try:
+        async with contextlib.aclosing(turn):
+            async for event in turn.events:
+                on_event(event)
+    except EngineError as exc:
+        raise APIError(str(exc), status_code=500) from exc

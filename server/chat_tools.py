@@ -1,0 +1,185 @@
+"""What a chat request's tools change: the conversation the chat template sees, the JSON
+schema the sampler enforces, and the parser that finds calls in the model's text.
+
+Two ways to offer tools:
+- native: the chat template has tool syntax (it reads `tools`); tools, assistant tool calls
+  and tool results go to it as they are, and the family's parser reads the calls;
+- described: the template knows nothing of tools (the default model's); a system message
+  describes them and asks for Hermes-style `<tool_call>` blocks, and tool traffic becomes
+  plain text.
+With `tool_choice` "required" or a named function, the call is generated under a JSON schema
+of `{"name": ..., "arguments": ...}` either way, so its arguments always parse.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.sampling_params import StructuredOutput
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, ChatMessage
+from server.protocol_tools import FunctionDefinition, Tool, ToolCall
+from server.tool_parsers import (
+    ForcedCallParser,
+    HermesParser,
+    ToolParser,
+    parser_for_template,
+    parser_named,
+)
+
+# The chat templates of most models know only these roles; "developer" is OpenAI's new
+# name for the system prompt.
+_ROLE_ALIASES = {"developer": "system"}
+
+_DESCRIBED_CALL_FORMAT = (
+    'To call a function, reply with <tool_call>{"name": <function name>, "arguments": '
+    "<arguments object>}</tool_call>, one block per call, and nothing else. "
+    "Otherwise answer normally."
+)
+_FORCED_CALL_FORMAT = (
+    'Reply with one function call as JSON: {"name": <function name>, "arguments": '
+    "<arguments object>}."
+)
+
+
+def has_tool_syntax(template: str) -> bool:
+    return "tools" in template
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    native: bool  # the chat template renders tools itself
+    offered: list[Tool]  # the tools the model is told about
+    forced: list[FunctionDefinition]  # functions one of which must be called (else empty)
+    parser: ToolParser | None  # finds calls in the output; None when no tools are offered
+
+    def conversation(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        turns = [self._turn(m) for m in messages]
+        if self.offered and not self.native:
+            turns = _with_system_note(turns, self._description())
+        return turns
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The `tools` argument of `apply_chat_template`."""
+        if not (self.native and self.offered):
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.offered]
+
+    def structured(self) -> StructuredOutput | None:
+        """The schema a forced call is generated under: one function's, or any of several."""
+        if not self.forced:
+            return None
+        schemas = [_call_schema(function) for function in self.forced]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        return StructuredOutput(json_schema=json.dumps(schema))
+
+    def _turn(self, message: ChatMessage) -> dict[str, Any]:
+        role = _ROLE_ALIASES.get(message.role, message.role)
+        content = message.text()
+        if self.native:
+            turn: dict[str, Any] = {"role": role, "content": content}
+            if message.tool_calls:
+                turn["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                turn["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                turn["name"] = message.name
+            return turn
+        if message.tool_calls:
+            blocks = [f"<tool_call>{_call_json(call)}</tool_call>" for call in message.tool_calls]
+            content = "\n".join([content, *blocks]).strip()
+        if role == "tool":
+            # Templates without tool syntax often refuse unknown roles: results come as user text.
+            source = message.name or message.tool_call_id or "a function"
+            return {"role": "user", "content": f"Result of the call to {source}:\n{content}"}
+        return {"role": role, "content": content}
+
+    def _description(self) -> str:
+        functions = json.dumps([t.function.model_dump(exclude_none=True) for t in self.offered])
+        how = _FORCED_CALL_FORMAT if self.forced else _DESCRIBED_CALL_FORMAT
+        return f"You can call these functions:\n{functions}\n{how}"
+
+
+def plan_tools(body: ChatCompletionRequest, template: str, parser_name: str | None) -> ToolPlan:
+    """The tool plan of a request; a 400 naming the field if tools and choice disagree.
+
+    `parser_name` (the server's `--tool-call-parser`) overrides the parser picked from the
+    template's text, for templates with tool syntax.
+    """
+    native = has_tool_syntax(template)
+    tools = body.tools or []
+    choice = body.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise APIError(f"tool_choice {_choice_name(choice)} needs tools.", param="tool_choice")
+    if choice == "none":
+        return ToolPlan(native, [], [], None)
+    forced = _forced(tools, choice)
+    if forced and body.response_format is not None and body.response_format.type != "text":
+        raise APIError(
+            "response_format cannot be combined with a required or named tool_choice: the "
+            "call is already generated under its own JSON schema.",
+            param="response_format",
+        )
+    return ToolPlan(native, tools, forced, _parser(native, forced, template, parser_name))
+
+
+def _forced(tools: list[Tool], choice: Any) -> list[FunctionDefinition]:
+    if choice == "auto":
+        return []
+    if choice == "required":
+        return [tool.function for tool in tools]
+    named = [t.function for t in tools if t.function.name == choice.function.name]
+    if not named:
+        raise APIError(
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools.",
+            param="tool_choice",
+        )
+    return named
+
+
+def _parser(
+    native: bool, forced: list[FunctionDefinition], template: str, parser_name: str | None
+) -> ToolParser:
+    if forced:
+        return ForcedCallParser()
+    if not native:
+        return HermesParser()  # the format the tool description asks for
+    if parser_name is not None:
+        return parser_named(parser_name)
+    return parser_for_template(template) or HermesParser()
+
+
+def _choice_name(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else repr(choice.function.name)
+
+
+def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [function.name]},
+            "arguments": function.parameters_schema(),
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.function.name, "arguments": call.function.arguments_object()}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _call_json(call: ToolCall) -> str:
+    arguments = call.function.arguments_object()
+    return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+
+
+def _with_system_note(turns: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    if turns and turns[0]["role"] == "system":
+        first = {**turns[0], "content": f"{turns[0]['content']}\n\n{note}"}
+        return [first, *turns[1:]]
+    return [{"role": "system", "content": note}, *turns]

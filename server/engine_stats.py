@@ -1,0 +1,39 @@
+"""A snapshot of the engine's gauges and counters, taken on the engine thread between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Plain numbers, safe to hand to another thread once taken."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks: int = 0
+    num_used_kv_blocks: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+
+def read_engine_stats(engine: Any) -> EngineStats:
+    """Read the scheduler's numbers; only the engine thread may call this.
+
+    An engine without a scheduler (a test double) reports zeros.
+    """
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is None:
+        return EngineStats()
+    pool, cache_stats = scheduler.pool, scheduler.prefix_cache.stats
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_kv_blocks=pool.num_blocks,
+        num_used_kv_blocks=pool.num_used_blocks,
+        prefix_cache_queried_tokens=cache_stats.queried_tokens,
+        prefix_cache_hit_tokens=cache_stats.hit_tokens,
+        num_preemptions=scheduler.num_preemptions,
+    )

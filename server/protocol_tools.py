@@ -1,0 +1,96 @@
+"""Shapes of the OpenAI chat API's tools, tool calls and response formats."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.sampling_params import StructuredOutput
+from server.errors import APIError
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def parameters_schema(self) -> dict[str, Any]:
+        # A function without parameters takes an empty object.
+        return self.parameters or {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the API sends it
+
+    def arguments_object(self) -> Any:
+        """The arguments as a JSON value (chat templates expect objects, not JSON text)."""
+        try:
+            return json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    """A whole tool call in one stream chunk; `index` orders the calls of one choice."""
+
+    index: int
+
+
+class JSONSchemaFormat(BaseModel):
+    # `schema` would shadow a BaseModel attribute, hence the alias.
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """What the sampler must enforce: nothing, any JSON object, or the given schema.
+
+        A schema is enforced whether or not `strict` is set: silently ignoring it would be worse.
+        """
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput()
+        if self.json_schema is None:
+            raise APIError(
+                'response_format of type "json_schema" needs a "json_schema" object with a '
+                '"name" and a "schema".',
+                param="response_format",
+            )
+        return StructuredOutput(json_schema=json.dumps(self.json_schema.schema_ or {}))

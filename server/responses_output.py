@@ -1,0 +1,178 @@
+"""Build a Responses `Response` from a turn's events, and the stream events that tell it.
+
+A non-streaming answer is the builder's response once every turn event went in; a stream
+sends the events as they come. Both see the same output items. Every event carries the
+next `sequence_number`:
+
+    response.created  response.in_progress
+    per reasoning / message item (X = reasoning_text / output_text):
+        output_item.added  content_part.added  X.delta*  X.done  content_part.done
+        output_item.done
+    per function call:
+        output_item.added  function_call_arguments.delta  function_call_arguments.done
+        output_item.done
+    response.completed | response.incomplete (max_output_tokens) | response.failed
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from typing import Any
+
+from server.assistant_turn import ReasoningDelta, TextDelta, ToolCall, TurnEnd, TurnEvent
+from server.responses_protocol import (
+    FunctionCall,
+    IncompleteDetails,
+    ItemStatus,
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    ResponseObject,
+    ResponseUsage,
+)
+from server.turn_serving import Event
+
+TextItem = ReasoningItem | OutputMessage  # the items whose one part grows by deltas
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _new_text_item(kind: type[TextItem]) -> TextItem:
+    """An item of `kind` in progress, with its one part still empty."""
+    if kind is ReasoningItem:
+        return ReasoningItem(id=_new_id("rs"), status="in_progress", content=[ReasoningText()])
+    return OutputMessage(id=_new_id("msg"), status="in_progress", content=[OutputText()])
+
+
+class ResponseBuilder:
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response  # status "in_progress", no output yet
+        self._sequence = itertools.count()
+        self._open_item: TextItem | None = None  # the item taking text deltas
+
+    def start(self) -> list[Event]:
+        return [
+            self._response_event("response.created"),
+            self._response_event("response.in_progress"),
+        ]
+
+    def add(self, event: TurnEvent) -> list[Event]:
+        if isinstance(event, ReasoningDelta):
+            return self._text(ReasoningItem, event.text)
+        if isinstance(event, TextDelta):
+            return self._text(OutputMessage, event.text)
+        if isinstance(event, ToolCall):
+            return self._function_call(event)
+        return self._end(event)
+
+    def fail(self, message: str) -> list[Event]:
+        """The engine failed after the stream began."""
+        self.response.status = "failed"
+        self.response.error = {"code": "server_error", "message": message}
+        return [self._response_event("response.failed")]
+
+    def result(self) -> ResponseObject:
+        return self.response
+
+    def _text(self, kind: type[TextItem], text: str) -> list[Event]:
+        events = []
+        if not isinstance(self._open_item, kind):
+            events = self._close_text_item("completed") + self._open_text_item(kind)
+        assert self._open_item is not None
+        self._open_item.content[0].text += text
+        delta = self._text_event("delta", content_index=0, delta=text)
+        return [*events, delta]
+
+    def _function_call(self, call: ToolCall) -> list[Event]:
+        events = self._close_text_item("completed")
+        item = FunctionCall(
+            id=_new_id("fc"),
+            call_id=_new_id("call"),
+            name=call.name,
+            arguments=call.arguments,
+            status="completed",
+        )
+        # Announced without arguments, which then come as one delta.
+        announced = item.model_copy(update={"arguments": "", "status": "in_progress"})
+        return [
+            *events,
+            self._add_item(item, announced),
+            self._item_event("response.function_call_arguments.delta", delta=call.arguments),
+            self._item_event(
+                "response.function_call_arguments.done", name=call.name, arguments=call.arguments
+            ),
+            self._item_done(),
+        ]
+
+    def _end(self, end: TurnEnd) -> list[Event]:
+        truncated = end.finish_reason == "length"
+        events = self._close_text_item("incomplete" if truncated else "completed")
+        if not self.response.output:  # clients read output[0]: "nothing" is an empty message
+            events += self._open_text_item(OutputMessage) + self._close_text_item("completed")
+        usage = end.usage
+        self.response.usage = ResponseUsage.of(
+            usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens
+        )
+        self.response.completed_at = int(time.time())
+        if truncated:
+            self.response.status = "incomplete"
+            self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            return [*events, self._response_event("response.incomplete")]
+        self.response.status = "completed"
+        return [*events, self._response_event("response.completed")]
+
+    def _open_text_item(self, kind: type[TextItem]) -> list[Event]:
+        item = self._open_item = _new_text_item(kind)
+        # Announced without its part, which comes in the next event.
+        added = self._add_item(item, item.model_copy(update={"content": []}))
+        part = item.content[0].model_dump()
+        return [added, self._item_event("response.content_part.added", content_index=0, part=part)]
+
+    def _close_text_item(self, status: ItemStatus) -> list[Event]:
+        if self._open_item is None:
+            return []
+        self._open_item.status = status
+        part = self._open_item.content[0]
+        events = [
+            self._text_event("done", content_index=0, text=part.text),
+            self._item_event("response.content_part.done", content_index=0, part=part.model_dump()),
+            self._item_done(),
+        ]
+        self._open_item = None
+        return events
+
+    def _text_event(self, stage: str, **fields: Any) -> Event:
+        """`response.output_text.*` (with its logprobs) or `response.reasoning_text.*`."""
+        if isinstance(self._open_item, OutputMessage):
+            return self._item_event(f"response.output_text.{stage}", **fields, logprobs=[])
+        return self._item_event(f"response.reasoning_text.{stage}", **fields)
+
+    def _add_item(
+        self, item: TextItem | FunctionCall, announced: TextItem | FunctionCall | None = None
+    ) -> Event:
+        self.response.output.append(item)
+        shown = (announced or item).model_dump()
+        return self._event("response.output_item.added", output_index=self._index, item=shown)
+
+    def _item_done(self) -> Event:
+        item = self.response.output[-1].model_dump()
+        return self._event("response.output_item.done", output_index=self._index, item=item)
+
+    def _item_event(self, kind: str, **fields: Any) -> Event:
+        item_id = self.response.output[-1].id
+        return self._event(kind, item_id=item_id, output_index=self._index, **fields)
+
+    def _response_event(self, kind: str) -> Event:
+        return self._event(kind, response=self.response.model_dump())
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        return {"type": kind, "sequence_number": next(self._sequence), **fields}
+
+    @property
+    def _index(self) -> int:
+        return len(self.response.output) - 1

@@ -1,0 +1,209 @@
+"""Request and response shapes of the OpenAI Responses API (the stateless subset we serve).
+
+Unknown request fields are ignored. Fields that need responses kept on the server
+(`previous_response_id`, `store: true`, ...) are refused by name: this server keeps none.
+Input items are one loose model whose fields are checked when the conversation is
+translated, so that errors can name the item.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    type: str  # input_text / output_text are supported
+    text: str | None = None
+
+
+class InputItem(BaseModel):
+    """A message, function_call, function_call_output or reasoning item."""
+
+    type: str = "message"  # "easy" input messages leave it out
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = None  # function_call, function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call
+    output: str | list[ContentPart] | None = None  # function_call_output
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedFunction
+
+
+class TextFormat(BaseModel):
+    type: Literal["text", "json_schema", "json_object"] = "text"
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(validate_by_name=True, serialize_by_alias=True)
+
+
+class TextConfig(BaseModel):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+_STATE_HINT = "this server stores no responses; send the whole conversation in `input`"
+
+
+class ResponsesRequest(BaseModel):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    text: TextConfig = Field(default_factory=TextConfig)
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    # Server-side state: refused when asked for (validators run only on fields that were sent).
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: str | list[InputItem]) -> str | list[InputItem]:
+        if not value:
+            raise ValueError("input must not be empty")
+        return value
+
+    @field_validator("store", "background")
+    @classmethod
+    def _not_true(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError(f"true is not supported: {_STATE_HINT}")
+        return value
+
+    @field_validator("previous_response_id", "conversation", "prompt")
+    @classmethod
+    def _not_sent(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"refers to stored state: {_STATE_HINT}")
+        return value
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str = ""
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's `<think>` text, in full (there is no summary)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    status: ItemStatus
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+
+
+class FunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+    @classmethod
+    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+        return cls(
+            input_tokens=input_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+            output_tokens=output_tokens,
+            total_tokens=input_tokens + output_tokens,
+        )
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """The Response resource; its request fields are echoed as the API does."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    completed_at: int | None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[ReasoningItem | OutputMessage | FunctionCall] = Field(default_factory=list)
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    store: Literal[False] = False
+    temperature: float | None
+    text: TextConfig
+    tool_choice: ToolChoice
+    tools: list[FunctionTool]
+    top_p: float | None
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)

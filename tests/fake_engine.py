@@ -1,0 +1,80 @@
+"""Engines and tokenizers without a model, for server tests that fix what the model says."""
+
+from __future__ import annotations
+
+import json
+
+from metal_engine.outputs import RequestOutput
+
+
+class CharTokenizer:
+    """One token per character; the chat template is `role: content` lines."""
+
+    chat_template = "lines"
+
+    def __len__(self) -> int:
+        return 256
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [min(ord(c), 255) for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(map(chr, token_ids))
+
+
+class ToolTemplateTokenizer(CharTokenizer):
+    """A chat template with Hermes tool syntax: it gets the tools and the tool messages as
+    they are, and renders each turn as its JSON."""
+
+    chat_template = "{% for tool in tools %}<tool_call>{% endfor %}"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
+        assert add_generation_prompt and not tokenize
+        lines = [f"tools: {json.dumps(tools)}"] + [json.dumps(m) for m in messages]
+        return "\n".join(lines) + "\nassistant: "
+
+
+class ScriptedEngine:
+    """Every request gets the same text, one scripted piece per step, then stops."""
+
+    model_name = "scripted"
+    max_model_len = 4096
+
+    def __init__(self, script: list[str], tokenizer: CharTokenizer | None = None) -> None:
+        self.script = script
+        self.tokenizer = tokenizer or CharTokenizer()
+        self.live: dict[str, list] = {}  # request id -> [prompt length, pieces sent]
+        self.prompts: dict[str, str] = {}  # request id -> its prompt, decoded
+        self.params: dict = {}  # request id -> its SamplingParams
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0):
+        self.live[request_id] = [len(prompt_token_ids), 0]
+        self.prompts[request_id] = self.tokenizer.decode(prompt_token_ids)
+        self.params[request_id] = params
+
+    def abort_request(self, request_id):
+        self.live.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def close(self):
+        pass
+
+    def step(self):
+        outputs = []
+        for request_id, state in list(self.live.items()):
+            piece = self.script[state[1]]
+            state[1] += 1
+            reason = "stop" if state[1] == len(self.script) else None
+            if reason:
+                del self.live[request_id]
+            outputs.append(
+                RequestOutput(request_id, [ord(piece[0]) if piece else 0], piece, reason,
+                              state[0], state[1])
+            )  # fmt: skip
+        return outputs

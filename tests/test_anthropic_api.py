@@ -1,0 +1,419 @@
+"""The Anthropic Messages API, driven by the official `anthropic` client (its stream helper
+rebuilds the message from the events, and fails on events out of order): on the default model,
+and on a scripted model that fixes what the model says."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from fake_engine import ScriptedEngine, ToolTemplateTokenizer
+from server_helpers import running_server, small_engine
+
+MAX_MODEL_LEN = 512
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+# One text block: start, deltas, stop; then the message's end.
+TEXT_EVENTS = (
+    "message_start content_block_start( content_block_delta)+ content_block_stop "
+    "message_delta message_stop"
+)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    return small_engine(default_model_dir, MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    with running_server(engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
+
+
+def greedy(**fields) -> dict:
+    # This client version has no sampling arguments: temperature travels as an extra field.
+    return {"model": "default", "max_tokens": 24, "extra_body": {"temperature": 0}, **fields}
+
+
+def raw_events(client: anthropic.Anthropic, **fields) -> list:
+    return list(client.messages.create(stream=True, **greedy(**fields)))
+
+
+def streamed_message(client: anthropic.Anthropic, **fields):
+    with client.messages.stream(**greedy(**fields)) as stream:
+        return stream.get_final_message()
+
+
+def prompt_tokens(usage) -> int:
+    # Anthropic counts prefix-cache reads apart from input_tokens.
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+@pytest.mark.slow
+def test_text_matches_chat_completions(client, base_url):
+    message = client.messages.create(**greedy(messages=QUESTION))
+    chat = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    reply = chat.chat.completions.create(
+        model="default", messages=QUESTION, temperature=0, max_tokens=24
+    )
+    assert message.role == "assistant" and message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["text"]
+    assert "Paris" in message.content[0].text
+    assert message.content[0].text == reply.choices[0].message.content
+    finish = reply.choices[0].finish_reason
+    assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[finish]
+    assert message.stop_sequence is None
+    assert prompt_tokens(message.usage) == reply.usage.prompt_tokens
+    assert message.usage.output_tokens == reply.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_stream_events_come_in_order(client):
+    whole = client.messages.create(**greedy(messages=QUESTION))
+    events = raw_events(client, messages=QUESTION)
+    kinds = " ".join(event.type for event in events)
+    assert re.fullmatch(TEXT_EVENTS, kinds), kinds
+    start = events[0].message
+    assert start.content == [] and start.stop_reason is None
+    assert prompt_tokens(start.usage) == prompt_tokens(whole.usage)
+    assert events[1].index == 0 and events[1].content_block.type == "text"
+    assert all(event.index == 0 for event in events[1:-2])
+    text = "".join(event.delta.text for event in events if event.type == "content_block_delta")
+    assert text == whole.content[0].text
+    assert events[-2].delta.stop_reason == whole.stop_reason
+    assert events[-2].usage.output_tokens == whole.usage.output_tokens
+    rebuilt = streamed_message(client, messages=QUESTION)
+    assert [block.text for block in rebuilt.content] == [whole.content[0].text]
+
+
+@pytest.mark.slow
+def test_stop_sequences(client):
+    text = client.messages.create(**greedy(messages=QUESTION)).content[0].text
+    stop = "Paris"
+    assert stop in text
+    message = client.messages.create(
+        **greedy(messages=QUESTION, stop_sequences=["no such text", stop])
+    )
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == text[: text.index(stop)]
+    end = raw_events(client, messages=QUESTION, stop_sequences=[stop])[-2]
+    assert end.delta.stop_reason == "stop_sequence" and end.delta.stop_sequence == stop
+
+
+@pytest.mark.slow
+def test_tool_use_round_trip(client, base_url):
+    first = client.messages.create(**greedy(
+        max_tokens=64, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
+        tool_choice={"type": "any"},
+    ))  # fmt: skip
+    assert first.stop_reason == "tool_use"
+    calls = [block for block in first.content if block.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert isinstance(calls[0].input["city"], str) and calls[0].id.startswith("toolu_")
+
+    result = {"type": "tool_result", "tool_use_id": calls[0].id, "content": "18 C and sunny"}
+    conversation = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [result]},
+    ]
+    answer = client.messages.create(**greedy(
+        max_tokens=32, messages=conversation, tools=[WEATHER_TOOL], tool_choice={"type": "none"}
+    ))  # fmt: skip
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert [block.type for block in answer.content] == ["text"]
+    assert answer.content[0].text.strip()
+    # The same conversation through chat completions: the same prompt and answer.
+    function = {"name": "get_weather", "arguments": json.dumps(calls[0].input)}
+    messages = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": calls[0].id, "type": "function", "function": function}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": result["content"]},
+    ]  # fmt: skip
+    chat = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    reply = chat.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=32, tool_choice="none",
+        tools=[{"type": "function", "function": {
+            "name": WEATHER_TOOL["name"], "description": WEATHER_TOOL["description"],
+            "parameters": WEATHER_TOOL["input_schema"],
+        }}],
+    )  # fmt: skip
+    assert prompt_tokens(answer.usage) == reply.usage.prompt_tokens
+    assert answer.content[0].text == reply.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_streamed_tool_use_matches_whole(client):
+    fields = dict(
+        max_tokens=64, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )  # fmt: skip
+    whole = client.messages.create(**greedy(**fields))
+    events = raw_events(client, **fields)
+    kinds = " ".join(event.type for event in events)
+    assert re.fullmatch(
+        "message_start content_block_start content_block_delta content_block_stop "
+        "message_delta message_stop",
+        kinds,
+    ), kinds
+    block = events[1].content_block
+    assert block.type == "tool_use" and block.name == "get_weather" and block.input == {}
+    assert events[2].delta.type == "input_json_delta"
+    assert events[-2].delta.stop_reason == "tool_use"
+    [tool_use] = streamed_message(client, **fields).content
+    assert tool_use.type == "tool_use" and tool_use.input == whole.content[0].input
+
+
+@pytest.mark.slow
+def test_count_tokens_equals_the_prompt_the_call_reports(client):
+    fields = dict(
+        system=[{"type": "text", "text": "You are a terse assistant."}],
+        messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
+    )  # fmt: skip
+    counted = client.messages.count_tokens(model="default", **fields).input_tokens
+    message = client.messages.create(**greedy(max_tokens=4, **fields))
+    assert prompt_tokens(message.usage) == counted
+    without_tools = {key: value for key, value in fields.items() if key != "tools"}
+    assert client.messages.count_tokens(model="default", **without_tools).input_tokens < counted
+
+
+@pytest.mark.slow
+def test_system_messages_inside_messages_join_the_system_prompt(client):
+    system = "You are a terse assistant."
+    as_field = client.messages.count_tokens(model="default", system=system, messages=QUESTION)
+    inside = client.messages.count_tokens(
+        model="default", messages=[{"role": "system", "content": system}, *QUESTION]
+    )
+    alone = client.messages.count_tokens(model="default", messages=QUESTION)
+    # (Without one, the template puts in its own default system prompt.)
+    assert as_field.input_tokens == inside.input_tokens != alone.input_tokens
+
+
+# ---- scripted model text: what the translation sends and how the answer is built ------------
+
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+# Text, then a Hermes tool call cut at awkward places.
+SCRIPT = ["Let me check. ", "<tool_", "call>", WEATHER_CALL[:25], WEATHER_CALL[25:], "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """(client, engine, url) of a server whose model always says SCRIPT, with a Hermes
+    template."""
+    engine = ScriptedEngine(SCRIPT, ToolTemplateTokenizer())
+    with running_server(engine) as url:
+        yield anthropic.Anthropic(base_url=url, api_key="x", max_retries=0), engine, url
+
+
+def test_text_then_tool_use_blocks(scripted):
+    client, _, _ = scripted
+    fields = dict(model="m", max_tokens=64, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL])
+    message = client.messages.create(**fields)
+    assert [block.type for block in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "Let me check. "
+    assert message.content[1].name == "get_weather"
+    assert message.content[1].input == {"city": "Paris"}
+    assert message.stop_reason == "tool_use"
+
+    events = list(client.messages.create(stream=True, **fields))
+    kinds = " ".join(event.type for event in events)
+    assert re.fullmatch(
+        "message_start content_block_start( content_block_delta)+ content_block_stop "
+        "content_block_start content_block_delta content_block_stop message_delta message_stop",
+        kinds,
+    ), kinds
+    assert [e.index for e in events if e.type == "content_block_start"] == [0, 1]
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1]
+    assert events[-2].delta.stop_reason == "tool_use"
+    with client.messages.stream(**fields) as stream:
+        rebuilt = stream.get_final_message()
+    assert rebuilt.content[0].text == "Let me check. "
+    assert rebuilt.content[1].input == {"city": "Paris"}
+
+
+def test_conversation_reaches_the_template_as_chat_messages(scripted):
+    client, engine, _ = scripted
+    tool_use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                "input": {"city": "Paris"}}  # fmt: skip
+    result = {"type": "tool_result", "tool_use_id": "toolu_1",
+              "content": [{"type": "text", "text": "18 C"}]}  # fmt: skip
+    conversation = [
+        {"role": "system", "content": "Also be kind."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"},
+                                     {"type": "text", "text": "Be quick."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}, tool_use]},
+        {"role": "user", "content": [result, {"type": "text", "text": "Thanks!"}]},
+    ]  # fmt: skip
+    fields = dict(model="m", system="Be brief.", messages=conversation, tools=[WEATHER_TOOL])
+    message = client.messages.create(max_tokens=64, **fields)
+    prompt = list(engine.prompts.values())[-1]
+    tools_line, *turns, _ = prompt.split("\n")  # one JSON line per message
+    call = {"id": "toolu_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
+    assert [json.loads(turn) for turn in turns] == [
+        {"role": "system", "content": "Be brief.\n\nAlso be kind."},
+        {"role": "user", "content": "Weather in Paris?\n\nBe quick."},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    [tool] = json.loads(tools_line.removeprefix("tools: "))
+    assert tool["function"]["parameters"] == WEATHER_TOOL["input_schema"]
+    assert message.usage.input_tokens == len(prompt)  # one token per character
+    assert client.messages.count_tokens(**fields).input_tokens == len(prompt)
+
+
+def test_reasoning_comes_as_a_thinking_block():
+    script = ["<think>", "Paris is in ", "France.", "</think>", "\nParis."]
+    engine = ScriptedEngine(script)
+    with running_server(engine) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        fields = dict(model="m", max_tokens=64, messages=QUESTION)
+        message = client.messages.create(**fields)
+        events = list(client.messages.create(stream=True, **fields))
+        follow_up = [*QUESTION, {"role": "assistant", "content": message.content},
+                     {"role": "user", "content": "And of Spain?"}]  # fmt: skip
+        client.messages.create(model="m", max_tokens=64, messages=follow_up)
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "Paris is in France."
+    assert message.content[1].text == "\nParis."
+    assert message.stop_reason == "end_turn"
+    starts = [event for event in events if event.type == "content_block_start"]
+    assert [(e.index, e.content_block.type) for e in starts] == [(0, "thinking"), (1, "text")]
+    deltas = [event.delta for event in events if event.type == "content_block_delta"]
+    thinking = "".join(d.thinking for d in deltas if d.type == "thinking_delta")
+    assert thinking == "Paris is in France."
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == "\nParis."
+    # Sent back, the thinking stays out of the next prompt; the answer goes in.
+    prompt = list(engine.prompts.values())[-1]
+    assert "Paris is in France." not in prompt and "assistant: \nParis.\n" in prompt
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+# (fields, a piece of the error message): wrong for both /v1/messages and count_tokens.
+BAD_PROMPTS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [IMAGE]}]}, "'image'"),
+    ({"messages": [*QUESTION, {"role": "assistant", "content": "The"}]}, "prefill"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
+    ({"tool_choice": {"type": "any"}}, "needs tools"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
+]
+# Wrong only where a message is generated.
+BAD_SAMPLING = [
+    ({"max_tokens": None}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"stop_sequences": [str(i) for i in range(40)]}, "stop_sequences"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "cases"),
+    [
+        ("/v1/messages", BAD_PROMPTS + BAD_SAMPLING),
+        ("/v1/messages/count_tokens", BAD_PROMPTS),
+    ],
+)
+def test_bad_requests_get_anthropic_errors(scripted, path, cases):
+    _, engine, url = scripted
+    prompts_before = len(engine.prompts)
+    for fields, fragment in cases:
+        body = {"model": "m", "max_tokens": 8, "messages": QUESTION, **fields}
+        body = {key: value for key, value in body.items() if value is not None}
+        response = httpx.post(f"{url}{path}", json=body)
+        assert response.status_code == 400, (fields, response.text)
+        payload = response.json()
+        assert payload["type"] == "error", payload
+        assert payload["error"]["type"] == "invalid_request_error"
+        assert fragment in payload["error"]["message"], payload
+    assert len(engine.prompts) == prompts_before  # none reached the engine
+
+
+def test_client_raises_bad_request_error(scripted):
+    client, _, _ = scripted
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(model="m", max_tokens=8, messages=[])
+    assert raised.value.body["error"]["type"] == "invalid_request_error"
+
+
+class FailingEngine(ScriptedEngine):
+    """Says its script's first piece, then fails at the next step."""
+
+    def step(self):
+        if any(sent for _, sent in self.live.values()):
+            raise RuntimeError("the device fell over")
+        return super().step()
+
+
+def test_an_engine_failure_is_an_anthropic_error():
+    body = {"model": "m", "max_tokens": 8, "messages": QUESTION}
+    with running_server(FailingEngine(["Hello", " there"])) as url:
+        whole = httpx.post(f"{url}/v1/messages", json=body)
+        client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        stream = client.messages.create(stream=True, **body)
+        seen = []
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            seen.extend(event.type for event in stream)
+    assert whole.status_code == 500
+    assert whole.json()["type"] == "error" and whole.json()["error"]["type"] == "api_error"
+    assert "the device fell over" in raised.value.body["error"]["message"]
+    assert raised.value.body["error"]["type"] == "api_error"
+    assert seen[-1] == "content_block_delta"  # "Hello" went out before the failure
+
+
+class SlowEngine(ScriptedEngine):
+    """Takes 10 ms a step, and records the requests it is told to abort."""
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__(script)
+        self.aborted: list[str] = []
+
+    def step(self):
+        time.sleep(0.01)
+        return super().step()
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        super().abort_request(request_id)
+
+
+def wait_until_aborted(engine: SlowEngine, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(engine.aborted) < count or engine.live:
+        assert time.monotonic() < deadline, "the server did not abort the request"
+        time.sleep(0.02)
+
+
+def test_a_client_that_leaves_aborts_its_request():
+    engine = SlowEngine(["word "] * 1000)  # 10 s of output
+    body = {"model": "m", "max_tokens": 2000, "messages": QUESTION}
+    with running_server(engine) as url:
+        with httpx.stream("POST", f"{url}/v1/messages", json={**body, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line == "event: content_block_delta")
+        wait_until_aborted(engine, 1)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/messages", json=body, timeout=0.5)
+        wait_until_aborted(engine, 2)

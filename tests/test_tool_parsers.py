@@ -1,0 +1,192 @@
+"""Tool-call parsers and the reasoning splitter on canned model text, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from server.reasoning import ReasoningStream
+from server.tool_parsers import (
+    ForcedCallParser,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ParsedCall,
+    ToolCallStream,
+    ToolParser,
+    parser_for_template,
+    parser_named,
+)
+
+WEATHER = ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
+TIME = ParsedCall("get_time", '{"zone": "Europe/Paris, \\"CET\\""}')
+
+# (parser, model text, expected content, expected calls)
+CASES = [
+    (
+        HermesParser(),
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        "\n</tool_call>",
+        "",
+        [WEATHER],
+    ),
+    (
+        HermesParser(),
+        'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": '
+        '{"zone": "Europe/Paris, \\"CET\\""}}</tool_call>',
+        "Let me check.\n",
+        [WEATHER, TIME],
+    ),
+    (
+        Llama3JsonParser(),
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        "",
+        [WEATHER],
+    ),
+    (
+        Llama3JsonParser(),
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+        '"celsius"}}; {"name": "get_time", "parameters": {"zone": "Europe/Paris, \\"CET\\""}}',
+        "",
+        [WEATHER, TIME],
+    ),
+    (
+        MistralParser(),
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}, {"name": "get_time", "arguments": {"zone": "Europe/Paris, \\"CET\\""}}]',
+        "",
+        [WEATHER, TIME],
+    ),
+    (  # [TOOL_CALLS] is a special token that detokenizing drops
+        MistralParser(),
+        ' [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+        "",
+        [WEATHER],
+    ),
+    (
+        ForcedCallParser(),
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+        "",
+        [WEATHER],
+    ),
+    (HermesParser(), "Not needed: 2 < 3, <b>bold</b>.", "Not needed: 2 < 3, <b>bold</b>.", []),
+    (Llama3JsonParser(), "The answer is {42}.", "The answer is {42}.", []),
+    (MistralParser(), "[1, 2] are numbers.", "[1, 2] are numbers.", []),
+]
+
+
+def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
+    """Feed `pieces` in order (the last one as final); return the content and the calls."""
+    calls_stream = ToolCallStream(parser)
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        new_content, new_calls = calls_stream.feed(piece, final=i == len(pieces) - 1)
+        content += new_content
+        calls += new_calls
+    return content, calls
+
+
+def split_at_random(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_whole_text(parser, text, content, calls):
+    assert stream(parser, [text]) == (content, calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_streamed_one_character_at_a_time(parser, text, content, calls):
+    # Deltas once sent are never taken back, so a right final content means no call syntax
+    # (not even a marker's first characters) ever reached the client.
+    assert stream(parser, [*text, ""]) == (content, calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_streamed_at_random_boundaries(parser, text, content, calls):
+    rng = random.Random(7)
+    for _ in range(30):
+        assert stream(parser, split_at_random(text, rng)) == (content, calls)
+
+
+def test_calls_come_out_as_soon_as_they_close():
+    text = CASES[1][1]
+    first_close = text.index("</tool_call>") + len("</tool_call>")
+    calls_stream = ToolCallStream(HermesParser())
+    content, calls = calls_stream.feed(text[:first_close], final=False)
+    assert (content, calls) == ("Let me check.\n", [WEATHER])
+    assert calls_stream.feed(text[first_close:], final=False) == ("", [TIME])
+
+
+def test_a_marker_split_across_deltas_is_held_back():
+    calls_stream = ToolCallStream(HermesParser())
+    assert calls_stream.feed("Sure.<tool", final=False) == ("Sure.", [])
+    assert calls_stream.feed("_c", final=False) == ("", [])
+    assert calls_stream.feed("ar is here", final=False) == ("<tool_car is here", [])
+
+
+def test_a_malformed_call_is_returned_as_content():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    assert stream(HermesParser(), [*text, ""]) == (text, [])
+    truncated = '{"name": "get_weather", "arguments": {"ci'
+    assert stream(ForcedCallParser(), [truncated]) == (truncated, [])
+
+
+def test_arguments_given_as_json_text_are_accepted():
+    text = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    assert stream(HermesParser(), [text])[1] == [ParsedCall("f", '{"x": 1}')]
+
+
+def test_parser_from_template_or_name():
+    assert isinstance(parser_for_template("{% for tool in tools %}<tool_call>"), HermesParser)
+    assert isinstance(parser_for_template("{{ '[TOOL_CALLS]' }}"), MistralParser)
+    assert isinstance(parser_for_template("{{- '<|python_tag|>' }}"), Llama3JsonParser)
+    assert parser_for_template("{{ message['content'] }}") is None
+    assert isinstance(parser_named("mistral"), MistralParser)
+    with pytest.raises(ValueError, match="hermes"):
+        parser_named("nope")
+
+
+def test_forced_call_arguments_are_canonical_json():
+    text = '{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}'
+    (call,) = stream(ForcedCallParser(), [text])[1]
+    assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+
+
+# ---- reasoning ------------------------------------------------------------------------------
+
+
+def reason(pieces: list[str], starts_inside: bool = False) -> tuple[str, str]:
+    splitter = ReasoningStream(starts_inside)
+    parts = [splitter.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    return "".join(r for r, _ in parts), "".join(c for _, c in parts)
+
+
+@pytest.mark.parametrize(
+    ("text", "starts_inside", "expected"),
+    [
+        ("<think>2+2 is 4.</think>The answer is 4.", False, ("2+2 is 4.", "The answer is 4.")),
+        ("\n<think>hm</think>\n\nYes.", False, ("hm", "\n\nYes.")),
+        ("2+2 is 4.</think>Four.", True, ("2+2 is 4.", "Four.")),
+        ("No thinking: <think> is a tag.", False, ("", "No thinking: <think> is a tag.")),
+        ("<think>cut off", False, ("cut off", "")),
+        ("<thin", False, ("", "<thin")),
+    ],
+)
+def test_reasoning_is_split_whole_and_streamed(text, starts_inside, expected):
+    assert reason([text], starts_inside) == expected
+    assert reason([*text, ""], starts_inside) == expected
+    rng = random.Random(3)
+    for _ in range(20):
+        assert reason(split_at_random(text, rng), starts_inside) == expected
+
+
+def test_reasoning_markers_never_leak_into_deltas():
+    splitter = ReasoningStream()
+    text = "<think>a</think>b"
+    deltas = [splitter.feed(ch, final=False) for ch in text]
+    assert all("<" not in r + c for r, c in deltas)

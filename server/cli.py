@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from server.commands import Command, add_commands, run_command
 from server.serve_args import parse_size
 
-__all__ = ["COMMANDS", "build_parser", "main", "parse_size"]
+__all__ = ["COMMANDS", "build_parser", "main", "parse_size", "run"]
 
 COMMANDS = {
     "serve": Command(
@@ -42,3 +44,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     return run_command(COMMANDS[args.command], args)
+
+
+def run() -> None:
+    """The console script: `main`, then leave without running native libraries' exit hooks.
+
+    Everything the command owns is closed by the time `main` returns (the server drained and
+    spilled its KV cache, files are written). What is left are the static destructors of the
+    native libraries loaded (MLX, OpenBLAS, tokenizers, PyTorch when transformers pulls it
+    in), one of which now and then aborts the process ("terminate called without an active
+    exception") while tearing down its worker threads, turning a clean exit into SIGABRT.
+    """
+    try:
+        code = main()
+    except SystemExit as exit_:  # argparse errors and --help
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -131,3 +131,14 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", str(tmp_path), *argv]) == 0
     assert built == [seen]
+
+
+@pytest.mark.parametrize(("argv", "code"), [(["--help"], 0), (["no-such-command"], 2)])
+def test_console_script_exits_with_the_commands_code(argv, code):
+    import subprocess
+    import sys
+
+    script = "import sys; from server.cli import run; sys.argv[1:] = sys.argv[2:]; run()"
+    done = subprocess.run([sys.executable, "-c", script, "-", *argv], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == code and "metal-serve" in done.stdout + done.stderr

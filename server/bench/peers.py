@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Runs our CLI from any python that can import this package.
-OUR_CLI = "import sys; from server.cli import main; sys.exit(main(sys.argv[1:]))"
+OUR_CLI = "from server.cli import run; run()"
 # mlx-lm does not load an optimized BLAS itself; without one its fp32 matmuls would run on
 # the reference BLAS of the mlx CPU wheel and the comparison would not be fair.
 _MLX_LM_LAUNCHER = (

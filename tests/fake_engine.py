@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from metal_engine.outputs import RequestOutput
 
@@ -78,3 +79,35 @@ class ScriptedEngine:
                               state[0], state[1])
             )  # fmt: skip
         return outputs
+
+
+class FailingEngine(ScriptedEngine):
+    """Says its script's first piece, then fails at the next step."""
+
+    def step(self):
+        if any(sent for _, sent in self.live.values()):
+            raise RuntimeError("the device fell over")
+        return super().step()
+
+
+class SlowEngine(ScriptedEngine):
+    """Takes 10 ms a step, and records the requests it is told to abort."""
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__(script)
+        self.aborted: list[str] = []
+
+    def step(self):
+        time.sleep(0.01)
+        return super().step()
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        super().abort_request(request_id)
+
+
+def wait_until_aborted(engine: SlowEngine, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(engine.aborted) < count or engine.live:
+        assert time.monotonic() < deadline, "the server did not abort the request"
+        time.sleep(0.02)

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
-from fake_engine import ScriptedEngine, ToolTemplateTokenizer
+from fake_engine import (
+    FailingEngine,
+    ScriptedEngine,
+    SlowEngine,
+    ToolTemplateTokenizer,
+    wait_until_aborted,
+)
 from server_helpers import running_server, small_engine
 
 MAX_MODEL_LEN = 512
@@ -359,15 +364,6 @@ def test_client_raises_bad_request_error(scripted):
     assert raised.value.body["error"]["type"] == "invalid_request_error"
 
 
-class FailingEngine(ScriptedEngine):
-    """Says its script's first piece, then fails at the next step."""
-
-    def step(self):
-        if any(sent for _, sent in self.live.values()):
-            raise RuntimeError("the device fell over")
-        return super().step()
-
-
 def test_an_engine_failure_is_an_anthropic_error():
     body = {"model": "m", "max_tokens": 8, "messages": QUESTION}
     with running_server(FailingEngine(["Hello", " there"])) as url:
@@ -382,29 +378,6 @@ def test_an_engine_failure_is_an_anthropic_error():
     assert "the device fell over" in raised.value.body["error"]["message"]
     assert raised.value.body["error"]["type"] == "api_error"
     assert seen[-1] == "content_block_delta"  # "Hello" went out before the failure
-
-
-class SlowEngine(ScriptedEngine):
-    """Takes 10 ms a step, and records the requests it is told to abort."""
-
-    def __init__(self, script: list[str]) -> None:
-        super().__init__(script)
-        self.aborted: list[str] = []
-
-    def step(self):
-        time.sleep(0.01)
-        return super().step()
-
-    def abort_request(self, request_id):
-        self.aborted.append(request_id)
-        super().abort_request(request_id)
-
-
-def wait_until_aborted(engine: SlowEngine, count: int) -> None:
-    deadline = time.monotonic() + 5
-    while len(engine.aborted) < count or engine.live:
-        assert time.monotonic() < deadline, "the server did not abort the request"
-        time.sleep(0.02)
 
 
 def test_a_client_that_leaves_aborts_its_request():

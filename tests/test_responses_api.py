@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from fake_engine import ScriptedEngine, ToolTemplateTokenizer
+from fake_engine import (
+    FailingEngine,
+    ScriptedEngine,
+    SlowEngine,
+    ToolTemplateTokenizer,
+    wait_until_aborted,
+)
 from server_helpers import running_server, small_engine
 
 MAX_MODEL_LEN = 512
@@ -347,15 +352,6 @@ def test_stateful_requests_are_refused_by_the_client_too(scripted):
     assert "previous_response_id" in raised.value.message
 
 
-class FailingEngine(ScriptedEngine):
-    """Says its script's first piece, then fails at the next step."""
-
-    def step(self):
-        if any(sent for _, sent in self.live.values()):
-            raise RuntimeError("the device fell over")
-        return super().step()
-
-
 def test_an_engine_failure_fails_the_response():
     body = {"model": "m", "input": QUESTION}
     with running_server(FailingEngine(["Hello", " there"])) as url:
@@ -370,29 +366,6 @@ def test_an_engine_failure_fails_the_response():
     failed = events[-1].response
     assert failed.status == "failed" and failed.error.code == "server_error"
     assert "the device fell over" in failed.error.message
-
-
-class SlowEngine(ScriptedEngine):
-    """Takes 10 ms a step, and records the requests it is told to abort."""
-
-    def __init__(self, script: list[str]) -> None:
-        super().__init__(script)
-        self.aborted: list[str] = []
-
-    def step(self):
-        time.sleep(0.01)
-        return super().step()
-
-    def abort_request(self, request_id):
-        self.aborted.append(request_id)
-        super().abort_request(request_id)
-
-
-def wait_until_aborted(engine: SlowEngine, count: int) -> None:
-    deadline = time.monotonic() + 5
-    while len(engine.aborted) < count or engine.live:
-        assert time.monotonic() < deadline, "the server did not abort the request"
-        time.sleep(0.02)
 
 
 def test_a_client_that_leaves_aborts_its_request():

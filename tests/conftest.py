@@ -48,3 +48,20 @@ def default_tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    """A real server for the module's `engine` fixture (each server test module defines one)."""
+    from server_helpers import running_server
+
+    with running_server(engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    """The official openai client on `base_url`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)

@@ -45,12 +45,6 @@ def engine(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def base_url(engine):
-    with running_server(engine) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def client(base_url) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
 

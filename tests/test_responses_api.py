@@ -53,17 +53,6 @@ def engine(default_model_dir):
     return small_engine(default_model_dir, MAX_MODEL_LEN)
 
 
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with running_server(engine) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
-
-
 def greedy(**fields) -> dict:
     return {"model": "default", "max_output_tokens": 24, "temperature": 0, **fields}
 

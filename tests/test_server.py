@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import running_server, small_engine
+from server_helpers import small_engine
 
 from metal_engine.engine import LLMEngine
 
@@ -37,17 +37,6 @@ class RecordingEngine:
 @pytest.fixture(scope="module")
 def engine(default_model_dir) -> RecordingEngine:
     return RecordingEngine(small_engine(default_model_dir, MAX_MODEL_LEN))
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with running_server(engine) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
 
 
 def template_len(engine, messages) -> int:

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import running_server, small_engine
+from server_helpers import small_engine
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +31,6 @@ QUESTION = [{"role": "user", "content": "Write one sentence about the sea."}]
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
     return small_engine(default_model_dir, MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with running_server(engine) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
 
 
 def person_format() -> dict:

@@ -51,6 +51,13 @@ def _positive_int(text: str) -> int:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_and_http_arguments(parser)
+    _add_engine_arguments(parser.add_argument_group("engine"))
+    _add_prefix_cache_arguments(parser.add_argument_group("prefix cache"))
+    add_hardening_arguments(parser)
+
+
+def _add_model_and_http_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model_dir",
         nargs="?",
@@ -60,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--revision", help="hub repo ids: the branch, tag or commit to serve (default: main)"
     )
+    parser.add_argument(
+        "--cache-dir", type=Path, help="where the default model is converted and kept"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -67,51 +77,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="default",
         help="model id listed by /v1/models besides the directory name (any name is accepted)",
     )
-    parser.add_argument("--max-num-seqs", type=_positive_int, help="most requests per step")
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int, help="most tokens per step")
-    parser.add_argument("--max-model-len", type=_positive_int, help="context limit in tokens")
-    parser.add_argument(
-        "--kv-cache-memory", type=parse_size, help='KV cache size, e.g. "2GiB", "512MB"'
-    )
-    parser.add_argument("--block-size", type=_positive_int, help="tokens per KV cache block")
-    parser.add_argument("--seed", type=int, help="the engine's random seed")
-    parser.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        default=None,
-        help="compute every prompt in full instead of reusing the KV cache of seen prefixes",
-    )
     parser.add_argument(
         "--tool-call-parser",
         choices=sorted(PARSERS),
         help="how the model writes tool calls (default: recognized from the chat template)",
-    )
-    parser.add_argument(
-        "--kv-cache-dir",
-        type=Path,
-        help="keep prefix-cache blocks evicted from memory (and all of them at shutdown) in "
-        "this directory, so a restarted server reuses them (off by default)",
-    )
-    parser.add_argument(
-        "--kv-cache-dir-size",
-        type=parse_size,
-        help='most disk the --kv-cache-dir cache may use, e.g. "20GiB" (default 8GiB); '
-        "least recently used blocks go first",
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="queue step N+1 on the device before step N's tokens are back, overlapping host "
-        "work with the forward (default: on with Metal, off on the CPU backend, whose forward "
-        "runs synchronously)",
-    )
-    parser.add_argument(
-        "--scheduling-policy",
-        choices=["fcfs", "priority"],
-        help="fcfs (default): first come, first served; priority: requests with a lower "
-        "`priority` field go first, and are preempted last",
     )
     parser.add_argument(
         "--max-n",
@@ -120,12 +89,55 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"most choices (`n`) one request may ask for (default {DEFAULT_MAX_N})",
     )
     parser.add_argument(
-        "--cache-dir", type=Path, help="where the default model is converted and kept"
-    )
-    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
-    add_hardening_arguments(parser)
+
+
+def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-num-seqs", type=_positive_int, help="most requests per step")
+    group.add_argument("--max-num-batched-tokens", type=_positive_int, help="most tokens per step")
+    group.add_argument("--max-model-len", type=_positive_int, help="context limit in tokens")
+    group.add_argument(
+        "--kv-cache-memory", type=parse_size, help='KV cache size, e.g. "2GiB", "512MB"'
+    )
+    group.add_argument("--block-size", type=_positive_int, help="tokens per KV cache block")
+    group.add_argument("--seed", type=int, help="the engine's random seed")
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue step N+1 on the device before step N's tokens are back, overlapping host "
+        "work with the forward (default: on with Metal, off on the CPU backend, whose forward "
+        "runs synchronously)",
+    )
+    group.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="fcfs (default): first come, first served; priority: requests with a lower "
+        "`priority` field go first, and are preempted last",
+    )
+
+
+def _add_prefix_cache_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="compute every prompt in full instead of reusing the KV cache of seen prefixes",
+    )
+    group.add_argument(
+        "--kv-cache-dir",
+        type=Path,
+        help="keep prefix-cache blocks evicted from memory (and all of them at shutdown) in "
+        "this directory, so a restarted server reuses them (off by default)",
+    )
+    group.add_argument(
+        "--kv-cache-dir-size",
+        type=parse_size,
+        help='most disk the --kv-cache-dir cache may use, e.g. "20GiB" (default 8GiB); '
+        "least recently used blocks go first",
+    )
 
 
 def _origins(text: str) -> tuple[str, ...]:

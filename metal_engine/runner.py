@@ -106,6 +106,8 @@ class ModelRunner:
 
 def _sampling_row(item: ScheduledRequest, context: SamplingContext | None) -> SamplingRow:
     params = item.params
+    if params.is_basic:
+        return SamplingRow(params, item.num_output_tokens)
     if context is None:
         if params.needs_token_history:
             raise ValueError(

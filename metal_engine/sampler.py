@@ -23,7 +23,7 @@ from metal_engine.penalties import Penalties, apply_penalties
 from scheduler.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is built per sampling row per step, on the hot path
 class SamplingRow:
     """One request that samples this step, as the host knows it.
 
@@ -57,9 +57,11 @@ class SamplingBatch:
     @classmethod
     def build(cls, rows: list[SamplingRow]) -> SamplingBatch:
         params = [r.params for r in rows]
-        min_p = np.array([p.min_p for p in params], np.float32)
+        basic = all(r.params.is_basic and r.allowed_tokens is None for r in rows)
         log_min_p = np.full(len(rows), -np.inf, np.float32)
-        np.log(min_p, out=log_min_p, where=min_p > 0)
+        if not basic:
+            min_p = np.array([p.min_p for p in params], np.float32)
+            np.log(min_p, out=log_min_p, where=min_p > 0)
         return cls(
             temperature=np.array([p.temperature for p in params], np.float32),
             top_k=np.array([p.top_k for p in params], np.int32),
@@ -71,9 +73,9 @@ class SamplingBatch:
                 for r in rows
             ],
             all_greedy=all(p.greedy for p in params),
-            additions=_additions(rows),
-            penalties=Penalties.build(rows),
-            allowed=_allowed_bitmask(rows),
+            additions=None if basic else _additions(rows),
+            penalties=None if basic else Penalties.build(rows),
+            allowed=None if basic else _allowed_bitmask(rows),
         )
 
 

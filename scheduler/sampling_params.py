@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 MAX_LOGPROBS = 20
 
@@ -102,3 +103,11 @@ class SamplingParams:
     def needs_token_history(self) -> bool:
         """Whether sampling reads the request's earlier tokens on the host (penalties, grammar)."""
         return self.has_penalties or self.structured is not None
+
+    @cached_property
+    def is_basic(self) -> bool:
+        """Only temperature, top-k/top-p and seed: nothing the sampler builds per-row arrays
+        for (the common case, which it can take a short path for)."""
+        return not (
+            self.needs_token_history or self.logit_bias or self.min_tokens or self.min_p
+        )

@@ -1,7 +1,8 @@
 """The one attention entry point the models call; picks a backend per device.
 
 On a Metal device the paged-attention kernels serve every call they support (dtype, head
-dim); elsewhere, and for anything they do not support, the pure-MLX reference does. The first
+dim); on MLX's CPU backend a numpy implementation over views of the pools does (fp32/fp16
+pools); anything else goes to the pure-MLX reference. The first
 call of each kernel variant on a Mac builds and checks it on a small problem against the
 reference: if that fails (a kernel that does not compile on this macOS, a wrong result), one
 warning is logged and the reference serves every call from then on.
@@ -18,7 +19,9 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
+from kernels_metal import cpu_attention
 from kernels_metal.cases import Case, check
+from kernels_metal.cpu_math import on_cpu
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.paged import PagedAttentionKernels, unsupported_reason
 from kernels_metal.reference import paged_attention_reference, write_kv
@@ -53,9 +56,11 @@ def paged_attention(
     to `softcap * tanh(s / softcap)` before the softmax.
     """
     kernels = _kernels_for(q, k_pool)
-    if kernels is None:
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
-    return kernels(q, k_pool, v_pool, meta, scale, window, softcap)
+    if kernels is not None:
+        return kernels(q, k_pool, v_pool, meta, scale, window, softcap)
+    if on_cpu() and cpu_attention.supports(q, k_pool):
+        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window, softcap)
+    return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
 
 
 @contextlib.contextmanager

@@ -1,15 +1,18 @@
-"""exp, softmax, gated activations, soft-capping and one-row linear layers with a fast path
-for MLX's CPU backend.
+"""exp, softmax, gated activations, soft-capping and linear layers with a fast path for MLX's
+CPU backend.
 
 The CPU backend computes transcendental functions one scalar at a time (~16 ns an element,
 compiled or not), which made SiLU, tanh and the attention softmax cost more than the matmuls
 around them. Off Metal these hand the (already evaluated) array to numpy's vectorized math
 (~0.6 ns an element) and back; other devices use MLX's own ops.
 
-A one-row product (batch-1 decode) is memory-bound: the CPU backend sends it through the
-system BLAS's general matmul, which streams weights at about half the rate of the
-matrix-vector kernel numpy's BLAS picks, so that case goes to numpy over zero-copy views of
-the weights.
+Products go to numpy's BLAS over zero-copy views of the weights, for two reasons. A one-row
+product (batch-1 decode) is memory-bound, and the CPU backend sends it through the general
+matmul, which streams weights at about half the rate of the matrix-vector kernel numpy picks.
+And numpy's wheel bundles its own OpenBLAS beside the one MLX binds to: OpenBLAS workers spin
+for a while after each call, so two libraries taking turns (numpy in the attention, MLX in the
+projections) fight over the same cores; one BLAS for every product avoids that (a batch-8
+decode step ran 2x slower with both).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def _host(x: mx.array) -> np.ndarray:
     return np.array(x.astype(mx.float32))
 
 
-def _exp_in_place(values: np.ndarray) -> np.ndarray:
+def exp_in_place(values: np.ndarray) -> np.ndarray:
     tiny = values < DENORMAL_EXP_BOUND
     with np.errstate(over="ignore"):
         np.exp(values, out=values)
@@ -45,7 +48,7 @@ def _exp_in_place(values: np.ndarray) -> np.ndarray:
 def exp(x: mx.array) -> mx.array:
     if not on_cpu():
         return mx.exp(x)
-    return mx.array(_exp_in_place(_host(x))).astype(x.dtype)
+    return mx.array(exp_in_place(_host(x))).astype(x.dtype)
 
 
 def masked_softmax(x: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
@@ -65,14 +68,14 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
 
 def _softmax_in_place(values: np.ndarray, axis: int, dtype: mx.Dtype) -> mx.array:
     values -= values.max(axis=axis, keepdims=True)
-    probs = _exp_in_place(values)
+    probs = exp_in_place(values)
     probs /= probs.sum(axis=axis, keepdims=True)
     return mx.array(probs).astype(dtype)
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """`x @ weight.T + bias` for `x [rows, in]` and `weight [out, in]`."""
-    if not (on_cpu() and x.shape[0] == 1 and x.dtype == weight.dtype == mx.float32):
+    if not (on_cpu() and x.dtype == weight.dtype == mx.float32):
         if bias is None:
             return x @ weight.T
         return mx.addmm(bias, x, weight.T)

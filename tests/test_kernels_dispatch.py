@@ -1,4 +1,5 @@
-"""The attention dispatcher: reference off Metal, kernels when told, one warning on failure."""
+"""The attention dispatcher: numpy path on the CPU backend, reference for what it does not
+take, kernels when told, one warning on failure."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from kernels_metal import attention
 from kernels_metal.cases import Case, make_inputs
+from kernels_metal.cpu_attention import paged_attention_cpu
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.reference import paged_attention_reference
 
@@ -33,12 +35,15 @@ class RecordingKernels:
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
 
 
-def test_off_metal_the_reference_serves(fresh_dispatch):
+def test_off_metal_the_cpu_path_serves_and_the_reference_takes_bfloat16(fresh_dispatch):
     assert not mx.metal.is_available()
     q, k, v, meta, scale = make_inputs(CASE)
-    out = attention.paged_attention(q, k, v, meta, scale)
-    np.testing.assert_array_equal(np.array(out),
-                                  np.array(paged_attention_reference(q, k, v, meta, scale)))
+    np.testing.assert_array_equal(np.array(attention.paged_attention(q, k, v, meta, scale)),
+                                  np.array(paged_attention_cpu(q, k, v, meta, scale)))
+    q, k, v, meta, scale = make_inputs(Case(mx.bfloat16, 64, 16, 6, 2, ((20, 1),)))
+    np.testing.assert_array_equal(
+        np.array(attention.paged_attention(q, k, v, meta, scale).astype(mx.float32)),
+        np.array(paged_attention_reference(q, k, v, meta, scale).astype(mx.float32)))
     assert fresh_dispatch.kernels is None
 
 
@@ -61,6 +66,7 @@ def test_a_kernel_that_fails_on_first_use_warns_once_then_reference(
         return launch
 
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "on_cpu", lambda: False)  # a Mac's default device: the GPU
     monkeypatch.setattr(attention, "PagedAttentionKernels",
                         lambda options=None: PagedAttentionKernels(broken_metal_kernel, options))
     q, k, v, meta, scale = make_inputs(CASE)

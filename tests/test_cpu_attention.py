@@ -1,0 +1,98 @@
+"""The numpy paged attention of the CPU backend against the pure-MLX reference."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels_metal import cpu_attention
+from kernels_metal.cases import Case, check, grid
+from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.reference import paged_attention_reference
+
+NUMPY_CASES = [c for c in grid() if c.dtype != mx.bfloat16]
+
+
+@pytest.mark.parametrize("case", NUMPY_CASES, ids=lambda c: c.name)
+def test_matches_the_reference_on_the_kernel_grid(case):
+    result = check(cpu_attention.paged_attention_cpu, case)
+    assert result.passed, f"max error {result.max_error}"
+
+
+def shared_prefix_step(shared_blocks: int, own_tokens: list[int], q_lens: list[int],
+                       block_size: int = 8, heads: int = 6, kv_heads: int = 2,
+                       head_dim: int = 16, seed: int = 0):
+    """Requests that all start with the same `shared_blocks` blocks, then their own tokens."""
+    rng = np.random.default_rng(seed)
+    shared = rng.permutation(np.arange(1, 1 + shared_blocks))
+    next_block = 1 + shared_blocks
+    seq_lens = [shared_blocks * block_size + n for n in own_tokens]
+    width = max(-(-s // block_size) for s in seq_lens)
+    tables = np.zeros((len(seq_lens), width), np.int32)
+    for r, own in enumerate(own_tokens):
+        count = -(-own // block_size)
+        tables[r, :shared_blocks] = shared
+        tables[r, shared_blocks:shared_blocks + count] = np.arange(next_block, next_block + count)
+        next_block += count
+    shape = (next_block + 2, block_size, kv_heads, head_dim)
+    k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = mx.array(rng.standard_normal((int(cu[-1]), heads, head_dim)).astype(np.float32))
+    meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=np.array(seq_lens, np.int32),
+                             block_tables=tables, slot_mapping=np.zeros(int(cu[-1]), np.int64),
+                             block_size=block_size)
+    return q, k, v, meta, head_dim**-0.5
+
+
+def assert_matches_reference(q, k, v, meta, scale, window=None, softcap=None):
+    expected = paged_attention_reference(q, k, v, meta, scale, window, softcap)
+    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 15.0])
+def test_decode_rows_share_their_common_prefix_in_one_cascade(softcap):
+    # Five decode requests over 4 shared blocks, one prefill chunk over the same blocks.
+    q, k, v, meta, scale = shared_prefix_step(4, [1, 9, 30, 8, 17, 12], [1, 1, 1, 1, 1, 5])
+    plan = cpu_attention.build_plan(meta, q.shape[1])
+    assert len(plan.shared_blocks) == 4
+    assert all(s.cascade for s in plan.slices if s.rows_each == 1)
+    assert_matches_reference(q, k, v, meta, scale, softcap=softcap)
+
+
+def test_requests_with_identical_tables_keep_their_newest_key_out_of_the_shared_part():
+    # Two decode rows (n > 1 choices) whose contexts end exactly on a shared block boundary.
+    q, k, v, meta, scale = shared_prefix_step(3, [8, 8], [1, 1])
+    meta.block_tables[1] = meta.block_tables[0]
+    plan = cpu_attention.build_plan(meta, q.shape[1])
+    assert len(plan.shared_blocks) == 3
+    assert_matches_reference(q, k, v, meta, scale)
+
+
+def test_a_windowed_layer_masks_per_request_instead_of_sharing_blocks():
+    q, k, v, meta, scale = shared_prefix_step(4, [3, 20, 11], [1, 1, 4])
+    assert not len(cpu_attention.build_plan(meta, q.shape[1], window=10).shared_blocks)
+    assert_matches_reference(q, k, v, meta, scale, window=10)
+
+
+def test_a_small_budget_splits_decode_batches_and_prefill_tiles_with_the_same_result(
+        monkeypatch):
+    q, k, v, meta, scale = shared_prefix_step(2, [40, 3, 25, 7, 60], [1, 1, 1, 1, 37])
+    whole = np.array(cpu_attention.paged_attention_cpu(q, k, v, meta, scale))
+    monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 6 * 80)
+    plan = cpu_attention.build_plan(meta, q.shape[1])
+    decode = [s for s in plan.slices if s.rows_each == 1 and s.cascade]
+    tiles = [s for s in plan.slices if not s.cascade]
+    assert len(decode) > 1 and len(tiles) > 1
+    assert sum(len(s.rows) for s in plan.slices) == q.shape[0]
+    np.testing.assert_allclose(np.array(cpu_attention.paged_attention_cpu(q, k, v, meta, scale)),
+                               whole, atol=1e-6, rtol=1e-6)
+    assert_matches_reference(q, k, v, meta, scale)
+
+
+def test_fp16_pools_are_read_in_float32_and_bfloat16_is_not_taken():
+    case = Case(mx.float16, 64, 16, 6, 2, ((40, 1), (0, 9)))
+    assert check(cpu_attention.paged_attention_cpu, case).passed
+    q = mx.zeros((1, 6, 64), mx.bfloat16)
+    assert not cpu_attention.supports(q, mx.zeros((4, 16, 2, 64), mx.bfloat16))

@@ -27,6 +27,8 @@ from kernels_metal.metadata import AttentionMetadata
 # enough that the softmax passes over it mostly stay in cache.
 SCORE_BUDGET = 1 << 20
 NUMPY_DTYPES = (mx.float32, mx.float16)
+# Query rows per KV head below which scores are computed keys-major (see `_scores`).
+FEW_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -101,16 +103,16 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
     num_requests, n = k.shape[0], part.rows_each
     heads, head_dim = rows.shape[1], rows.shape[2]
     g = heads // kv_heads
+    cols = n * g
     # [R, kvh, n * g, D]: a KV head's query rows together, so one product serves them all.
     q = rows.reshape(num_requests, n, kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
-    q = np.ascontiguousarray(q).reshape(num_requests, kv_heads, n * g, head_dim)
-    q *= scale
-    scores = q @ k.transpose(0, 2, 3, 1)  # [R, kvh, n * g, keys]
+    q = q.reshape(num_requests, kv_heads, cols, head_dim) * np.float32(scale)
+    scores = _scores(q, k)  # [R, kvh, n * g, keys]
     shared_scores = None
     if shared is not None:
-        # All requests' rows of a KV head against the shared keys: [kvh, R * n * g, Ls].
-        q_by_head = np.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(kv_heads, -1, head_dim)
-        shared_scores = q_by_head @ shared[0].transpose(1, 2, 0)
+        # Every request's rows of a KV head against the shared keys: [kvh, R * n * g, Ls].
+        q_by_head = q.transpose(1, 0, 2, 3).reshape(1, kv_heads, -1, head_dim)
+        shared_scores = _scores(q_by_head, shared[0][None])[0]
     if softcap is not None:
         for s in (scores, shared_scores):
             if s is not None:
@@ -121,7 +123,7 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
         np.copyto(view, -np.inf, where=part.blocked[:, None, :, None, :])
     row_max = scores.max(axis=-1, keepdims=True)
     if shared_scores is not None:
-        by_request = shared_scores.reshape(kv_heads, num_requests, n * g, -1).transpose(1, 0, 2, 3)
+        by_request = shared_scores.reshape(kv_heads, num_requests, cols, -1).transpose(1, 0, 2, 3)
         np.maximum(row_max, by_request.max(axis=-1, keepdims=True), out=row_max)
         by_request -= row_max
         exp_in_place(shared_scores)
@@ -132,10 +134,24 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
     if shared_scores is not None:
         total += by_request.sum(axis=-1, keepdims=True)
         shared_out = shared_scores @ shared[1].transpose(1, 0, 2)  # [kvh, R * n * g, D]
-        out += shared_out.reshape(kv_heads, num_requests, n * g, head_dim).transpose(1, 0, 2, 3)
+        out += shared_out.reshape(kv_heads, num_requests, cols, head_dim).transpose(1, 0, 2, 3)
     out /= total
     out = out.reshape(num_requests, kv_heads, n, g, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(num_requests * n, heads, head_dim)
+
+
+def _scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """`q [B, kvh, rows, D]` against `k [B, keys, kvh, D]`: contiguous `[B, kvh, rows, keys]`.
+
+    BLAS reads a KV head's `[keys, D]` slice of the gathered K (rows strided over the heads)
+    as a plain matrix, but takes it transposed several times slower when there are few query
+    rows (decode); then the product runs keys-major and the small result is transposed.
+    """
+    k_by_head = k.transpose(0, 2, 1, 3)
+    if q.shape[2] >= FEW_ROWS:
+        return q @ k_by_head.transpose(0, 1, 3, 2)
+    keys_major = k_by_head @ np.ascontiguousarray(q.transpose(0, 1, 3, 2))
+    return np.ascontiguousarray(keys_major.transpose(0, 1, 3, 2))
 
 
 def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = None,

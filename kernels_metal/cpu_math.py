@@ -26,6 +26,8 @@ from mlx import nn
 # exp below this is a float32 denormal: flushed to 0, since denormals slow every later op.
 DENORMAL_EXP_BOUND = -87.0
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+# Below this many rows a product runs as `(weight @ x.T).T` (see `linear`).
+FEW_ROWS = 32
 
 
 def on_cpu() -> bool:
@@ -79,7 +81,13 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
         if bias is None:
             return x @ weight.T
         return mx.addmm(bias, x, weight.T)
-    y = np.asarray(x) @ np.asarray(weight).T
+    rows, w = np.asarray(x), np.asarray(weight)
+    if len(rows) < FEW_ROWS:
+        # BLAS streams the weight about twice as fast as the left operand of a product with
+        # few columns as it does as the transposed right operand of one with few rows.
+        y = np.ascontiguousarray((w @ rows.T).T)
+    else:
+        y = rows @ w.T
     if bias is not None:
         y += np.asarray(bias)
     return mx.array(y)

@@ -82,12 +82,9 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
             return x @ weight.T
         return mx.addmm(bias, x, weight.T)
     rows, w = np.asarray(x), np.asarray(weight)
-    if len(rows) < FEW_ROWS:
-        # BLAS streams the weight about twice as fast as the left operand of a product with
-        # few columns as it does as the transposed right operand of one with few rows.
-        y = np.ascontiguousarray((w @ rows.T).T)
-    else:
-        y = rows @ w.T
+    # BLAS streams the weight about twice as fast as the left operand of a product with few
+    # columns as it does as the transposed right operand of one with few rows.
+    y = np.ascontiguousarray((w @ rows.T).T) if len(rows) < FEW_ROWS else rows @ w.T
     if bias is not None:
         y += np.asarray(bias)
     return mx.array(y)

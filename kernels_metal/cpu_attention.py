@@ -40,7 +40,7 @@ class Slice:
     """
 
     rows: np.ndarray  # packed row ids, request-major
-    tables: np.ndarray  # [requests, blocks] the keys' blocks, after any shared prefix
+    tables: np.ndarray  # [requests, blocks] after any shared prefix; one array per chunk
     num_keys: int
     mask_from: int
     blocked: np.ndarray | None  # [requests, rows_each, num_keys - mask_from]
@@ -78,21 +78,24 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
     kv_heads = keys.shape[2]
     shared = None
     if len(plan.shared_blocks):
-        shared = tuple(_gather(pool, plan.shared_blocks[None], None)[0] for pool in (keys, values))
+        shared = tuple(_gather(pool, plan.shared_blocks[None])[0] for pool in (keys, values))
     out = np.empty(queries.shape, np.float32)
+    gathered_for = None
     for part in plan.slices:
-        k = _gather(keys, part.tables, part.num_keys)
-        v = _gather(values, part.tables, part.num_keys)
+        if part.tables is not gathered_for:  # a prefill chunk's tiles share one gather
+            k_all, v_all = _gather(keys, part.tables), _gather(values, part.tables)
+            gathered_for = part.tables
+        k, v = k_all[:, : part.num_keys], v_all[:, : part.num_keys]
         out[part.rows] = _attend(queries[part.rows], k, v, shared if part.cascade else None,
                                  part, kv_heads, scale, softcap)
     return out
 
 
-def _gather(pool: np.ndarray, tables: np.ndarray, num_keys: int | None) -> np.ndarray:
-    """Blocks `[R, n]` -> `[R, keys, kv_heads, head_dim]` float32 (one copy)."""
+def _gather(pool: np.ndarray, tables: np.ndarray) -> np.ndarray:
+    """Blocks `[R, n]` -> `[R, n * block_size, kv_heads, head_dim]` float32 (one copy)."""
     blocks = pool[tables]
     r, n, bs, kvh, d = blocks.shape
-    kv = blocks.reshape(r, n * bs, kvh, d)[:, :num_keys]
+    kv = blocks.reshape(r, n * bs, kvh, d)
     return kv if kv.dtype == np.float32 else kv.astype(np.float32)
 
 
@@ -224,6 +227,7 @@ def _prefill_slices(meta: AttentionMetadata, r: int, start: int, q_len: int,
     seq_len = int(meta.seq_lens[r])
     first_pos = seq_len - q_len
     tile = max(1, min(q_len, row_budget // seq_len))
+    tables = meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]
     slices = []
     for a in range(0, q_len, tile):
         b = min(a + tile, q_len)
@@ -236,7 +240,7 @@ def _prefill_slices(meta: AttentionMetadata, r: int, start: int, q_len: int,
             blocked |= keys <= q_pos - window
         slices.append(Slice(
             rows=np.arange(start + a, start + b),
-            tables=meta.block_tables[r : r + 1, : -(-num_keys // meta.block_size)],
+            tables=tables,
             num_keys=num_keys,
             mask_from=mask_from,
             blocked=blocked[None] if blocked.any() else None,

@@ -24,7 +24,8 @@ class EngineConfig:
     model_name: str | None = None  # what the API calls it; default: the model dir's name
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # None: 512 on an Apple GPU, 256 on the CPU backend (see default_token_budget).
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_memory: int | None = None
     dtype: DType = "auto"
@@ -45,7 +46,7 @@ class EngineConfig:
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
@@ -55,3 +56,13 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
+
+
+def default_token_budget(on_gpu: bool) -> int:
+    """Most tokens one step computes when the user has not said.
+
+    A CPU step is tens of times slower than an Apple GPU's, and every running stream waits for
+    the whole step: on the CPU a 512-token prefill chunk took over a second, so its budget is
+    halved to keep inter-token latency under a second while new prompts prefill.
+    """
+    return 512 if on_gpu else 256

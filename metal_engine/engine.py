@@ -7,7 +7,7 @@ import logging
 import mlx.core as mx
 from transformers import AutoTokenizer
 
-from metal_engine.config import EngineConfig
+from metal_engine.config import EngineConfig, default_token_budget
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
@@ -97,7 +97,8 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=(config.max_num_batched_tokens
+                                    or default_token_budget(mx.metal.is_available())),
             max_model_len=max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,

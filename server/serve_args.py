@@ -95,7 +95,10 @@ def _add_model_and_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-num-seqs", type=_positive_int, help="most requests per step")
-    group.add_argument("--max-num-batched-tokens", type=_positive_int, help="most tokens per step")
+    group.add_argument(
+        "--max-num-batched-tokens", type=_positive_int,
+        help="most tokens per step (default: 512 on an Apple GPU, 256 on the CPU backend)",
+    )
     group.add_argument("--max-model-len", type=_positive_int, help="context limit in tokens")
     group.add_argument(
         "--kv-cache-memory", type=parse_size, help='KV cache size, e.g. "2GiB", "512MB"'

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,6 +50,15 @@ def default_tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_with_tokenizer(tiny_llama, default_tokenizer, tmp_path_factory):
+    """The tiny model dir with a tokenizer, as `LLMEngine.from_config` loads it."""
+    path = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    shutil.copytree(tiny_llama[1], path, dirs_exist_ok=True)
+    default_tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")

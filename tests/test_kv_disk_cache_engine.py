@@ -4,8 +4,6 @@ gives exactly the tokens of an uncached run; a corrupted file is recomputed, nev
 
 from __future__ import annotations
 
-import shutil
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -23,12 +21,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama, default_tokenizer, tmp_path_factory):
-    """The tiny model with a tokenizer, as `LLMEngine.from_config` loads it."""
-    path = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    shutil.copytree(tiny_llama[1], path, dirs_exist_ok=True)
-    default_tokenizer.save_pretrained(path)
-    return path
+def model_dir(tiny_llama_with_tokenizer):
+    return tiny_llama_with_tokenizer
 
 
 def engine(model_dir, kv_dir, num_blocks: int = 64) -> LLMEngine:

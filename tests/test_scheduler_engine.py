@@ -1,6 +1,7 @@
 """The scheduler driving the real runner on a tiny random Llama: a prefix shared by requests
 that arrive together is computed once, and a pool too small for every request at once still
-finishes them all. Greedy tokens must equal each prompt's run alone."""
+finishes them all. Greedy tokens must equal each prompt's run alone. The engine's per-step
+token budget defaults by device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 from engine_helpers import generate_greedy, make_runner_and_scheduler
 
+from metal_engine.config import EngineConfig
+from metal_engine.engine import LLMEngine
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 BLOCK = 8
@@ -97,3 +100,14 @@ def test_pool_too_small_for_all_requests_at_once_finishes_them_all(tiny_llama, p
         assert request.output_token_ids == solo_greedy(path, prompts[request.request_id],
                                                        max_tokens)
     assert scheduler.pool.num_free_blocks == 12
+
+
+def test_the_step_token_budget_is_256_on_the_cpu_backend_unless_set(tiny_llama_with_tokenizer):
+    def budget(**options) -> int:
+        engine = LLMEngine.from_config(EngineConfig(
+            model_dir=tiny_llama_with_tokenizer, kv_cache_memory=4 << 20, max_model_len=256,
+            **options))
+        return engine.scheduler.config.max_num_batched_tokens
+
+    assert budget() == 256
+    assert budget(max_num_batched_tokens=1000) == 1000

@@ -20,13 +20,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu_math import exp_in_place
+from kernels_metal.cpu_math import DENORMAL_EXP_BOUND
 from kernels_metal.metadata import AttentionMetadata
 
 # Most score elements (rows x query heads x keys) one slice of work holds: 4 MB of fp32, small
 # enough that the softmax passes over it mostly stay in cache.
 SCORE_BUDGET = 1 << 20
 NUMPY_DTYPES = (mx.float32, mx.float16)
+# Row maxima inside this range leave scores unshifted before exp (see `_attend`).
+UNSHIFTED_MAX_RANGE = (-20.0, 60.0)
 # Query rows per KV head below which scores are computed keys-major (see `_scores`).
 FEW_ROWS = 32
 
@@ -122,16 +124,22 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
                 np.tanh(s / softcap, out=s)
                 s *= softcap
     if part.blocked is not None:
-        view = scores.reshape(num_requests, kv_heads, n, g, -1)[..., part.mask_from:]
-        np.copyto(view, -np.inf, where=part.blocked[:, None, :, None, :])
+        masked = scores.reshape(num_requests, kv_heads, n, g, -1)[..., part.mask_from:]
+        np.copyto(masked, -np.inf, where=part.blocked[:, None, :, None, :])
     row_max = scores.max(axis=-1, keepdims=True)
     if shared_scores is not None:
         by_request = shared_scores.reshape(kv_heads, num_requests, cols, -1).transpose(1, 0, 2, 3)
         np.maximum(row_max, by_request.max(axis=-1, keepdims=True), out=row_max)
-        by_request -= row_max
-        exp_in_place(shared_scores)
-    scores -= row_max
-    probs = exp_in_place(scores)
+    # Softmax does not change with a shift of a row; the row max is subtracted only where
+    # exp would otherwise overflow or the largest weight come near float32's smallest.
+    shift = not (UNSHIFTED_MAX_RANGE[0] < row_max.min() <= row_max.max() < UNSHIFTED_MAX_RANGE[1])
+    if shared_scores is not None:
+        if shift:
+            by_request -= row_max
+        _exp_floored(shared_scores)
+    if shift:
+        scores -= row_max
+    probs = _exp_floored(scores)
     total = probs.sum(axis=-1, keepdims=True)
     out = probs @ v.transpose(0, 2, 1, 3)  # [R, kvh, n * g, D]
     if shared_scores is not None:
@@ -141,6 +149,14 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
     out /= total
     out = out.reshape(num_requests, kv_heads, n, g, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(num_requests * n, heads, head_dim)
+
+
+def _exp_floored(values: np.ndarray) -> np.ndarray:
+    """exp in place, arguments floored at DENORMAL_EXP_BOUND so results stay normal floats
+    (denormals slow every product after them). A masked key (-inf) then weighs e^-87 instead
+    of 0: next to a row's largest weight (at least e^-20) that is below float32 resolution."""
+    np.maximum(values, DENORMAL_EXP_BOUND, out=values)
+    return np.exp(values, out=values)
 
 
 def _scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -96,3 +96,16 @@ def test_fp16_pools_are_read_in_float32_and_bfloat16_is_not_taken():
     assert check(cpu_attention.paged_attention_cpu, case).passed
     q = mx.zeros((1, 6, 64), mx.bfloat16)
     assert not cpu_attention.supports(q, mx.zeros((4, 16, 2, 64), mx.bfloat16))
+
+
+@pytest.mark.parametrize("offset", [-200.0, 300.0])
+def test_rows_whose_scores_would_overflow_or_vanish_are_shifted_by_their_max(offset):
+    # Every score pushed far above exp's range (or far below it) by a constant key component.
+    q, k, v, meta, scale = shared_prefix_step(2, [5, 20, 9], [1, 1, 6])
+    q = mx.concatenate([q, mx.ones((*q.shape[:2], 1))], axis=-1)
+    k = mx.concatenate([k, mx.full((*k.shape[:3], 1), offset / scale)], axis=-1)
+    v = mx.concatenate([v, mx.zeros((*v.shape[:3], 1))], axis=-1)
+    expected = paged_attention_reference(q, k, v, meta, scale)
+    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale)
+    assert np.isfinite(np.array(got)).all()
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)

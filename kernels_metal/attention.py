@@ -2,10 +2,10 @@
 
 On a Metal device the paged-attention kernels serve every call they support (dtype, head
 dim); on MLX's CPU backend a numpy implementation over views of the pools does (fp32/fp16
-pools); anything else goes to the pure-MLX reference. The first
-call of each kernel variant on a Mac builds and checks it on a small problem against the
-reference: if that fails (a kernel that does not compile on this macOS, a wrong result), one
-warning is logged and the reference serves every call from then on.
+pools); anything else goes to the pure-MLX reference. The first call of each kernel variant
+on a Mac builds and checks it on a small problem against the reference: if that fails (a
+kernel that does not compile on this macOS, a wrong result), one warning is logged and the
+reference serves every call from then on.
 
 K/V are written by `write_kv`, an in-place MLX scatter: `mx.fast.metal_kernel` outputs are
 always fresh allocations, so a kernel cannot update the pool in place.

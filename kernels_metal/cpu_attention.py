@@ -7,10 +7,12 @@ batched tiny matmuls that the CPU backend dispatches one by one; at eight decode
 softmax runs vectorized in numpy, and decode rows use cascade attention: the blocks every
 decode request of the step starts with (an agent's shared system prompt) are gathered once and
 scored against all decode rows in one product per KV head, joined to each request's own keys
-in one softmax.
+in one softmax. (Only a prefix that all decode rows share counts: one unrelated request turns
+the cascade off for its step.)
 
 Scores are built a bounded slice at a time (query tiles of a prefill chunk, batches of decode
-requests), so long contexts do not allocate `rows x heads x keys` at once.
+requests), so long contexts do not allocate `rows x heads x keys` at once; a slice's K/V are
+still gathered whole, one float32 copy of its keys.
 """
 
 from __future__ import annotations
@@ -20,17 +22,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu_math import DENORMAL_EXP_BOUND
+from kernels_metal.cpu_math import DENORMAL_EXP_BOUND, FEW_ROWS
 from kernels_metal.metadata import AttentionMetadata
 
 # Most score elements (rows x query heads x keys) one slice of work holds: 4 MB of fp32, small
 # enough that the softmax passes over it mostly stay in cache.
 SCORE_BUDGET = 1 << 20
 NUMPY_DTYPES = (mx.float32, mx.float16)
-# Row maxima inside this range leave scores unshifted before exp (see `_attend`).
+# Row maxima inside this range leave scores unshifted before exp (see `_softmax`).
 UNSHIFTED_MAX_RANGE = (-20.0, 60.0)
-# Query rows per KV head below which scores are computed keys-major (see `_scores`).
-FEW_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
 
 
 def _gather(pool: np.ndarray, tables: np.ndarray) -> np.ndarray:
-    """Blocks `[R, n]` -> `[R, n * block_size, kv_heads, head_dim]` float32 (one copy)."""
+    """Blocks `[R, n]` -> `[R, n * block_size, kv_heads, head_dim]` float32 (a copy)."""
     blocks = pool[tables]
     r, n, bs, kvh, d = blocks.shape
     kv = blocks.reshape(r, n * bs, kvh, d)
@@ -113,37 +113,25 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
     q = rows.reshape(num_requests, n, kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
     q = q.reshape(num_requests, kv_heads, cols, head_dim) * np.float32(scale)
     scores = _scores(q, k)  # [R, kvh, n * g, keys]
-    shared_scores = None
+    shared_scores = by_request = None
     if shared is not None:
-        # Every request's rows of a KV head against the shared keys: [kvh, R * n * g, Ls].
+        # Every request's rows of a KV head against the shared keys: [kvh, R * n * g, Ls],
+        # and the same as a view by request, [R, kvh, n * g, Ls].
         q_by_head = q.transpose(1, 0, 2, 3).reshape(1, kv_heads, -1, head_dim)
         shared_scores = _scores(q_by_head, shared[0][None])[0]
+        by_request = shared_scores.reshape(kv_heads, num_requests, cols, -1).transpose(1, 0, 2, 3)
     if softcap is not None:
         for s in (scores, shared_scores):
             if s is not None:
                 np.tanh(s / softcap, out=s)
                 s *= softcap
+    blocked = None
     if part.blocked is not None:
         masked = scores.reshape(num_requests, kv_heads, n, g, -1)[..., part.mask_from:]
-        np.copyto(masked, -np.inf, where=part.blocked[:, None, :, None, :])
-    row_max = scores.max(axis=-1, keepdims=True)
+        blocked = masked, part.blocked[:, None, :, None, :]
+    total = _softmax(scores, by_request, blocked)
+    out = scores @ v.transpose(0, 2, 1, 3)  # [R, kvh, n * g, D]
     if shared_scores is not None:
-        by_request = shared_scores.reshape(kv_heads, num_requests, cols, -1).transpose(1, 0, 2, 3)
-        np.maximum(row_max, by_request.max(axis=-1, keepdims=True), out=row_max)
-    # Softmax does not change with a shift of a row; the row max is subtracted only where
-    # exp would otherwise overflow or the largest weight come near float32's smallest.
-    shift = not (UNSHIFTED_MAX_RANGE[0] < row_max.min() <= row_max.max() < UNSHIFTED_MAX_RANGE[1])
-    if shared_scores is not None:
-        if shift:
-            by_request -= row_max
-        _exp_floored(shared_scores)
-    if shift:
-        scores -= row_max
-    probs = _exp_floored(scores)
-    total = probs.sum(axis=-1, keepdims=True)
-    out = probs @ v.transpose(0, 2, 1, 3)  # [R, kvh, n * g, D]
-    if shared_scores is not None:
-        total += by_request.sum(axis=-1, keepdims=True)
         shared_out = shared_scores @ shared[1].transpose(1, 0, 2)  # [kvh, R * n * g, D]
         out += shared_out.reshape(kv_heads, num_requests, cols, head_dim).transpose(1, 0, 2, 3)
     out /= total
@@ -151,10 +139,36 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
     return out.reshape(num_requests * n, heads, head_dim)
 
 
+def _softmax(scores: np.ndarray, shared: np.ndarray | None,
+             blocked: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """Unnormalized softmax weights in place over the last axis of `scores` and `shared`
+    (the same rows' shared keys) together; returns the rows' totals. `blocked` is a view of
+    `scores` and the mask of its entries that get no weight."""
+    if blocked is not None:
+        np.copyto(blocked[0], -np.inf, where=blocked[1])
+    row_max = scores.max(axis=-1, keepdims=True)
+    if shared is not None:
+        np.maximum(row_max, shared.max(axis=-1, keepdims=True), out=row_max)
+    # Softmax does not change with a shift of a row. The slice is shifted by its row maxima
+    # only if one of them lies outside the range where exp is safe to take unshifted.
+    low, high = UNSHIFTED_MAX_RANGE
+    shift = not low < row_max.min() <= row_max.max() < high
+    if shift:
+        scores -= row_max
+    _exp_floored(scores)
+    if blocked is not None:  # exactly 0: a floored e^-87 times a small value is a denormal
+        np.copyto(blocked[0], 0.0, where=blocked[1])
+    total = scores.sum(axis=-1, keepdims=True)
+    if shared is not None:
+        if shift:
+            shared -= row_max
+        total += _exp_floored(shared).sum(axis=-1, keepdims=True)
+    return total
+
+
 def _exp_floored(values: np.ndarray) -> np.ndarray:
     """exp in place, arguments floored at DENORMAL_EXP_BOUND so results stay normal floats
-    (denormals slow every product after them). A masked key (-inf) then weighs e^-87 instead
-    of 0: next to a row's largest weight (at least e^-20) that is below float32 resolution."""
+    (denormals slow every product after them)."""
     np.maximum(values, DENORMAL_EXP_BOUND, out=values)
     return np.exp(values, out=values)
 
@@ -173,14 +187,13 @@ def _scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(keys_major.transpose(0, 1, 3, 2))
 
 
-def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = None,
-               budget: int | None = None) -> CpuPlan:
+def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = None) -> CpuPlan:
     """Slice the step's rows once; every layer with this window reuses the slices.
 
-    A slice holds at most `budget` scores (rows x `num_heads` x keys) unless one row alone
-    needs more.
+    A slice holds at most SCORE_BUDGET scores (rows x `num_heads` x keys) unless one row
+    alone needs more.
     """
-    row_budget = (budget or SCORE_BUDGET) // num_heads
+    row_budget = SCORE_BUDGET // num_heads
     starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
     decode, prefill = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
     shared = _shared_blocks(meta, decode) if window is None else np.zeros(0, np.int64)
@@ -214,8 +227,8 @@ def _decode_slices(meta: AttentionMetadata, decode: np.ndarray, num_shared: int,
     order = np.argsort(-seq_lens, kind="stable")
     slices, begin = [], 0
     while begin < len(order):
+        count = max(1, row_budget // int(seq_lens[order[begin]]))
         longest = int(seq_lens[order[begin]]) - shared_len
-        count = max(1, row_budget // max(longest + shared_len, 1))
         batch = order[begin : begin + count]
         begin += len(batch)
         own_lens = seq_lens[batch] - shared_len

@@ -26,7 +26,9 @@ from mlx import nn
 # exp below this is a float32 denormal: flushed to 0, since denormals slow every later op.
 DENORMAL_EXP_BOUND = -87.0
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-# Below this many rows a product runs as `(weight @ x.T).T` (see `linear`).
+# Below this many rows BLAS takes a transposed (or row-strided) right operand several times
+# slower than a left one, so such products put the big operand on the left (`linear` here,
+# the decode scores in cpu_attention).
 FEW_ROWS = 32
 
 
@@ -39,7 +41,7 @@ def _host(x: mx.array) -> np.ndarray:
     return np.array(x.astype(mx.float32))
 
 
-def exp_in_place(values: np.ndarray) -> np.ndarray:
+def _exp_in_place(values: np.ndarray) -> np.ndarray:
     tiny = values < DENORMAL_EXP_BOUND
     with np.errstate(over="ignore"):
         np.exp(values, out=values)
@@ -50,7 +52,7 @@ def exp_in_place(values: np.ndarray) -> np.ndarray:
 def exp(x: mx.array) -> mx.array:
     if not on_cpu():
         return mx.exp(x)
-    return mx.array(exp_in_place(_host(x))).astype(x.dtype)
+    return mx.array(_exp_in_place(_host(x))).astype(x.dtype)
 
 
 def masked_softmax(x: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
@@ -70,7 +72,7 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
 
 def _softmax_in_place(values: np.ndarray, axis: int, dtype: mx.Dtype) -> mx.array:
     values -= values.max(axis=axis, keepdims=True)
-    probs = exp_in_place(values)
+    probs = _exp_in_place(values)
     probs /= probs.sum(axis=axis, keepdims=True)
     return mx.array(probs).astype(dtype)
 

@@ -70,30 +70,51 @@ def test_requests_with_identical_tables_keep_their_newest_key_out_of_the_shared_
     assert_matches_reference(q, k, v, meta, scale)
 
 
+def test_only_the_blocks_all_decode_rows_share_are_shared():
+    q, k, v, meta, scale = shared_prefix_step(4, [9, 30, 17], [1, 1, 1])
+    meta.block_tables[2, 2:4] = meta.block_tables[2, 4:6]  # the third shares 2 of the 4
+    assert len(cpu_attention.build_plan(meta, q.shape[1]).shared_blocks) == 2
+    assert_matches_reference(q, k, v, meta, scale)
+    meta.block_tables[1, 0] = meta.block_tables[1, 6]  # one that shares none: no cascade
+    assert not len(cpu_attention.build_plan(meta, q.shape[1]).shared_blocks)
+    assert_matches_reference(q, k, v, meta, scale)
+
+
 def test_a_windowed_layer_masks_per_request_instead_of_sharing_blocks():
     q, k, v, meta, scale = shared_prefix_step(4, [3, 20, 11], [1, 1, 4])
     assert not len(cpu_attention.build_plan(meta, q.shape[1], window=10).shared_blocks)
     assert_matches_reference(q, k, v, meta, scale, window=10)
 
 
+@pytest.mark.parametrize("window", [None, 12])
 def test_a_small_budget_splits_decode_batches_and_prefill_tiles_with_the_same_result(
-        monkeypatch):
+        monkeypatch, window):
     q, k, v, meta, scale = shared_prefix_step(2, [40, 3, 25, 7, 60], [1, 1, 1, 1, 37])
-    whole = np.array(cpu_attention.paged_attention_cpu(q, k, v, meta, scale))
-    monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 6 * 80)
-    plan = cpu_attention.build_plan(meta, q.shape[1])
-    decode = [s for s in plan.slices if s.rows_each == 1 and s.cascade]
-    tiles = [s for s in plan.slices if not s.cascade]
+    whole = np.array(cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window))
+    monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 6 * 160)  # 2 rows of 76 keys
+    plan = cpu_attention.build_plan(meta, q.shape[1], window)
+    first_prefill_row = meta.cu_seqlens_q[4]
+    decode = [s for s in plan.slices if s.rows.max() < first_prefill_row]
+    tiles = [s for s in plan.slices if s.rows.min() >= first_prefill_row]
     assert len(decode) > 1 and len(tiles) > 1
+    assert all(s.cascade for s in decode) == (window is None)
     assert sum(len(s.rows) for s in plan.slices) == q.shape[0]
-    np.testing.assert_allclose(np.array(cpu_attention.paged_attention_cpu(q, k, v, meta, scale)),
-                               whole, atol=1e-6, rtol=1e-6)
-    assert_matches_reference(q, k, v, meta, scale)
+    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window)
+    np.testing.assert_allclose(np.array(got), whole, atol=1e-6, rtol=1e-6)
+    assert_matches_reference(q, k, v, meta, scale, window)
 
 
 def test_fp16_pools_are_read_in_float32_and_bfloat16_is_not_taken():
     case = Case(mx.float16, 64, 16, 6, 2, ((40, 1), (0, 9)))
     assert check(cpu_attention.paged_attention_cpu, case).passed
+    q, k, v, meta, scale = shared_prefix_step(3, [5, 20, 9], [1, 1, 4])
+    q, k, v = (a.astype(mx.float16) for a in (q, k, v))
+    assert len(cpu_attention.build_plan(meta, q.shape[1]).shared_blocks) == 3
+    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale)
+    f32 = [a.astype(mx.float32) for a in (q, k, v)]
+    expected = paged_attention_reference(*f32, meta, scale)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected),
+                               atol=1e-3, rtol=4e-3)
     q = mx.zeros((1, 6, 64), mx.bfloat16)
     assert not cpu_attention.supports(q, mx.zeros((4, 16, 2, 64), mx.bfloat16))
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from engine_helpers import generate_greedy, make_runner_and_scheduler
 
-from metal_engine.config import EngineConfig
+from metal_engine.config import EngineConfig, default_token_budget
 from metal_engine.engine import LLMEngine
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
@@ -102,12 +103,13 @@ def test_pool_too_small_for_all_requests_at_once_finishes_them_all(tiny_llama, p
     assert scheduler.pool.num_free_blocks == 12
 
 
-def test_the_step_token_budget_is_256_on_the_cpu_backend_unless_set(tiny_llama_with_tokenizer):
+def test_the_step_token_budget_defaults_by_device_unless_set(tiny_llama_with_tokenizer):
     def budget(**options) -> int:
         engine = LLMEngine.from_config(EngineConfig(
             model_dir=tiny_llama_with_tokenizer, kv_cache_memory=4 << 20, max_model_len=256,
             **options))
         return engine.scheduler.config.max_num_batched_tokens
 
-    assert budget() == 256
+    assert (default_token_budget(on_gpu=False), default_token_budget(on_gpu=True)) == (256, 512)
+    assert budget() == default_token_budget(on_gpu=mx.metal.is_available())
     assert budget(max_num_batched_tokens=1000) == 1000

@@ -19,7 +19,7 @@ GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters) with the CPU backend's one-row fast path."""
+    """nn.Linear (same parameters) with the CPU backend's numpy fast path."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return linear(x, self.weight, self.get("bias"))

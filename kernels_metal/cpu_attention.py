@@ -4,11 +4,10 @@ The pure-MLX reference gathers every request's K/V into fresh arrays, transposes
 batched tiny matmuls that the CPU backend dispatches one by one; at eight decode requests over
 1.3k-token contexts that cost ~6 ms a layer. Here each request's blocks are gathered once into
 `[keys, kv_heads, head_dim]` and handed to BLAS as strided views (no transposed copies), the
-softmax runs vectorized in numpy, and decode rows use cascade attention: the blocks every
-decode request of the step starts with (an agent's shared system prompt) are gathered once and
-scored against all decode rows in one product per KV head, joined to each request's own keys
-in one softmax. (Only a prefix that all decode rows share counts: one unrelated request turns
-the cascade off for its step.)
+softmax runs vectorized in numpy, and decode rows use cascade attention: decode requests that
+start with the same blocks (agents with one system prompt) are grouped, the blocks a group
+shares are gathered once and scored against all its rows in one product per KV head, joined
+to each request's own keys in one softmax.
 
 Scores are built a bounded slice at a time (query tiles of a prefill chunk, batches of decode
 requests), so long contexts do not allocate `rows x heads x keys` at once; a slice's K/V are
@@ -47,12 +46,12 @@ class Slice:
     mask_from: int
     blocked: np.ndarray | None  # [requests, rows_each, num_keys - mask_from]
     rows_each: int
-    cascade: bool  # also attends to the plan's shared blocks
+    prefix: int | None  # index of the plan's shared prefix these rows also attend to
 
 
 @dataclass(frozen=True)
 class CpuPlan:
-    shared_blocks: np.ndarray  # blocks every cascade slice sees before its own keys
+    prefixes: list[np.ndarray]  # blocks a group of decode requests starts with
     slices: list[Slice]
 
 
@@ -78,9 +77,8 @@ def paged_attention_cpu(
 def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,
                 scale: float, softcap: float | None) -> np.ndarray:
     kv_heads = keys.shape[2]
-    shared = None
-    if len(plan.shared_blocks):
-        shared = tuple(_gather(pool, plan.shared_blocks[None])[0] for pool in (keys, values))
+    prefixes = [tuple(_gather(pool, blocks[None])[0] for pool in (keys, values))
+                for blocks in plan.prefixes]
     out = np.empty(queries.shape, np.float32)
     gathered_for = None
     for part in plan.slices:
@@ -88,7 +86,8 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
             k_all, v_all = _gather(keys, part.tables), _gather(values, part.tables)
             gathered_for = part.tables
         k, v = k_all[:, : part.num_keys], v_all[:, : part.num_keys]
-        out[part.rows] = _attend(queries[part.rows], k, v, shared if part.cascade else None,
+        shared = None if part.prefix is None else prefixes[part.prefix]
+        out[part.rows] = _attend(queries[part.rows], k, v, shared,
                                  part, kv_heads, scale, softcap)
     return out
 
@@ -196,16 +195,37 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
     row_budget = SCORE_BUDGET // num_heads
     starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
     decode, prefill = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
-    shared = _shared_blocks(meta, decode) if window is None else np.zeros(0, np.int64)
-    slices = _decode_slices(meta, decode, len(shared), window, row_budget)
+    prefixes, slices = [], []
+    for group, shared in _decode_groups(meta, decode, window):
+        prefix = None
+        if len(shared):
+            prefix = len(prefixes)
+            prefixes.append(shared)
+        slices += _decode_slices(meta, group, len(shared), prefix, window, row_budget)
     for r in prefill:
         slices += _prefill_slices(meta, int(r), int(starts[r]), int(q_lens[r]), window,
                                   row_budget)
-    return CpuPlan(shared, slices)
+    return CpuPlan(prefixes, slices)
+
+
+def _decode_groups(meta: AttentionMetadata, decode: np.ndarray,
+                   window: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Decode requests grouped by their first block, each group with the blocks it shares.
+
+    Equal block ids mean equal token prefixes (the prefix cache hands out one block per
+    prefix). A windowed layer shares nothing: its rows see different parts of a prefix.
+    """
+    if not len(decode):
+        return []
+    if window is not None:
+        return [(decode, np.zeros(0, np.int64))]
+    first = meta.block_tables[decode, 0]
+    groups = [decode[first == block] for block in np.unique(first)]
+    return [(group, _shared_blocks(meta, group)) for group in groups]
 
 
 def _shared_blocks(meta: AttentionMetadata, decode: np.ndarray) -> np.ndarray:
-    """The leading blocks all decode requests have in common, if there are several."""
+    """The leading blocks all these decode requests have in common, if there are several."""
     if len(decode) < 2:
         return np.zeros(0, np.int64)
     # Every request keeps at least its newest key out of the shared part.
@@ -217,10 +237,8 @@ def _shared_blocks(meta: AttentionMetadata, decode: np.ndarray) -> np.ndarray:
 
 
 def _decode_slices(meta: AttentionMetadata, decode: np.ndarray, num_shared: int,
-                   window: int | None, row_budget: int) -> list[Slice]:
+                   prefix: int | None, window: int | None, row_budget: int) -> list[Slice]:
     """Decode requests, longest first, in batches whose padded keys fit the budget."""
-    if not len(decode):
-        return []
     bs = meta.block_size
     shared_len = num_shared * bs
     seq_lens = meta.seq_lens[decode].astype(np.int64)
@@ -245,7 +263,7 @@ def _decode_slices(meta: AttentionMetadata, decode: np.ndarray, num_shared: int,
             mask_from=0,
             blocked=blocked[:, None, :] if blocked.any() else None,
             rows_each=1,
-            cascade=num_shared > 0,
+            prefix=prefix,
         ))
     return slices
 
@@ -274,6 +292,6 @@ def _prefill_slices(meta: AttentionMetadata, r: int, start: int, q_len: int,
             mask_from=mask_from,
             blocked=blocked[None] if blocked.any() else None,
             rows_each=b - a,
-            cascade=False,
+            prefix=None,
         ))
     return slices

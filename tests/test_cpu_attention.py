@@ -22,8 +22,9 @@ def test_matches_the_reference_on_the_kernel_grid(case):
 
 def shared_prefix_step(shared_blocks: int, own_tokens: list[int], q_lens: list[int],
                        block_size: int = 8, heads: int = 6, kv_heads: int = 2,
-                       head_dim: int = 16, seed: int = 0):
-    """Requests that all start with the same `shared_blocks` blocks, then their own tokens."""
+                       head_dim: int = 16, seed: int = 0, spare_blocks: int = 2):
+    """Requests that all start with the same `shared_blocks` blocks, then their own tokens;
+    the pool holds `spare_blocks` more (random, owned by none) after theirs."""
     rng = np.random.default_rng(seed)
     shared = rng.permutation(np.arange(1, 1 + shared_blocks))
     next_block = 1 + shared_blocks
@@ -35,7 +36,7 @@ def shared_prefix_step(shared_blocks: int, own_tokens: list[int], q_lens: list[i
         tables[r, :shared_blocks] = shared
         tables[r, shared_blocks:shared_blocks + count] = np.arange(next_block, next_block + count)
         next_block += count
-    shape = (next_block + 2, block_size, kv_heads, head_dim)
+    shape = (next_block + spare_blocks, block_size, kv_heads, head_dim)
     k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = mx.array(rng.standard_normal((int(cu[-1]), heads, head_dim)).astype(np.float32))
@@ -56,8 +57,8 @@ def test_decode_rows_share_their_common_prefix_in_one_cascade(softcap):
     # Five decode requests over 4 shared blocks, one prefill chunk over the same blocks.
     q, k, v, meta, scale = shared_prefix_step(4, [1, 9, 30, 8, 17, 12], [1, 1, 1, 1, 1, 5])
     plan = cpu_attention.build_plan(meta, q.shape[1])
-    assert len(plan.shared_blocks) == 4
-    assert all(s.cascade for s in plan.slices if s.rows_each == 1)
+    assert [len(p) for p in plan.prefixes] == [4]
+    assert all(s.prefix == 0 for s in plan.slices if s.rows_each == 1)
     assert_matches_reference(q, k, v, meta, scale, softcap=softcap)
 
 
@@ -65,24 +66,36 @@ def test_requests_with_identical_tables_keep_their_newest_key_out_of_the_shared_
     # Two decode rows (n > 1 choices) whose contexts end exactly on a shared block boundary.
     q, k, v, meta, scale = shared_prefix_step(3, [8, 8], [1, 1])
     meta.block_tables[1] = meta.block_tables[0]
-    plan = cpu_attention.build_plan(meta, q.shape[1])
-    assert len(plan.shared_blocks) == 3
+    assert [len(p) for p in cpu_attention.build_plan(meta, q.shape[1]).prefixes] == [3]
     assert_matches_reference(q, k, v, meta, scale)
 
 
-def test_only_the_blocks_all_decode_rows_share_are_shared():
+def test_only_the_blocks_all_rows_of_a_group_share_are_shared():
     q, k, v, meta, scale = shared_prefix_step(4, [9, 30, 17], [1, 1, 1])
     meta.block_tables[2, 2:4] = meta.block_tables[2, 4:6]  # the third shares 2 of the 4
-    assert len(cpu_attention.build_plan(meta, q.shape[1]).shared_blocks) == 2
+    assert [len(p) for p in cpu_attention.build_plan(meta, q.shape[1]).prefixes] == [2]
     assert_matches_reference(q, k, v, meta, scale)
-    meta.block_tables[1, 0] = meta.block_tables[1, 6]  # one that shares none: no cascade
-    assert not len(cpu_attention.build_plan(meta, q.shape[1]).shared_blocks)
+    meta.block_tables[1, 0] = meta.block_tables[1, 6]  # one that shares none goes alone
+    plan = cpu_attention.build_plan(meta, q.shape[1])
+    assert [len(p) for p in plan.prefixes] == [2]
+    assert [s.prefix for s in plan.slices if 1 in s.rows] == [None]
+    assert_matches_reference(q, k, v, meta, scale)
+
+
+def test_decode_rows_of_two_system_prompts_get_a_cascade_each():
+    q, k, v, meta, scale = shared_prefix_step(3, [9, 30, 17, 12, 5], [1, 1, 1, 1, 5],
+                                              spare_blocks=3)
+    other_prompt = np.arange(meta.block_tables.max() + 1, meta.block_tables.max() + 4)
+    meta.block_tables[2:4, :3] = other_prompt  # requests 2 and 3: another system prompt
+    plan = cpu_attention.build_plan(meta, q.shape[1])
+    assert sorted(len(p) for p in plan.prefixes) == [3, 3]
+    assert {s.prefix for s in plan.slices if s.rows_each == 1} == {0, 1}
     assert_matches_reference(q, k, v, meta, scale)
 
 
 def test_a_windowed_layer_masks_per_request_instead_of_sharing_blocks():
     q, k, v, meta, scale = shared_prefix_step(4, [3, 20, 11], [1, 1, 4])
-    assert not len(cpu_attention.build_plan(meta, q.shape[1], window=10).shared_blocks)
+    assert not cpu_attention.build_plan(meta, q.shape[1], window=10).prefixes
     assert_matches_reference(q, k, v, meta, scale, window=10)
 
 
@@ -97,7 +110,7 @@ def test_a_small_budget_splits_decode_batches_and_prefill_tiles_with_the_same_re
     decode = [s for s in plan.slices if s.rows.max() < first_prefill_row]
     tiles = [s for s in plan.slices if s.rows.min() >= first_prefill_row]
     assert len(decode) > 1 and len(tiles) > 1
-    assert all(s.cascade for s in decode) == (window is None)
+    assert all(s.prefix is not None for s in decode) == (window is None)
     assert sum(len(s.rows) for s in plan.slices) == q.shape[0]
     got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window)
     np.testing.assert_allclose(np.array(got), whole, atol=1e-6, rtol=1e-6)
@@ -109,7 +122,7 @@ def test_fp16_pools_are_read_in_float32_and_bfloat16_is_not_taken():
     assert check(cpu_attention.paged_attention_cpu, case).passed
     q, k, v, meta, scale = shared_prefix_step(3, [5, 20, 9], [1, 1, 4])
     q, k, v = (a.astype(mx.float16) for a in (q, k, v))
-    assert len(cpu_attention.build_plan(meta, q.shape[1]).shared_blocks) == 3
+    assert [len(p) for p in cpu_attention.build_plan(meta, q.shape[1]).prefixes] == [3]
     got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale)
     f32 = [a.astype(mx.float32) for a in (q, k, v)]
     expected = paged_attention_reference(*f32, meta, scale)

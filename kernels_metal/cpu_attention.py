@@ -37,14 +37,17 @@ class Slice:
     """Query rows that share one product: `requests` x `rows_each` rows over their own keys.
 
     A decode batch is several requests with one row each; a prefill tile is one request's
-    consecutive rows. Keys `mask_from..` of each row are masked where `blocked` is True.
+    consecutive rows. The slice's keys are `first_key..num_keys` of what `tables` holds (a
+    windowed tile skips keys before its window); from its key `mask_from` on, a row's keys
+    are masked where `blocked` is True.
     """
 
     rows: np.ndarray  # packed row ids, request-major
     tables: np.ndarray  # [requests, blocks] after any shared prefix; one array per chunk
+    first_key: int
     num_keys: int
     mask_from: int
-    blocked: np.ndarray | None  # [requests, rows_each, num_keys - mask_from]
+    blocked: np.ndarray | None  # [requests, rows_each, num_keys - first_key - mask_from]
     rows_each: int
     prefix: int | None  # index of the plan's shared prefix these rows also attend to
 
@@ -85,7 +88,8 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
         if part.tables is not gathered_for:  # a prefill chunk's tiles share one gather
             k_all, v_all = _gather(keys, part.tables), _gather(values, part.tables)
             gathered_for = part.tables
-        k, v = k_all[:, : part.num_keys], v_all[:, : part.num_keys]
+        keys_seen = slice(part.first_key, part.num_keys)
+        k, v = k_all[:, keys_seen], v_all[:, keys_seen]
         shared = None if part.prefix is None else prefixes[part.prefix]
         out[part.rows] = _attend(queries[part.rows], k, v, shared,
                                  part, kv_heads, scale, softcap)
@@ -250,16 +254,20 @@ def _decode_slices(meta: AttentionMetadata, decode: np.ndarray, num_shared: int,
         batch = order[begin : begin + count]
         begin += len(batch)
         own_lens = seq_lens[batch] - shared_len
-        num_blocks = -(-longest // bs)
-        keys = np.arange(num_blocks * bs)[None, :]
+        end_block = -(-longest // bs)
+        # A window (never with a shared prefix) skips the blocks before every row's window.
+        first_block = 0 if window is None else max(0, int(own_lens.min()) - window) // bs
+        keys = np.arange(first_block * bs, end_block * bs)[None, :]
         blocked = keys >= own_lens[:, None]
         if window is not None:
             blocked |= keys < own_lens[:, None] - window
         requests = decode[batch]
+        first, end = num_shared + first_block, num_shared + end_block
         slices.append(Slice(
             rows=meta.cu_seqlens_q[requests].astype(np.int64),
-            tables=meta.block_tables[requests, num_shared : num_shared + num_blocks],
-            num_keys=num_blocks * bs,
+            tables=meta.block_tables[requests, first:end],
+            first_key=0,
+            num_keys=keys.shape[1],
             mask_from=0,
             blocked=blocked[:, None, :] if blocked.any() else None,
             rows_each=1,
@@ -270,24 +278,29 @@ def _decode_slices(meta: AttentionMetadata, decode: np.ndarray, num_shared: int,
 
 def _prefill_slices(meta: AttentionMetadata, r: int, start: int, q_len: int,
                     window: int | None, row_budget: int) -> list[Slice]:
-    """One prefill chunk in query tiles; a tile sees keys up to its last row only."""
+    """One prefill chunk in query tiles; a tile sees keys up to its last row only (and from
+    its first row's window on)."""
     seq_len = int(meta.seq_lens[r])
     first_pos = seq_len - q_len
-    tile = max(1, min(q_len, row_budget // seq_len))
+    tile = max(1, min(q_len, row_budget // min(seq_len, window or seq_len)))
     tables = meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]
     slices = []
     for a in range(0, q_len, tile):
         b = min(a + tile, q_len)
         num_keys = first_pos + b
         q_pos = np.arange(first_pos + a, first_pos + b)[:, None]
-        mask_from = 0 if window is not None else first_pos + a
-        keys = np.arange(mask_from, num_keys)[None, :]
+        if window is None:
+            first_key, mask_from = 0, first_pos + a
+        else:
+            first_key, mask_from = max(0, first_pos + a - window + 1), 0
+        keys = np.arange(first_key + mask_from, num_keys)[None, :]
         blocked = keys > q_pos
         if window is not None:
             blocked |= keys <= q_pos - window
         slices.append(Slice(
             rows=np.arange(start + a, start + b),
             tables=tables,
+            first_key=first_key,
             num_keys=num_keys,
             mask_from=mask_from,
             blocked=blocked[None] if blocked.any() else None,

@@ -93,6 +93,17 @@ def test_decode_rows_of_two_system_prompts_get_a_cascade_each():
     assert_matches_reference(q, k, v, meta, scale)
 
 
+def test_a_windowed_layer_scores_no_key_before_the_windows_of_its_rows():
+    q, k, v, meta, scale = shared_prefix_step(6, [40, 44, 50], [1, 1, 30])
+    window = 10
+    plan = cpu_attention.build_plan(meta, q.shape[1], window)
+    for s in plan.slices:
+        keys_scored = (s.num_keys - s.first_key if s.rows_each > 1
+                       else s.tables.shape[1] * meta.block_size)
+        assert keys_scored <= window + s.rows_each - 1 + 2 * meta.block_size
+    assert_matches_reference(q, k, v, meta, scale, window=window)
+
+
 def test_a_windowed_layer_masks_per_request_instead_of_sharing_blocks():
     q, k, v, meta, scale = shared_prefix_step(4, [3, 20, 11], [1, 1, 4])
     assert not cpu_attention.build_plan(meta, q.shape[1], window=10).prefixes

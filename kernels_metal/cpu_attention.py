@@ -214,18 +214,27 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
 
 def _decode_groups(meta: AttentionMetadata, decode: np.ndarray,
                    window: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Decode requests grouped by their first block, each group with the blocks it shares.
+    """Decode requests grouped by their first block, each group with the blocks it shares;
+    requests that share nothing go together in one group with no shared blocks.
 
     Equal block ids mean equal token prefixes (the prefix cache hands out one block per
     prefix). A windowed layer shares nothing: its rows see different parts of a prefix.
     """
-    if not len(decode):
-        return []
-    if window is not None:
-        return [(decode, np.zeros(0, np.int64))]
+    nothing = np.zeros(0, np.int64)
+    if window is not None or not len(decode):
+        return [(decode, nothing)] if len(decode) else []
     first = meta.block_tables[decode, 0]
-    groups = [decode[first == block] for block in np.unique(first)]
-    return [(group, _shared_blocks(meta, group)) for group in groups]
+    groups, alone = [], []
+    for block in np.unique(first):
+        group = decode[first == block]
+        shared = _shared_blocks(meta, group)
+        if len(shared):
+            groups.append((group, shared))
+        else:
+            alone.append(group)
+    if alone:
+        groups.append((np.concatenate(alone), nothing))
+    return groups
 
 
 def _shared_blocks(meta: AttentionMetadata, decode: np.ndarray) -> np.ndarray:

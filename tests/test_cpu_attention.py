@@ -82,6 +82,13 @@ def test_only_the_blocks_all_rows_of_a_group_share_are_shared():
     assert_matches_reference(q, k, v, meta, scale)
 
 
+def test_decode_rows_that_share_nothing_are_batched_together():
+    q, k, v, meta, scale = shared_prefix_step(0, [9, 30, 17, 12, 5], [1, 1, 1, 1, 1])
+    plan = cpu_attention.build_plan(meta, q.shape[1])
+    assert not plan.prefixes and len(plan.slices) == 1
+    assert_matches_reference(q, k, v, meta, scale)
+
+
 def test_decode_rows_of_two_system_prompts_get_a_cascade_each():
     q, k, v, meta, scale = shared_prefix_step(3, [9, 30, 17, 12, 5], [1, 1, 1, 1, 5],
                                               spare_blocks=3)

@@ -39,6 +39,13 @@ class ToolTemplateTokenizer(CharTokenizer):
         return "\n".join(lines) + "\nassistant: "
 
 
+# What a tool-calling model says: some text, then a Hermes tool call cut at awkward places.
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TEXT_THEN_HERMES_CALL = [
+    "Let me check. ", "<tool_", "call>", WEATHER_CALL[:25], WEATHER_CALL[25:], "</tool_call>",
+]
+
+
 class ScriptedEngine:
     """Every request gets the same text, one scripted piece per step, then stops."""
 

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from fake_engine import (
+    TEXT_THEN_HERMES_CALL,
     FailingEngine,
     ScriptedEngine,
     SlowEngine,
@@ -211,9 +212,7 @@ def test_system_messages_inside_messages_join_the_system_prompt(client):
 
 # ---- scripted model text: what the translation sends and how the answer is built ------------
 
-WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-# Text, then a Hermes tool call cut at awkward places.
-SCRIPT = ["Let me check. ", "<tool_", "call>", WEATHER_CALL[:25], WEATHER_CALL[25:], "</tool_call>"]
+SCRIPT = TEXT_THEN_HERMES_CALL
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The engine with the Metal kernels swapped in (run by the MSL emulator) vs the reference."""
+"""The engine with the Metal kernels swapped in (run by the MSL emulator) vs the engine with
+the attention it uses here (the CPU backend's)."""
 
 from __future__ import annotations
 
@@ -31,38 +32,36 @@ class CountingKernels(PagedAttentionKernels):
         return super().__call__(q, k_pool, v_pool, meta, scale, window, softcap)
 
 
-def test_mixed_batch_greedy_tokens_match_the_reference_backend(tiny_llama):
+def greedy_without_and_with_kernels(path, prompts, max_tokens):
+    """Greedy outputs without and with the emulated kernels, and the kernels' counts.
+
+    A small token budget mixes prefill chunks and decodes in the same steps; block size 8 and
+    16-key partitions make contexts cross many blocks and split-K partitions.
+    """
+    budget = dict(max_num_batched_tokens=20, block_size=8)
+    expected = generate_greedy(*make_runner_and_scheduler(path, **budget), prompts, max_tokens)
+    kernels = CountingKernels(emulator.metal_kernel, PlanOptions(partition_size=16))
+    with attention.use_kernels(kernels):
+        got = generate_greedy(*make_runner_and_scheduler(path, **budget), prompts, max_tokens)
+    return expected, got, kernels
+
+
+def test_mixed_batch_greedy_tokens_match_the_default_backend(tiny_llama):
     _, path = tiny_llama
     rng = np.random.default_rng(7)
     prompts = {f"r{i}": list(rng.integers(3, 128, size=n)) for i, n in
                enumerate([3, 17, 40, 9, 33, 1])}
-    # A small token budget mixes prefill chunks and decodes in the same steps; block size 8
-    # and 16-key partitions make contexts cross many blocks and split-K partitions.
-    budget = dict(max_num_batched_tokens=20, block_size=8)
-    runner, scheduler = make_runner_and_scheduler(path, **budget)
-    expected = generate_greedy(runner, scheduler, prompts, max_tokens=8)
-
-    kernels = CountingKernels(emulator.metal_kernel, PlanOptions(partition_size=16))
-    runner, scheduler = make_runner_and_scheduler(path, **budget)
-    with attention.use_kernels(kernels):
-        got = generate_greedy(runner, scheduler, prompts, max_tokens=8)
+    expected, got, kernels = greedy_without_and_with_kernels(path, prompts, max_tokens=8)
     assert got == expected
     assert kernels.mixed_steps > 0 and kernels.split_steps > 0
 
 
-def test_sliding_window_and_softcapped_model_matches_the_reference_backend(tmp_path):
+def test_sliding_window_and_softcapped_model_matches_the_default_backend(tmp_path):
     """Gemma 2: windowed layers interleaved with global ones, soft-capped scores."""
     build_tiny_model("gemma2", tmp_path)
     rng = np.random.default_rng(8)
     prompts = {f"r{i}": list(rng.integers(3, 128, size=n)) for i, n in
                enumerate([5 * WINDOW, 2, 3 * WINDOW + 1, 11])}
-    budget = dict(max_num_batched_tokens=20, block_size=8)
-    runner, scheduler = make_runner_and_scheduler(tmp_path, **budget)
-    expected = generate_greedy(runner, scheduler, prompts, max_tokens=6)
-
-    kernels = CountingKernels(emulator.metal_kernel, PlanOptions(partition_size=16))
-    runner, scheduler = make_runner_and_scheduler(tmp_path, **budget)
-    with attention.use_kernels(kernels):
-        got = generate_greedy(runner, scheduler, prompts, max_tokens=6)
+    expected, got, kernels = greedy_without_and_with_kernels(tmp_path, prompts, max_tokens=6)
     assert got == expected
     assert kernels.windowed_calls > 0 and kernels.softcapped_calls > kernels.windowed_calls

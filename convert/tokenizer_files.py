@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from convert.gguf_tokenizer import gguf_tokenizer
 
 # Copied as-is when present; generation_config.json rides along for its sampling defaults.
 HF_FILES = (
@@ -38,23 +42,25 @@ def copy_hf_tokenizer(src: Path, dst: Path) -> None:
 
 def write_gguf_tokenizer(gguf_path: Path, dst: Path, eos_token_id: int | None) -> None:
     """Rebuild the tokenizer (with chat template) from GGUF metadata and save it into dst."""
-    _save_with_transformers(gguf_path.parent, dst, gguf_file=gguf_path.name, eos_id=eos_token_id)
+    _save_tokenizer(partial(gguf_tokenizer, gguf_path), gguf_path, dst, eos_token_id)
     finalize_tokenizer_config(dst)
 
 
-def _save_with_transformers(
-    folder: Path, dst: Path, gguf_file: str | None = None, eos_id: int | None = None
-) -> None:
+def _save_with_transformers(folder: Path, dst: Path) -> None:
     from transformers import AutoTokenizer  # imported here: it takes seconds to import
 
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    load = partial(AutoTokenizer.from_pretrained, folder, local_files_only=True)
+    _save_tokenizer(load, folder, dst)
+
+
+def _save_tokenizer(load: Callable[[], Any], source: Path, dst: Path,
+                    eos_id: int | None = None) -> None:
     # transformers raises assorted exception types for tokenizer kinds it cannot convert.
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+        tokenizer = load()
     except Exception as exc:
-        where = folder / gguf_file if gguf_file else folder
         raise ValueError(
-            f"could not build a tokenizer from {where}: {exc}. The source needs a tokenizer "
+            f"could not build a tokenizer from {source}: {exc}. The source needs a tokenizer "
             "transformers can load (a GGUF with tokenizer.ggml.* metadata, or tokenizer.json)"
         ) from exc
     if eos_id is not None and tokenizer.eos_token_id != eos_id:

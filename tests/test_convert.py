@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -315,6 +317,39 @@ def test_default_model_converts_once_and_generates(tmp_path: Path) -> None:
     assert ensure_default_model(tmp_path) == out
     assert time.perf_counter() - start < 1.0
     assert json.loads((out / "metal_serve_manifest.json").read_text())["created"] == created
+
+
+def test_gguf_tokenizer_equals_the_one_transformers_loads_from_the_gguf() -> None:
+    from transformers import AutoTokenizer
+
+    from convert.gguf_tokenizer import gguf_tokenizer
+
+    path = _default_gguf()
+    ours = gguf_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name,
+                                           local_files_only=True)
+    texts = ["Hello world!", "  spaces\nand\ttabs", "def f(x):\n    return x**2  # ünï 日本",
+             "<|im_start|>user\nhi<|im_end|>"]
+    assert [ours.encode(t) for t in texts] == [theirs.encode(t) for t in texts]
+    specials = ("bos_token", "eos_token", "unk_token", "pad_token")
+    assert [getattr(ours, s) for s in specials] == [getattr(theirs, s) for s in specials]
+    assert ours.chat_template == theirs.chat_template is not None
+    assert len(ours) == len(theirs)
+
+
+def test_gguf_tokenizer_is_written_without_pytorch(tmp_path: Path) -> None:
+    # Serving installs no PyTorch; transformers' own GGUF loading imports it.
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from pathlib import Path\n"
+        "from convert.default_model import default_gguf_path\n"
+        "from convert.tokenizer_files import write_gguf_tokenizer\n"
+        f"write_gguf_tokenizer(default_gguf_path(), Path({str(tmp_path)!r}), 2)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|im_end|>" and "chat_template" in config
+    assert (tmp_path / "tokenizer.json").is_file()
 
 
 def test_missing_default_package_says_how_to_install(tmp_path: Path, monkeypatch) -> None:

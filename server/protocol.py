@@ -64,7 +64,7 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     # -1 is how vLLM-style clients spell "disabled"; 0 means the same here.
     top_k: int | None = Field(default=None, ge=-1)

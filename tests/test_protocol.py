@@ -169,6 +169,7 @@ def test_malformed_json(client):
         (chat(max_tokens=-1), "max_tokens", "max_tokens"),
         (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
         (chat(temperature=-0.5), "temperature", "temperature"),
+        (chat(temperature=7), "temperature", "less than or equal to 2"),
         (chat(top_p=0), "top_p", "top_p"),
         (chat(n=0), "n", "greater than or equal to 1"),
         (chat(n=17), "n", "at most 16 choices"),

@@ -12,19 +12,19 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
-from server.anthropic_api import anthropic_router
+from server.anthropic.api import anthropic_router
 from server.async_engine import AsyncEngine
-from server.auth import ApiKeyAuth
-from server.body_limit import BodySizeLimit
-from server.errors import install_error_handlers
-from server.limits import check_request_limits
-from server.logs import RequestIdMiddleware
-from server.metrics import ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.responses_api import responses_router
+from server.http.auth import ApiKeyAuth
+from server.http.body_limit import BodySizeLimit
+from server.http.errors import install_error_handlers
+from server.http.limits import check_request_limits
+from server.http.logs import RequestIdMiddleware
+from server.http.metrics import ServerMetrics
+from server.http.shutdown import Drain, DrainGate
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.openai.serving import Serving
+from server.responses.api import responses_router
 from server.serve_args import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY
-from server.serving import Serving
-from server.shutdown import Drain, DrainGate
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from metal_engine.outputs import RequestOutput
 from server.engine_stats import EngineStats, read_engine_stats
-from server.logs import current_request_id
+from server.http.logs import current_request_id
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 # First, before anything can import mlx.core: it picks the BLAS that mlx will use.
 import metal_engine  # noqa: F401
-from server.logs import configure_logging
+from server.http.logs import configure_logging
 from server.serve_args import add_serve_arguments
 
 __all__ = ["add_serve_arguments", "serve"]
@@ -42,7 +42,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from server.app import build_app
     from server.async_engine import AsyncEngine
-    from server.shutdown import run_server
+    from server.http.shutdown import run_server
 
     bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts)
     app = build_app(bridge, args.served_model_name, args.max_n, options=options,

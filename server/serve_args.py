@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from server.tool_parsers import PARSERS
+from server.core.tool_parsers import PARSERS
 
 _UNITS = {
     "": 1, "b": 1,

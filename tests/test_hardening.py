@@ -20,9 +20,9 @@ from test_server_async_engine import ScriptedEngine
 from server.app import HttpOptions, build_app
 from server.async_engine import AsyncEngine
 from server.cli import main
-from server.errors import APIError
-from server.limits import MAX_STOP_SEQUENCES
-from server.logs import JsonFormatter, RequestIdFilter
+from server.http.errors import APIError
+from server.http.limits import MAX_STOP_SEQUENCES
+from server.http.logs import JsonFormatter, RequestIdFilter
 
 KEY = "sk-test-key"
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}
@@ -248,7 +248,8 @@ def test_log_lines_carry_the_request_id_and_prompts_only_when_asked(log_prompts)
 
 
 def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
-    from server import app, launch, shutdown
+    from server import app, launch
+    from server.http import shutdown
 
     seen = {}
     monkeypatch.setenv("METAL_SERVE_API_KEY", "key-from-env")

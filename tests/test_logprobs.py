@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.outputs import RequestOutput, TokenLogprobs
-from server.logprobs import LogprobsAligner, chat_logprobs, completion_logprobs
+from server.openai.logprobs import LogprobsAligner, chat_logprobs, completion_logprobs
 
 PROMPT = "Say:"
 

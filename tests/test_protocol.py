@@ -11,10 +11,10 @@ from pydantic import ValidationError
 
 from metal_engine.outputs import RequestOutput
 from scheduler.sampling_params import StructuredOutput
-from server import generation
 from server.app import build_app
 from server.async_engine import AsyncEngine
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.core import generation
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 CONTEXT = 32
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -11,8 +11,8 @@ import pytest
 
 from metal_engine.outputs import RequestOutput
 from scheduler import SamplingParams
-from server import generation
 from server.async_engine import AsyncEngine, EngineError, QueueFull
+from server.core import generation
 
 
 class GarbledOutput:

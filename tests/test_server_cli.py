@@ -119,7 +119,8 @@ def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, val
     ],
 )
 def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
-    from server import app, launch, shutdown
+    from server import app, launch
+    from server.http import shutdown
 
     built = []
 

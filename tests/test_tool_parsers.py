@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from server.reasoning import ReasoningStream
-from server.tool_parsers import (
+from server.core.reasoning import ReasoningStream
+from server.core.tool_parsers import (
     ForcedCallParser,
     HermesParser,
     Llama3JsonParser,

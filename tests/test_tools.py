@@ -14,7 +14,7 @@ from server_helpers import running_server, small_engine
 
 from server.app import build_app
 from server.async_engine import AsyncEngine
-from server.serving import Serving
+from server.openai.serving import Serving
 
 WEATHER_PARAMETERS = {
     "type": "object",

@@ -19,8 +19,8 @@ from pydantic import (
 from scheduler import SamplingParams
 from scheduler.request import FinishReason
 from scheduler.sampling_params import MAX_REPETITION_PENALTY, StructuredOutput
-from server.errors import APIError
-from server.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
+from server.http.errors import APIError
+from server.openai.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None  # 0..20, checked by server.limits
+    top_logprobs: int | None = None  # 0..20, checked by server.http.limits
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -168,7 +168,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: PromptInput
-    logprobs: int | None = None  # alternatives per token, checked by server.limits
+    logprobs: int | None = None  # alternatives per token, checked by server.http.limits
     echo: bool = False
 
     @field_validator("prompt")

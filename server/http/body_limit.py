@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import request_too_large
+from server.http.errors import request_too_large
 
 
 class _BodyTooLarge(HTTPException):

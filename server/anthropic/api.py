@@ -1,6 +1,6 @@
 """The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
-Errors on these paths get Anthropic's error body (see `server.errors`), also mid-stream.
+Errors on these paths get Anthropic's error body (see `server.http.errors`), also mid-stream.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from server import assistant_turn
-from server.anthropic_input import chat_request
-from server.anthropic_output import MessageBuilder
-from server.anthropic_protocol import CountTokensRequest, MessagesRequest, TokenCount
+from server.anthropic.input import chat_request
+from server.anthropic.output import MessageBuilder
+from server.anthropic.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from server.async_engine import AsyncEngine
-from server.limits import check_request_limits
-from server.turn_serving import serve_turn
+from server.core import assistant_turn
+from server.core.turn_serving import serve_turn
+from server.http.limits import check_request_limits
 
 
 def anthropic_router(

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
-from server.errors import APIError
+from server.http.errors import APIError
 
 
 class ChatPrompt(NamedTuple):

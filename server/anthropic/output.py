@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any
 
-from server.anthropic_protocol import (
+from server.anthropic.protocol import (
     AnthropicUsage,
     Message,
     StopReason,
@@ -22,9 +22,9 @@ from server.anthropic_protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from server.assistant_turn import ReasoningDelta, TextDelta, ToolCall, Turn, TurnEnd, TurnEvent
-from server.errors import APIError
-from server.turn_serving import Event
+from server.core.assistant_turn import ReasoningDelta, TextDelta, ToolCall, Turn, TurnEnd, TurnEvent
+from server.core.turn_serving import Event
+from server.http.errors import APIError
 
 
 class MessageBuilder:

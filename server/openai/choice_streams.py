@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from server.logprobs import LogprobsAligner, TokenEntry, chat_logprobs, completion_logprobs
-from server.protocol import (
+from server.core.reasoning import ReasoningStream
+from server.core.tool_parsers import ToolCallStream
+from server.openai.logprobs import LogprobsAligner, TokenEntry, chat_logprobs, completion_logprobs
+from server.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -20,9 +22,7 @@ from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
 )
-from server.protocol_tools import FunctionCall, ToolCall, ToolCallDelta
-from server.reasoning import ReasoningStream
-from server.tool_parsers import ToolCallStream
+from server.openai.protocol_tools import FunctionCall, ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput

@@ -12,20 +12,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from server import generation
 from server.async_engine import AsyncEngine
-from server.chat_tools import plan_tools
-from server.choice_streams import ChatChoiceStream, CompletionChoiceStream
-from server.errors import APIError
-from server.logprobs import LogprobsAligner
-from server.prompts import (
+from server.core import generation
+from server.core.chat_tools import plan_tools
+from server.core.prompts import (
     chat_prompt,
     chat_template,
     check_context,
     check_token_ids,
     completion_prompt_ids,
 )
-from server.protocol import (
+from server.core.reasoning import ReasoningStream, opens_reasoning
+from server.core.tool_parsers import ToolCallStream, parser_named
+from server.http.errors import APIError
+from server.openai.choice_streams import ChatChoiceStream, CompletionChoiceStream
+from server.openai.logprobs import LogprobsAligner
+from server.openai.protocol import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -35,8 +37,6 @@ from server.protocol import (
     CompletionRequest,
     Usage,
 )
-from server.reasoning import ReasoningStream, opens_reasoning
-from server.tool_parsers import ToolCallStream, parser_named
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
@@ -48,7 +48,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ChoiceStream(Protocol):
-    """One choice's outputs as the endpoint's choice objects (see server.choice_streams)."""
+    """One choice's outputs as the endpoint's choice objects (see server.openai.choice_streams)."""
 
     def chunk_choice(self, index: int, output: RequestOutput) -> BaseModel | None: ...
 

@@ -11,7 +11,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import APIError
+from server.http.errors import APIError
 
 PROTECTED_PREFIX = "/v1/"
 _HOW_TO_SEND = "send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"

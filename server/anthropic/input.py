@@ -11,16 +11,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.anthropic_protocol import (
+from server.anthropic.protocol import (
     ContentBlock,
     CountTokensRequest,
     InputMessage,
     MessagesRequest,
     ToolChoice,
 )
-from server.assistant_turn import validated_chat_request
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
+from server.core.assistant_turn import validated_chat_request
+from server.http.errors import APIError
+from server.openai.protocol import ChatCompletionRequest
 
 # Earlier turns' reasoning: Anthropic itself leaves it out of the context, and so do we.
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}

@@ -17,15 +17,15 @@ from pydantic import ValidationError
 
 from metal_engine.outputs import RequestOutput
 from scheduler.request import FinishReason
-from server import generation
 from server.async_engine import AsyncEngine, EngineError
-from server.chat_tools import ToolPlan, plan_tools
-from server.choice_streams import ChatChoiceStream
-from server.errors import APIError
-from server.prompts import ChatPrompt, chat_prompt, chat_template, check_context
-from server.protocol import ChatCompletionRequest, Usage
-from server.reasoning import ReasoningStream, opens_reasoning
-from server.tool_parsers import ToolCallStream
+from server.core import generation
+from server.core.chat_tools import ToolPlan, plan_tools
+from server.core.prompts import ChatPrompt, chat_prompt, chat_template, check_context
+from server.core.reasoning import ReasoningStream, opens_reasoning
+from server.core.tool_parsers import ToolCallStream
+from server.http.errors import APIError
+from server.openai.choice_streams import ChatChoiceStream
+from server.openai.protocol import ChatCompletionRequest, Usage
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from metal_engine.detokenizer import IncrementalDetokenizer
-from server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from server.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput

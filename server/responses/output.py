@@ -21,8 +21,9 @@ import time
 import uuid
 from typing import Any
 
-from server.assistant_turn import ReasoningDelta, TextDelta, ToolCall, TurnEnd, TurnEvent
-from server.responses_protocol import (
+from server.core.assistant_turn import ReasoningDelta, TextDelta, ToolCall, TurnEnd, TurnEvent
+from server.core.turn_serving import Event
+from server.responses.protocol import (
     FunctionCall,
     IncompleteDetails,
     ItemStatus,
@@ -33,7 +34,6 @@ from server.responses_protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from server.turn_serving import Event
 
 TextItem = ReasoningItem | OutputMessage  # the items whose one part grows by deltas
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.errors import APIError
+from server.http.errors import APIError
 
 MAX_STOP_SEQUENCES = 16  # each one is matched against every new piece of text
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit

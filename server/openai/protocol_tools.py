@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.sampling_params import StructuredOutput
-from server.errors import APIError
+from server.http.errors import APIError
 
 
 class FunctionDefinition(BaseModel):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.assistant_turn import validated_chat_request
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
-from server.responses_protocol import (
+from server.core.assistant_turn import validated_chat_request
+from server.http.errors import APIError
+from server.openai.protocol import ChatCompletionRequest
+from server.responses.protocol import (
     ContentPart,
     InputItem,
     NamedFunction,

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.sampling_params import StructuredOutput
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ChatMessage
-from server.protocol_tools import FunctionDefinition, Tool, ToolCall
-from server.tool_parsers import (
+from server.core.tool_parsers import (
     ForcedCallParser,
     HermesParser,
     ToolParser,
     parser_for_template,
     parser_named,
 )
+from server.http.errors import APIError
+from server.openai.protocol import ChatCompletionRequest, ChatMessage
+from server.openai.protocol_tools import FunctionDefinition, Tool, ToolCall
 
 # The chat templates of most models know only these roles; "developer" is OpenAI's new
 # name for the system prompt.

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.async_engine import AsyncEngine
-from server.errors import APIError
+from server.http.errors import APIError
 
 log = logging.getLogger(__name__)
 

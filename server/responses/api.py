@@ -12,12 +12,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from server import assistant_turn
 from server.async_engine import AsyncEngine
-from server.responses_input import RESPONSES_PARAMS, chat_request
-from server.responses_output import ResponseBuilder
-from server.responses_protocol import ResponseObject, ResponsesRequest
-from server.turn_serving import serve_turn
+from server.core import assistant_turn
+from server.core.turn_serving import serve_turn
+from server.responses.input import RESPONSES_PARAMS, chat_request
+from server.responses.output import ResponseBuilder
+from server.responses.protocol import ResponseObject, ResponsesRequest
 
 
 def responses_router(

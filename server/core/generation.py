@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from server.async_engine import AsyncEngine, EngineError
-from server.errors import APIError
-from server.protocol import Usage
+from server.http.errors import APIError
+from server.openai.protocol import Usage
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput

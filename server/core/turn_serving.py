@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from server import assistant_turn, generation
-from server.assistant_turn import Turn, TurnEvent
 from server.async_engine import EngineError
+from server.core import assistant_turn, generation
+from server.core.assistant_turn import Turn, TurnEvent
 
 # Sent instead of a body when the client left before its non-streaming answer was ready.
 CLIENT_CLOSED = 499

@@ -22,7 +22,16 @@ from server.anthropic.protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from server.core.assistant_turn import ReasoningDelta, TextDelta, ToolCall, Turn, TurnEnd, TurnEvent
+from server.core.assistant_turn import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+    Turn,
+    TurnEnd,
+    TurnEvent,
+)
 from server.core.turn_serving import Event
 from server.http.errors import APIError
 
@@ -41,8 +50,12 @@ class MessageBuilder:
             return self._thinking(event.text)
         if isinstance(event, TextDelta):
             return self._text(event.text)
+        if isinstance(event, ToolCallStart):
+            return self._open_tool_use(event.name)
+        if isinstance(event, ToolCallArguments):
+            return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
         if isinstance(event, ToolCall):
-            return self._tool_use(event)
+            return self._close_tool_use(event)
         return self._end(event)
 
     def fail(self, message: str) -> list[Event]:
@@ -71,15 +84,17 @@ class MessageBuilder:
         self._open_block = kind()
         return [*events, self._open(self._open_block)]
 
-    def _tool_use(self, call: ToolCall) -> list[Event]:
+    def _open_tool_use(self, name: str) -> list[Event]:
+        """The stream announces the block with empty input; the input follows as JSON text."""
         events = self._close_open_block()
-        block = ToolUseBlock(
-            id=f"toolu_{uuid.uuid4().hex[:24]}", name=call.name, input=json.loads(call.arguments)
-        )
-        # The stream announces the block with empty input, then sends the input as JSON text.
-        events.append(self._open(block, announced={**block.model_dump(), "input": {}}))
-        events.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
-        return [*events, self._stop()]
+        block = ToolUseBlock(id=f"toolu_{uuid.uuid4().hex[:24]}", name=name, input={})
+        return [*events, self._open(block)]
+
+    def _close_tool_use(self, call: ToolCall) -> list[Event]:
+        block = self.message.content[-1]
+        assert isinstance(block, ToolUseBlock)
+        block.input = json.loads(call.arguments)
+        return [self._stop()]
 
     def _end(self, end: TurnEnd) -> list[Event]:
         events = self._close_open_block()

@@ -3,7 +3,8 @@
 parse tool calls; the turn comes back as plain events that each API turns into its own
 output object and stream.
 
-    ChatCompletionRequest ─start─▶ Turn.events: (ReasoningDelta | TextDelta | ToolCall)* TurnEnd
+    ChatCompletionRequest ─start─▶ Turn.events: (ReasoningDelta | TextDelta | call)* TurnEnd
+    call = ToolCallStart ToolCallArguments* ToolCall     (one call open at a time)
 """
 
 from __future__ import annotations
@@ -39,9 +40,21 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ToolCallStart:
+    name: str  # a call begins; its arguments follow as they are generated
+
+
+@dataclass(frozen=True)
+class ToolCallArguments:
+    text: str  # the next fragment of the open call's arguments (JSON text)
+
+
+@dataclass(frozen=True)
 class ToolCall:
+    """The open call is complete: `arguments` is its fragments joined, a JSON object."""
+
     name: str
-    arguments: str  # a JSON object, as text
+    arguments: str
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,7 @@ class TurnEnd:
     usage: Usage
 
 
-TurnEvent = ReasoningDelta | TextDelta | ToolCall | TurnEnd
+TurnEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArguments | ToolCall | TurnEnd
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,8 @@ async def _events(
             if piece.content:
                 yield TextDelta(piece.content)
             for call in piece.tool_calls:
+                yield ToolCallStart(call.function.name)
+                yield ToolCallArguments(call.function.arguments)
                 yield ToolCall(call.function.name, call.function.arguments)
             if output.finished:
                 break

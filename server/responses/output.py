@@ -21,7 +21,15 @@ import time
 import uuid
 from typing import Any
 
-from server.core.assistant_turn import ReasoningDelta, TextDelta, ToolCall, TurnEnd, TurnEvent
+from server.core.assistant_turn import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+    TurnEnd,
+    TurnEvent,
+)
 from server.core.turn_serving import Event
 from server.responses.protocol import (
     FunctionCall,
@@ -66,8 +74,12 @@ class ResponseBuilder:
             return self._text(ReasoningItem, event.text)
         if isinstance(event, TextDelta):
             return self._text(OutputMessage, event.text)
+        if isinstance(event, ToolCallStart):
+            return self._open_function_call(event.name)
+        if isinstance(event, ToolCallArguments):
+            return self._function_call_arguments(event.text)
         if isinstance(event, ToolCall):
-            return self._function_call(event)
+            return self._close_function_call(event)
         return self._end(event)
 
     def fail(self, message: str) -> list[Event]:
@@ -88,26 +100,27 @@ class ResponseBuilder:
         delta = self._text_event("delta", content_index=0, delta=text)
         return [*events, delta]
 
-    def _function_call(self, call: ToolCall) -> list[Event]:
+    def _open_function_call(self, name: str) -> list[Event]:
         events = self._close_text_item("completed")
         item = FunctionCall(
-            id=_new_id("fc"),
-            call_id=_new_id("call"),
-            name=call.name,
-            arguments=call.arguments,
-            status="completed",
+            id=_new_id("fc"), call_id=_new_id("call"), name=name, arguments="", status="in_progress"
         )
-        # Announced without arguments, which then come as one delta.
-        announced = item.model_copy(update={"arguments": "", "status": "in_progress"})
-        return [
-            *events,
-            self._add_item(item, announced),
-            self._item_event("response.function_call_arguments.delta", delta=call.arguments),
-            self._item_event(
-                "response.function_call_arguments.done", name=call.name, arguments=call.arguments
-            ),
-            self._item_done(),
-        ]
+        return [*events, self._add_item(item)]
+
+    def _function_call_arguments(self, text: str) -> list[Event]:
+        item = self.response.output[-1]
+        assert isinstance(item, FunctionCall)
+        item.arguments += text
+        return [self._item_event("response.function_call_arguments.delta", delta=text)]
+
+    def _close_function_call(self, call: ToolCall) -> list[Event]:
+        item = self.response.output[-1]
+        assert isinstance(item, FunctionCall)
+        item.status = "completed"
+        done = self._item_event(
+            "response.function_call_arguments.done", name=call.name, arguments=call.arguments
+        )
+        return [done, self._item_done()]
 
     def _end(self, end: TurnEnd) -> list[Event]:
         truncated = end.finish_reason == "length"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -57,7 +57,8 @@ def build_app(
 
     The `model` field of requests is not checked: a single-model server answers whatever
     name the client uses (clients send all sorts). `/v1/models` lists `served_model_name`
-    and the model directory's name. A request may ask for up to `max_n` choices.
+    and the model directory's name, each with its context length and the sampling defaults
+    of requests (`async_engine.sampling_defaults`). A request may ask for up to `max_n` choices.
     `tool_call_parser` names the tool-call format (default: picked from the chat template).
     `app.state.drain` is what a graceful shutdown drains.
     """
@@ -89,7 +90,11 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        cards = [ModelCard(id=model_id, created=created) for model_id in model_ids]
+        cards = [
+            ModelCard(id=model_id, created=created, max_model_len=async_engine.max_model_len,
+                      sampling_defaults=asdict(async_engine.sampling_defaults))
+            for model_id in model_ids
+        ]  # fmt: skip
         return ModelList(data=cards).model_dump()
 
     @app.post("/v1/chat/completions")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from metal_engine.outputs import RequestOutput
 from server.engine_stats import EngineStats, read_engine_stats
 from server.http.logs import current_request_id
+from server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
@@ -130,16 +131,19 @@ class _Add:
 class AsyncEngine:
     """Async front of an engine that only one thread may touch.
 
-    `generate` may be called from any event loop; `tokenizer`, `model_name` and
-    `max_model_len` are read-only and safe to use from handlers; `stats()` is a snapshot the
+    `generate` may be called from any event loop; `tokenizer`, `model_name`,
+    `max_model_len` and `sampling_defaults` (what requests get for the sampling fields they
+    leave unset) are read-only and safe to use from handlers; `stats()` is a snapshot the
     engine thread publishes after every step. At most `max_queued_requests` requests (None:
     no limit) may wait for their first output; more raise `QueueFull`.
     """
 
     def __init__(
-        self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False
+        self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False,
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self.engine = engine
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.max_queued_requests = max_queued_requests
         self.log_prompts = log_prompts
         self._cond = threading.Condition()

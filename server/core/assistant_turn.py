@@ -125,7 +125,7 @@ async def start(
             names.get("messages", "messages"),
         )
         structured = plan.structured() or chat.response_structure()
-        params = chat.sampling_params(max_tokens, structured)
+        params = chat.sampling_params(max_tokens, structured, engine.sampling_defaults)
         choices = await generation.start(engine, prompt.ids, params, request_id)
     except APIError as exc:
         exc.param = names.get(exc.param or "", exc.param)

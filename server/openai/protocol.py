@@ -21,6 +21,9 @@ from scheduler.request import FinishReason
 from scheduler.sampling_params import MAX_REPETITION_PENALTY, StructuredOutput
 from server.http.errors import APIError
 from server.openai.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
+from server.sampling_defaults import SAMPLING_KEYS, SamplingDefaults
+
+NEUTRAL_DEFAULTS = SamplingDefaults()
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -95,6 +98,16 @@ class _GenerationRequest(BaseModel):
         """Alternatives per token to report (0: only the sampled token's); None: no logprobs."""
         raise NotImplementedError
 
+    def _sampling_fields(self, defaults: SamplingDefaults) -> dict[str, float | int]:
+        """Each of `defaults`' fields: the request's value where it sends one (an explicit
+        0 or -1 top_k, 0 min_p included), else the default."""
+        values = {
+            name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
+            for name in SAMPLING_KEYS
+        }
+        values["top_k"] = max(values["top_k"], 0)  # -1 and 0 both mean off
+        return values
+
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         try:
             return tuple((int(token), float(b)) for token, b in (self.logit_bias or {}).items())
@@ -104,20 +117,20 @@ class _GenerationRequest(BaseModel):
             ) from None
 
     def sampling_params(
-        self, max_tokens: int, structured: StructuredOutput | None = None
+        self,
+        max_tokens: int,
+        structured: StructuredOutput | None = None,
+        defaults: SamplingDefaults = NEUTRAL_DEFAULTS,
     ) -> SamplingParams:
-        """The engine's parameters, with `max_tokens` already fitted to the context."""
+        """The engine's parameters, with `max_tokens` already fitted to the context; the
+        sampling fields the request leaves unset come from `defaults`."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=max(self.top_k or 0, 0),
-                min_p=self.min_p or 0.0,
+                **self._sampling_fields(defaults),
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=self.repetition_penalty or 1.0,
                 seed=self.seed,
                 stop=tuple(s for s in stop if s),
                 ignore_eos=self.ignore_eos,
@@ -325,6 +338,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "metal-serve"
+    max_model_len: int | None = None  # as vLLM's cards say
+    # What a request gets for the sampling fields it leaves unset (see --generation-config).
+    sampling_defaults: dict[str, float | int] | None = None
 
 
 class ModelList(BaseModel):

@@ -144,7 +144,7 @@ class Serving:
         max_tokens = min(
             check_context(len(ids), requested, context, endpoint.prompt_param) for ids in prompts
         )
-        params = body.sampling_params(max_tokens, structured)
+        params = body.sampling_params(max_tokens, structured, self.engine.sampling_defaults)
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         start = generation.start_prompts(

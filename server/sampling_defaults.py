@@ -1,0 +1,123 @@
+"""Sampling defaults for requests that leave a parameter unset, as vLLM picks them: the model's
+generation_config.json (or another folder's, or none), with the server's overrides on top.
+
+Built once at the CLI edge; a request's own values always win (see `sampling_params`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from scheduler.sampling_params import MAX_REPETITION_PENALTY
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# `--generation-config` values that are not folders.
+FROM_MODEL, NEUTRAL = "auto", "vllm"
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for each of these it does not send. The neutral values (temperature
+    1, no top-k/top-p/min-p filter, no repetition penalty) are the OpenAI API's defaults."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}"
+            )
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> SamplingDefaults:
+        """The defaults `values` sets (generation_config.json keys); other keys are ignored,
+        as are nulls. A negative top_k means off, as in vLLM."""
+        picked = {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
+        for key, value in picked.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{key} must be a number, got {value!r}")
+        if "top_k" in picked:
+            if picked["top_k"] != int(picked["top_k"]):
+                raise ValueError(f"top_k must be an integer, got {picked['top_k']}")
+            picked["top_k"] = max(int(picked["top_k"]), 0)
+        return cls(**picked)
+
+    def merged(self, override: Mapping[str, Any]) -> SamplingDefaults:
+        """These defaults with `override`'s keys replaced."""
+        return SamplingDefaults.from_mapping({**asdict(self), **override})
+
+    def changed(self) -> dict[str, float | int]:
+        """The defaults that differ from the neutral ones (what a model card recommends)."""
+        neutral = SamplingDefaults()
+        return {k: v for k, v in asdict(self).items() if v != getattr(neutral, k)}
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+SAMPLING_KEYS = tuple(f.name for f in fields(SamplingDefaults))
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """`--override-generation-config`'s JSON object; raises ValueError naming what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f'expected a JSON object such as \'{{"temperature": 0.5}}\', got {text!r}')
+    unknown = sorted(set(value) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"unknown keys {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
+    SamplingDefaults.from_mapping(value)  # a ValueError naming a bad value
+    return value
+
+
+def generation_config_path(model_dir: Path, choice: str) -> Path | None:
+    """The generation_config.json that `--generation-config choice` reads, None for none:
+    "auto" the model dir's (if it has one), "vllm" none, else the named folder's."""
+    if choice == NEUTRAL:
+        return None
+    if choice == FROM_MODEL:
+        path = Path(model_dir) / GENERATION_CONFIG_FILE
+        return path if path.is_file() else None
+    path = Path(choice).expanduser() / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"--generation-config {choice}: {path} does not exist; pass a folder holding a "
+            f"{GENERATION_CONFIG_FILE}, `auto` (the model's) or `vllm` (neutral defaults)"
+        )
+    return path
+
+
+def load_sampling_defaults(
+    model_dir: Path, choice: str = FROM_MODEL, override: Mapping[str, Any] | None = None
+) -> SamplingDefaults:
+    """The defaults in effect: the generation config `choice` names, under `override`."""
+    path = generation_config_path(model_dir, choice)
+    loaded = SamplingDefaults()
+    if path is not None:
+        try:
+            loaded = SamplingDefaults.from_mapping(json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, AttributeError) as exc:  # AttributeError: JSON but not an object
+            raise ValueError(
+                f"{path}: {exc}; fix the file, or pass --generation-config vllm to ignore it"
+            ) from exc
+    return loaded.merged(override or {})

@@ -34,11 +34,16 @@ class StoredPrefix:
 
 @dataclass
 class PrefixCacheStats:
-    """Token counts over admitted requests: looked up, found cached (either tier), and found
-    in the store only."""
+    """Token counts over first admissions: looked up, found cached (either tier); and, with a
+    store, looked up there (the tokens the pool lacked) and found there.
+
+    A preempted request admitted again is not counted, as vLLM counts: its own blocks would
+    read as hits and inflate the rate.
+    """
 
     queried_tokens: int = 0
     hit_tokens: int = 0
+    stored_queried_tokens: int = 0
     stored_hit_tokens: int = 0
 
     @property
@@ -121,11 +126,17 @@ class PrefixCache:
         request.num_hashed_blocks = len(request.block_ids)
         if request.num_output_tokens == 0:  # first admission: what usage reports
             request.num_cached_tokens = num_cached_tokens
-        if self.enabled:
-            self.stats.queried_tokens += request.num_tokens
-            self.stats.hit_tokens += num_cached_tokens
-            self.stats.stored_hit_tokens += len(loads) * self.block_size
+        if self.enabled and request.num_preemptions == 0:
+            self._count(request.num_tokens, len(hits), len(loads))
         return loads
+
+    def _count(self, num_tokens: int, num_pool_hits: int, num_stored_hits: int) -> None:
+        stats, block_size = self.stats, self.block_size
+        stats.queried_tokens += num_tokens
+        stats.hit_tokens += (num_pool_hits + num_stored_hits) * block_size
+        if self.store is not None:
+            stats.stored_queried_tokens += num_tokens - num_pool_hits * block_size
+            stats.stored_hit_tokens += num_stored_hits * block_size
 
     def _allocate_stored(self, stored: StoredPrefix) -> list[tuple[int, bytes]]:
         blocks = self.pool.allocate(len(stored.payloads))

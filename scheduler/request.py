@@ -60,6 +60,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_hashed_blocks = 0
         self.num_cached_tokens = 0
+        self.num_preemptions = 0  # times the scheduler took its blocks back
 
     @property
     def num_prompt_tokens(self) -> int:

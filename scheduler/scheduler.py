@@ -272,6 +272,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute later: release its blocks (cached ones stay findable), queue it again."""
         self.num_preemptions += 1
+        request.num_preemptions += 1
         self.running.remove(request)
         self.pool.free(request.block_ids)
         request.block_ids = []

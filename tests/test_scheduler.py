@@ -212,6 +212,8 @@ def test_preempted_request_resumes_after_its_cached_prefix():
     out, _ = step(s)
     assert counts(out) == {"new": 1}  # prompt blocks still cached: only its output token
     assert s.requests["new"].num_cached_tokens == 0  # usage counts the first admission
+    stats = s.prefix_cache.stats  # as vLLM counts: the readmission's own blocks are no hits
+    assert (stats.queried_tokens, stats.hit_tokens) == (8 + 8, 0)
 
 
 # -- scheduling policy --------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def build_app(
     app = FastAPI(title="metal-serve", lifespan=lifespan)
     install_error_handlers(app)
     _add_guards(app, options, Drain(async_engine))
-    metrics = ServerMetrics(async_engine.stats)
+    metrics = ServerMetrics(async_engine.stats, served_model_name)
     async_engine.observe_requests(metrics.request)
     serving = Serving(async_engine, served_model_name, max_n, tool_call_parser)
     created = int(time.time())

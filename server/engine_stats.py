@@ -8,7 +8,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Plain numbers, safe to hand to another thread once taken."""
+    """Plain numbers, safe to hand to another thread once taken.
+
+    Prefix-cache counts are tokens over first admissions, split by tier the way vLLM splits
+    local hits from a KV connector's: `prefix_cache_*` is the KV pool (every prompt token is
+    a query), `kv_disk_*` the disk tier (queried for what the pool lacked).
+    """
 
     num_running: int = 0
     num_waiting: int = 0
@@ -16,7 +21,15 @@ class EngineStats:
     num_used_kv_blocks: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    has_kv_disk: bool = False
+    kv_disk_queried_tokens: int = 0
+    kv_disk_hit_tokens: int = 0
     num_preemptions: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's blocks held by requests (free cached blocks count as free)."""
+        return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
 def read_engine_stats(engine: Any) -> EngineStats:
@@ -27,13 +40,17 @@ def read_engine_stats(engine: Any) -> EngineStats:
     scheduler = getattr(engine, "scheduler", None)
     if scheduler is None:
         return EngineStats()
-    pool, cache_stats = scheduler.pool, scheduler.prefix_cache.stats
+    pool, prefix_cache = scheduler.pool, scheduler.prefix_cache
+    cache_stats = prefix_cache.stats
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_kv_blocks=pool.num_blocks,
         num_used_kv_blocks=pool.num_used_blocks,
         prefix_cache_queried_tokens=cache_stats.queried_tokens,
-        prefix_cache_hit_tokens=cache_stats.hit_tokens,
+        prefix_cache_hit_tokens=cache_stats.hit_tokens - cache_stats.stored_hit_tokens,
+        has_kv_disk=prefix_cache.store is not None,
+        kv_disk_queried_tokens=cache_stats.stored_queried_tokens,
+        kv_disk_hit_tokens=cache_stats.stored_hit_tokens,
         num_preemptions=scheduler.num_preemptions,
     )

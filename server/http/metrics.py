@@ -1,4 +1,8 @@
-"""`/metrics` in the Prometheus text format.
+"""`/metrics` in the Prometheus text format, under vLLM v1's names, types and labels.
+
+So existing vLLM dashboards and alerts work unchanged: every series is `vllm:*` with the
+labels `model_name` (the served model name) and `engine` ("0": one engine per server), and
+histograms use vLLM's bucket boundaries. What vLLM has no name for stays `metal_serve_*`.
 
 Two sources: per-request timings and token counts, observed on the handlers' event loop as
 outputs arrive (`RequestTimer`); and the engine's gauges and counters, read from the snapshot
@@ -9,7 +13,7 @@ itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,44 +28,59 @@ from prometheus_client.registry import Collector
 from metal_engine.outputs import RequestOutput
 from server.engine_stats import EngineStats
 
-_PREFIX = "metal_serve"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1, 2.5)
+LABEL_NAMES = ("model_name", "engine")
+ENGINE_INDEX = "0"
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
 class ServerMetrics:
     """The registry behind `/metrics` (one per app, so several apps can share a process)."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
-        self.registry = CollectorRegistry()
-        reg = self.registry
-        self.ttft = Histogram(
-            f"{_PREFIX}_time_to_first_token_seconds", "From submission to the first output.",
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.inter_token = Histogram(
-            f"{_PREFIX}_inter_token_latency_seconds", "Time between output tokens.",
-            buckets=_TOKEN_GAP_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            f"{_PREFIX}_e2e_request_latency_seconds", "From submission to the last output.",
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        )  # fmt: skip
+    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = reg = CollectorRegistry()
+        self._labels = labels = (model_name, ENGINE_INDEX)
+        self.ttft = _histogram(reg, labels, "vllm:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token = _histogram(reg, labels, "vllm:inter_token_latency_seconds",
+                                      "Histogram of inter-token latency in seconds.",
+                                      ITL_BUCKETS)  # fmt: skip
+        self.e2e = _histogram(reg, labels, "vllm:e2e_request_latency_seconds",
+                              "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
         self.prompt_tokens = Counter(
-            f"{_PREFIX}_prompt_tokens", "Prompt tokens of requests that ran.", registry=reg
-        )
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABEL_NAMES,
+            registry=reg,
+        ).labels(*labels)  # fmt: skip
         self.generation_tokens = Counter(
-            f"{_PREFIX}_generation_tokens", "Tokens generated.", registry=reg
-        )
-        self.requests = Counter(
-            f"{_PREFIX}_requests", "Requests by how they ended: stop, length, abort, error "
-            "(the engine failed) or rejected (refused or queue full).",
-            ["finish_reason"], registry=reg,
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABEL_NAMES,
+            registry=reg,
+        ).labels(*labels)  # fmt: skip
+        self._success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            [*LABEL_NAMES, "finished_reason"], registry=reg,
         )  # fmt: skip
-        reg.register(_EngineCollector(engine_stats))
+        for reason in FINISHED_REASONS:  # each series shows, at 0, before a request ends so
+            self._success.labels(*labels, reason)
+        self.rejected = Counter(
+            "metal_serve_requests_rejected", "Requests refused before they ran (invalid for "
+            "the engine, or the waiting queue was full).", LABEL_NAMES, registry=reg,
+        ).labels(*labels)  # fmt: skip
+        reg.register(_EngineCollector(engine_stats, labels))
 
     def request(self) -> RequestTimer:
         return RequestTimer(self)
+
+    def finished(self, outcome: str) -> None:
+        """Count a request that ended: a `finished_reason`, or "rejected" if it never ran."""
+        if outcome == "rejected":
+            self.rejected.inc()
+        else:
+            self._success.labels(*self._labels, outcome).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -91,7 +110,7 @@ class RequestTimer:
             self._num_output_tokens, self._last = output.num_output_tokens, now
 
     def on_finish(self, outcome: str) -> None:
-        self._metrics.requests.labels(finish_reason=outcome).inc()
+        self._metrics.finished(outcome)
         if self._num_output_tokens:
             self._metrics.e2e.observe(time.monotonic() - self._start)
 
@@ -99,27 +118,43 @@ class RequestTimer:
 class _EngineCollector(Collector):
     """Gauges and counters from the engine thread's latest snapshot, read at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], labels: Sequence[str]) -> None:
         self._engine_stats = engine_stats
+        self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
-        s = self._engine_stats()
-        yield _gauge("requests_running", "Requests in the running batch.", s.num_running)
-        yield _gauge("requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield _gauge("kv_cache_blocks", "KV cache blocks in the pool.", s.num_kv_blocks)
-        yield _gauge("kv_cache_blocks_used", "KV cache blocks in use.", s.num_used_kv_blocks)
-        hit_rate = s.prefix_cache_hit_tokens / max(s.prefix_cache_queried_tokens, 1)
-        yield _gauge("prefix_cache_hit_rate", "Prompt tokens found cached / looked up.", hit_rate)
-        yield _counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
-                       "cache.", s.prefix_cache_queried_tokens)  # fmt: skip
-        yield _counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
-                       s.prefix_cache_hit_tokens)  # fmt: skip
-        yield _counter("preemptions", "Requests preempted for KV space.", s.num_preemptions)
+        s, gauge, counter = self._engine_stats(), self._gauge, self._counter
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution "
+                    "batches.", s.num_running)  # fmt: skip
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    s.num_waiting)  # fmt: skip
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    s.kv_cache_usage)  # fmt: skip
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number "
+                      "of queried tokens.", s.prefix_cache_queried_tokens)  # fmt: skip
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                      "cached tokens.", s.prefix_cache_hit_tokens)  # fmt: skip
+        if s.has_kv_disk:  # vLLM reports a KV connector's tier (disk offload too) as external
+            yield counter("vllm:external_prefix_cache_queries", "KV disk tier queries, in "
+                          "terms of number of queried tokens.", s.kv_disk_queried_tokens)
+            yield counter("vllm:external_prefix_cache_hits", "KV disk tier hits, in terms of "
+                          "number of cached tokens.", s.kv_disk_hit_tokens)  # fmt: skip
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the "
+                      "engine.", s.num_preemptions)  # fmt: skip
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, documentation, labels=LABEL_NAMES)
+        family.add_metric(self._labels, value)
+        return family
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, documentation, labels=LABEL_NAMES)
+        family.add_metric(self._labels, value)
+        return family
 
 
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"{_PREFIX}_{name}", documentation, value=value)
-
-
-def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(f"{_PREFIX}_{name}", documentation, value=value)
+def _histogram(registry: CollectorRegistry, labels: Sequence[str], name: str,
+               documentation: str, buckets: Sequence[float]) -> Histogram:
+    """One series of a labelled histogram, the only one this server has."""
+    family = Histogram(name, documentation, LABEL_NAMES, buckets=buckets, registry=registry)
+    return family.labels(*labels)

@@ -9,6 +9,7 @@ import pytest
 
 from server.core.reasoning import ReasoningStream
 from server.core.tool_parsers import (
+    CallPiece,
     ForcedCallParser,
     HermesParser,
     Llama3JsonParser,
@@ -79,14 +80,31 @@ CASES = [
 
 
 def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[ParsedCall]]:
-    """Feed `pieces` in order (the last one as final); return the content and the calls."""
+    """Feed `pieces` in order (the last one as final); return the content and the calls, each
+    joined from its pieces (which must name it first and end it once)."""
+    return stream_pieces(parser, pieces)[:2]
+
+
+def stream_pieces(
+    parser: ToolParser, pieces: list[str]
+) -> tuple[str, list[ParsedCall], list[CallPiece]]:
     calls_stream = ToolCallStream(parser)
-    content, calls = "", []
+    content, names, arguments, ended, seen = "", [], [], [], []
     for i, piece in enumerate(pieces):
-        new_content, new_calls = calls_stream.feed(piece, final=i == len(pieces) - 1)
+        new_content, new_pieces = calls_stream.feed(piece, final=i == len(pieces) - 1)
         content += new_content
-        calls += new_calls
-    return content, calls
+        for call in new_pieces:
+            if call.name is not None:
+                assert call.index == len(names)
+                names.append(call.name)
+                arguments.append("")
+            assert call.index not in ended
+            arguments[call.index] += call.arguments
+            if call.done:
+                ended.append(call.index)
+        seen += new_pieces
+    assert ended == list(range(len(names)))
+    return content, [ParsedCall(n, a) for n, a in zip(names, arguments, strict=True)], seen
 
 
 def split_at_random(text: str, rng: random.Random) -> list[str]:
@@ -117,9 +135,43 @@ def test_calls_come_out_as_soon_as_they_close():
     text = CASES[1][1]
     first_close = text.index("</tool_call>") + len("</tool_call>")
     calls_stream = ToolCallStream(HermesParser())
-    content, calls = calls_stream.feed(text[:first_close], final=False)
-    assert (content, calls) == ("Let me check.\n", [WEATHER])
-    assert calls_stream.feed(text[first_close:], final=False) == ("", [TIME])
+    content, pieces = calls_stream.feed(text[:first_close], final=False)
+    assert content == "Let me check.\n"
+    assert pieces == [CallPiece(0, WEATHER.name, WEATHER.arguments, done=True)]
+    assert calls_stream.feed(text[first_close:], final=False) == (
+        "", [CallPiece(1, TIME.name, TIME.arguments, done=True)]
+    )
+
+
+def test_a_call_streams_its_name_once_complete_then_its_arguments_as_written():
+    content = "x = 1\\n" * 40
+    arguments = json.dumps({"path": "a.py", "content": content})
+    text = f'<tool_call>\n{{"name": "write_file", "arguments": {arguments}}}\n</tool_call>'
+    _, calls, pieces = stream_pieces(HermesParser(), [*text, ""])
+    assert calls == [ParsedCall("write_file", arguments)]
+    assert [p.name for p in pieces if p.name] == ["write_file"]  # never a partial name
+    assert len([p for p in pieces if p.arguments]) > 100
+    assert not pieces[-1].arguments and pieces[-1].done  # the close tag only ends it
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", '
+        '"parameters": {"zone": "CET"}}',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    ],
+)
+def test_llama3_calls_stream_their_arguments(text):
+    _, calls, pieces = stream_pieces(Llama3JsonParser(), [*text, ""])
+    assert calls[0] == ParsedCall("get_weather", '{"city": "Paris"}')
+    assert len([p for p in pieces if p.index == 0 and p.arguments]) > 5
+
+
+def test_a_call_cut_short_ends_with_the_arguments_written():
+    text = '<tool_call>{"name": "write_file", "arguments": {"path": "a.py", "content": "x'
+    content, calls = stream(HermesParser(), [*text, ""])
+    assert (content, calls) == ("", [ParsedCall("write_file", '{"path": "a.py", "content": "x')])
 
 
 def test_a_marker_split_across_deltas_is_held_back():
@@ -131,9 +183,14 @@ def test_a_marker_split_across_deltas_is_held_back():
 
 def test_a_malformed_call_is_returned_as_content():
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
-    assert stream(HermesParser(), [*text, ""]) == (text, [])
+    assert stream(HermesParser(), [text]) == (text, [])
     truncated = '{"name": "get_weather", "arguments": {"ci'
     assert stream(ForcedCallParser(), [truncated]) == (truncated, [])
+
+
+def test_a_malformed_call_that_began_streaming_ends_at_its_close_tag():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    assert stream(HermesParser(), [*text, ""]) == ("", [ParsedCall("get_weather", '{"city": ')])
 
 
 def test_arguments_given_as_json_text_are_accepted():

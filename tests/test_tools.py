@@ -108,6 +108,24 @@ def test_streamed_calls_come_as_tool_call_deltas_never_as_content():
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_a_long_argument_streams_in_many_deltas_that_join_to_the_call():
+    content = "".join(f"line {i}: print({i})\n" for i in range(60))
+    call = json.dumps({"name": "get_time", "arguments": {"zone": content}})
+    script = ["<tool_call>", *(call[i : i + 3] for i in range(0, len(call), 3)), "</tool_call>"]
+    engine = ScriptedEngine(script, ToolTemplateTokenizer())
+    with running_server(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        stream = client.chat.completions.create(
+            model="default", messages=chat()["messages"], tools=TOOLS, stream=True
+        )
+        deltas = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert (deltas[0].function.name, deltas[0].type) == ("get_time", "function")
+    assert deltas[0].id and all(d.id is None and d.index == 0 for d in deltas[1:])
+    fragments = [d.function.arguments for d in deltas if d.function.arguments]
+    assert len(fragments) > 50
+    assert json.loads("".join(fragments)) == {"zone": content}
+
+
 def test_without_parallel_calls_only_the_first_is_returned():
     client, _ = scripted_client(HERMES_SCRIPT)
     with client:
@@ -262,7 +280,10 @@ def test_named_tool_call_round_trip_streamed(client):
     chunks = [chunk for chunk in stream if chunk.choices]
     assert all(not c.choices[0].delta.content for c in chunks)
     deltas = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
-    assert [d.index for d in deltas] == [0] and deltas[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER_PARAMETERS)
+    assert {d.index for d in deltas} == {0} and deltas[0].function.name == "get_weather"
+    assert all(d.function.name is None and d.id is None for d in deltas[1:])
+    call = deltas[0].model_copy(deep=True)
+    call.function.arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    answer_with_the_result(client, messages, deltas[0])
+    answer_with_the_result(client, messages, call)

@@ -51,7 +51,8 @@ class ToolCallArguments:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """The open call is complete: `arguments` is its fragments joined, a JSON object."""
+    """The open call ended: `arguments` is its fragments joined, a JSON object (cut short
+    when the turn ended inside the call)."""
 
     name: str
     arguments: str
@@ -164,9 +165,13 @@ async def _events(
             if piece.content:
                 yield TextDelta(piece.content)
             for call in piece.tool_calls:
-                yield ToolCallStart(call.function.name)
-                yield ToolCallArguments(call.function.arguments)
-                yield ToolCall(call.function.name, call.function.arguments)
+                if call.name is not None:
+                    yield ToolCallStart(call.name)
+                if call.arguments:
+                    yield ToolCallArguments(call.arguments)
+                if call.done:
+                    function = pieces.calls[call.index].function
+                    yield ToolCall(function.name, function.arguments)
             if output.finished:
                 break
             _, output = await anext(choices)

@@ -1,21 +1,31 @@
 """Tool calls parsed out of a model's text, one parser per chat-template family.
 
-A parser answers two questions about a choice's text: where its tool-call region starts, and
-which calls at the start of that region are complete. `ToolCallStream` builds streaming and
-whole-message parsing on those answers, so both see the same calls:
+A parser answers three questions about a choice's text: where its tool-call region starts,
+which calls at the start of that region are complete, and where the call still being written
+begins. `ToolCallStream` builds streaming and whole-message parsing on those answers, so both
+see the same calls, and streams a call's arguments as they are written:
 
-    text:  "Let me look.<tool_call>{...}</tool_call><tool_call>{...
-            └── content ─┘└──────────── region ───────────────────┘
+    text:  "Let me look.<tool_call>{...}</tool_call><tool_call>{"name": "f", "arguments": {"a
+            └── content ─┘└──────────── region ──────────────────────────────────────────┘
+                          └── complete call ───────┘└── open call ──┘└─ its arguments ──┘
+
+A call's `arguments` are the model's own text of its arguments object, so the fragments
+streamed while it is written join to exactly the arguments of the complete call.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from partial_json_parser import Allow
+from partial_json_parser import loads as partial_loads
+
 _JSON = json.JSONDecoder()
+_ARGUMENTS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
 @dataclass(frozen=True)
@@ -30,8 +40,20 @@ class RegionCalls:
     end: int  # characters of the region those calls take up
 
 
-def _call_of(value: Any) -> ParsedCall | None:
-    """A call from a decoded `{"name": ..., "arguments" | "parameters": {...}}`."""
+@dataclass(frozen=True)
+class CallPiece:
+    """What one delta adds to the call at `index`: its name on the call's first piece, the
+    next fragment of its arguments, and `done` on the piece that ends it."""
+
+    index: int
+    name: str | None
+    arguments: str
+    done: bool
+
+
+def _call_of(value: Any, text: str | None = None) -> ParsedCall | None:
+    """A call from a decoded `{"name": ..., "arguments" | "parameters": {...}}`, whose JSON
+    text is `text` when the caller has it (its arguments are then kept as written)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -40,9 +62,31 @@ def _call_of(value: Any) -> ParsedCall | None:
             arguments = json.loads(arguments)
         except ValueError:
             return None
+        text = None
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    written = _arguments_text(text, arguments) if text is not None else None
+    return ParsedCall(value["name"], written or json.dumps(arguments, ensure_ascii=False))
+
+
+def _arguments_start(call_text: str) -> int | None:
+    """Where the arguments object of the call written in `call_text` starts, once its key came."""
+    match = _ARGUMENTS_KEY.search(call_text)
+    if match is None or not call_text.startswith("{", match.end()):
+        return None
+    return match.end()
+
+
+def _arguments_text(call_text: str, arguments: dict) -> str | None:
+    """The text of the call's arguments object as the model wrote it, if it is found there."""
+    start = _arguments_start(call_text)
+    if start is None:
+        return None
+    try:
+        value, end = _JSON.raw_decode(call_text, start)
+    except ValueError:
+        return None
+    return call_text[start:end] if value == arguments else None
 
 
 def _skip_space(text: str, pos: int, also: str = "") -> int:
@@ -69,15 +113,16 @@ class ToolParser(ABC):
         open at the start (while only spaces came) or at a marker's partial prefix."""
         if self.leading and self.leading.startswith(text.lstrip()):
             return 0
-        longest = max((len(m) for m in self.markers), default=0)
-        for i in range(max(0, len(text) - longest + 1), len(text)):
-            if any(m.startswith(text[i:]) for m in self.markers):
-                return i
-        return len(text)
+        return min((len(_held_back(text, m)) for m in self.markers), default=len(text))
 
     @abstractmethod
     def calls(self, region: str, final: bool) -> RegionCalls:
         """The complete calls at the start of `region`; `final` once no more text comes."""
+
+    def open_call(self, region: str, end: int) -> str | None:
+        """The text of the call being written after the complete calls (`region[end:]`), from
+        its `{`; None while none has begun, or for a syntax whose calls cannot stream."""
+        return None
 
 
 class HermesParser(ToolParser):
@@ -100,12 +145,22 @@ class HermesParser(ToolParser):
                 break
             # At the end of the text a missing close tag is forgiven.
             body_end = len(region) if close < 0 else close
-            call = _call_of(_loads(region[body_start:body_end]))
+            body = region[body_start:body_end].strip()
+            call = _call_of(_loads(body), body)
             if call is None:
                 break
             calls.append(call)
             end = len(region) if close < 0 else close + len(self._close)
         return RegionCalls(calls, end)
+
+    def open_call(self, region: str, end: int) -> str | None:
+        start = _skip_space(region, end)
+        if not region.startswith(self.markers[0], start):
+            return None
+        body_start = start + len(self.markers[0])
+        close = region.find(self._close, body_start)  # a close tag ends even a malformed call
+        return _object_from(region[:close] if close >= 0 else _held_back(region, self._close),
+                            body_start)  # fmt: skip
 
 
 class Llama3JsonParser(ToolParser):
@@ -121,16 +176,22 @@ class Llama3JsonParser(ToolParser):
         pos = len(self.markers[0]) if region.startswith(self.markers[0]) else 0
         calls, end = [], 0
         while True:
+            start = _skip_space(region, pos, also=";")
             try:
-                value, stop = _JSON.raw_decode(region, _skip_space(region, pos, also=";"))
+                value, stop = _JSON.raw_decode(region, start)
             except ValueError:
                 break
-            call = _call_of(value)
+            call = _call_of(value, region[start:stop])
             if call is None:
                 break
             calls.append(call)
             pos = end = stop
         return RegionCalls(calls, end)
+
+    def open_call(self, region: str, end: int) -> str | None:
+        if end == 0 and region.startswith(self.markers[0]):
+            end = len(self.markers[0])
+        return _object_from(region, end, also=";")
 
 
 class MistralParser(ToolParser):
@@ -162,12 +223,30 @@ class ForcedCallParser(ToolParser):
     leading = "{"
 
     def calls(self, region: str, final: bool) -> RegionCalls:
+        start = _skip_space(region, 0)
         try:
-            value, stop = _JSON.raw_decode(region, _skip_space(region, 0))
+            value, stop = _JSON.raw_decode(region, start)
         except ValueError:
             return RegionCalls([], 0)
-        call = _call_of(value)
+        call = _call_of(value, region[start:stop])
         return RegionCalls([call], stop) if call else RegionCalls([], 0)
+
+    def open_call(self, region: str, end: int) -> str | None:
+        return _object_from(region, 0) if end == 0 else None
+
+
+def _object_from(text: str, pos: int, also: str = "") -> str | None:
+    """`text` from the `{` that opens at `pos` (spaces and `also` skipped), if one does."""
+    start = _skip_space(text, pos, also)
+    return text[start:] if text.startswith("{", start) else None
+
+
+def _held_back(text: str, tag: str) -> str:
+    """`text` without an end that may be the start of `tag`, until the next delta tells."""
+    for i in range(max(0, len(text) - len(tag) + 1), len(text)):
+        if tag.startswith(text[i:]):
+            return text[:i]
+    return text
 
 
 def _loads(text: str) -> Any:
@@ -196,11 +275,22 @@ def parser_for_template(template: str) -> ToolParser | None:
     return None
 
 
+@dataclass
+class _OpenCall:
+    """A call whose name has come and whose arguments are streaming."""
+
+    name: str
+    arguments_start: int  # where its arguments object starts in the call's text
+    sent: str = ""  # its arguments streamed so far
+
+
 class ToolCallStream:
-    """Splits one choice's text, delta by delta, into content and complete tool calls.
+    """Splits one choice's text, delta by delta, into content and tool calls.
 
     Text that may still become a tool call is held back, so raw call syntax never reaches
-    the content. A region that does not parse by the end is handed out as content.
+    the content. A call's arguments stream as they are written, once its name is known. A
+    region that does not parse by the end is handed out as content, and a call the text
+    ended inside (a length cut) ends with the arguments written so far.
     """
 
     def __init__(self, parser: ToolParser) -> None:
@@ -208,10 +298,11 @@ class ToolCallStream:
         self.text = ""
         self.content_end = 0  # characters of `text` handed out as content
         self.region: int | None = None  # where the tool-call region starts, once known
-        self.num_calls = 0
+        self.num_calls = 0  # calls ended so far
+        self.open: _OpenCall | None = None
 
-    def feed(self, delta: str, final: bool) -> tuple[str, list[ParsedCall]]:
-        """Add a delta; return the new content and the calls completed by it."""
+    def feed(self, delta: str, final: bool) -> tuple[str, list[CallPiece]]:
+        """Add a delta; return the new content and what it adds to the calls."""
         self.text += delta
         if self.region is None:
             self.region = self.parser.region_start(self.text)
@@ -219,16 +310,65 @@ class ToolCallStream:
             end = len(self.text) if final else self.parser.safe_end(self.text)
             return self._content_to(end), []
         content = self._content_to(self.region)
-        found = self.parser.calls(self.text[self.region :], final)
-        new_calls = found.calls[self.num_calls :]
-        self.num_calls = len(found.calls)
-        if final:
-            leftover = self.text[self.region + found.end :]
-            if leftover.strip():  # a malformed call is shown to the client, not lost
-                content += leftover
-        return content, new_calls
+        region = self.text[self.region :]
+        found = self.parser.calls(region, final)
+        pieces = [self._end_call(call) for call in found.calls[self.num_calls :]]
+        if not final:
+            piece = self._stream(self.parser.open_call(region, found.end))
+            return content, pieces + ([piece] if piece else [])
+        if self.open is not None:
+            pieces.append(self._end_call(None))
+        elif region[found.end :].strip():  # a malformed call is shown to the client, not lost
+            content += region[found.end :]
+        return content, pieces
+
+    def _stream(self, call_text: str | None) -> CallPiece | None:
+        """The next piece of the call being written, if it has a new one."""
+        if call_text is None:
+            return None
+        name = None
+        if self.open is None:
+            name, start = _complete_name(call_text), _arguments_start(call_text)
+            if name is None or start is None:
+                return None
+            self.open = _OpenCall(name, start)
+        arguments = _arguments_so_far(call_text, self.open.arguments_start)
+        fragment = arguments[len(self.open.sent) :]
+        if not (fragment or name):
+            return None
+        self.open.sent = arguments
+        return CallPiece(self.num_calls, name, fragment, done=False)
+
+    def _end_call(self, call: ParsedCall | None) -> CallPiece:
+        """The piece that ends the next call: `call` whole, or the rest of the open one
+        (nothing when `call` is None: the text ended inside it)."""
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        if self.open is None:
+            assert call is not None
+            return CallPiece(index, call.name, call.arguments, done=True)
+        sent, self.open = self.open.sent, None
+        return CallPiece(index, None, call.arguments[len(sent) :] if call else "", done=True)
 
     def _content_to(self, end: int) -> str:
         piece = self.text[self.content_end : end]
         self.content_end = max(self.content_end, end)
         return piece
+
+
+def _complete_name(call_text: str) -> str | None:
+    """The call's name once its string is complete (partial strings are left out)."""
+    try:
+        head = partial_loads(call_text, Allow.ALL & ~Allow.STR)
+    except ValueError:
+        return None
+    name = head.get("name") if isinstance(head, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _arguments_so_far(call_text: str, start: int) -> str:
+    """The arguments object's text: all of it once it closed, else everything written yet."""
+    try:
+        _, end = _JSON.raw_decode(call_text, start)
+    except ValueError:
+        return call_text[start:]
+    return call_text[start:end]

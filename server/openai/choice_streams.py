@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.core.reasoning import ReasoningStream
-from server.core.tool_parsers import ToolCallStream
+from server.core.tool_parsers import CallPiece, ToolCallStream
 from server.openai.logprobs import LogprobsAligner, TokenEntry, chat_logprobs, completion_logprobs
 from server.openai.protocol import (
     AssistantMessage,
@@ -22,7 +22,7 @@ from server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
 )
-from server.openai.protocol_tools import FunctionCall, ToolCall, ToolCallDelta
+from server.openai.protocol_tools import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
@@ -34,13 +34,17 @@ class ChatPiece:
 
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    tool_calls: list[CallPiece] = field(default_factory=list)
     logprobs: list[TokenEntry] = field(default_factory=list)
     finish_reason: ChatFinishReason | None = None
 
+    def shown_calls(self) -> list[CallPiece]:
+        """The pieces a stream shows: a call's end adds nothing a client sees."""
+        return [piece for piece in self.tool_calls if piece.name is not None or piece.arguments]
+
     def is_empty(self) -> bool:
         return not (
-            self.reasoning or self.content or self.tool_calls or self.logprobs
+            self.reasoning or self.content or self.shown_calls() or self.logprobs
             or self.finish_reason
         )  # fmt: skip
 
@@ -59,29 +63,35 @@ class ChatChoiceStream:
         self.tools = tools
         self.logprobs = logprobs
         self.parallel_calls = parallel_calls
-        self.num_calls = 0
+        self.calls: list[ToolCall] = []  # the calls so far, their arguments as streamed
 
     def feed(self, output: RequestOutput) -> ChatPiece:
         final = output.finished
         reasoning, content = self.reasoning.feed(output.new_text, final)
-        calls = []
+        pieces: list[CallPiece] = []
         if self.tools is not None:
-            content, calls = self.tools.feed(content, final)
+            content, pieces = self.tools.feed(content, final)
         if not self.parallel_calls:
-            calls = calls[: max(0, 1 - self.num_calls)]
-        deltas = [
-            ToolCallDelta(
-                index=self.num_calls + i,
-                function=FunctionCall(name=call.name, arguments=call.arguments),
-            )
-            for i, call in enumerate(calls)
-        ]
-        self.num_calls += len(deltas)
+            pieces = [piece for piece in pieces if piece.index == 0]
+        for piece in pieces:
+            if piece.name is not None:
+                self.calls.append(ToolCall(function=FunctionCall(name=piece.name, arguments="")))
+            self.calls[piece.index].function.arguments += piece.arguments
         finish: ChatFinishReason | None = output.finish_reason
-        if finish == "stop" and self.num_calls:
+        if finish == "stop" and self.calls:
             finish = "tool_calls"
         entries = self.logprobs.feed(output) if self.logprobs is not None else []
-        return ChatPiece(reasoning, content, deltas, entries, finish)
+        return ChatPiece(reasoning, content, pieces, entries, finish)
+
+    def _delta(self, piece: CallPiece) -> ToolCallDelta:
+        call = self.calls[piece.index]
+        first = piece.name is not None
+        return ToolCallDelta(
+            index=piece.index,
+            id=call.id if first else None,
+            type="function" if first else None,
+            function=FunctionCallDelta(name=piece.name, arguments=piece.arguments),
+        )
 
     def chunk_choice(self, index: int, output: RequestOutput) -> ChatChunkChoice | None:
         """The stream chunk's choice for one output; None when it adds nothing."""
@@ -91,7 +101,7 @@ class ChatChoiceStream:
         delta = ChatDelta(
             content=piece.content or None,
             reasoning_content=piece.reasoning or None,
-            tool_calls=piece.tool_calls or None,
+            tool_calls=[self._delta(p) for p in piece.shown_calls()] or None,
         )
         return ChatChunkChoice(
             index=index,
@@ -102,7 +112,7 @@ class ChatChoiceStream:
 
     def whole_choice(self, index: int, outputs: list[RequestOutput]) -> ChatChoice:
         pieces = [self.feed(output) for output in outputs]
-        calls = [ToolCall(id=d.id, function=d.function) for p in pieces for d in p.tool_calls]
+        calls = self.calls
         content = "".join(p.content for p in pieces)
         reasoning = "".join(p.reasoning for p in pieces)
         message = AssistantMessage(

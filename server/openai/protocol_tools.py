@@ -6,7 +6,13 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from scheduler.sampling_params import StructuredOutput
 from server.http.errors import APIError
@@ -58,10 +64,25 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCall):
-    """A whole tool call in one stream chunk; `index` orders the calls of one choice."""
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # on a call's first delta only
+    arguments: str = ""  # the next fragment of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """What one stream chunk adds to the call at `index`: the first delta of a call carries
+    its `id`, `type` and name, the later ones only argument fragments."""
 
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
+        return {key: value for key, value in data.items() if value is not None}
 
 
 class JSONSchemaFormat(BaseModel):

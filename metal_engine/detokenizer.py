@@ -27,8 +27,9 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output text so far
         self.emitted = 0  # characters of `text` already handed out
 
-    def add_token(self, token_id: int) -> bool:
-        """Decode one more token; True if the text now contains a stop string."""
+    def add_token(self, token_id: int) -> str | None:
+        """Decode one more token; the stop string the text now contains, if one (the text is
+        cut before it)."""
         chunk = self._stream.step(self._backend, token_id)
         if chunk:  # None while a multi-byte character is still incomplete
             self.text += chunk
@@ -41,12 +42,13 @@ class IncrementalDetokenizer:
         self.emitted = end
         return delta
 
-    def _cut_at_stop(self) -> bool:
+    def _cut_at_stop(self) -> str | None:
         if not self.stop:
-            return False
+            return None
         search_from = max(0, self.emitted - self.hold_back)
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
-            return False
-        self.text = self.text[: min(hits)]
-        return True
+            return None
+        start, matched = min(hits, key=lambda hit: (hit[0], len(hit[1])))
+        self.text = self.text[:start]
+        return matched

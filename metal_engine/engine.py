@@ -221,14 +221,19 @@ class LLMEngine:
         grammar_complete = (
             request_id in self.structured and self.structured.accept(request_id, token_id)
         )
-        if (detok.add_token(token_id) or grammar_complete) and reason is None:
+        stop_string = detok.add_token(token_id)
+        if (stop_string or grammar_complete) and reason is None:
             reason = "stop"
             self.scheduler.finish_request(request_id, reason)
+        else:
+            stop_string = None  # the scheduler had ended it first (length, a stop token)
         text = detok.take_delta(final=reason is not None)
         if reason is not None:
             self._forget(request_id)
-        return self._output(request, update.new_token_ids, text, reason, update.num_output_tokens,
-                            [logprobs] if logprobs is not None else [])
+        output = self._output(request, update.new_token_ids, text, reason,
+                              update.num_output_tokens, [logprobs] if logprobs is not None else [])
+        output.stop_string = stop_string
+        return output
 
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)

@@ -27,8 +27,9 @@ class RequestOutput:
     """The delta of one request produced by one engine step.
 
     `new_text` is the newly decoded text (never a partial multi-byte character, never part of
-    a stop string); `finish_reason` is set on the last output of a request. `logprobs` has one
-    entry per `new_token_ids` entry, or is None when the request did not ask for logprobs.
+    a stop string); `finish_reason` is set on the last output of a request, with `stop_string`
+    naming the request's stop string that ended it, if one did. `logprobs` has one entry per
+    `new_token_ids` entry, or is None when the request did not ask for logprobs.
     """
 
     request_id: str
@@ -39,6 +40,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    stop_string: str | None = None
 
     @property
     def finished(self) -> bool:

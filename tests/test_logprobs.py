@@ -15,7 +15,7 @@ def engine_outputs(tokenizer, token_ids: list[int], stop: tuple[str, ...] = ()):
     prompt_ids = tokenizer.encode(PROMPT)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop)
     for i, token_id in enumerate(token_ids):
-        last = detok.add_token(token_id) or i == len(token_ids) - 1
+        last = detok.add_token(token_id) is not None or i == len(token_ids) - 1
         # The sampled token is the likeliest; the runner-up is some other token.
         top = [(token_id, -0.25), ((token_id + 1) % len(tokenizer), -1.5)]
         yield RequestOutput(

@@ -23,7 +23,7 @@ from server.core import generation
 from server.core.chat_tools import ToolPlan, plan_tools
 from server.core.prompts import ChatPrompt, chat_prompt, chat_template, check_context
 from server.core.reasoning import ReasoningStream, opens_reasoning
-from server.core.tool_parsers import ToolCallStream
+from server.core.tool_parsers import CallPiece, ToolCallStream
 from server.http.errors import APIError
 from server.openai.choice_streams import ChatChoiceStream
 from server.openai.protocol import ChatCompletionRequest, Usage
@@ -143,51 +143,41 @@ async def start(
         None,
         chat.parallel_tool_calls,
     )
-    events = _events(engine.tokenizer, first, choices, params.stop, pieces)
+    events = _events(first, choices, pieces)
     return Turn(first.num_prompt_tokens, first.num_cached_tokens, events, choices)
 
 
 async def _events(
-    tokenizer: Any,
-    first: RequestOutput,
-    choices: generation.Choices,
-    stop: tuple[str, ...],
-    pieces: ChatChoiceStream,
+    first: RequestOutput, choices: generation.Choices, pieces: ChatChoiceStream
 ) -> AsyncGenerator[TurnEvent, None]:
-    token_ids: list[int] = []
     async with contextlib.aclosing(choices):
         output = first
         while True:
-            token_ids += output.new_token_ids
             piece = pieces.feed(output)
             if piece.reasoning:
                 yield ReasoningDelta(piece.reasoning)
             if piece.content:
                 yield TextDelta(piece.content)
-            for call in piece.tool_calls:
-                if call.name is not None:
-                    yield ToolCallStart(call.name)
-                if call.arguments:
-                    yield ToolCallArguments(call.arguments)
-                if call.done:
-                    function = pieces.calls[call.index].function
-                    yield ToolCall(function.name, function.arguments)
+            for event in _call_events(piece.tool_calls, pieces):
+                yield event
             if output.finished:
                 break
             _, output = await anext(choices)
     reason = output.finish_reason or "abort"
-    matched = matched_stop(tokenizer, token_ids, stop) if reason == "stop" else None
-    yield TurnEnd(reason, matched, generation.usage_of([output]))
+    yield TurnEnd(reason, output.stop_string, generation.usage_of([output]))
 
 
-def matched_stop(tokenizer: Any, token_ids: list[int], stop: tuple[str, ...]) -> str | None:
-    """Which stop string ended the output, if one did. The engine cuts the text before the
-    earliest match without saying which; the decoded tokens still hold it."""
-    if not stop:
-        return None
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    hits = [(i, len(s), s) for s in stop if (i := text.find(s)) >= 0]
-    return min(hits)[2] if hits else None
+def _call_events(calls: list[CallPiece], pieces: ChatChoiceStream) -> list[TurnEvent]:
+    events: list[TurnEvent] = []
+    for call in calls:
+        if call.name is not None:
+            events.append(ToolCallStart(call.name))
+        if call.arguments:
+            events.append(ToolCallArguments(call.arguments))
+        if call.done:
+            function = pieces.calls[call.index].function
+            events.append(ToolCall(function.name, function.arguments))
+    return events
 
 
 async def consume(turn: Turn, on_event: Callable[[TurnEvent], object]) -> None:

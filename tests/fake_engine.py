@@ -118,3 +118,34 @@ def wait_until_aborted(engine: SlowEngine, count: int) -> None:
     while len(engine.aborted) < count or engine.live:
         assert time.monotonic() < deadline, "the server did not abort the request"
         time.sleep(0.02)
+
+
+class ReplyingEngine(ScriptedEngine):
+    """Answers each request with the script that `reply` picks from its prompt (a
+    conversation that moves on as tool results come back); ends each with `finish_reason`."""
+
+    def __init__(self, reply, tokenizer=None, max_model_len=4096, finish_reason="stop"):
+        super().__init__([], tokenizer)
+        self.reply = reply
+        self.max_model_len = max_model_len
+        self.finish_reason = finish_reason
+        self.scripts: dict[str, list[str]] = {}  # request id -> its script
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0):
+        super().add_request(request_id, prompt_token_ids, params, priority)
+        self.scripts[request_id] = self.reply(self.prompts[request_id])
+
+    def step(self):
+        outputs = []
+        for request_id, state in list(self.live.items()):
+            script = self.scripts[request_id]
+            piece = script[state[1]]
+            state[1] += 1
+            reason = self.finish_reason if state[1] == len(script) else None
+            if reason:
+                del self.live[request_id]
+            outputs.append(
+                RequestOutput(request_id, [ord(piece[0]) if piece else 0], piece, reason,
+                              state[0], state[1])
+            )  # fmt: skip
+        return outputs

@@ -312,7 +312,7 @@ BAD_REQUESTS = [
     ({"input": [{"type": "function_call", "name": "get_weather"}]}, "input[0]"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
      "tool_choice"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "hologram"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "word " * SCRIPTED_MAX_MODEL_LEN}, "input"),

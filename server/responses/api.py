@@ -1,7 +1,8 @@
 """The OpenAI Responses API, stateless: `POST /v1/responses`.
 
 Nothing is stored, so each request carries its whole conversation in `input`; the fields
-that refer to stored responses get a 400 naming them.
+that refer to stored responses get a 400 naming them. Requests as Codex sends them (namespace,
+custom and built-in tools, reasoning sent back, no `max_output_tokens`) are served as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from server.core.turn_serving import serve_turn
 from server.responses.input import RESPONSES_PARAMS, chat_request
 from server.responses.output import ResponseBuilder
 from server.responses.protocol import ResponseObject, ResponsesRequest
+from server.responses.tools import read_tools
 
 
 def responses_router(
@@ -29,10 +31,12 @@ def responses_router(
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         response_id = f"resp_{uuid.uuid4().hex}"
-        chat = chat_request(body)
+        tools = read_tools(body.tools)
+        chat = chat_request(body, tools)
         in_progress = _in_progress(body, response_id, model_name)
         start = assistant_turn.start(engine, chat, response_id, tool_call_parser, RESPONSES_PARAMS)
-        return await serve_turn(request, start, lambda _: ResponseBuilder(in_progress), body.stream)
+        builder = ResponseBuilder(in_progress, tools)
+        return await serve_turn(request, start, lambda _: builder, body.stream)
 
     return router
 

@@ -1,8 +1,10 @@
 """Translate a Responses request into the chat-completions request it means.
 
 The chat path then renders the prompt (tools included), enforces `text.format` and tool
-choices with the grammar, and parses tool calls, so both APIs share one behaviour. Errors name
-the Responses field (`input[2]`, `text.format`), not the chat field behind it.
+choices with the grammar, and parses tool calls, so both APIs share one behaviour. Tools and
+calls go by the names `tools.ToolSet` offers the model (`namespace.name`; a custom tool's
+input is the one argument of a function). Errors name the Responses field (`input[2]`,
+`text.format`), not the chat field behind it.
 """
 
 from __future__ import annotations
@@ -12,13 +14,9 @@ from typing import Any
 from server.core.assistant_turn import validated_chat_request
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest
-from server.responses.protocol import (
-    ContentPart,
-    InputItem,
-    NamedFunction,
-    ResponsesRequest,
-    TextFormat,
-)
+from server.responses.custom_input import arguments_of
+from server.responses.protocol import ContentPart, InputItem, ResponsesRequest, TextFormat
+from server.responses.tools import ToolSet, exposed_name
 
 # Chat fields behind the Responses fields, for errors that the chat path raises.
 RESPONSES_PARAMS = {
@@ -28,9 +26,18 @@ RESPONSES_PARAMS = {
 }
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
+# Items left out of the prompt: earlier turns' reasoning (as reasoning models' templates do),
+# and the records of built-in tools that OpenAI's servers ran.
+_LEFT_OUT = frozenset({
+    "reasoning", "web_search_call", "file_search_call", "image_generation_call",
+    "code_interpreter_call",
+})  # fmt: skip
+_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+def chat_request(body: ResponsesRequest, tools: ToolSet) -> ChatCompletionRequest:
+    """The chat request; `max_tokens` stays None without `max_output_tokens`, so the chat
+    path caps the answer at what the context has left."""
     fields: dict[str, Any] = {
         "messages": _messages(body),
         "max_tokens": body.max_output_tokens,
@@ -38,26 +45,12 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "top_p": body.top_p,
         "response_format": _response_format(body.text.format),
         "parallel_tool_calls": body.parallel_tool_calls,
+        "tools": tools.chat_tools(),
     }
-    function_fields = {"name", "description", "parameters", "strict"}
-    fields["tools"] = [
-        {"type": "function", "function": tool.model_dump(include=function_fields)}
-        for tool in body.tools
-    ]
     # "auto" (the default) and "none" mean nothing without tools; other choices need them.
-    if body.tools or body.tool_choice not in ("auto", "none"):
-        fields["tool_choice"] = _tool_choice(body)
+    if fields["tools"] or body.tool_choice not in ("auto", "none"):
+        fields["tool_choice"] = tools.chat_choice(body.tool_choice)
     return validated_chat_request(fields, RESPONSES_PARAMS)
-
-
-def _tool_choice(body: ResponsesRequest) -> str | dict:
-    choice = body.tool_choice
-    if not isinstance(choice, NamedFunction):
-        return choice
-    if choice.name not in {tool.name for tool in body.tools}:
-        message = f"tool_choice names {choice.name!r}, which is not in tools."
-        raise APIError(message, param="tool_choice")
-    return {"type": "function", "function": {"name": choice.name}}
 
 
 def _response_format(text_format: TextFormat) -> dict:
@@ -85,20 +78,18 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         where = f"input[{index}]"
         if item.type == "message":
             messages.append(_message(item, where))
-        elif item.type == "function_call":
-            _add_call(messages, item, where)
-        elif item.type == "reasoning":
-            continue  # earlier turns' reasoning stays out, as reasoning models' templates do
-        elif item.type == "function_call_output":
+        elif item.type in ("function_call", "custom_tool_call"):
+            _add_call(messages, _call(item, where))
+        elif item.type in _OUTPUTS:
             if item.call_id is None or item.output is None:
-                raise _item_error(where, "a function_call_output needs call_id and output.")
+                raise _item_error(where, f"a {item.type} needs call_id and output.")
             output = _text(item.output, where)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-        else:
+        elif item.type not in _LEFT_OUT:
             raise _item_error(
                 where,
                 f"input items of type {item.type!r} are not supported; send message, "
-                "function_call, function_call_output and reasoning items.",
+                "function_call, custom_tool_call, their outputs, and reasoning items.",
             )
     return messages
 
@@ -110,15 +101,22 @@ def _message(item: InputItem, where: str) -> dict:
     return {"role": item.role, "content": _text(item.content, where)}
 
 
-def _add_call(messages: list[dict], item: InputItem, where: str) -> None:
-    """A function call joins the assistant message before it (the turn that made it)."""
-    if item.call_id is None or item.name is None or item.arguments is None:
-        raise _item_error(where, "a function_call needs call_id, name and arguments.")
-    call = {
-        "id": item.call_id,
-        "type": "function",
-        "function": {"name": item.name, "arguments": item.arguments},
-    }
+def _call(item: InputItem, where: str) -> dict:
+    """The chat tool call of a function_call or custom_tool_call item, named as the model
+    was offered the tool (a custom tool's input is its one argument)."""
+    arguments = item.arguments if item.type == "function_call" else item.input
+    if item.call_id is None or item.name is None or arguments is None:
+        needs = "arguments" if item.type == "function_call" else "input"
+        raise _item_error(where, f"a {item.type} needs call_id, name and {needs}.")
+    if item.type == "custom_tool_call":
+        arguments = arguments_of(arguments)
+    name = exposed_name(item.name, item.namespace)
+    return {"id": item.call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def _add_call(messages: list[dict], call: dict) -> None:
+    """A call joins the assistant message before it (the turn that made it)."""
     if messages and messages[-1]["role"] == "assistant":
         messages[-1].setdefault("tool_calls", []).append(call)
     else:

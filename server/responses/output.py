@@ -8,10 +8,13 @@ next `sequence_number`:
     per reasoning / message item (X = reasoning_text / output_text):
         output_item.added  content_part.added  X.delta*  X.done  content_part.done
         output_item.done
-    per function call:
-        output_item.added  function_call_arguments.delta  function_call_arguments.done
-        output_item.done
+    per function call (Y = function_call_arguments) / custom tool call (Y = custom_tool_call_input):
+        output_item.added  Y.delta*  Y.done  output_item.done
     response.completed | response.incomplete (max_output_tokens) | response.failed
+
+Calls are named as the client named the tool (a namespace's tool by its own name and the
+`namespace`); a custom tool's call carries the `input` decoded from the model's arguments.
+A call still open when the turn ends is closed as `incomplete`.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from server.core.assistant_turn import (
     TurnEvent,
 )
 from server.core.turn_serving import Event
+from server.responses.custom_input import InputStream, input_of
 from server.responses.protocol import (
+    CustomToolCall,
     FunctionCall,
     IncompleteDetails,
     ItemStatus,
+    OutputItem,
     OutputMessage,
     OutputText,
     ReasoningItem,
@@ -42,8 +48,10 @@ from server.responses.protocol import (
     ResponseObject,
     ResponseUsage,
 )
+from server.responses.tools import ToolSet
 
 TextItem = ReasoningItem | OutputMessage  # the items whose one part grows by deltas
+CallItem = FunctionCall | CustomToolCall
 
 
 def _new_id(prefix: str) -> str:
@@ -57,11 +65,26 @@ def _new_text_item(kind: type[TextItem]) -> TextItem:
     return OutputMessage(id=_new_id("msg"), status="in_progress", content=[OutputText()])
 
 
+def _new_call(name: str, tools: ToolSet) -> CallItem:
+    """The item of a call the model began by `name` (the name it was offered the tool by)."""
+    tool = tools.called(name)
+    ids = {"id": _new_id("fc"), "call_id": _new_id("call"), "status": "in_progress"}
+    if tool is None:  # a name the request did not offer: passed on as the model wrote it
+        return FunctionCall(name=name, arguments="", **ids)
+    if tool.kind == "custom":
+        ids["id"] = _new_id("ctc")
+        return CustomToolCall(name=tool.name, namespace=tool.namespace, input="", **ids)
+    return FunctionCall(name=tool.name, namespace=tool.namespace, arguments="", **ids)
+
+
 class ResponseBuilder:
-    def __init__(self, response: ResponseObject) -> None:
+    def __init__(self, response: ResponseObject, tools: ToolSet) -> None:
         self.response = response  # status "in_progress", no output yet
+        self._tools = tools
         self._sequence = itertools.count()
         self._open_item: TextItem | None = None  # the item taking text deltas
+        self._open_call: CallItem | None = None  # the call taking argument fragments
+        self._input = InputStream()  # a custom tool call's input, decoded from them
 
     def start(self) -> list[Event]:
         return [
@@ -102,29 +125,49 @@ class ResponseBuilder:
 
     def _open_function_call(self, name: str) -> list[Event]:
         events = self._close_text_item("completed")
-        item = FunctionCall(
-            id=_new_id("fc"), call_id=_new_id("call"), name=name, arguments="", status="in_progress"
-        )
-        return [*events, self._add_item(item)]
+        self._open_call = _new_call(name, self._tools)
+        self._input = InputStream()
+        return [*events, self._add_item(self._open_call)]
 
     def _function_call_arguments(self, text: str) -> list[Event]:
-        item = self.response.output[-1]
-        assert isinstance(item, FunctionCall)
-        item.arguments += text
-        return [self._item_event("response.function_call_arguments.delta", delta=text)]
+        item = self._open_call
+        assert item is not None
+        if isinstance(item, FunctionCall):
+            item.arguments += text
+            return [self._item_event("response.function_call_arguments.delta", delta=text)]
+        return self._input_delta(item, self._input.feed(text))
 
-    def _close_function_call(self, call: ToolCall) -> list[Event]:
-        item = self.response.output[-1]
-        assert isinstance(item, FunctionCall)
-        item.status = "completed"
-        done = self._item_event(
-            "response.function_call_arguments.done", name=call.name, arguments=call.arguments
-        )
-        return [done, self._item_done()]
+    def _input_delta(self, item: CustomToolCall, text: str) -> list[Event]:
+        if not text:
+            return []
+        item.input += text
+        return [self._item_event("response.custom_tool_call_input.delta", delta=text)]
+
+    def _close_function_call(self, call: ToolCall | None) -> list[Event]:
+        """Close the open call: completed by `call`, or cut off (None) as `incomplete`."""
+        item = self._open_call
+        assert item is not None
+        self._open_call = None
+        item.status = "completed" if call is not None else "incomplete"
+        if isinstance(item, FunctionCall):
+            item.arguments = call.arguments if call is not None else item.arguments
+            fields = {"name": item.name, "arguments": item.arguments}
+            return [self._item_event("response.function_call_arguments.done", **fields),
+                    self._item_done()]  # fmt: skip
+        events = []
+        if call is not None:  # the rest of the input, had it not streamed (or not as written)
+            whole = input_of(call.arguments)
+            rest = whole.removeprefix(item.input) if whole.startswith(item.input) else ""
+            events = self._input_delta(item, rest)
+            item.input = whole
+        done = self._item_event("response.custom_tool_call_input.done", input=item.input)
+        return [*events, done, self._item_done()]
 
     def _end(self, end: TurnEnd) -> list[Event]:
         truncated = end.finish_reason == "length"
         events = self._close_text_item("incomplete" if truncated else "completed")
+        if self._open_call is not None:
+            events += self._close_function_call(None)
         if not self.response.output:  # clients read output[0]: "nothing" is an empty message
             events += self._open_text_item(OutputMessage) + self._close_text_item("completed")
         usage = end.usage
@@ -165,9 +208,7 @@ class ResponseBuilder:
             return self._item_event(f"response.output_text.{stage}", **fields, logprobs=[])
         return self._item_event(f"response.reasoning_text.{stage}", **fields)
 
-    def _add_item(
-        self, item: TextItem | FunctionCall, announced: TextItem | FunctionCall | None = None
-    ) -> Event:
+    def _add_item(self, item: OutputItem, announced: OutputItem | None = None) -> Event:
         self.response.output.append(item)
         shown = (announced or item).model_dump()
         return self._event("response.output_item.added", output_index=self._index, item=shown)

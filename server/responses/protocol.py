@@ -1,9 +1,10 @@
 """Request and response shapes of the OpenAI Responses API (the stateless subset we serve).
 
-Unknown request fields are ignored. Fields that need responses kept on the server
+Unknown request fields are ignored (Codex sends `reasoning`, `include`, `prompt_cache_key`,
+`client_metadata`, ...). Fields that need responses kept on the server
 (`previous_response_id`, `store: true`, ...) are refused by name: this server keeps none.
-Input items are one loose model whose fields are checked when the conversation is
-translated, so that errors can name the item.
+Input items and tools are loose here and checked when the request is translated, so that
+errors can name the item (`input[2]`, `tools[4].tools[0].name`).
 """
 
 from __future__ import annotations
@@ -22,31 +23,32 @@ class ContentPart(BaseModel):
 
 
 class InputItem(BaseModel):
-    """A message, function_call, function_call_output or reasoning item."""
+    """A message, a (custom) tool call or its output, or a reasoning item."""
 
     type: str = "message"  # "easy" input messages leave it out
     role: str | None = None
     content: str | list[ContentPart] | None = None
-    call_id: str | None = None  # function_call, function_call_output
-    name: str | None = None  # function_call
+    call_id: str | None = None  # calls and their outputs
+    name: str | None = None  # function_call, custom_tool_call
+    namespace: str | None = None  # a call of a namespace's tool
     arguments: str | None = None  # function_call
-    output: str | list[ContentPart] | None = None  # function_call_output
-
-
-class FunctionTool(BaseModel):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    input: str | None = None  # custom_tool_call
+    output: str | list[ContentPart] | None = None  # function_call_output, custom_tool_call_output
 
 
 class NamedFunction(BaseModel):
     type: Literal["function"]
     name: str
+    namespace: str | None = None
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedFunction
+class NamedCustomTool(BaseModel):
+    type: Literal["custom"]
+    name: str
+    namespace: str | None = None
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedFunction | NamedCustomTool
 
 
 class TextFormat(BaseModel):
@@ -70,7 +72,7 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] = Field(default_factory=list)
+    tools: list[dict[str, Any]] = Field(default_factory=list)  # read by `tools.read_tools`
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -134,13 +136,20 @@ class ReasoningText(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    """A reasoning model's `<think>` text, in full (there is no summary)."""
+    """A reasoning model's `<think>` text, in full (there is no summary). Nothing is
+    encrypted: sent back, reasoning is left out of the prompt, so `encrypted_content` has
+    nothing to carry and is always null."""
 
     type: Literal["reasoning"] = "reasoning"
     id: str
     status: ItemStatus
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText]
+    encrypted_content: None = None
+
+
+# A call of a namespace's tool names the namespace; other calls leave the field out.
+_NAMESPACE = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class FunctionCall(BaseModel):
@@ -148,8 +157,22 @@ class FunctionCall(BaseModel):
     id: str
     call_id: str
     name: str
+    namespace: str | None = _NAMESPACE
     arguments: str
     status: ItemStatus
+
+
+class CustomToolCall(BaseModel):
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str
+    call_id: str
+    name: str
+    namespace: str | None = _NAMESPACE
+    input: str
+    status: ItemStatus
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCall | CustomToolCall
 
 
 class InputTokensDetails(BaseModel):
@@ -195,14 +218,14 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[ReasoningItem | OutputMessage | FunctionCall] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool
     previous_response_id: None = None
     store: Literal[False] = False
     temperature: float | None
     text: TextConfig
     tool_choice: ToolChoice
-    tools: list[FunctionTool]
+    tools: list[dict[str, Any]]
     top_p: float | None
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -18,6 +17,7 @@ from starlette.requests import Request
 
 from server.async_engine import AsyncEngine, EngineError
 from server.http.errors import APIError
+from server.http.sse import DONE, sse
 from server.openai.protocol import Usage
 
 if TYPE_CHECKING:
@@ -149,11 +149,6 @@ async def collect(choices: Choices, count: int) -> list[list[RequestOutput]]:
     return outputs
 
 
-def sse(payload: BaseModel | dict) -> str:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
-
-
 async def sse_stream(
     choices: Choices,
     count: int,
@@ -181,7 +176,7 @@ async def sse_stream(
             yield sse(usage_chunk(usage_of([lasts[i] for i in sorted(lasts)], n)))
     except EngineError as exc:
         yield sse(APIError(str(exc), status_code=500).body())
-    yield "data: [DONE]\n\n"
+    yield DONE
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -4,21 +4,17 @@ SSE events while it runs, or as the builder's whole object at its end."""
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.requests import Request
 
 from server.async_engine import EngineError
 from server.core import assistant_turn, generation
 from server.core.assistant_turn import Turn, TurnEvent
-
-# Sent instead of a body when the client left before its non-streaming answer was ready.
-CLIENT_CLOSED = 499
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from server.http.sse import CLIENT_CLOSED, event_stream, sse
 
 Event = dict[str, Any]  # its "type" is also the SSE event name
 
@@ -50,8 +46,7 @@ async def serve_turn(
         return Response(status_code=CLIENT_CLOSED)
     builder = builder_for(turn)
     if stream:
-        events = _stream(turn, builder)
-        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return event_stream(_stream(turn, builder))
     result = await generation.unless_disconnected(request, _whole(turn, builder))
     if result is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -65,16 +60,12 @@ async def _whole(turn: Turn, builder: OutputBuilder) -> BaseModel:
 
 async def _stream(turn: Turn, builder: OutputBuilder) -> AsyncIterator[str]:
     for event in builder.start():
-        yield _sse(event)
+        yield sse(event, event["type"])
     try:
         async with contextlib.aclosing(turn):
             async for turn_event in turn.events:
                 for event in builder.add(turn_event):
-                    yield _sse(event)
+                    yield sse(event, event["type"])
     except EngineError as exc:
         for event in builder.fail(str(exc)):
-            yield _sse(event)
-
-
-def _sse(event: Event) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+            yield sse(event, event["type"])

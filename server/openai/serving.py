@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.requests import Request
 
@@ -25,6 +25,7 @@ from server.core.prompts import (
 from server.core.reasoning import ReasoningStream, opens_reasoning
 from server.core.tool_parsers import ToolCallStream, parser_named
 from server.http.errors import APIError
+from server.http.sse import CLIENT_CLOSED, event_stream
 from server.openai.choice_streams import ChatChoiceStream, CompletionChoiceStream
 from server.openai.logprobs import LogprobsAligner
 from server.openai.protocol import (
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     from scheduler.sampling_params import StructuredOutput
 
 # Sent instead of a body when the client left before its non-streaming answer was ready.
-_CLIENT_CLOSED = 499
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ChoiceStream(Protocol):
@@ -152,18 +151,14 @@ class Serving:
         )
         choices = await generation.unless_disconnected(request, start)
         if choices is None:
-            return Response(status_code=_CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         streams = [endpoint.new_stream(k) for k in range(count)]
         if body.stream:
-            return StreamingResponse(
-                self._events(endpoint, request_id, choices, streams, body),
-                media_type="text/event-stream",
-                headers=_SSE_HEADERS,
-            )
+            return event_stream(self._events(endpoint, request_id, choices, streams, body))
         collect = generation.collect(choices, count)
         outputs = await generation.unless_disconnected(request, collect)
         if outputs is None:
-            return Response(status_code=_CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         whole = [stream.whole_choice(k, outputs[k]) for k, stream in enumerate(streams)]
         usage = generation.usage_of([choice_outputs[-1] for choice_outputs in outputs], body.n)
         return JSONResponse(

@@ -60,7 +60,12 @@ def check_token_ids(tokenizer: Any, token_ids: Iterable[int], param: str) -> Non
 
 
 def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
-    """Return the max_tokens to use, or raise a 400 saying which limit is exceeded."""
+    """The max_tokens to generate with: what was asked, capped at what the context has left.
+
+    Agents ask for far more than a local context holds (Claude Code: 128000); as in
+    llama-server and Ollama, the turn then ends with the API's length reason where the context
+    ends. Only a prompt that leaves no room to generate is a 400.
+    """
     if num_prompt >= max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt "
@@ -68,14 +73,5 @@ def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, p
             param=param,
             code="context_length_exceeded",
         )
-    if max_tokens is None:
-        return max_model_len - num_prompt
-    if num_prompt + max_tokens > max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens, but "
-            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
-            f"{max_tokens} for the completion); lower max_tokens or shorten the {param}.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return max_tokens
+    room = max_model_len - num_prompt
+    return room if max_tokens is None else min(max_tokens, room)

@@ -1,0 +1,165 @@
+"""Codex CLI (`codex exec`, the pinned version) end to end against a real `metal-serve` app on a
+port, as a model provider with `wire_api = "responses"`: a scripted model makes the calls
+that Codex runs (a shell command, a namespaced tool, its apply_patch custom tool) and Codex
+sends the results back; and one plain turn on the default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from cli_clients import cli_path
+from fake_engine import ReplyingEngine, ToolTemplateTokenizer
+from server_helpers import running_app, running_server, small_engine
+
+from server.app import build_app
+from server.async_engine import AsyncEngine
+from server.sampling_defaults import SamplingDefaults
+
+CODEX_TIMEOUT_S = 120
+FINAL_TEXT = "I wrote the file for you."
+PATCH = "*** Begin Patch\n*** Add File: note.txt\n+patched by the model\n*** End Patch\n"
+
+
+def codex_config(url: str, model: str, extra: str = "") -> str:
+    """A config.toml with the server as the only provider, and nothing that phones home."""
+    return f"""
+model_provider = "metal"
+model = "{model}"
+check_for_update_on_startup = false
+{extra}
+
+[model_providers.metal]
+name = "metal-serve"
+base_url = "{url}/v1"
+wire_api = "responses"
+env_key = "METAL_SERVE_API_KEY"
+
+[analytics]
+enabled = false
+"""
+
+
+def run_codex(tmp_path: Path, config: str, prompt: str) -> subprocess.CompletedProcess:
+    """`codex exec` in an empty work dir under `tmp_path`, unattended (no approvals, no
+    sandbox: the commands run in that dir), with its home under `tmp_path` too."""
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "config.toml").write_text(config)
+    env = {
+        **os.environ, "CODEX_HOME": str(home), "HOME": str(tmp_path),
+        "METAL_SERVE_API_KEY": "local", "NO_COLOR": "1",
+    }  # fmt: skip
+    command = [
+        str(cli_path("codex")), "exec", "--skip-git-repo-check", "--color", "never",
+        "--dangerously-bypass-approvals-and-sandbox", "-C", str(work), prompt,
+    ]  # fmt: skip
+    return subprocess.run(
+        command, env=env, cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=CODEX_TIMEOUT_S,
+    )  # fmt: skip
+
+
+def hermes_call(name: str, arguments: dict) -> list[str]:
+    text = json.dumps({"name": name, "arguments": arguments})
+    return ["<tool_call>", text[:20], text[20:], "</tool_call>"]
+
+
+def tool_results(prompt: str) -> list[dict]:
+    """The tool messages of a prompt the Hermes test template rendered (one JSON a line)."""
+    turns = [json.loads(line) for line in prompt.split("\n")[1:-1]]
+    return [turn for turn in turns if turn["role"] == "tool"]
+
+
+def shell_then_namespace(prompt: str) -> list[str]:
+    """Write a file with Codex's shell tool, then call a namespaced tool, then answer."""
+    done = len(tool_results(prompt))
+    if done == 0:
+        shell = {"cmd": "printf hello > out.txt"}
+        return ["I will write it. ", *hermes_call("exec_command", shell)]
+    if done == 1:
+        return hermes_call("multi_agent_v1.close_agent", {"target": "nobody"})
+    return [FINAL_TEXT]
+
+
+def test_codex_runs_a_shell_call_and_a_namespaced_call(tmp_path):
+    engine = ReplyingEngine(shell_then_namespace, ToolTemplateTokenizer(), max_model_len=1 << 17)
+    with running_server(engine) as url:
+        result = run_codex(tmp_path, codex_config(url, "default"), "Write hello to out.txt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "work" / "out.txt").read_text() == "hello"
+    assert FINAL_TEXT in result.stdout
+    prompts = list(engine.prompts.values())
+    assert len(prompts) == 3, result.stderr[-3000:]
+    # Codex sent each call back (the namespaced one with its namespace) with its result.
+    last = prompts[-1]
+    assert '"name": "multi_agent_v1.close_agent"' in last
+    [shell, namespaced] = tool_results(last)
+    assert "exited with code 0" in shell["content"]
+    # Codex routed it to its tool, which read the arguments (a joined name is unsupported).
+    assert "nobody" in namespaced["content"] and "unsupported call" not in namespaced["content"]
+
+
+def patch_then_answer(prompt: str) -> list[str]:
+    if not tool_results(prompt):
+        return ["Patching. ", *hermes_call("apply_patch", {"input": PATCH})]
+    return [FINAL_TEXT]
+
+
+def test_codex_applies_a_patch_through_its_custom_tool(tmp_path):
+    """For gpt-5.5 Codex offers apply_patch as a custom tool with a lark grammar."""
+    engine = ReplyingEngine(patch_then_answer, ToolTemplateTokenizer(), max_model_len=1 << 17)
+    with running_server(engine) as url:
+        result = run_codex(tmp_path, codex_config(url, "gpt-5.5"), "Add note.txt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "work" / "note.txt").read_text() == "patched by the model\n"
+    assert FINAL_TEXT in result.stdout
+    [patch_result] = tool_results(list(engine.prompts.values())[-1])
+    assert "note.txt" in patch_result["content"]
+
+
+# Codex's own prompt (~10k tokens of instructions and tools) is longer than the default
+# model's context (8192): a short instructions file and fewer tools make it ~800 tokens.
+SMALL_PROMPT = """
+model_instructions_file = "{instructions}"
+include_apps_instructions = false
+include_environment_context = false
+include_collaboration_mode_instructions = false
+web_search = "disabled"
+
+[features]
+goals = false
+skill_search = false
+plugins = false
+apps = false
+view_image = false
+shell_tool = false
+unified_exec = false
+
+[agents]
+enabled = false
+
+[skills]
+include_instructions = false
+"""
+
+
+@pytest.mark.slow
+def test_codex_says_hello_on_the_default_model(tmp_path, default_model_dir):
+    """Codex sends no max_output_tokens nor temperature: the answer may take what the context
+    has left (the KV pool holds a whole context of 2048), and greedy server defaults make it
+    the same each run."""
+    instructions = tmp_path / "instructions.md"
+    instructions.write_text("You are a helpful assistant. Answer in one short sentence.\n")
+    extra = SMALL_PROMPT.format(instructions=instructions)
+    engine = AsyncEngine(small_engine(default_model_dir, 2048),
+                         sampling_defaults=SamplingDefaults(temperature=0.0))  # fmt: skip
+    with running_app(build_app(engine, "default")) as url:
+        result = run_codex(tmp_path, codex_config(url, "default", extra), "Say hello")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ERROR" not in result.stderr, result.stderr[-3000:]  # how Codex shows a 4xx/5xx
+    assert "hello" in result.stdout.lower(), (result.stdout, result.stderr[-3000:])

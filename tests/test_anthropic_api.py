@@ -11,6 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 from fake_engine import (
     TEXT_THEN_HERMES_CALL,
     FailingEngine,
@@ -20,6 +21,17 @@ from fake_engine import (
     wait_until_aborted,
 )
 from server_helpers import running_server, small_engine
+
+from server.anthropic.output import MessageBuilder
+from server.core.assistant_turn import (
+    TextDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+    Turn,
+    TurnEnd,
+)
+from server.openai.protocol import Usage
 
 MAX_MODEL_LEN = 512
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -282,6 +294,99 @@ def test_conversation_reaches_the_template_as_chat_messages(scripted):
     assert client.messages.count_tokens(**fields).input_tokens == len(prompt)
 
 
+def offered_tool_names(prompt: str) -> list[str]:
+    tools = json.loads(prompt.split("\n")[0].removeprefix("tools: "))
+    return [tool["function"]["name"] for tool in tools]
+
+
+TIME_TOOL = {"name": "get_time", "description": "The time.",
+             "input_schema": {"type": "object", "properties": {}}}  # fmt: skip
+SEARCH_TOOL = {"name": "ToolSearch", "description": "Loads deferred tools.",
+               "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+
+
+def test_server_and_deferred_tools_stay_out_of_the_prompt(scripted):
+    """Claude Code sends server tools (web search) and deferred tools by default: they are
+    accepted, and the model is told only of the client tools it may call now."""
+    client, engine, _ = scripted
+    tools = [WEATHER_TOOL, WEB_SEARCH, {**TIME_TOOL, "defer_loading": True}]
+    message = client.messages.create(
+        model="m", max_tokens=64, messages=WEATHER_QUESTION, tools=tools,
+        tool_choice={"type": "tool", "name": "web_search"},  # (Claude Code's web search call)
+    )  # fmt: skip
+    assert offered_tool_names(list(engine.prompts.values())[-1]) == ["get_weather"]
+    assert [block.type for block in message.content] == ["text", "tool_use"]
+    only_server = client.messages.create(
+        model="m", max_tokens=64, messages=WEATHER_QUESTION, tools=[WEB_SEARCH],
+        tool_choice={"type": "any"},
+    )  # fmt: skip
+    assert not list(engine.prompts.values())[-1].startswith("tools: [{")  # no tools at all
+    assert [block.type for block in only_server.content] == ["text"]  # call syntax as text
+
+
+def test_tool_search_and_tool_changes_load_and_unload_tools(scripted):
+    """A tool_result's `tool_reference` and a system message's `tool_addition` put a tool in
+    the prompt; `tool_removal` takes one out (Claude Code's ToolSearch, MCP changes)."""
+    client, engine, _ = scripted
+    new_tool = {"name": "get_tide", "description": "The tide.",
+                "input_schema": {"type": "object", "properties": {}}}  # fmt: skip
+    search = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch",
+              "input": {"query": "select:get_time"}}  # fmt: skip
+    found = {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "tool_reference", "tool_name": "get_time"}]}  # fmt: skip
+    changes = [
+        {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": new_tool}},
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}},
+    ]
+    conversation = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": [search]},
+        {"role": "user", "content": [found]},
+        {"role": "system", "content": changes},
+    ]
+    tools = [SEARCH_TOOL, WEATHER_TOOL, {**TIME_TOOL, "defer_loading": True}]
+    client.messages.create(model="m", max_tokens=64, messages=conversation, tools=tools)
+    prompt = list(engine.prompts.values())[-1]
+    assert offered_tool_names(prompt) == ["ToolSearch", "get_time", "get_tide"]
+    result = json.loads(prompt.split("\n")[-2])
+    assert result == {"role": "tool", "content": "Tool get_time loaded.", "tool_call_id": "toolu_1"}
+    assert '"role": "system"' not in prompt  # the tool changes carry no text
+
+
+def test_claude_code_request_fields_are_accepted(scripted):
+    """thinking (each kind), metadata, cache_control, context_management and beta headers
+    change nothing in the prompt; Claude Code's billing header block is left out of it."""
+    client, engine, url = scripted
+    plain = {"model": "m", "max_tokens": 64, "system": "Be brief.", "messages": WEATHER_QUESTION,
+             "tools": [WEATHER_TOOL]}  # fmt: skip
+    client.messages.create(**plain)
+    expected = list(engine.prompts.values())[-1]
+    cached = {"cache_control": {"type": "ephemeral"}}
+    marked = {
+        **plain,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1;"},
+                   {"type": "text", "text": "Be brief.", **cached}],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": WEATHER_QUESTION[0]["content"], **cached}]}],
+        "tools": [{**WEATHER_TOOL, **cached}],
+        "metadata": {"user_id": "someone"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+    }  # fmt: skip
+    headers = {"anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"},
+                     {"type": "adaptive", "display": "omitted"}):  # fmt: skip
+        response = httpx.post(
+            f"{url}/v1/messages", json={**marked, "thinking": thinking}, headers=headers
+        )
+        assert response.status_code == 200, response.text
+        assert list(engine.prompts.values())[-1] == expected
+        counted = httpx.post(f"{url}/v1/messages/count_tokens", json=marked, headers=headers)
+        assert counted.json() == {"input_tokens": len(expected)}
+
+
 def test_reasoning_comes_as_a_thinking_block():
     script = ["<think>", "Paris is in ", "France.", "</think>", "\nParis."]
     engine = ScriptedEngine(script)
@@ -308,6 +413,57 @@ def test_reasoning_comes_as_a_thinking_block():
     assert "Paris is in France." not in prompt and "assistant: \nParis.\n" in prompt
 
 
+def built_stream(*events) -> tuple[list[dict], object, object]:
+    """(wire events, the message the official client rebuilds from them, the builder's)."""
+    turn = Turn(prompt_tokens=5, cached_tokens=0, events=None, choices=None)
+    builder = MessageBuilder("msg_1", "m", turn)
+    wire = builder.start()
+    for event in events:
+        wire += builder.add(event)
+    snapshot, buffers = None, {}
+    for event in json.loads(json.dumps(wire)):
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)
+    return wire, snapshot, builder.result()
+
+
+CUT = TurnEnd("length", None, Usage.of(5, 9, 0))
+WRITE_START = '{"file_path": "/tmp/a.txt", "content": "hel'
+
+
+@pytest.mark.parametrize(
+    ("call_events", "cut_input"),
+    [
+        ([ToolCallArguments(WRITE_START)], {"file_path": "/tmp/a.txt", "content": "hel"}),
+        ([ToolCallArguments(WRITE_START[:10]), ToolCallArguments(WRITE_START[10:]),
+          ToolCall("Write", WRITE_START)], {"file_path": "/tmp/a.txt", "content": "hel"}),
+        ([], {}),
+        ([ToolCallArguments('{"file_pa')], {}),
+    ],
+)  # fmt: skip
+def test_a_turn_cut_inside_a_tool_call_ends_well_formed(call_events, cut_input):
+    """max_tokens inside a call: the tool_use block is closed with what its partial JSON
+    holds, and the stop reason says the turn was cut, not that a call is ready to run."""
+    events = [TextDelta("Writing. "), ToolCallStart("Write"), *call_events, CUT]
+    wire, rebuilt, whole = built_stream(*events)
+    kinds = [event["type"] for event in wire]
+    starts = [e["index"] for e in wire if e["type"] == "content_block_start"]
+    stops = [e["index"] for e in wire if e["type"] == "content_block_stop"]
+    assert starts == stops == [0, 1]
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+    assert whole.stop_reason == rebuilt.stop_reason == "max_tokens"
+    assert whole.content[1].input == cut_input
+    assert rebuilt.content[1].name == "Write"
+
+
+def test_a_whole_call_then_max_tokens_is_still_a_tool_use():
+    arguments = '{"city": "Paris"}'
+    events = [ToolCallStart("get_weather"), ToolCallArguments(arguments),
+              ToolCall("get_weather", arguments), CUT]  # fmt: skip
+    _, rebuilt, whole = built_stream(*events)
+    assert whole.stop_reason == rebuilt.stop_reason == "tool_use"
+    assert whole.content[0].input == rebuilt.content[0].input == {"city": "Paris"}
+
+
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
 # (fields, a piece of the error message): wrong for both /v1/messages and count_tokens.
 BAD_PROMPTS = [
@@ -316,9 +472,26 @@ BAD_PROMPTS = [
     ({"messages": [*QUESTION, {"role": "assistant", "content": "The"}]}, "prefill"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
     ({"tool_choice": {"type": "any"}}, "needs tools"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
-]
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1",
+         "content": [{"type": "text", "text": "A screenshot:"}, IMAGE]}
+    ]}]}, "messages[0].content[0].content[1]: a tool_result holds a block of type 'image'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                {"type": "mystery"}]}]},
+     "messages[0].content[1]: content blocks of type 'mystery' are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0]: a text block has no 'text'"),
+    ({"messages": [*QUESTION, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather"}
+    ]}, *QUESTION]}, "messages[1].content[0]: a tool_use block needs id, name and input"),
+    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "type: Field required"),
+    ({"messages": [*QUESTION, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": "Paris"}
+    ]}, *QUESTION]}, "input: Input should be a valid dictionary"),
+    ({"system": [IMAGE]}, "system[0]: content blocks of type 'image'"),
+    ({"tools": [{"name": "get_weather"}]}, "needs an input_schema"),
+]  # fmt: skip
 # Wrong only where a message is generated.
 BAD_SAMPLING = [
     ({"max_tokens": None}, "max_tokens"),

@@ -3,7 +3,8 @@
 The chat path then renders the prompt (tools included), constrains tool calls and parses
 them, so both APIs share one behaviour. The translation is lenient where clients are sloppy
 (`system` messages inside `messages` join the system prompt) and refuses what it cannot
-render (images, documents, server tools) with a message naming the block.
+render (images, documents) with a message naming the message and block,
+`messages[i].content[j]`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from server.anthropic.protocol import (
     CountTokensRequest,
     InputMessage,
     MessagesRequest,
+    Tool,
     ToolChoice,
 )
+from server.anthropic.tools import TOOL_CHANGES, offered_tools
 from server.core.assistant_turn import validated_chat_request
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest
@@ -26,26 +29,22 @@ from server.openai.protocol import ChatCompletionRequest
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}
 # Separate text blocks are separate paragraphs (e.g. a reminder block, then the question).
 _BLOCK_SEPARATOR = "\n\n"
+# Claude Code's first system block is for Anthropic's billing, not the model; it changes with
+# every Claude Code version (and would start the prompt with tokens no cache has seen).
+_BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request for `body`; a `MessagesRequest` also brings its sampling fields."""
     fields: dict[str, Any] = {"messages": _system(body) + _conversation(body.messages)}
-    if body.tools:
-        fields["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.input_schema,
-                },
-            }
-            for tool in body.tools
-        ]
-        if body.tool_choice is not None:
-            fields["tool_choice"] = _tool_choice(body.tool_choice)
-            fields["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use
+    tools = offered_tools(body)
+    if tools:
+        fields["tools"] = [_function(tool) for tool in tools]
+        choice = body.tool_choice
+        if choice is not None and (choice.type != "tool" or choice.name in {t.name for t in tools}):
+            fields["tool_choice"] = _tool_choice(choice)  # (not when it names a server tool)
+        if choice is not None:
+            fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     if isinstance(body, MessagesRequest):
         fields.update(
             max_tokens=body.max_tokens,
@@ -57,6 +56,11 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     return validated_chat_request(fields)
 
 
+def _function(tool: Tool) -> dict:
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
+    return {"type": "function", "function": function}
+
+
 def _tool_choice(choice: ToolChoice) -> str | dict:
     if choice.type == "tool":
         return {"type": "function", "function": {"name": choice.name}}
@@ -65,13 +69,23 @@ def _tool_choice(choice: ToolChoice) -> str | dict:
 
 def _system(body: CountTokensRequest) -> list[dict]:
     """One system message: `system`, then any system messages found among `messages`."""
-    parts = []
-    if body.system:
-        parts.append(_text(body.system, "system"))
+    parts = [_system_field(body.system)]
     for index, message in enumerate(body.messages):
         if message.role == "system":
-            parts.append(_text(message.content, f"messages[{index}]"))
+            parts.append(_system_message(message.content, f"messages[{index}]"))
+    parts = [part for part in parts if part]
     return [{"role": "system", "content": _BLOCK_SEPARATOR.join(parts)}] if parts else []
+
+
+def _system_message(content: str | list[ContentBlock], where: str) -> str:
+    """Its text; its tool changes went to `offered_tools`."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for index, block in enumerate(content):
+        if block.type not in TOOL_CHANGES:
+            texts.append(_block_text(block, f"{where}.content[{index}]", "text"))
+    return _BLOCK_SEPARATOR.join(texts)
 
 
 def _conversation(messages: list[InputMessage]) -> list[dict]:
@@ -98,21 +112,23 @@ def _assistant(content: str | list[ContentBlock], where: str) -> dict:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     texts, calls = [], []
-    for block in content:
-        if block.type == "text":
-            texts.append(_block_text(block, where))
-        elif block.type == "tool_use":
-            if block.id is None or block.name is None or block.input is None:
-                raise APIError(f"{where}: a tool_use block needs id, name and input.")
-            arguments = json.dumps(block.input, ensure_ascii=False)
-            function = {"name": block.name, "arguments": arguments}
-            calls.append({"id": block.id, "type": "function", "function": function})
+    for index, block in enumerate(content):
+        at = f"{where}.content[{index}]"
+        if block.type == "tool_use":
+            calls.append(_call(block, at))
         elif block.type not in _DROPPED_BLOCKS:
-            raise _unsupported(block, where, "text and tool_use")
+            texts.append(_block_text(block, at, "text, tool_use and thinking"))
     message: dict[str, Any] = {"role": "assistant", "content": _BLOCK_SEPARATOR.join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def _call(block: ContentBlock, where: str) -> dict:
+    if block.id is None or block.name is None or block.input is None:
+        raise APIError(f"{where}: a tool_use block needs id, name and input.")
+    function = {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}
+    return {"id": block.id, "type": "function", "function": function}
 
 
 def _user(content: str | list[ContentBlock], where: str) -> list[dict]:
@@ -121,16 +137,15 @@ def _user(content: str | list[ContentBlock], where: str) -> list[dict]:
         return [{"role": "user", "content": content}]
     messages: list[dict] = []
     texts: list[str] = []
-    for block in content:
-        if block.type == "text":
-            texts.append(_block_text(block, where))
-            continue
+    for index, block in enumerate(content):
+        at = f"{where}.content[{index}]"
         if block.type != "tool_result":
-            raise _unsupported(block, where, "text and tool_result")
+            texts.append(_block_text(block, at, "text and tool_result"))
+            continue
         if texts:
             messages.append({"role": "user", "content": _BLOCK_SEPARATOR.join(texts)})
             texts = []
-        messages.append(_tool_result(block, where))
+        messages.append(_tool_result(block, at))
     if texts:
         messages.append({"role": "user", "content": _BLOCK_SEPARATOR.join(texts)})
     return messages
@@ -139,31 +154,43 @@ def _user(content: str | list[ContentBlock], where: str) -> list[dict]:
 def _tool_result(block: ContentBlock, where: str) -> dict:
     if block.tool_use_id is None:
         raise APIError(f"{where}: a tool_result block needs its tool_use_id.")
-    text = _text(block.content or "", f"{where} tool_result")
+    content = block.content or ""
+    if isinstance(content, str):
+        text = content
+    else:
+        texts = [_result_text(inner, f"{where}.content[{i}]") for i, inner in enumerate(content)]
+        text = _BLOCK_SEPARATOR.join(texts)
     if block.is_error:
         text = f"Error: {text}"
     return {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
 
 
-def _text(content: str | list[ContentBlock], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    texts = []
-    for block in content:
-        if block.type != "text":
-            raise _unsupported(block, where, "text")
-        texts.append(_block_text(block, where))
-    return _BLOCK_SEPARATOR.join(texts)
+def _result_text(block: ContentBlock, where: str) -> str:
+    """A tool result's text; a tool search's `tool_reference` loaded its tool into `tools`."""
+    if block.type == "tool_reference":
+        return f"Tool {block.tool_name} loaded."
+    if block.type in ("image", "document"):
+        raise APIError(
+            f"{where}: a tool_result holds a block of type {block.type!r}; this model reads "
+            "text only, so tool results must be text (a string or text blocks)."
+        )
+    return _block_text(block, where, "text and tool_reference")
 
 
-def _block_text(block: ContentBlock, where: str) -> str:
+def _system_field(system: str | list[ContentBlock] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    texts = [_block_text(block, f"system[{i}]", "text") for i, block in enumerate(system)]
+    return _BLOCK_SEPARATOR.join(t for t in texts if not t.startswith(_BILLING_HEADER))
+
+
+def _block_text(block: ContentBlock, where: str, supported: str) -> str:
+    """The text of a text block; any other type is a 400 listing the `supported` ones."""
+    if block.type != "text":
+        raise APIError(
+            f"{where}: content blocks of type {block.type!r} are not supported here; "
+            f"send {supported} blocks."
+        )
     if block.text is None:
         raise APIError(f"{where}: a text block has no 'text' field.")
     return block.text
-
-
-def _unsupported(block: ContentBlock, where: str, supported: str) -> APIError:
-    return APIError(
-        f"{where}: content blocks of type {block.type!r} are not supported here; "
-        f"send {supported} blocks."
-    )

@@ -6,6 +6,9 @@ sends the events `add` returns as they come. Both see the same blocks:
     message_start
     (content_block_start  content_block_delta*  content_block_stop)*   per thinking/text/tool_use
     message_delta (stop_reason, stop_sequence, usage)  message_stop
+
+A turn cut off inside a tool call (max_tokens) still ends well-formed: the tool_use block is
+closed, its `input` whatever the partial JSON holds, and the stop reason is `max_tokens`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+
+import partial_json_parser
 
 from server.anthropic.protocol import (
     AnthropicUsage,
@@ -41,6 +46,8 @@ class MessageBuilder:
         usage = AnthropicUsage.of(turn.prompt_tokens, 0, turn.cached_tokens)
         self.message = Message(id=message_id, model=model, content=[], usage=usage)
         self._open_block: TextBlock | ThinkingBlock | None = None  # still taking deltas
+        self._arguments: str | None = None  # the open tool_use block's input JSON so far
+        self._cut_call = False  # a call was still open when the turn ended
 
     def start(self) -> list[Event]:
         return [{"type": "message_start", "message": self.message.model_dump()}]
@@ -53,9 +60,10 @@ class MessageBuilder:
         if isinstance(event, ToolCallStart):
             return self._open_tool_use(event.name)
         if isinstance(event, ToolCallArguments):
+            self._arguments = (self._arguments or "") + event.text
             return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
         if isinstance(event, ToolCall):
-            return self._close_tool_use(event)
+            return self._close_tool_use(event.arguments)
         return self._end(event)
 
     def fail(self, message: str) -> list[Event]:
@@ -88,16 +96,34 @@ class MessageBuilder:
         """The stream announces the block with empty input; the input follows as JSON text."""
         events = self._close_open_block()
         block = ToolUseBlock(id=f"toolu_{uuid.uuid4().hex[:24]}", name=name, input={})
+        self._arguments = ""
         return [*events, self._open(block)]
 
-    def _close_tool_use(self, call: ToolCall) -> list[Event]:
+    def _close_tool_use(self, arguments: str) -> list[Event]:
         block = self.message.content[-1]
         assert isinstance(block, ToolUseBlock)
-        block.input = json.loads(call.arguments)
+        block.input = self._input(arguments)
+        self._arguments = None
         return [self._stop()]
+
+    def _input(self, arguments: str) -> dict[str, Any]:
+        """The call's input; when the turn ended inside the call, what its partial JSON holds
+        (`{}` if nothing)."""
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            self._cut_call = True
+            try:
+                value = partial_json_parser.loads(arguments)
+            except ValueError:  # e.g. no text at all
+                value = {}
+        return value if isinstance(value, dict) else {}
 
     def _end(self, end: TurnEnd) -> list[Event]:
         events = self._close_open_block()
+        if self._arguments is not None:  # the turn ended inside a call
+            self._cut_call = True
+            events += self._close_tool_use(self._arguments)
         if not self.message.content:  # clients read content[0]: "nothing" is an empty text
             events += [self._open(TextBlock()), self._stop()]
         self.message.stop_reason = self._stop_reason(end)
@@ -114,6 +140,8 @@ class MessageBuilder:
         ]
 
     def _stop_reason(self, end: TurnEnd) -> StopReason:
+        if end.finish_reason == "length" and self._cut_call:
+            return "max_tokens"  # the cut call is not one to run
         if any(isinstance(block, ToolUseBlock) for block in self.message.content):
             return "tool_use"
         if end.finish_reason == "length":

@@ -1,8 +1,9 @@
 """Request and response shapes of the Anthropic Messages API (the subset we serve).
 
 Unknown request fields are ignored: clients send many we have no use for (`metadata`,
-`cache_control`, `thinking`, ...). Content blocks are one loose model whose fields are checked
-when the conversation is translated, so that errors can name the message and block.
+`cache_control`, `thinking`, `context_management`, `output_config`, ...). Content blocks are
+one loose model whose fields are checked when the conversation is translated, so that errors
+can name the message and block.
 """
 
 from __future__ import annotations
@@ -15,16 +16,29 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 
 class ContentBlock(BaseModel):
-    """A `text`, `tool_use` or `tool_result` block (or one we reject when translating)."""
+    """A `text`, `tool_use` or `tool_result` block, the `tool_reference` blocks that load
+    deferred tools, the `tool_addition` / `tool_removal` blocks of a `system` message that
+    change the tools mid-conversation (or a block we reject when translating)."""
 
     type: str
     text: str | None = None
     id: str | None = None  # tool_use
-    name: str | None = None  # tool_use
+    name: str | None = None  # tool_use; tool_reference (inside tool_addition / tool_removal)
     input: dict[str, Any] | None = None  # tool_use
     tool_use_id: str | None = None  # tool_result
     content: str | list[ContentBlock] | None = None  # tool_result
     is_error: bool = False  # tool_result
+    tool_name: str | None = None  # tool_reference (in a tool_result)
+    tool: ToolChange | None = None  # tool_addition, tool_removal
+
+
+class ToolChange(BaseModel):
+    """The tool a `tool_addition` / `tool_removal` names: a `tool_reference` to one of
+    `tools`, or a whole `tool_definition`."""
+
+    type: str
+    name: str | None = None  # tool_reference
+    definition: Tool | None = None  # tool_definition
 
 
 class InputMessage(BaseModel):
@@ -34,22 +48,28 @@ class InputMessage(BaseModel):
 
 
 class Tool(BaseModel):
-    # Client tools have no type or "custom"; server tools (web search, ...) are rejected.
+    """A client tool (no type, or "custom"), or a server tool such as `web_search_20250305`
+    that Anthropic runs itself. Server tools are accepted and left out of the prompt: there
+    is nothing here to run them, and Claude Code sends them by default."""
+
     type: str | None = None
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
+    defer_loading: bool = False  # out of the prompt until a tool_reference loads it
+
+    @property
+    def is_client_tool(self) -> bool:
+        return self.type in (None, "custom")
 
     @model_validator(mode="after")
-    def _client_tool(self) -> Tool:
-        if self.type not in (None, "custom"):
-            raise ValueError(
-                f"tool {self.name!r} has type {self.type!r}; only client tools "
-                "(name, description, input_schema) are supported"
-            )
-        if self.input_schema is None:
+    def _schema_for_client_tool(self) -> Tool:
+        if self.is_client_tool and self.input_schema is None:
             raise ValueError(f"tool {self.name!r} needs an input_schema")
         return self
+
+
+ContentBlock.model_rebuild()  # its `tool` field names ToolChange and Tool, defined after it
 
 
 class ToolChoice(BaseModel):

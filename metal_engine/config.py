@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -9,6 +10,8 @@ from typing import Literal
 from scheduler.config import SchedulingPolicy
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,8 @@ class EngineConfig:
     `dtype="auto"` runs float32 on the CPU backend (its half-precision matmuls are slow) and
     float16 on Apple GPUs. `enable_prefix_caching` reuses the KV cache of prompt prefixes
     seen before. `scheduling_policy` is fcfs or priority (see SchedulerConfig).
+    A `max_model_len` beyond the model's trained context is refused unless
+    `allow_long_max_model_len` (see resolve_max_model_len).
     """
 
     model_dir: Path
@@ -27,6 +32,7 @@ class EngineConfig:
     # None: 512 on an Apple GPU, 256 on the CPU backend (see default_token_budget).
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    allow_long_max_model_len: bool = False
     kv_cache_memory: int | None = None
     dtype: DType = "auto"
     seed: int = 0
@@ -56,6 +62,30 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
+
+
+def resolve_max_model_len(config: EngineConfig, trained: int, kv_tokens: int) -> int:
+    """The context limit: `config.max_model_len`, else the model's `trained` context capped by
+    the `kv_tokens` the KV cache holds.
+
+    Past its trained context a model's positions are ones it never saw: it answers garbage
+    rather than failing, so going there takes `allow_long_max_model_len`, and a warning.
+    """
+    wanted = config.max_model_len
+    if wanted is None:
+        return min(trained, kv_tokens)
+    if wanted > trained and not config.allow_long_max_model_len:
+        raise ValueError(
+            f"--max-model-len {wanted} is more than the {trained} tokens this model was trained "
+            "on (max_position_embeddings in its config.json); lower it, or pass "
+            "--allow-long-max-model-len to serve that long a context anyway"
+        )
+    if wanted > trained:
+        log.warning(
+            "max model len %d is beyond the model's trained context of %d tokens: "
+            "outputs past %d tokens may be garbage", wanted, trained, trained,
+        )  # fmt: skip
+    return wanted
 
 
 def default_token_budget(on_gpu: bool) -> int:

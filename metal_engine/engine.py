@@ -7,7 +7,7 @@ import logging
 import mlx.core as mx
 from transformers import AutoTokenizer
 
-from metal_engine.config import EngineConfig, default_token_budget
+from metal_engine.config import EngineConfig, default_token_budget, resolve_max_model_len
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
@@ -78,18 +78,18 @@ class LLMEngine:
         )
         budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
         num_blocks = budget // per_block
-        max_model_len = config.max_model_len or min(
-            mc.max_position_embeddings, num_blocks * config.block_size
-        )
-        if num_blocks * config.block_size < min(max_model_len, 2 * config.block_size):
+        kv_tokens = num_blocks * config.block_size
+        max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
+        if kv_tokens < min(max_model_len, 2 * config.block_size):
             raise ValueError(
                 f"a KV cache of {budget} bytes holds {num_blocks} blocks, too few to serve: "
                 "raise --kv-cache-memory"
             )
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), max model len %d",
-            num_blocks, config.block_size, num_blocks * per_block / 2**20, max_model_len,
-        )
+            "KV cache: %d tokens (%d blocks of %d, %.1f MiB); context length %d tokens "
+            "(trained: %d)", kv_tokens, num_blocks, config.block_size,
+            num_blocks * per_block / 2**20, max_model_len, mc.trained_context_len,
+        )  # fmt: skip
         cache = KVCache(mc.num_hidden_layers, num_blocks, config.block_size,
                         mc.num_key_value_heads, mc.head_dim, dtype)
         store = _disk_store(config, cache) if config.kv_cache_dir is not None else None

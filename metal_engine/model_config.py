@@ -97,6 +97,17 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
 
+    @property
+    def trained_context_len(self) -> int:
+        """The longest context the model is meant for: max_position_embeddings, or what YaRN
+        stretches the original length to (Qwen's recipe adds rope_scaling to an unchanged
+        max_position_embeddings). The other rope kinds already count in max_position_embeddings."""
+        rope = self.rope
+        if rope.rope_type == "yarn" and rope.factor and rope.original_max_position_embeddings:
+            stretched = int(rope.original_max_position_embeddings * rope.factor)
+            return max(self.max_position_embeddings, stretched)
+        return self.max_position_embeddings
+
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer] if self.layer_types else "full_attention"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ __all__ = ["add_serve_arguments", "serve"]
 if TYPE_CHECKING:
     from metal_engine.engine import LLMEngine
     from server.app import HttpOptions
+    from server.sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("metal_serve")
 
@@ -25,16 +27,22 @@ log = logging.getLogger("metal_serve")
 _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
-    "kv_cache_dir_size",
+    "kv_cache_dir_size", "allow_long_max_model_len",
 )  # fmt: skip
+# Third-party import-time advice that a server operator cannot act on, e.g. transformers'
+# "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.
+_QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
     configure_logging(args.log_level, args.log_format)
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)  # before anything imports transformers
     try:
         options = _http_options(args)
         model_dir = _resolve_model(args)
+        defaults = _sampling_defaults(model_dir, args)
         engine = _load_engine(model_dir, args)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"metal-serve: error: {exc}", file=sys.stderr)
@@ -44,7 +52,8 @@ def serve(args: argparse.Namespace) -> int:
     from server.async_engine import AsyncEngine
     from server.http.shutdown import run_server
 
-    bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts)
+    bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
+                         sampling_defaults=defaults)
     app = build_app(bridge, args.served_model_name, args.max_n, options=options,
                     tool_call_parser=args.tool_call_parser)
     log.info(
@@ -64,6 +73,22 @@ def _resolve_model(args: argparse.Namespace) -> Path:
         # Raises a RuntimeError naming the pip command when the model package is missing.
         return convert.ensure_default_model(args.cache_dir)
     return convert.resolve_model(str(args.model_dir), args.revision, args.cache_dir)
+
+
+def _sampling_defaults(model_dir: Path, args: argparse.Namespace) -> SamplingDefaults:
+    """What requests get for the sampling fields they leave unset; logged, since a model's
+    generation_config.json can change answers a lot (SmolLM2 recommends temperature 0.2)."""
+    from server.sampling_defaults import generation_config_path, load_sampling_defaults
+
+    choice, override = args.generation_config, args.override_generation_config
+    defaults = load_sampling_defaults(model_dir, choice, override)
+    path = generation_config_path(model_dir, choice)
+    origin = str(path) if path is not None else "the neutral defaults"
+    if override:
+        origin += " under --override-generation-config"
+    log.info("sampling defaults for unset request fields: %s (from %s)", defaults.describe(),
+             origin)
+    return defaults
 
 
 def _model_name(args: argparse.Namespace, model_dir: Path) -> str:

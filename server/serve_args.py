@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from server.core.tool_parsers import PARSERS
+from server.sampling_defaults import FROM_MODEL, parse_override
 
 _UNITS = {
     "": 1, "b": 1,
@@ -53,6 +54,7 @@ def _positive_int(text: str) -> int:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_and_http_arguments(parser)
     _add_engine_arguments(parser.add_argument_group("engine"))
+    _add_sampling_arguments(parser.add_argument_group("sampling defaults"))
     _add_prefix_cache_arguments(parser.add_argument_group("prefix cache"))
     add_hardening_arguments(parser)
 
@@ -99,7 +101,16 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         "--max-num-batched-tokens", type=_positive_int,
         help="most tokens per step (default: 512 on an Apple GPU, 256 on the CPU backend)",
     )
-    group.add_argument("--max-model-len", type=_positive_int, help="context limit in tokens")
+    group.add_argument(
+        "--max-model-len", type=_positive_int,
+        help="context limit in tokens (default: the model's trained context, or what the KV "
+        "cache holds if less)",
+    )
+    group.add_argument(
+        "--allow-long-max-model-len", action="store_true",
+        help="accept a --max-model-len beyond the model's trained context (its output there "
+        "may be garbage)",
+    )
     group.add_argument(
         "--kv-cache-memory", type=parse_size, help='KV cache size, e.g. "2GiB", "512MB"'
     )
@@ -118,6 +129,31 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         choices=["fcfs", "priority"],
         help="fcfs (default): first come, first served; priority: requests with a lower "
         "`priority` field go first, and are preempted last",
+    )
+
+
+def _override(text: str) -> dict:
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--generation-config",
+        default=FROM_MODEL,
+        metavar="auto|vllm|DIR",
+        help="where requests that leave temperature, top_p, top_k, min_p or "
+        "repetition_penalty unset get them: auto (default) the model's generation_config.json, "
+        "vllm the neutral defaults (temperature 1, no filters), or DIR/generation_config.json",
+    )
+    group.add_argument(
+        "--override-generation-config",
+        type=_override,
+        default={},
+        metavar="JSON",
+        help='a JSON object over those defaults, e.g. \'{"temperature": 0.5}\'',
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from convert import DefaultModelMissing, convert_model, ensure_default_model, mo
 from convert.cli import add_convert_arguments, run_convert
 from convert.default_model import default_gguf_path
 from metal_engine.model_config import ModelConfig
+from server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 2, 64, 4, 2, 256, 400
 
@@ -120,6 +122,16 @@ def test_half_dtypes_match_torch_rounding(hf_dir: Path, tmp_path: Path, dtype: s
         reference = torch.from_numpy(tensor).to(getattr(torch, dtype))
         assert torch.equal(got[name], reference), name
     assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+
+
+def test_hf_generation_config_rides_along(hf_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(hf_dir, source)
+    generation = {"temperature": 0.7, "top_p": 0.8, "eos_token_id": 2, "do_sample": True}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    out = convert_model(source, tmp_path / "out", progress=False)
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    assert load_sampling_defaults(out) == SamplingDefaults(temperature=0.7, top_p=0.8)
 
 
 def test_existing_out_needs_force(hf_dir: Path, tmp_path: Path) -> None:
@@ -316,6 +328,14 @@ def test_default_model_converts_once_and_generates(tmp_path: Path) -> None:
     start = time.perf_counter()
     assert ensure_default_model(tmp_path) == out
     assert time.perf_counter() - start < 1.0
+    assert json.loads((out / "metal_serve_manifest.json").read_text())["created"] == created
+
+    # The model card's sampling, also added to a conversion made before it was written.
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["temperature"], generation["top_p"]) == (0.2, 0.9)
+    (out / "generation_config.json").unlink()
+    assert ensure_default_model(tmp_path) == out
+    assert json.loads((out / "generation_config.json").read_text()) == generation
     assert json.loads((out / "metal_serve_manifest.json").read_text())["created"] == created
 
 

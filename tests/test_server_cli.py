@@ -143,3 +143,86 @@ def test_console_script_exits_with_the_commands_code(argv, code):
     done = subprocess.run([sys.executable, "-c", script, "-", *argv], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == code and "metal-serve" in done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------- sampling defaults
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("{temperature: 0.5}", "not valid JSON"), ('{"temp": 0.5}', "unknown keys temp"),
+     ('{"top_p": 2}', "top_p must be in")],
+)
+def test_bad_generation_config_overrides_exit_2(value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--override-generation-config", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--override-generation-config" in err and message in err
+
+
+def _served_defaults(monkeypatch, argv):
+    """The sampling defaults `serve argv` hands the app's engine bridge, and its log."""
+    from server import app, launch
+    from server.http import shutdown
+
+    built = []
+    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: object())
+    monkeypatch.setattr(app, "build_app", lambda engine, *args, **kw: built.append(engine))
+    monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
+    assert main(["serve", *argv]) == 0
+    return built[0].sampling_defaults
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [([], {"temperature": 0.6, "top_k": 20}),
+     (["--generation-config", "vllm"], {}),
+     (["--override-generation-config", '{"temperature": 0.5, "min_p": 0.1}'],
+      {"temperature": 0.5, "top_k": 20, "min_p": 0.1}),
+     (["--generation-config", "vllm", "--override-generation-config", '{"top_p": 0.8}'],
+      {"top_p": 0.8})],
+)
+def test_sampling_defaults_reach_the_app_and_the_log(tmp_path, monkeypatch, capsys, argv,
+                                                     expected):
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_k": 20, "eos_token_id": 2}')
+    defaults = _served_defaults(monkeypatch, [str(tmp_path), *argv])
+    assert defaults.changed() == expected
+    assert f"sampling defaults for unset request fields: {defaults.describe()}" in (
+        capsys.readouterr().err)
+
+
+def test_generation_config_from_another_folder(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "generation_config.json").write_text('{"temperature": 0.3}')
+    argv = [str(tmp_path / "model"), "--generation-config", str(tmp_path / "other")]
+    assert _served_defaults(monkeypatch, argv).changed() == {"temperature": 0.3}
+
+
+def test_a_generation_config_folder_without_the_file_exits_2(tmp_path, capsys):
+    assert main(["serve", str(tmp_path), "--generation-config", str(tmp_path)]) == 2
+    assert "--generation-config" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- context length
+
+
+def test_max_model_len_beyond_training_is_refused_unless_allowed(tiny_llama_with_tokenizer,
+                                                                 monkeypatch, capsys):
+    from server.http import shutdown
+
+    model = str(tiny_llama_with_tokenizer)  # max_position_embeddings 512
+    assert main(["serve", model, "--max-model-len", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len 1024" in err and "512" in err
+    assert "--allow-long-max-model-len" in err
+
+    monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
+    argv = ["serve", model, "--max-model-len", "1024", "--allow-long-max-model-len",
+            "--kv-cache-memory", "64MiB"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "beyond the model's trained context of 512" in err
+    assert "context length 1024 tokens (trained: 512)" in err

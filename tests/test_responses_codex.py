@@ -279,6 +279,10 @@ BAD_REQUESTS = [
     ({"tools": [{"type": "namespace", "tools": [FUNCTION]}]}, "tools[0].name"),
     ({"tools": [{"type": "namespace", "name": "ns", "tools": []}]}, "tools[0].tools"),
     ({"tools": [{"type": "namespace", "name": "ns"}]}, "tools[0].tools"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": ["f"]}]}, "tools[0].tools[0]"),
+    ({"tools": [{**FUNCTION, "name": "a.b"}, {"type": "namespace", "name": "a",
+                                             "tools": [{**FUNCTION, "name": "b"}]}]},
+     "tools[1].tools[0].name"),
     ({"tools": [{"type": "namespace", "name": "ns",
                  "tools": [{"type": "namespace", "name": "inner", "tools": [FUNCTION]}]}]},
      "tools[0].tools[0].type"),
@@ -331,3 +335,22 @@ def test_built_in_tools_are_accepted_and_not_offered(tools):
     assert response.status_code == 200, response.text
     assert response.json()["tools"] == tools
     assert list(engine.prompts.values())[-1].startswith("tools: null\n")
+
+
+@pytest.mark.parametrize(("tool_choice", "call"), [
+    ({"type": "custom", "name": "apply_patch"}, ("custom_tool_call", "apply_patch", None)),
+    ({"type": "function", "name": "close_agent", "namespace": "multi_agent_v1"},
+     ("function_call", "close_agent", "multi_agent_v1")),
+])  # fmt: skip
+def test_tool_choice_names_a_custom_or_namespaced_tool(tool_choice, call):
+    """A named choice is generated as one forced call of that tool (the model's JSON)."""
+    name = ".".join(filter(None, [call[2], call[1]]))
+    arguments = {"input": PATCH} if call[0] == "custom_tool_call" else {"target": "agent-1"}
+    engine, server = scripted_server([json.dumps({"name": name, "arguments": arguments})])
+    fields = codex_fields(tools=[*BODY["tools"], APPLY_PATCH], tool_choice=tool_choice)
+    with server as url:
+        response = client_of(url).responses.create(**{**fields, "extra_body": {}})
+    [item] = response.output
+    assert (item.type, item.name, item.namespace) == call
+    [params] = engine.params.values()
+    assert json.loads(params.structured.json_schema)["properties"]["name"]["enum"] == [name]

@@ -152,16 +152,20 @@ class ResponseBuilder:
         if isinstance(item, FunctionCall):
             item.arguments = call.arguments if call is not None else item.arguments
             fields = {"name": item.name, "arguments": item.arguments}
-            return [self._item_event("response.function_call_arguments.done", **fields),
-                    self._item_done()]  # fmt: skip
-        events = []
-        if call is not None:  # the rest of the input, had it not streamed (or not as written)
-            whole = input_of(call.arguments)
-            rest = whole.removeprefix(item.input) if whole.startswith(item.input) else ""
-            events = self._input_delta(item, rest)
-            item.input = whole
+            done = self._item_event("response.function_call_arguments.done", **fields)
+            return [done, self._item_done()]
+        events = self._rest_of_input(item, call.arguments) if call is not None else []
         done = self._item_event("response.custom_tool_call_input.done", input=item.input)
         return [*events, done, self._item_done()]
+
+    def _rest_of_input(self, item: CustomToolCall, arguments: str) -> list[Event]:
+        """The input that did not stream yet, from the call's whole arguments (all of it when
+        they are not `{"input": ...}`, which the stream cannot decode)."""
+        whole = input_of(arguments)
+        rest = whole[len(item.input) :] if whole.startswith(item.input) else ""
+        events = self._input_delta(item, rest)
+        item.input = whole
+        return events
 
     def _end(self, end: TurnEnd) -> list[Event]:
         truncated = end.finish_reason == "length"

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from server.http.errors import APIError
+from server.responses.protocol import ToolChoice
 
 BUILT_IN_TOOL_TYPES = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
@@ -30,7 +31,8 @@ BUILT_IN_TOOL_TYPES = frozenset({
     "programmatic_tool_calling",
 })  # fmt: skip
 MAX_TOOLS = 512  # functions and custom tools, namespace members included
-_NAME = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+# As the chat API's function names (dots too: a namespace's members are offered as "ns.name").
+_NAME = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
 _MEMBER_TYPES = ("function", "custom")
 
 
@@ -89,11 +91,11 @@ class ToolSet:
         """The tool the model called by `name`; None for a name the request did not offer."""
         return self._tools.get(name)
 
-    def chat_choice(self, choice: Any) -> Any:
+    def chat_choice(self, choice: ToolChoice) -> str | dict[str, Any]:
         """The chat `tool_choice` of a Responses one (a mode, or a named function / custom)."""
         if isinstance(choice, str):
             return choice
-        tool = self._tools.get(exposed_name(choice.name, getattr(choice, "namespace", None)))
+        tool = self._tools.get(exposed_name(choice.name, choice.namespace))
         if tool is None or tool.kind != choice.type:
             message = f"tool_choice names the {choice.type} {choice.name!r}, which is not in tools."
             raise APIError(message, param="tool_choice")
@@ -105,9 +107,9 @@ def read_tools(raw: list[dict[str, Any]]) -> ToolSet:
     tools: list[tuple[ClientTool, str]] = []
     for index, tool in enumerate(raw):
         tools += _read_tool(tool, f"tools[{index}]")
-    if len(tools) > MAX_TOOLS:
-        message = f"at most {MAX_TOOLS} functions and custom tools are supported, got {len(tools)}."
-        raise APIError(f"tools: {message}", param="tools")
+        if len(tools) > MAX_TOOLS:
+            message = f"at most {MAX_TOOLS} functions and custom tools are supported."
+            raise APIError(f"tools: {message}", param="tools")
     seen: dict[str, str] = {}
     for tool, where in tools:
         name = tool.function["name"]
@@ -185,5 +187,7 @@ def _parsed(model: type[BaseModel], tool: dict[str, Any], where: str) -> Any:
         return model.model_validate(tool)
     except ValidationError as exc:
         error = exc.errors()[0]
-        param = ".".join([where, *(str(part) for part in error["loc"])])
+        param = where + "".join(
+            f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]
+        )
         raise APIError(f"{param}: {error['msg']}", param=param) from exc

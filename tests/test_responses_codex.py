@@ -354,3 +354,21 @@ def test_tool_choice_names_a_custom_or_namespaced_tool(tool_choice, call):
     assert (item.type, item.name, item.namespace) == call
     [params] = engine.params.values()
     assert json.loads(params.structured.json_schema)["properties"]["name"]["enum"] == [name]
+
+
+def test_an_image_in_a_tool_output_becomes_a_note():
+    """Codex's view_image answers with an image part; a 400 would end the session."""
+    engine, server = scripted_server(["I see."])
+    call = {"type": "function_call", "call_id": "call_1", "name": "view_image",
+            "arguments": '{"path": "plot.png"}'}  # fmt: skip
+    output = {"type": "function_call_output", "call_id": "call_1", "output": [
+        {"type": "input_text", "text": "plot.png:"},
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+    ]}  # fmt: skip
+    with server as url:
+        response = httpx.post(f"{url}/v1/responses", timeout=30, json={
+            **BODY, "stream": False, "input": [*BODY["input"], call, output],
+        })  # fmt: skip
+    assert response.status_code == 200, response.text
+    _, turns = last_prompt(engine)
+    assert turns[-1]["content"] == "plot.png:[image left out: this server reads text only]"

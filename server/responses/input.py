@@ -33,6 +33,8 @@ _LEFT_OUT = frozenset({
     "code_interpreter_call",
 })  # fmt: skip
 _OUTPUTS = ("function_call_output", "custom_tool_call_output")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+_LEFT_OUT_PART = "[{} left out: this server reads text only]"
 
 
 def chat_request(body: ResponsesRequest, tools: ToolSet) -> ChatCompletionRequest:
@@ -83,7 +85,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         elif item.type in _OUTPUTS:
             if item.call_id is None or item.output is None:
                 raise _item_error(where, f"a {item.type} needs call_id and output.")
-            output = _text(item.output, where)
+            output = _output_text(item.output, where)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         elif item.type not in _LEFT_OUT:
             raise _item_error(
@@ -121,6 +123,19 @@ def _add_call(messages: list[dict], call: dict) -> None:
         messages[-1].setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _output_text(content: str | list[ContentPart], where: str) -> str:
+    """A tool's output. An agent cannot keep a tool (Codex's view_image) from returning an
+    image, so images and files become a note instead of a 400 that would end its session."""
+    if isinstance(content, str):
+        return content
+    parts = [
+        ContentPart(type="input_text", text=_LEFT_OUT_PART.format(part.type[len("input_"):]))
+        if part.type in _MEDIA_PARTS else part
+        for part in content
+    ]  # fmt: skip
+    return _text(parts, where)
 
 
 def _text(content: str | list[ContentPart], where: str) -> str:

@@ -63,11 +63,6 @@ class SamplingDefaults:
         """These defaults with `override`'s keys replaced."""
         return SamplingDefaults.from_mapping({**asdict(self), **override})
 
-    def changed(self) -> dict[str, float | int]:
-        """The defaults that differ from the neutral ones (what a model card recommends)."""
-        neutral = SamplingDefaults()
-        return {k: v for k, v in asdict(self).items() if v != getattr(neutral, k)}
-
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
 

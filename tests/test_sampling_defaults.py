@@ -89,11 +89,6 @@ def test_bad_overrides_are_refused(text, message):
         parse_override(text)
 
 
-def test_changed_lists_what_differs_from_neutral():
-    assert SamplingDefaults(temperature=0.2, top_p=0.9).changed() == {"temperature": 0.2,
-                                                                     "top_p": 0.9}
-
-
 # ---------------------------------------------------------------- through the real app
 
 

@@ -187,8 +187,10 @@ def test_sampling_defaults_reach_the_app_and_the_log(tmp_path, monkeypatch, caps
                                                      expected):
     (tmp_path / "generation_config.json").write_text(
         '{"temperature": 0.6, "top_k": 20, "eos_token_id": 2}')
+    from server.sampling_defaults import SamplingDefaults
+
     defaults = _served_defaults(monkeypatch, [str(tmp_path), *argv])
-    assert defaults.changed() == expected
+    assert defaults == SamplingDefaults(**expected)
     assert f"sampling defaults for unset request fields: {defaults.describe()}" in (
         capsys.readouterr().err)
 
@@ -198,7 +200,7 @@ def test_generation_config_from_another_folder(tmp_path, monkeypatch):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "generation_config.json").write_text('{"temperature": 0.3}')
     argv = [str(tmp_path / "model"), "--generation-config", str(tmp_path / "other")]
-    assert _served_defaults(monkeypatch, argv).changed() == {"temperature": 0.3}
+    assert _served_defaults(monkeypatch, argv).temperature == 0.3
 
 
 def test_a_generation_config_folder_without_the_file_exits_2(tmp_path, capsys):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cli_clients import cli_path
 from fake_engine import ReplyingEngine, ToolTemplateTokenizer
-from server_helpers import running_app, running_server, small_engine
+from server_helpers import running_app, small_engine
 
 from server.app import build_app
 from server.async_engine import AsyncEngine
@@ -21,6 +21,7 @@ from server.sampling_defaults import SamplingDefaults
 
 CODEX_TIMEOUT_S = 120
 FINAL_TEXT = "I wrote the file for you."
+THOUGHT = "The shell tool can write it with printf."
 PATCH = "*** Begin Patch\n*** Add File: note.txt\n+patched by the model\n*** End Patch\n"
 
 
@@ -64,6 +65,30 @@ def run_codex(tmp_path: Path, config: str, prompt: str) -> subprocess.CompletedP
     )  # fmt: skip
 
 
+class BodyRecorder:
+    """ASGI middleware around the app that keeps the JSON body of each `/v1/responses`
+    request: what Codex sent, before the server translated it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.bodies: list[dict] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/responses":
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+
+        async def recording_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    self.bodies.append(json.loads(b"".join(chunks)))
+            return message
+
+        return await self.app(scope, recording_receive, send)
+
+
 def hermes_call(name: str, arguments: dict) -> list[str]:
     text = json.dumps({"name": name, "arguments": arguments})
     return ["<tool_call>", text[:20], text[20:], "</tool_call>"]
@@ -76,11 +101,12 @@ def tool_results(prompt: str) -> list[dict]:
 
 
 def shell_then_namespace(prompt: str) -> list[str]:
-    """Write a file with Codex's shell tool, then call a namespaced tool, then answer."""
+    """Think, write a file with Codex's shell tool, then call a namespaced tool, then answer."""
     done = len(tool_results(prompt))
     if done == 0:
         shell = {"cmd": "printf hello > out.txt"}
-        return ["I will write it. ", *hermes_call("exec_command", shell)]
+        return ["<think>", THOUGHT, "</think>", "I will write it. ",
+                *hermes_call("exec_command", shell)]  # fmt: skip
     if done == 1:
         return hermes_call("multi_agent_v1.close_agent", {"target": "nobody"})
     return [FINAL_TEXT]
@@ -88,7 +114,8 @@ def shell_then_namespace(prompt: str) -> list[str]:
 
 def test_codex_runs_a_shell_call_and_a_namespaced_call(tmp_path):
     engine = ReplyingEngine(shell_then_namespace, ToolTemplateTokenizer(), max_model_len=1 << 17)
-    with running_server(engine) as url:
+    recorder = BodyRecorder(build_app(AsyncEngine(engine), "default"))
+    with running_app(recorder) as url:
         result = run_codex(tmp_path, codex_config(url, "default"), "Write hello to out.txt")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "work" / "out.txt").read_text() == "hello"
@@ -98,6 +125,14 @@ def test_codex_runs_a_shell_call_and_a_namespaced_call(tmp_path):
     # Codex sent each call back (the namespaced one with its namespace) with its result.
     last = prompts[-1]
     assert '"name": "multi_agent_v1.close_agent"' in last
+    # Codex sent our reasoning item back, and the namespaced call with its namespace.
+    sent_back = recorder.bodies[-1]["input"]
+    [reasoning] = [item for item in sent_back if item["type"] == "reasoning"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": THOUGHT}]
+    assert reasoning["encrypted_content"] is None
+    calls = [(i["name"], i.get("namespace")) for i in sent_back if i["type"] == "function_call"]
+    assert calls == [("exec_command", None), ("close_agent", "multi_agent_v1")]
+    assert all(THOUGHT not in prompt for prompt in prompts[1:])  # the reasoning stays out
     [shell, namespaced] = tool_results(last)
     assert "exited with code 0" in shell["content"]
     # Codex routed it to its tool, which read the arguments (a joined name is unsupported).
@@ -113,13 +148,22 @@ def patch_then_answer(prompt: str) -> list[str]:
 def test_codex_applies_a_patch_through_its_custom_tool(tmp_path):
     """For gpt-5.5 Codex offers apply_patch as a custom tool with a lark grammar."""
     engine = ReplyingEngine(patch_then_answer, ToolTemplateTokenizer(), max_model_len=1 << 17)
-    with running_server(engine) as url:
+    recorder = BodyRecorder(build_app(AsyncEngine(engine), "default"))
+    with running_app(recorder) as url:
         result = run_codex(tmp_path, codex_config(url, "gpt-5.5"), "Add note.txt")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "work" / "note.txt").read_text() == "patched by the model\n"
     assert FINAL_TEXT in result.stdout
     [patch_result] = tool_results(list(engine.prompts.values())[-1])
     assert "note.txt" in patch_result["content"]
+    first, *_, last = recorder.bodies
+    assert {"type": "custom", "name": "apply_patch"}.items() <= next(
+        tool for tool in first["tools"] if tool["name"] == "apply_patch"
+    ).items()
+    [call] = [item for item in last["input"] if item["type"] == "custom_tool_call"]
+    assert (call["name"], call["input"]) == ("apply_patch", PATCH)
+    kinds = [item["type"] for item in last["input"]]
+    assert kinds[-2:] == ["custom_tool_call", "custom_tool_call_output"]
 
 
 # Codex's own prompt (~10k tokens of instructions and tools) is longer than the default

@@ -167,7 +167,7 @@ def test_codex_applies_a_patch_through_its_custom_tool(tmp_path):
 
 
 # Codex's own prompt (~10k tokens of instructions and tools) is longer than the default
-# model's context (8192): a short instructions file and fewer tools make it ~800 tokens.
+# model's context (8192): a short instructions file and fewer tools make it about 500.
 SMALL_PROMPT = """
 model_instructions_file = "{instructions}"
 include_apps_instructions = false

@@ -330,10 +330,13 @@ def test_default_model_converts_once_and_generates(tmp_path: Path) -> None:
     assert time.perf_counter() - start < 1.0
     assert json.loads((out / "metal_serve_manifest.json").read_text())["created"] == created
 
-    # The model card's sampling, also added to a conversion made before it was written.
+    # Greedy sampling, also written into a conversion made without it or with other defaults.
     generation = json.loads((out / "generation_config.json").read_text())
-    assert (generation["temperature"], generation["top_p"]) == (0.2, 0.9)
+    assert generation["temperature"] == 0
     (out / "generation_config.json").unlink()
+    assert ensure_default_model(tmp_path) == out
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    (out / "generation_config.json").write_text('{"temperature": 0.2, "top_p": 0.9}')
     assert ensure_default_model(tmp_path) == out
     assert json.loads((out / "generation_config.json").read_text()) == generation
     assert json.loads((out / "metal_serve_manifest.json").read_text())["created"] == created

@@ -16,15 +16,14 @@ README_REQUEST = {
     "model": "default",
     "messages": [{"role": "user", "content": "What is the capital of France?"}],
 }
-# At the model card's temperature 0.2 / top_p 0.9 this Q4_1 135M model opens with "The" (then
-# says Paris) 60% of the time and with "L'Étoile, la ..." otherwise (Paris in 11 of 20 tries):
-# one try would fail often, none of 8 saying Paris happens 0.2% of the time.
-TRIES = 8
+# Greedy, the answer is the same each time; at temperature 1 (what a request without
+# `temperature` got before the defaults) the answer opens with "The" only 15% of the time.
+TRIES = 3
 
 
 def test_the_readme_request_answers_paris(default_model_dir):
     defaults = load_sampling_defaults(default_model_dir)  # what `serve` does by default
-    assert defaults == SamplingDefaults(temperature=0.2, top_p=0.9)
+    assert defaults == SamplingDefaults(temperature=0.0)
     # A short context bounds the answers that wander off (max_tokens is left to the server).
     engine = small_engine(default_model_dir, max_model_len=128)
     with running_app(build_app(AsyncEngine(engine, sampling_defaults=defaults))) as url:
@@ -36,4 +35,4 @@ def test_the_readme_request_answers_paris(default_model_dir):
 
         with ThreadPoolExecutor(TRIES) as pool:
             answers = list(pool.map(answer, range(TRIES)))
-    assert any("Paris" in text for text in answers), answers
+    assert all("Paris" in text for text in answers), answers

@@ -77,7 +77,7 @@ def _resolve_model(args: argparse.Namespace) -> Path:
 
 def _sampling_defaults(model_dir: Path, args: argparse.Namespace) -> SamplingDefaults:
     """What requests get for the sampling fields they leave unset; logged, since a model's
-    generation_config.json can change answers a lot (SmolLM2 recommends temperature 0.2)."""
+    generation_config.json can change answers a lot."""
     from server.sampling_defaults import generation_config_path, load_sampling_defaults
 
     choice, override = args.generation_config, args.override_generation_config

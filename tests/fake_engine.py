@@ -151,40 +151,6 @@ class ReplyingEngine(ScriptedEngine):
         return outputs
 
 
-class RoutedEngine(ScriptedEngine):
-    """Picks each request's script by its prompt: the first `(text, script)` route whose text
-    the prompt holds, else `script`. Agent CLIs send side requests (titles, probes) in any
-    order; routing on what each prompt says keeps a test independent of that order."""
-
-    def __init__(self, routes: list[tuple[str, list[str]]], script: list[str],
-                 tokenizer: CharTokenizer | None = None, max_model_len: int = 4096) -> None:
-        super().__init__(script, tokenizer)
-        self.routes = routes
-        self.max_model_len = max_model_len
-        self.scripts: dict[str, list[str]] = {}  # request id -> the script it gets
-
-    def add_request(self, request_id, prompt_token_ids, params, priority=0):
-        super().add_request(request_id, prompt_token_ids, params, priority)
-        prompt = self.prompts[request_id]
-        route = next((script for text, script in self.routes if text in prompt), self.script)
-        self.scripts[request_id] = route
-
-    def step(self):
-        outputs = []
-        for request_id, state in list(self.live.items()):
-            script = self.scripts[request_id]
-            piece = script[state[1]]
-            state[1] += 1
-            reason = "stop" if state[1] == len(script) else None
-            if reason:
-                del self.live[request_id]
-            outputs.append(
-                RequestOutput(request_id, [ord(piece[0]) if piece else 0], piece, reason,
-                              state[0], state[1])
-            )  # fmt: skip
-        return outputs
-
-
 class LengthEngine(ScriptedEngine):
     """Says its script over and over, one token a step, until the request's max_tokens: every
     request ends with the "length" reason, after exactly the max_tokens the server passed."""

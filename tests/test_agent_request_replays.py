@@ -10,7 +10,7 @@ from pathlib import Path
 
 import anthropic
 import openai
-from fake_engine import LengthEngine, RoutedEngine, ToolTemplateTokenizer
+from fake_engine import LengthEngine, ReplyingEngine, ToolTemplateTokenizer
 from server_helpers import running_server
 
 DATA = Path(__file__).parent / "data"
@@ -38,8 +38,8 @@ def claude_code_request() -> tuple[dict, list[str]]:
 def test_claude_code_request_gets_a_tool_use_stream():
     body, betas = claude_code_request()
     write = {"file_path": "/home/user/project/hello.txt", "content": "hi\n"}
-    engine = RoutedEngine([], ["Sure. ", *hermes_call("Write", write)], ToolTemplateTokenizer(),
-                          max_model_len=BIG_CONTEXT)  # fmt: skip
+    script = ["Sure. ", *hermes_call("Write", write)]
+    engine = ReplyingEngine(lambda _: script, ToolTemplateTokenizer(), BIG_CONTEXT)
     with running_server(engine) as url:
         client = anthropic.Anthropic(base_url=url, api_key="dummy", max_retries=0)
         with client.beta.messages.stream(betas=betas, **body) as stream:
@@ -86,8 +86,8 @@ def test_opencode_request_gets_a_tool_call_stream():
     body = dict(OPENCODE["body"])
     assert body["max_tokens"] == 32000 and body["stream"]
     write = {"content": "hi\n", "filePath": "/home/user/project/hello.txt"}
-    engine = RoutedEngine([], hermes_call("write", write), ToolTemplateTokenizer(),
-                          max_model_len=BIG_CONTEXT)  # fmt: skip
+    script = hermes_call("write", write)
+    engine = ReplyingEngine(lambda _: script, ToolTemplateTokenizer(), BIG_CONTEXT)
     with running_server(engine) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="dummy", max_retries=0)
         chunks = list(client.chat.completions.create(**body))

@@ -66,7 +66,8 @@ class EngineConfig:
 
 def resolve_max_model_len(config: EngineConfig, trained: int, kv_tokens: int) -> int:
     """The context limit: `config.max_model_len`, else the model's `trained` context capped by
-    the `kv_tokens` the KV cache holds.
+    the `kv_tokens` the KV cache holds. An explicit limit the cache cannot hold is refused, so
+    that a request within the context always fits the cache.
 
     Past its trained context a model's positions are ones it never saw: it answers garbage
     rather than failing, so going there takes `allow_long_max_model_len`, and a warning.
@@ -79,6 +80,11 @@ def resolve_max_model_len(config: EngineConfig, trained: int, kv_tokens: int) ->
             f"--max-model-len {wanted} is more than the {trained} tokens this model was trained "
             "on (max_position_embeddings in its config.json); lower it, or pass "
             "--allow-long-max-model-len to serve that long a context anyway"
+        )
+    if wanted > kv_tokens:
+        raise ValueError(
+            f"--max-model-len {wanted} needs {wanted} tokens of KV cache but the cache holds "
+            f"{kv_tokens}: lower --max-model-len or raise --kv-cache-memory"
         )
     if wanted > trained:
         log.warning(

@@ -31,7 +31,7 @@ def engine(model_dir, kv_dir, num_blocks: int = 64) -> LLMEngine:
                                 mx.float32)
     return LLMEngine.from_config(EngineConfig(
         model_dir=model_dir, block_size=BLOCK, kv_cache_memory=num_blocks * per_block,
-        max_model_len=256, kv_cache_dir=kv_dir,
+        max_model_len=min(256, num_blocks * BLOCK), kv_cache_dir=kv_dir,
     ))
 
 

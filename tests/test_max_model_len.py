@@ -22,7 +22,13 @@ def test_unset_is_the_trained_context_capped_by_the_kv_cache():
 
 
 def test_up_to_the_trained_context_is_taken_as_asked():
-    assert resolve_max_model_len(_config(max_model_len=8192), 8192, 100) == 8192
+    assert resolve_max_model_len(_config(max_model_len=8192), 8192, 100_000) == 8192
+
+
+def test_a_context_the_kv_cache_cannot_hold_is_refused():
+    # Else a request within the context could still not fit the cache: a 400 for every one.
+    with pytest.raises(ValueError, match="--max-model-len 8192 .* holds 4096.*--kv-cache-memory"):
+        resolve_max_model_len(_config(max_model_len=8192), 8192, 4096)
 
 
 def test_beyond_the_trained_context_names_the_flag_and_the_override(caplog):

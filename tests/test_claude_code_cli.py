@@ -96,9 +96,9 @@ def answered_ids(engine: ReplyingEngine) -> list[str]:
     return [rid for rid, prompt in engine.prompts.items() if tool_results(prompt)]
 
 
-# Claude Code's default first prompt (~12.7k tokens of instructions and ~20 tools) is longer
+# Claude Code's default first prompt (~12.6k tokens of instructions and 12 tools) is longer
 # than the default model's context (8192): --bare, a one-line system prompt and no tools make
-# it ~60 tokens.
+# it under 100 tokens.
 SMALL_PROMPT = ("--bare", "--system-prompt", "You are a helpful assistant. Answer in one short "
                 "sentence.", "--tools", "")  # fmt: skip
 

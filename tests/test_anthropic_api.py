@@ -455,6 +455,15 @@ def test_a_turn_cut_inside_a_tool_call_ends_well_formed(call_events, cut_input):
     assert rebuilt.content[1].name == "Write"
 
 
+def test_a_call_cut_by_the_end_of_the_turn_is_not_a_tool_use():
+    """The model stopped (EOS) inside a call: the block closes, the turn is no tool_use."""
+    events = [ToolCallStart("get_weather"), ToolCallArguments('{"city": "Par'),
+              TurnEnd("stop", None, Usage.of(5, 3, 0))]  # fmt: skip
+    _, rebuilt, whole = built_stream(*events)
+    assert whole.stop_reason == rebuilt.stop_reason == "end_turn"
+    assert whole.content[0].input == {"city": "Par"}
+
+
 def test_a_whole_call_then_max_tokens_is_still_a_tool_use():
     arguments = '{"city": "Paris"}'
     events = [ToolCallStart("get_weather"), ToolCallArguments(arguments),

@@ -140,9 +140,8 @@ class MessageBuilder:
         ]
 
     def _stop_reason(self, end: TurnEnd) -> StopReason:
-        if end.finish_reason == "length" and self._cut_call:
-            return "max_tokens"  # the cut call is not one to run
-        if any(isinstance(block, ToolUseBlock) for block in self.message.content):
+        calls = any(isinstance(block, ToolUseBlock) for block in self.message.content)
+        if calls and not self._cut_call:  # a cut call is not one to run
             return "tool_use"
         if end.finish_reason == "length":
             return "max_tokens"

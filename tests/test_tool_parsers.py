@@ -184,8 +184,22 @@ def test_a_marker_split_across_deltas_is_held_back():
 def test_a_malformed_call_is_returned_as_content():
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
     assert stream(HermesParser(), [text]) == (text, [])
-    truncated = '{"name": "get_weather", "arguments": {"ci'
-    assert stream(ForcedCallParser(), [truncated]) == (truncated, [])
+    not_json = '{"name": "get_weather", "arguments": {"city": }}'
+    assert stream(ForcedCallParser(), [not_json]) == (not_json, [])
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [
+        (HermesParser(), 'Let me check.<tool_call>{"name": "get_wea', "Let me check."),
+        (HermesParser(), "Let me check.\n<tool_call>", "Let me check.\n"),
+        (Llama3JsonParser(), '{"name": "get_wea', ""),
+        (ForcedCallParser(), '{"na', ""),
+    ],
+)
+def test_a_call_cut_before_its_name_leaves_no_markup(parser, text, content):
+    assert stream(parser, [text]) == (content, [])
+    assert stream(parser, [*text, ""]) == (content, [])
 
 
 def test_a_malformed_call_that_began_streaming_ends_at_its_close_tag():

@@ -124,6 +124,12 @@ class ToolParser(ABC):
         its `{`; None while none has begun, or for a syntax whose calls cannot stream."""
         return None
 
+    def cut_off(self, region: str, end: int) -> bool:
+        """Whether the text ended inside a call, after the complete ones: JSON cut short, as
+        opposed to text that is no call at all."""
+        call_text = self.open_call(region, end)
+        return call_text is not None and _is_cut_json(call_text)
+
 
 class HermesParser(ToolParser):
     """Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` per call."""
@@ -152,6 +158,10 @@ class HermesParser(ToolParser):
             calls.append(call)
             end = len(region) if close < 0 else close + len(self._close)
         return RegionCalls(calls, end)
+
+    def cut_off(self, region: str, end: int) -> bool:
+        start = _skip_space(region, end)
+        return region.startswith(self.markers[0], start) and self._close not in region[start:]
 
     def open_call(self, region: str, end: int) -> str | None:
         start = _skip_space(region, end)
@@ -289,8 +299,9 @@ class ToolCallStream:
 
     Text that may still become a tool call is held back, so raw call syntax never reaches
     the content. A call's arguments stream as they are written, once its name is known. A
-    region that does not parse by the end is handed out as content, and a call the text
-    ended inside (a length cut) ends with the arguments written so far.
+    call the text ended inside (a length cut) ends with the arguments written so far, or is
+    dropped if its name had not come; any other region that does not parse by the end is
+    handed out as content.
     """
 
     def __init__(self, parser: ToolParser) -> None:
@@ -318,6 +329,8 @@ class ToolCallStream:
             return content, pieces + ([piece] if piece else [])
         if self.open is not None:
             pieces.append(self._end_call(None))
+        elif self.parser.cut_off(region, found.end):
+            pass  # a call cut before its name and arguments: nothing to run, no markup to show
         elif region[found.end :].strip():  # a malformed call is shown to the client, not lost
             content += region[found.end :]
         return content, pieces
@@ -363,6 +376,20 @@ def _complete_name(call_text: str) -> str | None:
         return None
     name = head.get("name") if isinstance(head, dict) else None
     return name if isinstance(name, str) else None
+
+
+def _is_cut_json(text: str) -> bool:
+    """`text` is the start of a JSON value, not the whole of one nor invalid."""
+    try:
+        _JSON.raw_decode(text)
+        return False
+    except ValueError:
+        pass
+    try:
+        partial_loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _arguments_so_far(call_text: str, start: int) -> str:

@@ -507,6 +507,8 @@ BAD_SAMPLING = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": 1.5}, "temperature"),
     ({"stop_sequences": [str(i) for i in range(40)]}, "stop_sequences"),
+    ({"tools": [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(513)]},
+     "at most 512"),
 ]
 
 

@@ -188,6 +188,7 @@ def test_malformed_json(client):
         (chat(tools=[WEATHER_TOOL], tool_choice="required", response_format=JSON_OBJECT),
          "response_format", "tool_choice"),
         (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools", "pattern"),
+        (chat(tools=[WEATHER_TOOL] * 513), "tools", "at most 512"),
         (chat(max_tokens="many"), "max_tokens", "valid integer"),
         (chat(logit_bias={"word": 1}), "logit_bias", "token ids"),
         (chat(logit_bias={"5": 150}), None, "[-100, 100]"),

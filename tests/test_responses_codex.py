@@ -17,10 +17,11 @@ from fake_engine import ReplyingEngine, ToolTemplateTokenizer
 from server_helpers import running_server
 
 from server.core.assistant_turn import ToolCallArguments, ToolCallStart, TurnEnd
+from server.http.limits import MAX_TOOLS
 from server.openai.protocol import Usage
 from server.responses.output import ResponseBuilder
 from server.responses.protocol import ResponseObject, TextConfig
-from server.responses.tools import MAX_TOOLS, ToolSet, read_tools
+from server.responses.tools import ToolSet, read_tools
 
 CAPTURE = json.loads((Path(__file__).parent / "data" / "codex_responses_request.json").read_text())
 BODY = CAPTURE["body"]

@@ -14,6 +14,9 @@ from server.http.errors import APIError
 
 MAX_STOP_SEQUENCES = 16  # each one is matched against every new piece of text
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
+# Every tool's schema is rendered into the prompt and compiled into the call grammar; agent
+# CLIs send tens (Claude Code ~20, Codex ~30 with its namespaces).
+MAX_TOOLS = 512
 
 
 def check_stop_sequences(stop: str | list[str] | None, param: str = "stop") -> None:
@@ -31,11 +34,19 @@ def check_top_logprobs(value: int | None, param: str = "top_logprobs") -> None:
         )
 
 
+def check_tool_count(count: int, param: str = "tools") -> None:
+    if count > MAX_TOOLS:
+        raise APIError(
+            f"{param}: {count} tools given; at most {MAX_TOOLS} are supported.", param=param
+        )
+
+
 def check_request_limits(body: Any) -> None:
-    """Apply every cap to the fields `body` has: `stop` / `stop_sequences` (a list),
+    """Apply every cap to the fields `body` has: `stop` / `stop_sequences` (a list), `tools`,
     `top_logprobs`, and the completions API's integer `logprobs`."""
     for param in ("stop", "stop_sequences"):
         check_stop_sequences(getattr(body, param, None), param)
+    check_tool_count(len(getattr(body, "tools", None) or ()))
     check_top_logprobs(getattr(body, "top_logprobs", None))
     logprobs = getattr(body, "logprobs", None)
     if isinstance(logprobs, int) and not isinstance(logprobs, bool):

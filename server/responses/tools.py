@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from server.http.errors import APIError
+from server.http.limits import check_tool_count
 from server.responses.protocol import ToolChoice
 
 BUILT_IN_TOOL_TYPES = frozenset({
@@ -30,7 +31,6 @@ BUILT_IN_TOOL_TYPES = frozenset({
     "computer_use_preview", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
     "programmatic_tool_calling",
 })  # fmt: skip
-MAX_TOOLS = 512  # functions and custom tools, namespace members included
 # As the chat API's function names (dots too: a namespace's members are offered as "ns.name").
 _NAME = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
 _MEMBER_TYPES = ("function", "custom")
@@ -107,9 +107,7 @@ def read_tools(raw: list[dict[str, Any]]) -> ToolSet:
     tools: list[tuple[ClientTool, str]] = []
     for index, tool in enumerate(raw):
         tools += _read_tool(tool, f"tools[{index}]")
-        if len(tools) > MAX_TOOLS:
-            message = f"at most {MAX_TOOLS} functions and custom tools are supported."
-            raise APIError(f"tools: {message}", param="tools")
+        check_tool_count(len(tools))  # namespace members count one each
     seen: dict[str, str] = {}
     for tool, where in tools:
         name = tool.function["name"]

@@ -25,8 +25,8 @@ from server_helpers import running_server, small_engine
 from server.anthropic.output import MessageBuilder
 from server.core.assistant_turn import (
     TextDelta,
-    ToolCall,
     ToolCallArguments,
+    ToolCallEnd,
     ToolCallStart,
     Turn,
     TurnEnd,
@@ -431,19 +431,20 @@ WRITE_START = '{"file_path": "/tmp/a.txt", "content": "hel'
 
 
 @pytest.mark.parametrize(
-    ("call_events", "cut_input"),
+    ("fragments", "cut_input"),
     [
-        ([ToolCallArguments(WRITE_START)], {"file_path": "/tmp/a.txt", "content": "hel"}),
-        ([ToolCallArguments(WRITE_START[:10]), ToolCallArguments(WRITE_START[10:]),
-          ToolCall("Write", WRITE_START)], {"file_path": "/tmp/a.txt", "content": "hel"}),
+        ([WRITE_START], {"file_path": "/tmp/a.txt", "content": "hel"}),
+        ([WRITE_START[:10], WRITE_START[10:]], {"file_path": "/tmp/a.txt", "content": "hel"}),
         ([], {}),
-        ([ToolCallArguments('{"file_pa')], {}),
+        (['{"file_pa'], {}),
     ],
-)  # fmt: skip
-def test_a_turn_cut_inside_a_tool_call_ends_well_formed(call_events, cut_input):
+)
+def test_a_turn_cut_inside_a_tool_call_ends_well_formed(fragments, cut_input):
     """max_tokens inside a call: the tool_use block is closed with what its partial JSON
     holds, and the stop reason says the turn was cut, not that a call is ready to run."""
-    events = [TextDelta("Writing. "), ToolCallStart("Write"), *call_events, CUT]
+    cut = ToolCallEnd("Write", "".join(fragments), complete=False)
+    events = [TextDelta("Writing. "), ToolCallStart("Write"),
+              *map(ToolCallArguments, fragments), cut, CUT]  # fmt: skip
     wire, rebuilt, whole = built_stream(*events)
     kinds = [event["type"] for event in wire]
     starts = [e["index"] for e in wire if e["type"] == "content_block_start"]
@@ -458,6 +459,7 @@ def test_a_turn_cut_inside_a_tool_call_ends_well_formed(call_events, cut_input):
 def test_a_call_cut_by_the_end_of_the_turn_is_not_a_tool_use():
     """The model stopped (EOS) inside a call: the block closes, the turn is no tool_use."""
     events = [ToolCallStart("get_weather"), ToolCallArguments('{"city": "Par'),
+              ToolCallEnd("get_weather", '{"city": "Par', complete=False),
               TurnEnd("stop", None, Usage.of(5, 3, 0))]  # fmt: skip
     _, rebuilt, whole = built_stream(*events)
     assert whole.stop_reason == rebuilt.stop_reason == "end_turn"
@@ -467,7 +469,7 @@ def test_a_call_cut_by_the_end_of_the_turn_is_not_a_tool_use():
 def test_a_whole_call_then_max_tokens_is_still_a_tool_use():
     arguments = '{"city": "Paris"}'
     events = [ToolCallStart("get_weather"), ToolCallArguments(arguments),
-              ToolCall("get_weather", arguments), CUT]  # fmt: skip
+              ToolCallEnd("get_weather", arguments), CUT]  # fmt: skip
     _, rebuilt, whole = built_stream(*events)
     assert whole.stop_reason == rebuilt.stop_reason == "tool_use"
     assert whole.content[0].input == rebuilt.content[0].input == {"city": "Paris"}

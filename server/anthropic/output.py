@@ -17,8 +17,6 @@ import json
 import uuid
 from typing import Any
 
-import partial_json_parser
-
 from server.anthropic.protocol import (
     AnthropicUsage,
     Message,
@@ -30,13 +28,14 @@ from server.anthropic.protocol import (
 from server.core.assistant_turn import (
     ReasoningDelta,
     TextDelta,
-    ToolCall,
     ToolCallArguments,
+    ToolCallEnd,
     ToolCallStart,
     Turn,
     TurnEnd,
     TurnEvent,
 )
+from server.core.tool_parsers import partial_json
 from server.core.turn_serving import Event
 from server.http.errors import APIError
 
@@ -46,8 +45,7 @@ class MessageBuilder:
         usage = AnthropicUsage.of(turn.prompt_tokens, 0, turn.cached_tokens)
         self.message = Message(id=message_id, model=model, content=[], usage=usage)
         self._open_block: TextBlock | ThinkingBlock | None = None  # still taking deltas
-        self._arguments: str | None = None  # the open tool_use block's input JSON so far
-        self._cut_call = False  # a call was still open when the turn ended
+        self._cut_call = False  # a call ended incomplete: the turn made none to run
 
     def start(self) -> list[Event]:
         return [{"type": "message_start", "message": self.message.model_dump()}]
@@ -60,10 +58,9 @@ class MessageBuilder:
         if isinstance(event, ToolCallStart):
             return self._open_tool_use(event.name)
         if isinstance(event, ToolCallArguments):
-            self._arguments = (self._arguments or "") + event.text
             return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
-        if isinstance(event, ToolCall):
-            return self._close_tool_use(event.arguments)
+        if isinstance(event, ToolCallEnd):
+            return self._close_tool_use(event)
         return self._end(event)
 
     def fail(self, message: str) -> list[Event]:
@@ -96,34 +93,17 @@ class MessageBuilder:
         """The stream announces the block with empty input; the input follows as JSON text."""
         events = self._close_open_block()
         block = ToolUseBlock(id=f"toolu_{uuid.uuid4().hex[:24]}", name=name, input={})
-        self._arguments = ""
         return [*events, self._open(block)]
 
-    def _close_tool_use(self, arguments: str) -> list[Event]:
+    def _close_tool_use(self, call: ToolCallEnd) -> list[Event]:
         block = self.message.content[-1]
         assert isinstance(block, ToolUseBlock)
-        block.input = self._input(arguments)
-        self._arguments = None
+        block.input = _input(call)
+        self._cut_call = self._cut_call or not call.complete
         return [self._stop()]
-
-    def _input(self, arguments: str) -> dict[str, Any]:
-        """The call's input; when the turn ended inside the call, what its partial JSON holds
-        (`{}` if nothing)."""
-        try:
-            value = json.loads(arguments)
-        except ValueError:
-            self._cut_call = True
-            try:
-                value = partial_json_parser.loads(arguments)
-            except ValueError:  # e.g. no text at all
-                value = {}
-        return value if isinstance(value, dict) else {}
 
     def _end(self, end: TurnEnd) -> list[Event]:
         events = self._close_open_block()
-        if self._arguments is not None:  # the turn ended inside a call
-            self._cut_call = True
-            events += self._close_tool_use(self._arguments)
         if not self.message.content:  # clients read content[0]: "nothing" is an empty text
             events += [self._open(TextBlock()), self._stop()]
         self.message.stop_reason = self._stop_reason(end)
@@ -147,11 +127,9 @@ class MessageBuilder:
             return "max_tokens"
         return "stop_sequence" if end.stop_sequence is not None else "end_turn"
 
-    def _open(
-        self, block: TextBlock | ThinkingBlock | ToolUseBlock, announced: Event | None = None
-    ) -> Event:
+    def _open(self, block: TextBlock | ThinkingBlock | ToolUseBlock) -> Event:
         self.message.content.append(block)
-        shown = block.model_dump() if announced is None else announced
+        shown = block.model_dump()
         return {"type": "content_block_start", "index": self._index, "content_block": shown}
 
     def _delta(self, delta: dict[str, Any]) -> Event:
@@ -169,3 +147,13 @@ class MessageBuilder:
     @property
     def _index(self) -> int:
         return len(self.message.content) - 1
+
+
+def _input(call: ToolCallEnd) -> dict[str, Any]:
+    """The call's input: its arguments, or for a call that did not end whole what their
+    partial JSON holds (`{}` if nothing)."""
+    if call.complete:
+        value = json.loads(call.arguments, strict=False)
+    else:
+        value = partial_json(call.arguments)
+    return value if isinstance(value, dict) else {}

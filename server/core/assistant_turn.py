@@ -4,7 +4,7 @@ parse tool calls; the turn comes back as plain events that each API turns into i
 output object and stream.
 
     ChatCompletionRequest ─start─▶ Turn.events: (ReasoningDelta | TextDelta | call)* TurnEnd
-    call = ToolCallStart ToolCallArguments* ToolCall     (one call open at a time)
+    call = ToolCallStart ToolCallArguments* ToolCallEnd     (one call open at a time)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from server.core import generation
 from server.core.chat_tools import ToolPlan, plan_tools
 from server.core.prompts import ChatPrompt, chat_prompt, chat_template, check_context
 from server.core.reasoning import ReasoningStream, opens_reasoning
-from server.core.tool_parsers import CallPiece, ToolCallStream
+from server.core.tool_call_stream import CallPiece, ToolCallStream
 from server.http.errors import APIError
 from server.openai.choice_streams import ChatChoiceStream
 from server.openai.protocol import ChatCompletionRequest, Usage
@@ -50,12 +50,14 @@ class ToolCallArguments:
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    """The open call ended: `arguments` is its fragments joined, a JSON object (cut short
-    when the turn ended inside the call)."""
+class ToolCallEnd:
+    """The open call ended: `arguments` is its fragments joined. `complete` says they are a
+    whole JSON object; else the turn ended inside the call, or the call was malformed, and
+    they are what was written (not a call to run)."""
 
     name: str
     arguments: str
+    complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class TurnEnd:
     usage: Usage
 
 
-TurnEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArguments | ToolCall | TurnEnd
+TurnEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | TurnEnd
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,7 @@ def _call_events(calls: list[CallPiece], pieces: ChatChoiceStream) -> list[TurnE
             events.append(ToolCallArguments(call.arguments))
         if call.done:
             function = pieces.calls[call.index].function
-            events.append(ToolCall(function.name, function.arguments))
+            events.append(ToolCallEnd(function.name, function.arguments, call.complete))
     return events
 
 

@@ -1,9 +1,10 @@
 """Tool calls parsed out of a model's text, one parser per chat-template family.
 
-A parser answers three questions about a choice's text: where its tool-call region starts,
-which calls at the start of that region are complete, and where the call still being written
-begins. `ToolCallStream` builds streaming and whole-message parsing on those answers, so both
-see the same calls, and streams a call's arguments as they are written:
+A parser answers four questions about a choice's text: where its tool-call region starts,
+which calls at the start of that region are complete, where the call still being written
+begins, and whether the text ended inside a call. `ToolCallStream` (tool_call_stream.py)
+builds streaming and whole-message parsing on those answers, and streams a call's arguments
+as they are written:
 
     text:  "Let me look.<tool_call>{...}</tool_call><tool_call>{"name": "f", "arguments": {"a
             └── content ─┘└──────────── region ──────────────────────────────────────────┘
@@ -24,7 +25,8 @@ from typing import Any, ClassVar
 from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
-_JSON = json.JSONDecoder()
+# Not strict: models write raw newlines and tabs inside strings (code, file contents).
+_JSON = json.JSONDecoder(strict=False)
 _ARGUMENTS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -38,17 +40,6 @@ class ParsedCall:
 class RegionCalls:
     calls: list[ParsedCall]
     end: int  # characters of the region those calls take up
-
-
-@dataclass(frozen=True)
-class CallPiece:
-    """What one delta adds to the call at `index`: its name on the call's first piece, the
-    next fragment of its arguments, and `done` on the piece that ends it."""
-
-    index: int
-    name: str | None
-    arguments: str
-    done: bool
 
 
 def _call_of(value: Any, text: str | None = None) -> ParsedCall | None:
@@ -69,7 +60,7 @@ def _call_of(value: Any, text: str | None = None) -> ParsedCall | None:
     return ParsedCall(value["name"], written or json.dumps(arguments, ensure_ascii=False))
 
 
-def _arguments_start(call_text: str) -> int | None:
+def arguments_start(call_text: str) -> int | None:
     """Where the arguments object of the call written in `call_text` starts, once its key came."""
     match = _ARGUMENTS_KEY.search(call_text)
     if match is None or not call_text.startswith("{", match.end()):
@@ -79,7 +70,7 @@ def _arguments_start(call_text: str) -> int | None:
 
 def _arguments_text(call_text: str, arguments: dict) -> str | None:
     """The text of the call's arguments object as the model wrote it, if it is found there."""
-    start = _arguments_start(call_text)
+    start = arguments_start(call_text)
     if start is None:
         return None
     try:
@@ -102,6 +93,7 @@ class ToolParser(ABC):
     markers: ClassVar[tuple[str, ...]] = ()  # open a region anywhere in the text
     leading: ClassVar[str] = ""  # opens a region at the start of the text (spaces aside)
     template_hints: ClassVar[tuple[str, ...]] = ()  # chat-template text that picks this parser
+    tag_start: ClassVar[str] = ""  # begins a tag that may end a call's text (none: JSON ends it)
 
     def region_start(self, text: str) -> int | None:
         if self.leading and text.lstrip().startswith(self.leading):
@@ -137,6 +129,7 @@ class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
     template_hints = ("<tool_call>",)
+    tag_start = "<"
     _close = "</tool_call>"
 
     def calls(self, region: str, final: bool) -> RegionCalls:
@@ -161,7 +154,10 @@ class HermesParser(ToolParser):
 
     def cut_off(self, region: str, end: int) -> bool:
         start = _skip_space(region, end)
-        return region.startswith(self.markers[0], start) and self._close not in region[start:]
+        if not region.startswith(self.markers[0], start) or self._close in region[start:]:
+            return False
+        body = region[start + len(self.markers[0]) :].strip()
+        return not body or _is_cut_json(body)
 
     def open_call(self, region: str, end: int) -> str | None:
         start = _skip_space(region, end)
@@ -261,9 +257,27 @@ def _held_back(text: str, tag: str) -> str:
 
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
+        return _JSON.decode(text)
     except ValueError:
         return None
+
+
+def partial_json(text: str, allow: Allow = Allow.ALL) -> Any | None:
+    """What JSON text cut short holds so far (None if it is no JSON prefix at all). The
+    parser raises more than ValueError on some malformed text."""
+    try:
+        return partial_loads(text, allow)
+    except Exception:
+        return None
+
+
+def _is_cut_json(text: str) -> bool:
+    """`text` is the start of a JSON value, not the whole of one nor invalid."""
+    try:
+        _JSON.raw_decode(text)
+        return False
+    except ValueError:
+        return partial_json(text) is not None
 
 
 PARSERS: dict[str, type[ToolParser]] = {
@@ -283,119 +297,3 @@ def parser_for_template(template: str) -> ToolParser | None:
         if any(hint in template for hint in parser.template_hints):
             return parser()
     return None
-
-
-@dataclass
-class _OpenCall:
-    """A call whose name has come and whose arguments are streaming."""
-
-    name: str
-    arguments_start: int  # where its arguments object starts in the call's text
-    sent: str = ""  # its arguments streamed so far
-
-
-class ToolCallStream:
-    """Splits one choice's text, delta by delta, into content and tool calls.
-
-    Text that may still become a tool call is held back, so raw call syntax never reaches
-    the content. A call's arguments stream as they are written, once its name is known. A
-    call the text ended inside (a length cut) ends with the arguments written so far, or is
-    dropped if its name had not come; any other region that does not parse by the end is
-    handed out as content.
-    """
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.text = ""
-        self.content_end = 0  # characters of `text` handed out as content
-        self.region: int | None = None  # where the tool-call region starts, once known
-        self.num_calls = 0  # calls ended so far
-        self.open: _OpenCall | None = None
-
-    def feed(self, delta: str, final: bool) -> tuple[str, list[CallPiece]]:
-        """Add a delta; return the new content and what it adds to the calls."""
-        self.text += delta
-        if self.region is None:
-            self.region = self.parser.region_start(self.text)
-        if self.region is None:
-            end = len(self.text) if final else self.parser.safe_end(self.text)
-            return self._content_to(end), []
-        content = self._content_to(self.region)
-        region = self.text[self.region :]
-        found = self.parser.calls(region, final)
-        pieces = [self._end_call(call) for call in found.calls[self.num_calls :]]
-        if not final:
-            piece = self._stream(self.parser.open_call(region, found.end))
-            return content, pieces + ([piece] if piece else [])
-        if self.open is not None:
-            pieces.append(self._end_call(None))
-        elif self.parser.cut_off(region, found.end):
-            pass  # a call cut before its name and arguments: nothing to run, no markup to show
-        elif region[found.end :].strip():  # a malformed call is shown to the client, not lost
-            content += region[found.end :]
-        return content, pieces
-
-    def _stream(self, call_text: str | None) -> CallPiece | None:
-        """The next piece of the call being written, if it has a new one."""
-        if call_text is None:
-            return None
-        name = None
-        if self.open is None:
-            name, start = _complete_name(call_text), _arguments_start(call_text)
-            if name is None or start is None:
-                return None
-            self.open = _OpenCall(name, start)
-        arguments = _arguments_so_far(call_text, self.open.arguments_start)
-        fragment = arguments[len(self.open.sent) :]
-        if not (fragment or name):
-            return None
-        self.open.sent = arguments
-        return CallPiece(self.num_calls, name, fragment, done=False)
-
-    def _end_call(self, call: ParsedCall | None) -> CallPiece:
-        """The piece that ends the next call: `call` whole, or the rest of the open one
-        (nothing when `call` is None: the text ended inside it)."""
-        index, self.num_calls = self.num_calls, self.num_calls + 1
-        if self.open is None:
-            assert call is not None
-            return CallPiece(index, call.name, call.arguments, done=True)
-        sent, self.open = self.open.sent, None
-        return CallPiece(index, None, call.arguments[len(sent) :] if call else "", done=True)
-
-    def _content_to(self, end: int) -> str:
-        piece = self.text[self.content_end : end]
-        self.content_end = max(self.content_end, end)
-        return piece
-
-
-def _complete_name(call_text: str) -> str | None:
-    """The call's name once its string is complete (partial strings are left out)."""
-    try:
-        head = partial_loads(call_text, Allow.ALL & ~Allow.STR)
-    except ValueError:
-        return None
-    name = head.get("name") if isinstance(head, dict) else None
-    return name if isinstance(name, str) else None
-
-
-def _is_cut_json(text: str) -> bool:
-    """`text` is the start of a JSON value, not the whole of one nor invalid."""
-    try:
-        _JSON.raw_decode(text)
-        return False
-    except ValueError:
-        pass
-    try:
-        partial_loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _arguments_so_far(call_text: str, start: int) -> str:
-    """The arguments object's text: all of it once it closed, else everything written yet."""
-    try:
-        _, end = _JSON.raw_decode(call_text, start)
-    except ValueError:
-        return call_text[start:]
-    return call_text[start:end]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.core.reasoning import ReasoningStream
-from server.core.tool_parsers import CallPiece, ToolCallStream
+from server.core.tool_call_stream import CallPiece, ToolCallStream
 from server.openai.logprobs import LogprobsAligner, TokenEntry, chat_logprobs, completion_logprobs
 from server.openai.protocol import (
     AssistantMessage,
@@ -64,6 +64,7 @@ class ChatChoiceStream:
         self.logprobs = logprobs
         self.parallel_calls = parallel_calls
         self.calls: list[ToolCall] = []  # the calls so far, their arguments as streamed
+        self.num_complete = 0  # calls that ended whole (not cut by the end of the text)
 
     def feed(self, output: RequestOutput) -> ChatPiece:
         final = output.finished
@@ -77,8 +78,9 @@ class ChatChoiceStream:
             if piece.name is not None:
                 self.calls.append(ToolCall(function=FunctionCall(name=piece.name, arguments="")))
             self.calls[piece.index].function.arguments += piece.arguments
+            self.num_complete += piece.done and piece.complete
         finish: ChatFinishReason | None = output.finish_reason
-        if finish == "stop" and self.calls:
+        if finish == "stop" and self.num_complete:
             finish = "tool_calls"
         entries = self.logprobs.feed(output) if self.logprobs is not None else []
         return ChatPiece(reasoning, content, pieces, entries, finish)

@@ -23,7 +23,8 @@ from server.core.prompts import (
     completion_prompt_ids,
 )
 from server.core.reasoning import ReasoningStream, opens_reasoning
-from server.core.tool_parsers import ToolCallStream, parser_named
+from server.core.tool_call_stream import ToolCallStream
+from server.core.tool_parsers import parser_named
 from server.http.errors import APIError
 from server.http.sse import CLIENT_CLOSED, event_stream
 from server.openai.choice_streams import ChatChoiceStream, CompletionChoiceStream

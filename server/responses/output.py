@@ -27,8 +27,8 @@ from typing import Any
 from server.core.assistant_turn import (
     ReasoningDelta,
     TextDelta,
-    ToolCall,
     ToolCallArguments,
+    ToolCallEnd,
     ToolCallStart,
     TurnEnd,
     TurnEvent,
@@ -101,7 +101,7 @@ class ResponseBuilder:
             return self._open_function_call(event.name)
         if isinstance(event, ToolCallArguments):
             return self._function_call_arguments(event.text)
-        if isinstance(event, ToolCall):
+        if isinstance(event, ToolCallEnd):
             return self._close_function_call(event)
         return self._end(event)
 
@@ -143,18 +143,18 @@ class ResponseBuilder:
         item.input += text
         return [self._item_event("response.custom_tool_call_input.delta", delta=text)]
 
-    def _close_function_call(self, call: ToolCall | None) -> list[Event]:
-        """Close the open call: completed by `call`, or cut off (None) as `incomplete`."""
+    def _close_function_call(self, call: ToolCallEnd) -> list[Event]:
+        """Close the open call: `completed`, or `incomplete` when it is no call to run."""
         item = self._open_call
         assert item is not None
         self._open_call = None
-        item.status = "completed" if call is not None else "incomplete"
+        item.status = "completed" if call.complete else "incomplete"
         if isinstance(item, FunctionCall):
-            item.arguments = call.arguments if call is not None else item.arguments
+            item.arguments = call.arguments
             fields = {"name": item.name, "arguments": item.arguments}
             done = self._item_event("response.function_call_arguments.done", **fields)
             return [done, self._item_done()]
-        events = self._rest_of_input(item, call.arguments) if call is not None else []
+        events = self._rest_of_input(item, call.arguments) if call.complete else []
         done = self._item_event("response.custom_tool_call_input.done", input=item.input)
         return [*events, done, self._item_done()]
 
@@ -170,8 +170,6 @@ class ResponseBuilder:
     def _end(self, end: TurnEnd) -> list[Event]:
         truncated = end.finish_reason == "length"
         events = self._close_text_item("incomplete" if truncated else "completed")
-        if self._open_call is not None:
-            events += self._close_function_call(None)
         if not self.response.output:  # clients read output[0]: "nothing" is an empty message
             events += self._open_text_item(OutputMessage) + self._close_text_item("completed")
         usage = end.usage

@@ -139,28 +139,28 @@ async def start(
         await choices.aclose()
         raise
     # The chat path's splitter into reasoning, content and tool calls (never raw call syntax).
-    pieces = ChatChoiceStream(
+    splitter = ChatChoiceStream(
         ReasoningStream(starts_inside=opens_reasoning(prompt.text)),
         ToolCallStream(plan.parser) if plan.parser is not None else None,
-        None,
-        chat.parallel_tool_calls,
+        logprobs=None,
+        parallel_calls=chat.parallel_tool_calls,
     )
-    events = _events(first, choices, pieces)
+    events = _events(first, choices, splitter)
     return Turn(first.num_prompt_tokens, first.num_cached_tokens, events, choices)
 
 
 async def _events(
-    first: RequestOutput, choices: generation.Choices, pieces: ChatChoiceStream
+    first: RequestOutput, choices: generation.Choices, splitter: ChatChoiceStream
 ) -> AsyncGenerator[TurnEvent, None]:
     async with contextlib.aclosing(choices):
         output = first
         while True:
-            piece = pieces.feed(output)
+            piece = splitter.feed(output)
             if piece.reasoning:
                 yield ReasoningDelta(piece.reasoning)
             if piece.content:
                 yield TextDelta(piece.content)
-            for event in _call_events(piece.tool_calls, pieces):
+            for event in _call_events(piece.tool_calls, splitter):
                 yield event
             if output.finished:
                 break
@@ -169,7 +169,7 @@ async def _events(
     yield TurnEnd(reason, output.stop_string, generation.usage_of([output]))
 
 
-def _call_events(calls: list[CallPiece], pieces: ChatChoiceStream) -> list[TurnEvent]:
+def _call_events(calls: list[CallPiece], splitter: ChatChoiceStream) -> list[TurnEvent]:
     events: list[TurnEvent] = []
     for call in calls:
         if call.name is not None:
@@ -177,7 +177,7 @@ def _call_events(calls: list[CallPiece], pieces: ChatChoiceStream) -> list[TurnE
         if call.arguments:
             events.append(ToolCallArguments(call.arguments))
         if call.done:
-            function = pieces.calls[call.index].function
+            function = splitter.calls[call.index].function
             events.append(ToolCallEnd(function.name, function.arguments, call.complete))
     return events
 

@@ -7,6 +7,7 @@ Built once at the CLI edge; a request's own values always win (see `sampling_par
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -51,8 +52,7 @@ class SamplingDefaults:
         as are nulls. A negative top_k means off, as in vLLM."""
         picked = {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
         for key, value in picked.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{key} must be a number, got {value!r}")
+            _check_number(key, value)
         if "top_k" in picked:
             if picked["top_k"] != int(picked["top_k"]):
                 raise ValueError(f"top_k must be an integer, got {picked['top_k']}")
@@ -68,6 +68,15 @@ class SamplingDefaults:
 
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingDefaults))
+
+
+def _check_number(key: str, value: Any) -> None:
+    """A ValueError naming `key` unless `value` is a finite number: JSON readers take
+    `Infinity`, `NaN` and `1e999`, which would pass a range check or fail with no key named."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
 
 
 def parse_override(text: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from server_helpers import running_app
 
 from server.app import build_app
 from server.async_engine import AsyncEngine
+from server.cli import main
 from server.sampling_defaults import SamplingDefaults, load_sampling_defaults, parse_override
 
 # What a Hugging Face generation_config.json holds: sampling keys among others.
@@ -82,11 +83,35 @@ def test_a_bad_file_names_itself_and_the_way_out(tmp_path, config, message):
     [("{temperature: 1}", "not valid JSON"),
      ("[0.5]", "expected a JSON object"),
      ('{"temp": 0.5}', "unknown keys temp"),
-     ('{"temperature": -1}', "temperature must be >= 0")],
+     ('{"temperature": -1}', "temperature must be >= 0"),
+     ('{"temperature": Infinity}', "temperature must be a finite number")],
 )
 def test_bad_overrides_are_refused(text, message):
     with pytest.raises(ValueError, match=message):
         parse_override(text)
+
+
+@pytest.mark.parametrize("text", ['{"top_k": Infinity}', '{"top_k": 1e999}', '{"top_k": NaN}'])
+def test_non_finite_overrides_name_the_key_and_the_flag(text, capsys):
+    # Python's JSON reader takes these; int(inf) used to escape as an OverflowError.
+    key = json.loads(text).popitem()[0]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--override-generation-config", text])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--override-generation-config" in err and f"{key} must be a finite number" in err
+
+
+@pytest.mark.parametrize("text", ['{"top_k": 1e999}', '{"top_k": Infinity}', '{"min_p": NaN}'])
+def test_a_non_finite_number_in_the_file_names_the_key_and_the_file(tmp_path, text):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(text)
+    key = json.loads(text).popitem()[0]
+    with pytest.raises(ValueError, match=f"{key} must be a finite number") as error:
+        load_sampling_defaults(model)
+    assert "generation_config.json" in str(error.value)
+    assert "--generation-config vllm" in str(error.value)
 
 
 # ---------------------------------------------------------------- through the real app

@@ -124,10 +124,12 @@ class PrefixCache:
         num_cached_tokens = len(request.block_ids) * self.block_size
         request.num_computed_tokens = num_cached_tokens
         request.num_hashed_blocks = len(request.block_ids)
-        if request.num_output_tokens == 0:  # first admission: what usage reports
+        # Readmitted after a preemption, its own blocks would read as cache hits: usage and
+        # stats count the first admission only.
+        if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
-        if self.enabled and request.num_preemptions == 0:
-            self._count(request.num_tokens, len(hits), len(loads))
+            if self.enabled:
+                self._count(request.num_tokens, len(hits), len(loads))
         return loads
 
     def _count(self, num_tokens: int, num_pool_hits: int, num_stored_hits: int) -> None:

@@ -216,6 +216,23 @@ def test_preempted_request_resumes_after_its_cached_prefix():
     assert (stats.queried_tokens, stats.hit_tokens) == (8 + 8, 0)
 
 
+
+def test_a_request_preempted_during_prefill_reports_none_of_its_own_blocks_as_cached():
+    s = make(num_blocks=5, block_size=4, budget=8)
+    s.add_request(req("old", 8, max_tokens=8))
+    s.add_request(req("new", 12, max_tokens=2, first=50))
+    step(s)
+    out, _ = step(s)  # "new" prefills 7 tokens: one full block, cached
+    assert counts(out) == {"old": 1, "new": 7}
+    out, _ = step(s)  # no block for "new"'s next chunk: preempted before any output
+    assert counts(out) == {"old": 1} and s.requests["new"].num_preemptions == 1
+    while "new" not in counts(out):
+        out, _ = step(s)
+    assert counts(out) == {"new": 8}  # resumed after its own cached block
+    new = s.requests["new"]
+    assert new.num_cached_tokens == 0  # usage: nothing was cached when it first came
+    assert s.prefix_cache.stats.hit_tokens == 0
+
 # -- scheduling policy --------------------------------------------------------------------------
 
 

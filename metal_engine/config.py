@@ -64,6 +64,21 @@ class EngineConfig:
             )
 
 
+# The least KV cache that serves: the context is capped by what the cache holds.
+MIN_KV_CACHE_BLOCKS = 2
+
+
+def check_kv_cache_blocks(num_blocks: int, budget: int) -> None:
+    """A ValueError naming --kv-cache-memory if a cache of `budget` bytes (`num_blocks`
+    blocks) is too small to serve; checked before the context is fitted to the cache, which
+    would otherwise shrink the context to whatever little the cache holds."""
+    if num_blocks < MIN_KV_CACHE_BLOCKS:
+        raise ValueError(
+            f"a KV cache of {budget} bytes holds {num_blocks} blocks, fewer than the "
+            f"{MIN_KV_CACHE_BLOCKS} it takes to serve: raise --kv-cache-memory"
+        )
+
+
 def resolve_max_model_len(config: EngineConfig, trained: int, kv_tokens: int) -> int:
     """The context limit: `config.max_model_len`, else the model's `trained` context capped by
     the `kv_tokens` the KV cache holds. An explicit limit the cache cannot hold is refused, so

@@ -7,7 +7,12 @@ import logging
 import mlx.core as mx
 from transformers import AutoTokenizer
 
-from metal_engine.config import EngineConfig, default_token_budget, resolve_max_model_len
+from metal_engine.config import (
+    EngineConfig,
+    check_kv_cache_blocks,
+    default_token_budget,
+    resolve_max_model_len,
+)
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
@@ -79,12 +84,8 @@ class LLMEngine:
         budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
         num_blocks = budget // per_block
         kv_tokens = num_blocks * config.block_size
+        check_kv_cache_blocks(num_blocks, budget)
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
-        if kv_tokens < min(max_model_len, 2 * config.block_size):
-            raise ValueError(
-                f"a KV cache of {budget} bytes holds {num_blocks} blocks, too few to serve: "
-                "raise --kv-cache-memory"
-            )
         log.info(
             "KV cache: %d tokens (%d blocks of %d, %.1f MiB); context length %d tokens "
             "(trained: %d)", kv_tokens, num_blocks, config.block_size,
@@ -230,10 +231,9 @@ class LLMEngine:
         text = detok.take_delta(final=reason is not None)
         if reason is not None:
             self._forget(request_id)
-        output = self._output(request, update.new_token_ids, text, reason,
-                              update.num_output_tokens, [logprobs] if logprobs is not None else [])
-        output.stop_string = stop_string
-        return output
+        return self._output(request, update.new_token_ids, text, reason,
+                            update.num_output_tokens, [logprobs] if logprobs is not None else [],
+                            stop_string)
 
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
@@ -242,7 +242,8 @@ class LLMEngine:
     @staticmethod
     def _output(request: Request, token_ids: list[int], text: str, reason,
                 num_output_tokens: int | None = None,
-                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+                logprobs: list[TokenLogprobs] | None = None,
+                stop_string: str | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -254,4 +255,5 @@ class LLMEngine:
             ),
             num_cached_tokens=request.num_cached_tokens,
             logprobs=(logprobs or []) if request.params.logprobs is not None else None,
+            stop_string=stop_string,
         )

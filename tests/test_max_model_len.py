@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import logging
 
+import mlx.core as mx
 import pytest
 from conftest import TINY_LLAMA
 
-from metal_engine.config import EngineConfig, resolve_max_model_len
+from metal_engine.config import EngineConfig, check_kv_cache_blocks, resolve_max_model_len
+from metal_engine.engine import LLMEngine
+from metal_engine.kv_cache import bytes_per_block
 from metal_engine.model_config import ModelConfig
 
 
@@ -49,3 +52,20 @@ def test_yarn_stretches_the_original_context():
         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
     })  # fmt: skip
     assert yarn.trained_context_len == 2048
+
+
+def test_a_kv_cache_of_fewer_than_two_blocks_is_refused():
+    check_kv_cache_blocks(2, budget=2048)
+    with pytest.raises(ValueError, match="2048 bytes holds 1 blocks.*raise --kv-cache-memory"):
+        check_kv_cache_blocks(1, budget=2048)
+
+
+def test_an_engine_with_a_one_block_kv_cache_names_the_flag(tiny_llama_with_tokenizer):
+    # The context is capped by the cache, so a check against the context could never fire.
+    per_block = bytes_per_block(TINY_LLAMA["num_hidden_layers"], 16,
+                                TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"],
+                                mx.float32)
+    config = EngineConfig(model_dir=tiny_llama_with_tokenizer, dtype="float32",
+                          kv_cache_memory=per_block)
+    with pytest.raises(ValueError, match="holds 1 blocks.*raise --kv-cache-memory"):
+        LLMEngine.from_config(config)

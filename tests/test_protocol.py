@@ -15,8 +15,10 @@ from server.app import build_app
 from server.async_engine import AsyncEngine
 from server.core import generation
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.sampling_defaults import SamplingDefaults
 
 CONTEXT = 32
+NEUTRAL = SamplingDefaults()  # the OpenAI API's own defaults
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 WEATHER_TOOL = {
     "type": "function",
@@ -99,11 +101,21 @@ def test_sampling_params_from_request():
     body = ChatCompletionRequest(
         **chat(temperature=0, top_p=0.5, top_k=-1, seed=3, stop="\n", ignore_eos=True)
     )
-    params = body.sampling_params(max_tokens=5)
+    params = body.sampling_params(5, None, NEUTRAL)
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0, 0.5, 0, 3)
     assert params.stop == ("\n",) and params.ignore_eos and params.max_tokens == 5
-    assert CompletionRequest(prompt="x", stop=["a", "b"]).sampling_params(1).stop == ("a", "b")
-    assert ChatCompletionRequest(**chat()).sampling_params(1).temperature == 1.0
+    two_stops = CompletionRequest(prompt="x", stop=["a", "b"])
+    assert two_stops.sampling_params(1, None, NEUTRAL).stop == ("a", "b")
+    assert ChatCompletionRequest(**chat()).sampling_params(1, None, NEUTRAL).temperature == 1.0
+
+
+def test_sampling_params_needs_the_servers_defaults():
+    # A caller that left them out would sample with neutral defaults and no one would notice.
+    body = ChatCompletionRequest(**chat())
+    with pytest.raises(TypeError, match="defaults"):
+        body.sampling_params(5, None)
+    params = body.sampling_params(5, None, SamplingDefaults(temperature=0.3, top_k=20))
+    assert (params.temperature, params.top_k) == (0.3, 20)
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
@@ -138,17 +150,18 @@ def test_new_sampling_fields_reach_the_engine():
         min_tokens=2, logprobs=True, top_logprobs=3,
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
     ))  # fmt: skip
-    params = body.sampling_params(5, body.response_structure())
+    params = body.sampling_params(5, body.response_structure(), NEUTRAL)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert (params.repetition_penalty, params.min_p, params.min_tokens) == (1.2, 0.1, 2)
     assert params.logprobs == 3
     assert json.loads(params.structured.json_schema) == SCHEMA
-    plain = ChatCompletionRequest(**chat()).sampling_params(5)
+    plain = ChatCompletionRequest(**chat()).sampling_params(5, None, NEUTRAL)
     assert (plain.logprobs, plain.structured, plain.repetition_penalty) == (None, None, 1.0)
-    assert ChatCompletionRequest(**chat(logprobs=True)).sampling_params(5).logprobs == 0
+    with_logprobs = ChatCompletionRequest(**chat(logprobs=True))
+    assert with_logprobs.sampling_params(5, None, NEUTRAL).logprobs == 0
     json_object = ChatCompletionRequest(**chat(response_format={"type": "json_object"}))
     assert json_object.response_structure() == StructuredOutput(json_schema=None)
-    assert CompletionRequest(prompt="x", logprobs=2).sampling_params(5).logprobs == 2
+    assert CompletionRequest(prompt="x", logprobs=2).sampling_params(5, None, NEUTRAL).logprobs == 2
 
 
 # ---- error bodies ---------------------------------------------------------------------------

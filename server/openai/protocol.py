@@ -23,8 +23,6 @@ from server.http.errors import APIError
 from server.openai.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
 from server.sampling_defaults import SAMPLING_KEYS, SamplingDefaults
 
-NEUTRAL_DEFAULTS = SamplingDefaults()
-
 # ---- requests -------------------------------------------------------------------------------
 
 
@@ -119,11 +117,12 @@ class _GenerationRequest(BaseModel):
     def sampling_params(
         self,
         max_tokens: int,
-        structured: StructuredOutput | None = None,
-        defaults: SamplingDefaults = NEUTRAL_DEFAULTS,
+        structured: StructuredOutput | None,
+        defaults: SamplingDefaults,
     ) -> SamplingParams:
         """The engine's parameters, with `max_tokens` already fitted to the context; the
-        sampling fields the request leaves unset come from `defaults`."""
+        sampling fields the request leaves unset come from `defaults` (required: a caller
+        that forgot the server's defaults would silently sample with neutral ones)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(

@@ -44,8 +44,6 @@ if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
     from scheduler.sampling_params import StructuredOutput
 
-# Sent instead of a body when the client left before its non-streaming answer was ready.
-
 
 class ChoiceStream(Protocol):
     """One choice's outputs as the endpoint's choice objects (see server.openai.choice_streams)."""

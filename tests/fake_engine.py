@@ -46,11 +46,30 @@ TEXT_THEN_HERMES_CALL = [
 ]
 
 
+def hermes_call(name: str, arguments: dict) -> list[str]:
+    """The pieces a model says for one Hermes call, cut inside the tag, before the name, in
+    the middle and before the closing braces: a streaming parser must join them anywhere."""
+    text = json.dumps({"name": name, "arguments": arguments})
+    cuts = [0, 9, len(text) // 2, len(text) - 3, len(text)]
+    pieces = [text[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
+    return ["<tool_", "call>", *pieces, "</tool_call>"]
+
+
+def tool_results(prompt: str) -> list[dict]:
+    """The tool messages of a prompt ToolTemplateTokenizer rendered (one JSON a line between
+    the tools line and the generation prompt): what a CLI sent back after running a call."""
+    turns = [json.loads(line) for line in prompt.split("\n")[1:-1]]
+    return [turn for turn in turns if turn["role"] == "tool"]
+
+
 class ScriptedEngine:
-    """Every request gets the same text, one scripted piece per step, then stops."""
+    """Every request gets the same text, one scripted piece per step, then stops. Subclasses
+    pick each request's script (`script_for`) and how it ends (`finish_reason`); the stepping
+    is this class's alone."""
 
     model_name = "scripted"
     max_model_len = 4096
+    finish_reason = "stop"
 
     def __init__(self, script: list[str], tokenizer: CharTokenizer | None = None) -> None:
         self.script = script
@@ -58,11 +77,17 @@ class ScriptedEngine:
         self.live: dict[str, list] = {}  # request id -> [prompt length, pieces sent]
         self.prompts: dict[str, str] = {}  # request id -> its prompt, decoded
         self.params: dict = {}  # request id -> its SamplingParams
+        self.scripts: dict[str, list[str]] = {}  # request id -> the pieces it gets
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0):
         self.live[request_id] = [len(prompt_token_ids), 0]
         self.prompts[request_id] = self.tokenizer.decode(prompt_token_ids)
         self.params[request_id] = params
+        self.scripts[request_id] = self.script_for(request_id)
+
+    def script_for(self, request_id: str) -> list[str]:
+        """What the request is told; called once its prompt and params are recorded."""
+        return self.script
 
     def abort_request(self, request_id):
         self.live.pop(request_id, None)
@@ -76,9 +101,10 @@ class ScriptedEngine:
     def step(self):
         outputs = []
         for request_id, state in list(self.live.items()):
-            piece = self.script[state[1]]
+            script = self.scripts[request_id]
+            piece = script[state[1]]
             state[1] += 1
-            reason = "stop" if state[1] == len(self.script) else None
+            reason = self.finish_reason if state[1] == len(script) else None
             if reason:
                 del self.live[request_id]
             outputs.append(
@@ -129,41 +155,18 @@ class ReplyingEngine(ScriptedEngine):
         self.reply = reply
         self.max_model_len = max_model_len
         self.finish_reason = finish_reason
-        self.scripts: dict[str, list[str]] = {}  # request id -> its script
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0):
-        super().add_request(request_id, prompt_token_ids, params, priority)
-        self.scripts[request_id] = self.reply(self.prompts[request_id])
-
-    def step(self):
-        outputs = []
-        for request_id, state in list(self.live.items()):
-            script = self.scripts[request_id]
-            piece = script[state[1]]
-            state[1] += 1
-            reason = self.finish_reason if state[1] == len(script) else None
-            if reason:
-                del self.live[request_id]
-            outputs.append(
-                RequestOutput(request_id, [ord(piece[0]) if piece else 0], piece, reason,
-                              state[0], state[1])
-            )  # fmt: skip
-        return outputs
+    def script_for(self, request_id: str) -> list[str]:
+        return self.reply(self.prompts[request_id])
 
 
 class LengthEngine(ScriptedEngine):
     """Says its script over and over, one token a step, until the request's max_tokens: every
     request ends with the "length" reason, after exactly the max_tokens the server passed."""
 
-    def step(self):
-        outputs = []
-        for request_id, state in list(self.live.items()):
-            piece = self.script[state[1] % len(self.script)]
-            state[1] += 1
-            reason = "length" if state[1] == self.params[request_id].max_tokens else None
-            if reason:
-                del self.live[request_id]
-            outputs.append(
-                RequestOutput(request_id, [ord(piece[0])], piece, reason, state[0], state[1])
-            )
-        return outputs
+    finish_reason = "length"
+
+    def script_for(self, request_id: str) -> list[str]:
+        max_tokens = self.params[request_id].max_tokens
+        repeats = -(-max_tokens // len(self.script))
+        return (self.script * repeats)[:max_tokens]

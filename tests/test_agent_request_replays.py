@@ -10,7 +10,7 @@ from pathlib import Path
 
 import anthropic
 import openai
-from fake_engine import LengthEngine, ReplyingEngine, ToolTemplateTokenizer
+from fake_engine import LengthEngine, ReplyingEngine, ToolTemplateTokenizer, hermes_call
 from server_helpers import running_server
 
 DATA = Path(__file__).parent / "data"
@@ -21,12 +21,6 @@ RAW_EVENTS = {
     "message_start", "content_block_start", "content_block_delta", "content_block_stop",
     "message_delta", "message_stop",
 }  # fmt: skip
-
-
-def hermes_call(name: str, arguments: dict) -> list[str]:
-    """A model's Hermes tool call, cut into a few pieces."""
-    call = json.dumps({"name": name, "arguments": arguments})
-    return ["<tool_", "call>", call[:20], call[20:], "</tool_call>"]
 
 
 def claude_code_request() -> tuple[dict, list[str]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fake_engine import ReplyingEngine, ToolTemplateTokenizer
+from fake_engine import ReplyingEngine, ToolTemplateTokenizer, hermes_call
 from server_helpers import running_server
 
 from server.core.assistant_turn import ToolCallArguments, ToolCallEnd, ToolCallStart, TurnEnd
@@ -46,14 +46,6 @@ MESSAGE_EVENTS = (
     "response.output_item.added response.content_part.added( response.output_text.delta)+ "
     "response.output_text.done response.content_part.done response.output_item.done"
 )
-
-
-def hermes_call(name: str, arguments: dict) -> list[str]:
-    """A Hermes tool call as a model writes it, cut at awkward places."""
-    text = json.dumps({"name": name, "arguments": arguments})
-    cuts = [0, 9, len(text) // 2, len(text) - 3, len(text)]
-    pieces = [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    return ["<tool_", "call>", *pieces, "</tool_call>"]
 
 
 def scripted_server(script: list[str], finish_reason: str = "stop"):

@@ -6,14 +6,12 @@ the server caps it at what the context has left."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from cli_clients import cli_path
-from fake_engine import ReplyingEngine, ToolTemplateTokenizer
+from cli_clients import cli_env, cli_path, run_cli
+from fake_engine import ReplyingEngine, ToolTemplateTokenizer, hermes_call, tool_results
 from server_helpers import running_app, running_server, small_engine
 
 from server.app import build_app
@@ -38,24 +36,8 @@ def run_claude(tmp_path: Path, url: str, prompt: str, *flags: str) -> subprocess
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir(exist_ok=True)
-    own = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
-    env = {**own, **QUIET, "HOME": str(home), "ANTHROPIC_BASE_URL": url,
-           "ANTHROPIC_API_KEY": "local"}  # fmt: skip
-    return subprocess.run(
-        [str(cli_path("claude")), "-p", prompt, *flags], env=env, cwd=work,
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CLAUDE_TIMEOUT_S,
-    )  # fmt: skip
-
-
-def hermes_call(name: str, arguments: dict) -> list[str]:
-    text = json.dumps({"name": name, "arguments": arguments})
-    return ["<tool_call>", text[:20], text[20:], "</tool_call>"]
-
-
-def tool_results(prompt: str) -> list[dict]:
-    """The tool messages of a prompt the Hermes test template rendered (one JSON a line)."""
-    turns = [json.loads(line) for line in prompt.split("\n")[1:-1]]
-    return [turn for turn in turns if turn["role"] == "tool"]
+    env = cli_env(**QUIET, HOME=str(home), ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="local")
+    return run_cli([str(cli_path("claude")), "-p", prompt, *flags], env, work, CLAUDE_TIMEOUT_S)
 
 
 def test_claude_code_writes_a_file_through_its_write_tool(tmp_path):

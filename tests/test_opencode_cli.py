@@ -7,13 +7,12 @@ title in a side request, at its own time; the scripted model answers that one ap
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from cli_clients import cli_path
-from fake_engine import ReplyingEngine, ToolTemplateTokenizer
+from cli_clients import cli_env, cli_path, run_cli
+from fake_engine import ReplyingEngine, ToolTemplateTokenizer, hermes_call, tool_results
 from server_helpers import running_app, running_server, small_engine
 
 from server.app import build_app
@@ -35,7 +34,8 @@ QUIET = {
 
 def opencode_config(url: str, **extra) -> dict:
     """The server as the only provider, every edit allowed (no one is there to approve; a
-    work dir outside a git repository counts as an external directory)."""
+    work dir outside a git repository counts as an external directory). opencode bundles
+    the provider package: the bare name loads it, a versioned one would come from npm."""
     provider = {
         "npm": "@ai-sdk/openai-compatible", "name": "metal-serve",
         "options": {"baseURL": f"{url}/v1", "apiKey": "local"},
@@ -58,27 +58,12 @@ def run_opencode(
     (home / ".config" / "opencode").mkdir(parents=True)
     (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps(config))
     work.mkdir(exist_ok=True)
-    own = {k: v for k, v in os.environ.items() if not k.startswith(("OPENCODE_", "XDG_"))}
-    env = {
-        **own, **QUIET, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"), **more_env,
-    }  # fmt: skip
-    return subprocess.run(
-        [str(cli_path("opencode")), "run", prompt], env=env, cwd=work,
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=OPENCODE_TIMEOUT_S,
+    env = cli_env(
+        **QUIET, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
+        XDG_DATA_HOME=str(home / ".local" / "share"), XDG_CACHE_HOME=str(home / ".cache"),
+        XDG_STATE_HOME=str(home / ".local" / "state"), **more_env,
     )  # fmt: skip
-
-
-def hermes_call(name: str, arguments: dict) -> list[str]:
-    text = json.dumps({"name": name, "arguments": arguments})
-    return ["<tool_call>", text[:20], text[20:], "</tool_call>"]
-
-
-def tool_results(prompt: str) -> list[dict]:
-    """The tool messages of a prompt the Hermes test template rendered (one JSON a line)."""
-    turns = [json.loads(line) for line in prompt.split("\n")[1:-1]]
-    return [turn for turn in turns if turn["role"] == "tool"]
+    return run_cli([str(cli_path("opencode")), "run", prompt], env, work, OPENCODE_TIMEOUT_S)
 
 
 def test_opencode_writes_a_file_through_its_write_tool(tmp_path):

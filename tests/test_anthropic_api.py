@@ -569,3 +569,15 @@ def test_a_client_that_leaves_aborts_its_request():
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{url}/v1/messages", json=body, timeout=0.5)
         wait_until_aborted(engine, 2)
+
+
+
+@pytest.mark.parametrize("name", ["get weather", "t" * 65, ""])
+def test_tool_names_follow_the_chat_apis_rule_deferred_or_not(scripted, name):
+    # A deferred tool never reached the chat request's checks, and could be loaded later.
+    _, _, url = scripted
+    for tool in ({**TIME_TOOL, "name": name}, {**TIME_TOOL, "name": name, "defer_loading": True}):
+        body = {"model": "m", "max_tokens": 8, "messages": QUESTION, "tools": [tool]}
+        response = httpx.post(f"{url}/v1/messages", json=body)
+        assert response.status_code == 400, (tool, response.text)
+        assert "tools.0.name" in response.json()["error"]["message"]

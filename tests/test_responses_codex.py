@@ -371,3 +371,40 @@ def test_an_image_in_a_tool_output_becomes_a_note():
     assert response.status_code == 200, response.text
     _, turns = last_prompt(engine)
     assert turns[-1]["content"] == "plot.png:[image left out: this server reads text only]"
+
+
+# A tool's type, or a namespace member's, that is not a string (it was looked up in a set).
+GARBAGE_TOOLS = [
+    ([{"type": ["function"]}], "tools[0].type"),
+    ([{"type": {"name": "f"}}], "tools[0].type"),
+    ([{"type": 3}], "tools[0].type"),
+    ([{"name": "f"}], "tools[0].type"),
+    (["function"], "tools"),
+    ([{"type": "function", "name": ["f"]}], "tools[0].name"),
+    ([{"type": "namespace", "name": "ns", "tools": [{"type": ["custom"], "name": "c"}]}],
+     "tools[0].tools[0].type"),
+    ([{"type": "namespace", "name": "ns", "tools": ["f"]}], "tools[0].tools[0]"),
+    ([{"type": "namespace", "name": {"ns": 1}, "tools": [{"type": "function", "name": "f"}]}],
+     "tools[0].name"),
+    ([{"type": "function", "name": "has space"}], "tools[0].name"),
+]  # fmt: skip
+
+
+def test_tools_of_the_wrong_shape_are_a_400_naming_the_field():
+    engine, server = scripted_server(["Hi."])
+    with server as url:
+        for tools, param in GARBAGE_TOOLS:
+            body = {"model": "m", "input": "Hi", "tools": tools}
+            response = httpx.post(f"{url}/v1/responses", json=body, timeout=30)
+            assert response.status_code == 400, (tools, response.text)
+            assert response.json()["error"]["param"] == param, (tools, response.text)
+    assert engine.prompts == {}
+
+
+def test_a_namespace_member_takes_the_chat_apis_tool_names():
+    from server.openai.protocol_tools import MAX_TOOL_NAME_LENGTH
+
+    member = {"type": "function", "name": "m" * (MAX_TOOL_NAME_LENGTH - 3)}
+    tools = read_tools([{"type": "namespace", "name": "ns", "tools": [member]}])
+    [chat] = tools.chat_tools()
+    assert chat["function"]["name"] == "ns." + member["name"]  # exactly the longest name

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from server.openai.protocol_tools import ToolName
+
 # ---- requests -------------------------------------------------------------------------------
 
 
@@ -53,7 +55,7 @@ class Tool(BaseModel):
     is nothing here to run them, and Claude Code sends them by default."""
 
     type: str | None = None
-    name: str
+    name: ToolName  # deferred ones too: they may be loaded later
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     defer_loading: bool = False  # out of the prompt until a tool_reference loads it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,9 +17,16 @@ from pydantic import (
 from scheduler.sampling_params import StructuredOutput
 from server.http.errors import APIError
 
+MAX_TOOL_NAME_LENGTH = 64
+# A tool's name on every API, as the chat API's function names: what chat templates and tool
+# parsers expect. The dot lets the Responses API offer a namespace's members as "ns.name".
+ToolName = Annotated[
+    str, Field(min_length=1, max_length=MAX_TOOL_NAME_LENGTH, pattern=r"^[a-zA-Z0-9_.-]+$")
+]
+
 
 class FunctionDefinition(BaseModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

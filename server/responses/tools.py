@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from server.http.errors import APIError
 from server.http.limits import check_tool_count
+from server.openai.protocol_tools import MAX_TOOL_NAME_LENGTH, ToolName
 from server.responses.protocol import ToolChoice
 
 BUILT_IN_TOOL_TYPES = frozenset({
@@ -31,14 +32,12 @@ BUILT_IN_TOOL_TYPES = frozenset({
     "computer_use_preview", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
     "programmatic_tool_calling",
 })  # fmt: skip
-# As the chat API's function names (dots too: a namespace's members are offered as "ns.name").
-_NAME = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
 _MEMBER_TYPES = ("function", "custom")
 
 
 class FunctionTool(BaseModel):
     type: Literal["function"]
-    name: str = _NAME
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -52,14 +51,14 @@ class CustomFormat(BaseModel):
 
 class CustomTool(BaseModel):
     type: Literal["custom"]
-    name: str = _NAME
+    name: ToolName
     description: str | None = None
     format: CustomFormat | None = None
 
 
 class NamespaceTool(BaseModel):
     type: Literal["namespace"]
-    name: str = _NAME
+    name: ToolName
     description: str | None = None
     tools: list[dict[str, Any]] = Field(min_length=1)
 
@@ -120,7 +119,7 @@ def read_tools(raw: list[dict[str, Any]]) -> ToolSet:
 
 def _read_tool(tool: dict[str, Any], where: str) -> list[tuple[ClientTool, str]]:
     """The client tools in one entry of `tools` (none, one, or a namespace's), with where."""
-    kind = tool.get("type")
+    kind = _tool_type(tool, where)
     if kind in BUILT_IN_TOOL_TYPES:
         return []  # run by OpenAI's servers; the model is not told about it
     if kind == "namespace":
@@ -134,16 +133,28 @@ def _read_tool(tool: dict[str, Any], where: str) -> list[tuple[ClientTool, str]]
     raise APIError(f"{where}.type: {message}", param=f"{where}.type")
 
 
+def _tool_type(tool: dict[str, Any], where: str) -> str:
+    """The entry's `type`; a 400 naming it if it is missing or not a string (a list or an
+    object would not even be looked up among the known types)."""
+    kind = tool.get("type")
+    if not isinstance(kind, str):
+        problem = "a tool needs a type" if kind is None else f"must be a string, not {kind!r}"
+        raise APIError(f"{where}.type: {problem}.", param=f"{where}.type")
+    return kind
+
+
 def _member(tool: dict[str, Any], namespace: NamespaceTool | None, where: str) -> ClientTool:
     """A function or custom tool, inside `namespace` if it is not None."""
-    if tool.get("type") not in _MEMBER_TYPES:
+    kind = _tool_type(tool, where)
+    if kind not in _MEMBER_TYPES:
         problem = "a namespace holds only function and custom tools"
-        raise APIError(f"{where}.type: {problem}, not {tool.get('type')!r}.", param=f"{where}.type")
-    parsed = _parsed(FunctionTool if tool["type"] == "function" else CustomTool, tool, where)
+        raise APIError(f"{where}.type: {problem}, not {kind!r}.", param=f"{where}.type")
+    parsed = _parsed(FunctionTool if kind == "function" else CustomTool, tool, where)
     prefix = namespace.name if namespace else None
     name = exposed_name(parsed.name, prefix)
-    if len(name) > 64:
-        message = "the namespace and tool names together are longer than 64 characters."
+    if len(name) > MAX_TOOL_NAME_LENGTH:
+        message = (f"the namespace and tool names together are longer than "
+                   f"{MAX_TOOL_NAME_LENGTH} characters.")  # fmt: skip
         raise APIError(f"{where}.name: {message}", param=f"{where}.name")
     notes = [_namespace_note(namespace)] if namespace else []
     if isinstance(parsed, CustomTool):

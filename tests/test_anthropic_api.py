@@ -571,6 +571,24 @@ def test_a_client_that_leaves_aborts_its_request():
         wait_until_aborted(engine, 2)
 
 
+def test_a_tool_choice_naming_a_tool_not_offered_is_a_400_unless_a_server_tool(scripted):
+    """Only a server tool's name falls back to auto (nothing here runs it); a client tool
+    taken out by a tool_removal must not be forced, nor silently ignored."""
+    _, engine, url = scripted
+    removal = {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}}
+    body = {"model": "m", "max_tokens": 8, "tools": [WEATHER_TOOL, TIME_TOOL],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [{"role": "system", "content": [removal]}, *WEATHER_QUESTION]}  # fmt: skip
+    prompts_before = len(engine.prompts)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        response = httpx.post(f"{url}{path}", json=body)
+        assert response.status_code == 400, response.text
+        assert "tool_choice names 'get_weather'" in response.json()["error"]["message"]
+    assert len(engine.prompts) == prompts_before
+    server_tool = {**body, "tools": [WEATHER_TOOL, WEB_SEARCH], "messages": WEATHER_QUESTION,
+                   "tool_choice": {"type": "tool", "name": "web_search"}}  # fmt: skip
+    assert httpx.post(f"{url}/v1/messages", json=server_tool).status_code == 200
+
 
 @pytest.mark.parametrize("name", ["get weather", "t" * 65, ""])
 def test_tool_names_follow_the_chat_apis_rule_deferred_or_not(scripted, name):

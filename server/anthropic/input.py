@@ -38,11 +38,12 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request for `body`; a `MessagesRequest` also brings its sampling fields."""
     fields: dict[str, Any] = {"messages": _system(body) + _conversation(body.messages)}
     tools = offered_tools(body)
+    choice = body.tool_choice
+    chat_choice = _tool_choice(choice, body, tools) if choice is not None else None
     if tools:
         fields["tools"] = [_function(tool) for tool in tools]
-        choice = body.tool_choice
-        if choice is not None and (choice.type != "tool" or choice.name in {t.name for t in tools}):
-            fields["tool_choice"] = _tool_choice(choice)  # (not when it names a server tool)
+        if chat_choice is not None:
+            fields["tool_choice"] = chat_choice
         if choice is not None:
             fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     if isinstance(body, MessagesRequest):
@@ -61,10 +62,22 @@ def _function(tool: Tool) -> dict:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: ToolChoice) -> str | dict:
-    if choice.type == "tool":
+def _tool_choice(
+    choice: ToolChoice, body: CountTokensRequest, offered: list[Tool]
+) -> str | dict | None:
+    """The chat `tool_choice`; None (auto) for one naming a server tool, which nothing here
+    runs. Any other name must be an offered tool: a 400, not a silent auto, for a typo."""
+    if choice.type != "tool":
+        return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.name in {tool.name for tool in offered}:
         return {"type": "function", "function": {"name": choice.name}}
-    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.name in {tool.name for tool in body.tools if not tool.is_client_tool}:
+        return None
+    raise APIError(
+        f"tool_choice names {choice.name!r}, which is not a tool offered to the model: "
+        "name one in tools (and not taken out by a tool_removal).",
+        param="tool_choice",
+    )
 
 
 def _system(body: CountTokensRequest) -> list[dict]:

@@ -55,14 +55,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        check_sampling_ranges(
+            self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty
+        )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
@@ -76,11 +71,6 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 disables it), "
-                f"got {self.repetition_penalty}"
-            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}] (or None for no logprobs), "
@@ -110,4 +100,23 @@ class SamplingParams:
         for (the common case, which it can take a short path for)."""
         return not (
             self.needs_token_history or self.logit_bias or self.min_tokens or self.min_p
+        )
+
+
+def check_sampling_ranges(
+    temperature: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float
+) -> None:
+    """The ranges of the sampling knobs a request or a server default may set."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p}")
+    if not 0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise ValueError(
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 disables it), "
+            f"got {repetition_penalty}"
         )

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from scheduler.sampling_params import MAX_REPETITION_PENALTY
+from scheduler.sampling_params import check_sampling_ranges
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # `--generation-config` values that are not folders.
@@ -32,19 +32,9 @@ class SamplingDefaults:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
-        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
-                f"got {self.repetition_penalty}"
-            )
+        check_sampling_ranges(
+            self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty
+        )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SamplingDefaults:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
@@ -17,11 +17,11 @@ from server.async_engine import AsyncEngine
 from server.http.auth import ApiKeyAuth
 from server.http.body_limit import BodySizeLimit
 from server.http.errors import install_error_handlers
-from server.http.limits import check_request_limits
 from server.http.logs import RequestIdMiddleware
 from server.http.metrics import ServerMetrics
 from server.http.shutdown import Drain, DrainGate
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.openai.api import openai_router
+from server.openai.protocol import ModelCard, ModelList
 from server.openai.serving import Serving
 from server.responses.api import responses_router
 from server.serve_args import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY
@@ -76,19 +76,32 @@ def build_app(
     metrics = ServerMetrics(async_engine.stats, served_model_name)
     async_engine.observe_requests(metrics.request)
     serving = Serving(async_engine, served_model_name, max_n, tool_call_parser)
-    created = int(time.time())
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
+    parser = serving.tool_call_parser
+    app.include_router(_service_router(async_engine, metrics, model_ids))
+    app.include_router(openai_router(serving))
+    app.include_router(responses_router(async_engine, served_model_name, parser))
+    app.include_router(anthropic_router(async_engine, served_model_name, parser))
+    return app
 
-    @app.get("/health")
+
+def _service_router(
+    async_engine: AsyncEngine, metrics: ServerMetrics, model_ids: list[str]
+) -> APIRouter:
+    """`/health`, `/metrics` and `/v1/models`."""
+    router = APIRouter()
+    created = int(time.time())
+
+    @router.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> dict:
         cards = [
             ModelCard(id=model_id, created=created, max_model_len=async_engine.max_model_len,
@@ -97,20 +110,7 @@ def build_app(
         ]  # fmt: skip
         return ModelList(data=cards).model_dump()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_request_limits(body)
-        return await serving.chat(body, request)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_request_limits(body)
-        return await serving.completion(body, request)
-
-    parser = serving.tool_call_parser
-    app.include_router(responses_router(async_engine, served_model_name, parser))
-    app.include_router(anthropic_router(async_engine, served_model_name, parser))
-    return app
+    return router
 
 
 def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:

@@ -1,0 +1,26 @@
+"""The OpenAI chat and completions routes: `POST /v1/chat/completions`, `POST /v1/completions`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.http.limits import check_request_limits
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.serving import Serving
+
+
+def openai_router(serving: Serving) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_request_limits(body)
+        return await serving.chat(body, request)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_request_limits(body)
+        return await serving.completion(body, request)
+
+    return router

@@ -40,6 +40,9 @@ class SamplingRow:
     allowed_tokens: np.ndarray | None = None
 
 
+_INT32_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling parameters as arrays, built on the host once per step."""
@@ -64,7 +67,8 @@ class SamplingBatch:
             np.log(min_p, out=log_min_p, where=min_p > 0)
         return cls(
             temperature=np.array([p.temperature for p in params], np.float32),
-            top_k=np.array([p.top_k for p in params], np.int32),
+            # A top_k past any vocabulary is no filter; int32 holds every real one.
+            top_k=np.array([min(p.top_k, _INT32_MAX) for p in params], np.int32),
             top_p=np.array([p.top_p for p in params], np.float32),
             log_min_p=log_min_p,
             seeds=[

@@ -206,6 +206,8 @@ def test_malformed_json(client):
         (chat(logit_bias={"word": 1}), "logit_bias", "token ids"),
         (chat(logit_bias={"5": 150}), None, "[-100, 100]"),
         (chat(logit_bias={"99999": 1}), "logit_bias", "99999"),
+        (chat(logit_bias={"5": 60, "05": 60}), "logit_bias", "token 5 more than once"),
+        (chat(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias", "at most 1024"),
     ],
 )
 def test_invalid_chat_requests(client, body, param, contains):

@@ -51,6 +51,16 @@ def test_top_k_never_samples_outside_the_top():
     assert set(got) == {0, 1}
 
 
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 10**30])
+def test_a_top_k_past_int32_is_no_filter_and_no_error(top_k):
+    """It was an OverflowError on the engine thread: every request of the step failed."""
+    logits = np.random.default_rng(2).normal(size=(3, 50)).astype(np.float32)
+    huge = SamplingParams(temperature=1.0, top_k=top_k, seed=5)
+    off = SamplingParams(temperature=1.0, top_k=0, seed=5)
+    greedy = SamplingParams(temperature=0.0)
+    assert run(logits, [huge, greedy, huge]) == run(logits, [off, greedy, off])
+
+
 def test_temperature_sampling_follows_the_softmax():
     probs = np.array([0.6, 0.3, 0.1])
     n = 6000

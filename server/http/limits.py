@@ -17,6 +17,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 # Every tool's schema is rendered into the prompt and compiled into the call grammar; agent
 # CLIs send tens (Claude Code ~20, Codex ~30 with its namespaces).
 MAX_TOOLS = 512
+# logit_bias is turned into additions on the engine thread at every step.
+MAX_LOGIT_BIAS = 1024
 
 
 def check_stop_sequences(stop: str | list[str] | None, param: str = "stop") -> None:
@@ -43,10 +45,16 @@ def check_tool_count(count: int, param: str = "tools") -> None:
 
 def check_request_limits(body: Any) -> None:
     """Apply every cap to the fields `body` has: `stop` / `stop_sequences` (a list), `tools`,
-    `top_logprobs`, and the completions API's integer `logprobs`."""
+    `logit_bias`, `top_logprobs`, and the completions API's integer `logprobs`."""
     for param in ("stop", "stop_sequences"):
         check_stop_sequences(getattr(body, param, None), param)
     check_tool_count(len(getattr(body, "tools", None) or ()))
+    logit_bias = getattr(body, "logit_bias", None) or {}
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise APIError(
+            f"logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed.",
+            param="logit_bias",
+        )
     check_top_logprobs(getattr(body, "top_logprobs", None))
     logprobs = getattr(body, "logprobs", None)
     if isinstance(logprobs, int) and not isinstance(logprobs, bool):

@@ -107,12 +107,24 @@ class _GenerationRequest(BaseModel):
         return values
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
-        try:
-            return tuple((int(token), float(b)) for token, b in (self.logit_bias or {}).items())
-        except ValueError:
-            raise APIError(
-                "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
-            ) from None
+        """The biases by token id; keys that name one token twice ("5", "05") are refused,
+        since their biases would add up past the API's range."""
+        biases: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                    param="logit_bias",
+                ) from None
+            if token in biases:
+                raise APIError(
+                    f"logit_bias names token {token} more than once ({key!r})",
+                    param="logit_bias",
+                )
+            biases[token] = float(bias)
+        return tuple(biases.items())
 
     def sampling_params(
         self,

@@ -7,6 +7,7 @@ import threading
 
 import httpx
 import openai
+from fake_engine import CharTokenizer, ScriptedEngine
 from server_helpers import running_server, small_engine
 
 HUGE_TOP_K = 2**40  # past int32: it was an OverflowError on the engine thread
@@ -38,3 +39,46 @@ def test_a_huge_top_k_ends_well_and_spares_the_other_streams(default_model_dir):
         thread.join(120)
     assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
     assert victim["finish"] == "length"
+
+
+LONE_SURROGATE = [
+    ("/v1/chat/completions", '{"model": "m", "max_tokens": 4, "messages": '
+     '[{"role": "user", "content": "hi \\ud800 there"}]}', "messages"),
+    ("/v1/completions", '{"model": "m", "max_tokens": 4, "prompt": "\\udfff"}', "prompt"),
+    ("/v1/responses", '{"model": "m", "max_output_tokens": 4, "input": "hi \\ud800"}', "input"),
+    ("/v1/messages", '{"model": "m", "max_tokens": 4, "messages": '
+     '[{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', None),
+]  # fmt: skip
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(default_model_dir):
+    """JSON's \\ud800 escape decodes to text the tokenizer refuses; that was a 500 whose body
+    was the exception's repr."""
+    with running_server(small_engine(default_model_dir, 256)) as url:
+        answers = [
+            httpx.post(f"{url}{path}", content=body, timeout=60,
+                       headers={"content-type": "application/json"})
+            for path, body, _ in LONE_SURROGATE
+        ]  # fmt: skip
+        after = httpx.post(f"{url}/v1/completions", timeout=60,
+                           json={"model": "m", "prompt": "One,", "max_tokens": 2})  # fmt: skip
+    for answer, (_, _, param) in zip(answers, LONE_SURROGATE, strict=True):
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert "lone UTF-16 surrogate" in error["message"]
+        assert error.get("param", param) == param
+    assert after.status_code == 200
+
+
+class _LeakyTokenizer(CharTokenizer):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise RuntimeError(f"cannot encode {text!r}")
+
+
+def test_a_500_body_says_nothing_of_the_request():
+    engine = ScriptedEngine(["Hi"], _LeakyTokenizer())
+    with running_server(engine) as url:
+        answer = httpx.post(f"{url}/v1/completions", timeout=30,
+                            json={"model": "m", "prompt": "my secret PIN 1234"})  # fmt: skip
+    assert answer.status_code == 500
+    assert "1234" not in answer.text and "server log" in answer.json()["error"]["message"]

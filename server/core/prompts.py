@@ -41,15 +41,30 @@ def chat_prompt(
         message = f"The chat template rejected the messages: {exc}"
         raise APIError(message, param="messages") from exc
     # The template already holds the special tokens (BOS, turn markers).
+    _check_unicode(text, "messages")
     return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     """Token ids of one completion prompt: a string, or token ids."""
     if isinstance(prompt, str):
+        _check_unicode(prompt, "prompt")
         return list(tokenizer.encode(prompt))
     check_token_ids(tokenizer, prompt, "prompt")
     return [int(t) for t in prompt]
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """A 400 for text that is no Unicode: JSON's `\\ud800` escapes decode to lone surrogates,
+    which the tokenizer refuses with an error that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise APIError(
+            f"{param}: the text holds a lone UTF-16 surrogate (\\u{code:04x}); send valid Unicode.",
+            param=param,
+        ) from None
 
 
 def check_token_ids(tokenizer: Any, token_ids: Iterable[int], param: str) -> None:

@@ -131,7 +131,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error while serving a request")
-        error = APIError(f"Internal server error: {exc!r}", status_code=500)
+        # The log has the details; the exception text may hold what the request sent.
+        error = APIError("Internal server error; the server log has the details.", status_code=500)
         return error.response(request.url.path)
 
 

@@ -192,6 +192,17 @@ def test_request_ids_are_echoed_or_made_up(keyed_url):
     assert given.headers["x-request-id"] == "abc-123"
     made = [httpx.get(f"{keyed_url}/health").headers["x-request-id"] for _ in range(2)]
     assert all(m.startswith("req-") for m in made) and made[0] != made[1]
+    forged = httpx.get(f"{keyed_url}/health", headers={"X-Request-Id": "a] FAKE LINE [b"})
+    assert forged.headers["x-request-id"].startswith("req-")  # never stamped on the log
+
+
+def test_one_request_tries_one_key_of_each_kind(keyed_url):
+    guesses = [("x-api-key", f"guess-{i}") for i in range(600)] + [("x-api-key", KEY)]
+    tried = httpx.post(f"{keyed_url}/v1/completions", json=COMPLETION, headers=guesses)
+    assert tried.status_code == 401
+    both = [("authorization", "Bearer wrong"), ("x-api-key", KEY)]
+    answer = httpx.post(f"{keyed_url}/v1/completions", json=COMPLETION, headers=both)
+    assert answer.status_code == 200
 
 
 def _wait_for(condition, timeout: float = 5.0) -> None:

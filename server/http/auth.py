@@ -18,14 +18,15 @@ _HOW_TO_SEND = "send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 
 
 def presented_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
-    """The keys a request offers, from its `Authorization: Bearer` and `x-api-key` headers."""
-    keys = []
+    """The keys a request offers: its first `Authorization: Bearer` and its first `x-api-key`
+    header (more would let one request try many keys)."""
+    keys: dict[bytes, bytes] = {}
     for name, value in headers:
         if name == b"authorization" and value[:7].lower() == b"bearer ":
-            keys.append(value[7:].strip())
+            keys.setdefault(name, value[7:].strip())
         elif name == b"x-api-key":
-            keys.append(value.strip())
-    return keys
+            keys.setdefault(name, value.strip())
+    return list(keys.values())
 
 
 class ApiKeyAuth:

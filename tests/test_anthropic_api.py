@@ -405,6 +405,8 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 # (fields, a piece of the error message): wrong for both /v1/messages and count_tokens.
 BAD_PROMPTS = [
     ({"messages": []}, "messages"),
+    ({"tools": [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(513)]},
+     "at most 512"),
     ({"messages": [{"role": "user", "content": [IMAGE]}]}, "'image'"),
     ({"messages": [*QUESTION, {"role": "assistant", "content": "The"}]}, "prefill"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
@@ -435,8 +437,6 @@ BAD_SAMPLING = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": 1.5}, "temperature"),
     ({"stop_sequences": [str(i) for i in range(40)]}, "stop_sequences"),
-    ({"tools": [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(513)]},
-     "at most 512"),
 ]
 
 

@@ -38,6 +38,7 @@ def anthropic_router(
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:
         """The prompt tokens a /v1/messages call with these fields reports."""
+        check_request_limits(body)  # the same caps: counting renders every tool too
         prompt, _ = assistant_turn.prompt_of(engine.tokenizer, chat_request(body), tool_call_parser)
         return TokenCount(input_tokens=len(prompt.ids)).model_dump()
 

@@ -84,6 +84,9 @@ class _GenerationRequest(BaseModel):
     n: int = Field(default=1, ge=1)
     # vLLM's extension: lower values are admitted first under `--scheduling-policy priority`.
     priority: int = 0
+    # vLLM's extension: prompts with different salts never share prefix-cache blocks, so a
+    # client cannot learn from `cached_tokens` what others sent.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @property
     def include_usage(self) -> bool:

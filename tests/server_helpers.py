@@ -33,11 +33,13 @@ def running_server(engine, served_model_name: str = "default") -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_app(app) -> Iterator[str]:
-    """Serve an app made by `build_app` until the block exits; yields the base URL."""
+def running_app(app, http: type | None = None) -> Iterator[str]:
+    """Serve an app made by `build_app` until the block exits; yields the base URL. `http`:
+    uvicorn's HTTP protocol class, if not its default."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    protocol = {"http": http} if http is not None else {}
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **protocol))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -43,6 +43,18 @@ def check_tool_count(count: int, param: str = "tools") -> None:
         )
 
 
+def check_priority(priority: int, floor: int) -> None:
+    """Under `--scheduling-policy priority` a lower value goes first: a client may defer its
+    own requests, but only the operator (`--min-request-priority`) lets them jump ahead."""
+    if priority < floor:
+        raise APIError(
+            f"priority is {priority}; this server accepts {floor} or more (lower values go "
+            "first, so they are reserved; start the server with a lower "
+            "--min-request-priority to allow them).",
+            param="priority",
+        )
+
+
 def check_request_limits(body: Any) -> None:
     """Apply every cap to the fields `body` has: `stop` / `stop_sequences` (a list), `tools`,
     `logit_bias`, `top_logprobs`, and the completions API's integer `logprobs`."""

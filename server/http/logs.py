@@ -3,6 +3,8 @@
 The id comes from the client's `X-Request-Id` header or is made up, is sent back in the
 response's `X-Request-Id`, and is stamped on every record logged while the request is served
 (uvicorn's access line included). The engine thread logs with `extra={"request_id": ...}`.
+No two requests in flight share an id: a client's id already in use gets a random suffix,
+so one client cannot pass its log lines off as another's.
 """
 
 from __future__ import annotations
@@ -68,12 +70,16 @@ class RequestIdMiddleware:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._in_flight: set[str] = set()  # event loop only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_id = _client_request_id(scope) or f"req-{uuid.uuid4().hex[:16]}"
+        if request_id in self._in_flight:
+            request_id = f"{request_id[:120]}~{uuid.uuid4().hex[:6]}"
+        self._in_flight.add(request_id)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -86,6 +92,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             _request_id.reset(token)
+            self._in_flight.discard(request_id)
 
 
 def _client_request_id(scope: Scope) -> str | None:

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.async_engine import AsyncEngine
+from server.http.client_timeouts import timed_protocol
 from server.http.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,16 @@ class DrainingServer(uvicorn.Server):
 _DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str, timeout_s: float) -> None:
-    """Serve `app` (built by `build_app`) until a signal, then drain it (see the module doc)."""
+def run_server(
+    app: FastAPI, host: str, port: int, log_level: str, timeout_s: float,
+    client_timeout_s: float,
+) -> None:  # fmt: skip
+    """Serve `app` (built by `build_app`) until a signal, then drain it (see the module doc);
+    request headers must arrive within `client_timeout_s`."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
         log_config=None,  # keep `configure_logging`'s handler, which stamps request ids
         timeout_graceful_shutdown=_ABORTED_REPLY_GRACE_S,  # after our drain, only stragglers
+        http=timed_protocol(client_timeout_s),
     )  # fmt: skip
     DrainingServer(config, app.state.drain, timeout_s).run()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -66,6 +66,33 @@ class TextConfig(BaseModel):
 
 
 _STATE_HINT = "this server stores no responses; send the whole conversation in `input`"
+# OpenAI's limits on `metadata`.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def _lone_surrogate_at(value: Any, path: str) -> str | None:
+    """Where in a parsed JSON value a string holds a lone UTF-16 surrogate (`"\\ud800"`
+    decodes to one), or None. The response echoes fields back, and such text cannot be
+    encoded: it must be refused before any work, not fail after the generation."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = key.encode("utf-8", "backslashreplace").decode()  # the message must encode
+            where = f"{path}.{name}" if path else name
+            found = _lone_surrogate_at(key, where) or _lone_surrogate_at(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate_at(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
 
 
 class ResponsesRequest(BaseModel):
@@ -87,6 +114,30 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: Any = None
     prompt: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = _lone_surrogate_at(data, "")
+        if path is not None:
+            raise ValueError(
+                f"{path} holds a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode"
+            )
+        return data
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs are allowed, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > MAX_METADATA_KEY:
+                raise ValueError(f"keys are at most {MAX_METADATA_KEY} characters")
+            if len(text) > MAX_METADATA_VALUE:
+                raise ValueError(f"values are at most {MAX_METADATA_VALUE} characters ({key!r})")
+        return value
 
     @field_validator("input")
     @classmethod

@@ -15,6 +15,10 @@ BENCHMARKS = {
         "install peer servers, run the same workloads on each, write docs/benchmarks.md",
         "server.bench.compare", "add_compare_arguments", "run_compare",
     ),
+    "soak": Command(
+        "a long run of agent sessions with client aborts: errors, leaked KV blocks, memory",
+        "server.bench.soak", "add_soak_arguments", "run_soak_command",
+    ),
     "throughput": Command(
         "offline throughput of the engine, no HTTP",
         "server.bench.engine_bench", "add_throughput_arguments", "run_throughput",

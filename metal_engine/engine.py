@@ -116,15 +116,17 @@ class LLMEngine:
         return self.scheduler.config.max_model_len
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> None:
+                    params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         """Queue a request; ValueError (with the limits) if it can never be served, or naming
         the schema feature if its structured output cannot be enforced.
 
         `priority` orders admission under the priority policy: lower values go first.
+        Requests share prefix-cache blocks only when their `cache_salt` is equal.
         """
         grammar = self.structured.compile(params.structured) if params.structured else None
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                          priority=priority)
+                          priority=priority, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)

@@ -2,7 +2,8 @@
 
 Two tiers: blocks in the KV pool (free ones keep their contents until evicted), and, when a
 `BlockStore` is given, blocks the engine spilled to it (e.g. on disk), which are loaded back
-into fresh pool blocks at admission.
+into fresh pool blocks at admission. Requests share blocks only under the same `cache_salt`
+(e.g. one per API key): the salt roots the hash chain, so the tiers need not know of it.
 """
 
 from __future__ import annotations
@@ -75,9 +76,7 @@ class PrefixCache:
         if not self.enabled:
             return []
         max_blocks = self._max_blocks(request)
-        extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, max_blocks
-        )
+        self._hash(request, max_blocks)
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:
             block_id = self.pool.lookup(block_hash)
@@ -147,6 +146,10 @@ class PrefixCache:
             self.pool.cache(block_id, block_hash)
         return list(zip(blocks, stored.payloads, strict=True))
 
+    def _hash(self, request: Request, num_blocks: int) -> None:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            num_blocks, cache_salt=request.cache_salt)  # fmt: skip
+
     def _max_blocks(self, request: Request) -> int:
         return (request.num_tokens - 1) // self.block_size
 
@@ -156,7 +159,7 @@ class PrefixCache:
         if not self.enabled:
             return
         num_full = num_tokens // self.block_size
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full)
+        self._hash(request, num_full)
         for i in range(request.num_hashed_blocks, num_full):
             self.pool.cache(request.block_ids[i], request.block_hashes[i])
         request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)

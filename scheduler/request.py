@@ -38,6 +38,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_index: int = 0,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -49,14 +50,15 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_index = arrival_index
         self.priority = priority
+        self.cache_salt = cache_salt  # prompts share cached blocks only under the same salt
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_table_epoch = 0  # new whenever block_ids starts over (each admission)
-        # Prefix caching: hashes of full blocks of `all_token_ids` (content only, so they stay
-        # valid across preemption); how many leading `block_ids` are registered in the pool;
-        # prompt tokens found cached at admission.
+        # Prefix caching: hashes of full blocks of `all_token_ids` (content and salt only, so
+        # they stay valid across preemption); how many leading `block_ids` are registered in
+        # the pool; prompt tokens found cached at admission.
         self.block_hashes: list[bytes] = []
         self.num_hashed_blocks = 0
         self.num_cached_tokens = 0

@@ -24,24 +24,40 @@ from server.openai.api import openai_router
 from server.openai.protocol import ModelCard, ModelList
 from server.openai.serving import Serving
 from server.responses.api import responses_router
-from server.serve_args import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY
+from server.serve_args import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_REQUEST_BODY,
+    PREFIX_CACHE_SCOPES,
+    PrefixCacheScope,
+)
 
 
 @dataclass(frozen=True)
 class HttpOptions:
     """What the HTTP layer enforces before a request reaches a route.
 
-    `api_key`: None leaves `/v1/*` open. `allowed_origins`: browser origins that may call the
-    API (CORS); empty sends no CORS headers at all, "*" allows any. `max_request_body`: bytes.
+    `api_keys`: any of them opens `/v1/*`; none leaves it open. `prefix_cache_scope`: "key"
+    keeps each key's prefix cache to itself, "shared" lets all keys reuse each other's (and
+    learn from `cached_tokens` what the others sent). `allowed_origins`: browser origins that
+    may call the API (CORS); empty sends no CORS headers at all, "*" allows any.
+    `max_request_body`: bytes.
     """
 
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     max_request_body: int = DEFAULT_MAX_REQUEST_BODY
+    prefix_cache_scope: PrefixCacheScope = "key"
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("the API key is empty; pass a non-empty --api-key or omit it")
+        if any(not key.strip() for key in self.api_keys):
+            raise ValueError(
+                "an API key is empty; give --api-key non-empty keys (comma-separated) or omit it"
+            )
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(
+                f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, got "
+                f"{self.prefix_cache_scope!r}"
+            )
         if self.max_request_body < 1:
             raise ValueError(f"max_request_body must be positive, got {self.max_request_body}")
 
@@ -118,8 +134,9 @@ def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
     sits outside the key check so that preflights pass and a 401 still carries CORS headers."""
     app.state.drain = drain
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_body)
-    if options.api_key is not None:
-        app.add_middleware(ApiKeyAuth, api_key=options.api_key)
+    if options.api_keys:
+        shared = options.prefix_cache_scope == "shared"
+        app.add_middleware(ApiKeyAuth, api_keys=options.api_keys, share_prefix_cache=shared)
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(options.allowed_origins),

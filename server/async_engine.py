@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from metal_engine.outputs import RequestOutput
@@ -62,6 +62,7 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -125,6 +126,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    cache_salt: str | None
     stream: _Stream
 
 
@@ -135,17 +137,19 @@ class AsyncEngine:
     `max_model_len` and `sampling_defaults` (what requests get for the sampling fields they
     leave unset) are read-only and safe to use from handlers; `stats()` is a snapshot the
     engine thread publishes after every step. At most `max_queued_requests` requests (None:
-    no limit) may wait for their first output; more raise `QueueFull`.
+    no limit) may wait for their first output; more raise `QueueFull`. Without
+    `report_cached_tokens`, every output says 0 cached tokens (the hits are still used).
     """
 
     def __init__(
         self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False,
-        sampling_defaults: SamplingDefaults | None = None,
+        sampling_defaults: SamplingDefaults | None = None, report_cached_tokens: bool = True,
     ) -> None:
         self.engine = engine
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.max_queued_requests = max_queued_requests
         self.log_prompts = log_prompts
+        self.report_cached_tokens = report_cached_tokens
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
@@ -205,9 +209,11 @@ class AsyncEngine:
             self._thread.start()
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas until one is finished.
+        """Yield the request's deltas until one is finished. It shares prefix-cache blocks
+        only with requests of the same `cache_salt`.
 
         Raises `QueueFull` if too many requests wait already, the engine's `ValueError` if it
         refuses the request (both before any output), and `EngineError` if the engine fails.
@@ -221,7 +227,8 @@ class AsyncEngine:
                 observer.on_finish("rejected")
                 raise QueueFull(self.max_queued_requests)
             self._num_awaiting_first += 1
-            self._adds.append(_Add(request_id, list(prompt_ids), params, priority, stream))
+            add = _Add(request_id, list(prompt_ids), params, priority, cache_salt, stream)
+            self._adds.append(add)
             self._cond.notify()
         self._log_prompt(request_id, prompt_ids)
         started, awaiting_first, done = time.monotonic(), True, False
@@ -239,7 +246,7 @@ class AsyncEngine:
                 observer.on_output(item)
                 done, last = item.finished, item
                 outcome = item.finish_reason or outcome
-                yield item
+                yield item if self.report_cached_tokens else replace(item, num_cached_tokens=0)
         finally:
             if awaiting_first:
                 self._release_queue_slot()
@@ -327,9 +334,8 @@ class AsyncEngine:
 
     def _add(self, add: _Add) -> None:
         try:
-            self.engine.add_request(
-                add.request_id, add.prompt_ids, add.params, priority=add.priority
-            )
+            self.engine.add_request(add.request_id, add.prompt_ids, add.params,
+                                    priority=add.priority, cache_salt=add.cache_salt)
         except ValueError as exc:
             add.stream.put(exc)
             return

@@ -53,7 +53,8 @@ def serve(args: argparse.Namespace) -> int:
     from server.http.shutdown import run_server
 
     bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
-                         sampling_defaults=defaults)
+                         sampling_defaults=defaults,
+                         report_cached_tokens=args.report_cached_tokens)
     app = build_app(bridge, args.served_model_name, args.max_n, options=options,
                     tool_call_parser=args.tool_call_parser)
     log.info(
@@ -120,4 +121,7 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
 def _http_options(args: argparse.Namespace) -> HttpOptions:
     from server.app import HttpOptions
 
-    return HttpOptions(args.api_key, args.allowed_origins, args.max_request_body)
+    return HttpOptions(
+        args.api_keys, args.allowed_origins, args.max_request_body,
+        prefix_cache_scope=args.prefix_cache_scope,
+    )  # fmt: skip

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from server.core.tool_parsers import PARSERS
 from server.sampling_defaults import FROM_MODEL, parse_override
@@ -23,6 +24,9 @@ DEFAULT_MAX_REQUEST_BODY = 8 << 20
 # Requests waiting for their first token beyond this get a 429 with Retry-After.
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 API_KEY_ENV = "METAL_SERVE_API_KEY"
+# key: each API key's prompts share prefix-cache blocks only with that key's; shared: all keys.
+PrefixCacheScope = Literal["key", "shared"]
+PREFIX_CACHE_SCOPES: tuple[PrefixCacheScope, ...] = ("key", "shared")
 # Under the 30 s that process managers (Kubernetes, systemd) wait before SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 
@@ -193,13 +197,46 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _api_keys(text: str | None) -> tuple[str, ...]:
+    """Comma-separated keys, stripped; an empty one stays, for `HttpOptions` to refuse."""
+    return () if text is None else tuple(key.strip() for key in text.split(","))
+
+
+class _AddApiKeys(argparse.Action):
+    """Each --api-key adds its keys; the first one replaces the keys from the environment."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        keys = getattr(namespace, self.dest)
+        keys = () if keys is self.default else keys
+        setattr(namespace, self.dest, keys + _api_keys(values))
+
+
 def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("access, limits and shutdown")
     group.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help="require this key (Authorization: Bearer, or x-api-key) on /v1/* routes; "
-        f"/health and /metrics stay open (default: ${API_KEY_ENV}, else no key)",
+        dest="api_keys",
+        action=_AddApiKeys,
+        default=_api_keys(os.environ.get(API_KEY_ENV)),
+        metavar="KEY[,KEY...]",
+        help="require one of these keys (Authorization: Bearer, or x-api-key) on /v1/* routes; "
+        "repeat the flag or separate keys by commas to give each client its own key. "
+        f"/health and /metrics stay open (default: ${API_KEY_ENV}, read the same way, else "
+        "no key)",
+    )
+    group.add_argument(
+        "--prefix-cache-scope",
+        choices=PREFIX_CACHE_SCOPES,
+        default="key",
+        help="key (default): each API key reuses only the prefix cache of its own requests, so "
+        "no client learns from cached_tokens (or speed) what another sent; shared: all keys "
+        "reuse each other's prefixes (for keys of one trusted owner)",
+    )
+    group.add_argument(
+        "--no-report-cached-tokens",
+        dest="report_cached_tokens",
+        action="store_false",
+        help="report 0 cached prompt tokens in every API's usage (hits still save the work)",
     )
     group.add_argument(
         "--allowed-origins",

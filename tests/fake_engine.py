@@ -79,7 +79,7 @@ class ScriptedEngine:
         self.params: dict = {}  # request id -> its SamplingParams
         self.scripts: dict[str, list[str]] = {}  # request id -> the pieces it gets
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
         self.live[request_id] = [len(prompt_token_ids), 0]
         self.prompts[request_id] = self.tokenizer.decode(prompt_token_ids)
         self.params[request_id] = params

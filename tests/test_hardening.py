@@ -65,7 +65,7 @@ def serving(
 
 @pytest.fixture(scope="module")
 def keyed_url():
-    with serving(HttpOptions(api_key=KEY)) as (_, url):
+    with serving(HttpOptions(api_keys=(KEY,))) as (_, url):
         yield url
 
 
@@ -118,7 +118,7 @@ def test_cors_is_closed_unless_origins_are_listed():
             "access-control-allow-origin"
             not in httpx.options(f"{url}/v1/completions", headers=preflight).headers
         )
-    with serving(HttpOptions(api_key=KEY, allowed_origins=(origin,))) as (_, url):
+    with serving(HttpOptions(api_keys=(KEY,), allowed_origins=(origin,))) as (_, url):
         answer = httpx.options(f"{url}/v1/completions", headers=preflight)
         assert answer.status_code == 200  # preflights carry no key
         assert answer.headers["access-control-allow-origin"] == origin
@@ -274,7 +274,8 @@ def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
     limits = ["--max-request-body", "1MiB", "--max-queued-requests", "5"]
     argv = ["serve", *origins, *limits, "--shutdown-timeout", "7.5", "--log-prompts"]
     assert main(argv) == 0
-    assert seen["options"] == HttpOptions("key-from-env", ("http://a.test", "http://b.test"), 2**20)
+    origins = ("http://a.test", "http://b.test")
+    assert seen["options"] == HttpOptions(("key-from-env",), origins, 2**20)
     assert seen["bridge"].max_queued_requests == 5 and seen["bridge"].log_prompts
     assert seen["timeout"] == 7.5
 
@@ -295,4 +296,4 @@ def test_an_empty_api_key_is_refused_before_loading_the_model(tmp_path, monkeypa
 
     monkeypatch.setattr(launch, "configure_logging", lambda *args: None)
     assert main(["serve", str(tmp_path), "--api-key", " "]) == 2
-    assert "the API key is empty" in capsys.readouterr().err
+    assert "an API key is empty" in capsys.readouterr().err

@@ -44,7 +44,7 @@ class CountingEngine:
         self.added: dict[str, tuple] = {}  # request id -> (params, priority)
         self.aborted: list[str] = []
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
         self.live[request_id] = [len(prompt_token_ids), params.max_tokens, 0]
         self.added[request_id] = (params, priority)
 

@@ -370,3 +370,48 @@ def test_abort_of_a_waiting_request_takes_it_out_of_the_queue():
     out, _ = step(s)
     assert out.finished_ids == ["b"] and counts(out) == {"a": 1}
     assert len(s.waiting) == 0
+
+
+# -- cache salts ---------------------------------------------------------------------------------
+
+
+def salted(rid: str, salt: str | None, max_tokens: int = 1) -> Request:
+    return Request(rid, list(range(10, 24)), SamplingParams(max_tokens=max_tokens),
+                   cache_salt=salt)
+
+
+def test_prompts_share_cached_blocks_only_under_the_same_salt():
+    s = make(block_size=4, budget=64)
+    requests = [salted("a", "tenant-a"), salted("b", "tenant-b"), salted("none", None),
+                salted("a2", "tenant-a")]  # fmt: skip
+    for request in requests:
+        s.add_request(request)
+        run_to_end(s)
+    assert [r.num_cached_tokens for r in requests] == [0, 0, 0, 12]
+    assert len(s.pool.cached_blocks()) == 3 * 3  # a, b and the unsalted prompt: 3 blocks each
+
+
+def test_identical_prompts_with_different_salts_arriving_together_are_both_computed():
+    s = make(block_size=4, budget=64)
+    a, b = salted("a", "x", max_tokens=4), salted("b", "y", max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    out, _ = step(s)
+    assert counts(out) == {"a": 14, "b": 14}  # neither waits for the other's blocks
+    assert not set(a.block_ids) & set(b.block_ids)
+    assert not set(a.block_hashes) & set(b.block_hashes)
+
+
+def test_a_salted_block_loaded_back_from_the_store_hits_only_its_salt():
+    from test_scheduler_block_store import MemoryStore, evict_everything
+    from test_scheduler_block_store import make as make_with_store
+    from test_scheduler_block_store import run as run_one
+
+    store = MemoryStore()
+    s = make_with_store(store)
+    run_one(s, salted("a", "x"))
+    evict_everything(s, store)
+    assert len(store.blocks) >= 3
+    assert run_one(s, salted("other", "y")).blocks_to_load == []
+    assert run_one(s, salted("unsalted", None)).blocks_to_load == []
+    assert len(run_one(s, salted("again", "x")).blocks_to_load) == 3

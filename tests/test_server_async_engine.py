@@ -48,7 +48,7 @@ class ScriptedEngine:
         self.closed_on: str | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0):
+                    priority: int = 0, cache_salt: str | None = None):
         self.threads.add(threading.current_thread().name)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt too long, limit {self.max_model_len}")

@@ -129,7 +129,9 @@ async def start(
         )
         structured = plan.structured() or chat.response_structure()
         params = chat.sampling_params(max_tokens, structured, engine.sampling_defaults)
-        choices = await generation.start(engine, prompt.ids, params, request_id)
+        choices = await generation.start(
+            engine, prompt.ids, params, request_id, cache_salt=chat.cache_salt
+        )
     except APIError as exc:
         exc.param = names.get(exc.param or "", exc.param)
         raise

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from server.async_engine import AsyncEngine, EngineError
+from server.http.auth import prefix_cache_salt
 from server.http.errors import APIError
 from server.http.sse import DONE, sse
 from server.openai.protocol import Usage
@@ -62,9 +63,10 @@ async def start(
     request_id: str,
     n: int = 1,
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> Choices:
     """`start_prompts` for a single prompt."""
-    return await start_prompts(engine, [prompt_ids], params, request_id, n, priority)
+    return await start_prompts(engine, [prompt_ids], params, request_id, n, priority, cache_salt)
 
 
 async def start_prompts(
@@ -74,13 +76,16 @@ async def start_prompts(
     request_id: str,
     n: int = 1,
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> Choices:
     """Submit `n` choices of each prompt together and wait for each one's first output, so
     that a refusal is still a 400. Submitted together, the choices of a prompt compute its
-    full blocks once and share them through the prefix cache."""
+    full blocks once and share them through the prefix cache, which they share with no
+    request of another API key (tenant) or another `cache_salt`."""
     ids = choice_request_ids(request_id, len(prompts) * n)
+    salt = prefix_cache_salt(cache_salt)
     streams = [
-        engine.generate(prompts[k // n], choice_params(params, k % n), choice_id, priority)
+        engine.generate(prompts[k // n], choice_params(params, k % n), choice_id, priority, salt)
         for k, choice_id in enumerate(ids)
     ]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]

@@ -146,7 +146,7 @@ class Serving:
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         start = generation.start_prompts(
-            self.engine, prompts, params, request_id, body.n, body.priority
+            self.engine, prompts, params, request_id, body.n, body.priority, body.cache_salt
         )
         choices = await generation.unless_disconnected(request, start)
         if choices is None:

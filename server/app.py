@@ -16,7 +16,9 @@ from server.anthropic.api import anthropic_router
 from server.async_engine import AsyncEngine
 from server.http.auth import ApiKeyAuth
 from server.http.body_limit import BodySizeLimit
+from server.http.client_timeouts import ClientDeadlines
 from server.http.errors import install_error_handlers
+from server.http.host_check import HostCheck
 from server.http.logs import RequestIdMiddleware
 from server.http.metrics import ServerMetrics
 from server.http.shutdown import Drain, DrainGate
@@ -25,6 +27,7 @@ from server.openai.protocol import ModelCard, ModelList
 from server.openai.serving import Serving
 from server.responses.api import responses_router
 from server.serve_args import (
+    DEFAULT_CLIENT_TIMEOUT_S,
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY,
     PREFIX_CACHE_SCOPES,
@@ -41,11 +44,17 @@ class HttpOptions:
     learn from `cached_tokens` what the others sent). `allowed_origins`: browser origins that
     may call the API (CORS); empty sends no CORS headers at all, "*" allows any.
     `max_request_body`: bytes.
+    `allowed_hosts`: the Host names requests may use (None: any; see
+    `server.http.host_check.allowed_hosts`). `client_timeout_s`: see
+    `server.http.client_timeouts`. `min_priority`: the lowest `priority` a request may ask for.
     """
 
     api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     max_request_body: int = DEFAULT_MAX_REQUEST_BODY
+    allowed_hosts: frozenset[str] | None = None
+    client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
+    min_priority: int = 0
     prefix_cache_scope: PrefixCacheScope = "key"
 
     def __post_init__(self) -> None:
@@ -95,7 +104,7 @@ def build_app(
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
     parser = serving.tool_call_parser
     app.include_router(_service_router(async_engine, metrics, model_ids))
-    app.include_router(openai_router(serving))
+    app.include_router(openai_router(serving, options.min_priority))
     app.include_router(responses_router(async_engine, served_model_name, parser))
     app.include_router(anthropic_router(async_engine, served_model_name, parser))
     return app
@@ -130,8 +139,9 @@ def _service_router(
 
 
 def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
-    """Outermost first: request id → drain gate → CORS → API key → body size → routes. CORS
-    sits outside the key check so that preflights pass and a 401 still carries CORS headers."""
+    """Outermost first: request id → client deadlines → Host check → drain gate → CORS →
+    API key → body size → routes. CORS sits outside the key check so that preflights pass and
+    a 401 still carries CORS headers."""
     app.state.drain = drain
     app.add_middleware(BodySizeLimit, max_bytes=options.max_request_body)
     if options.api_keys:
@@ -145,4 +155,7 @@ def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
             expose_headers=["x-request-id", "retry-after"],
         )  # fmt: skip
     app.add_middleware(DrainGate, drain=drain)
+    if options.allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=options.allowed_hosts)
+    app.add_middleware(ClientDeadlines, timeout_s=options.client_timeout_s)
     app.add_middleware(RequestIdMiddleware)

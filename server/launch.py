@@ -61,7 +61,8 @@ def serve(args: argparse.Namespace) -> int:
         "serving %s as %r on http://%s:%d/v1", model_dir, args.served_model_name,
         args.host, args.port,
     )  # fmt: skip
-    run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
+               args.client_timeout)
     return 0
 
 
@@ -120,8 +121,11 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
 
 def _http_options(args: argparse.Namespace) -> HttpOptions:
     from server.app import HttpOptions
+    from server.http.host_check import allowed_hosts
 
     return HttpOptions(
         args.api_keys, args.allowed_origins, args.max_request_body,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+        client_timeout_s=args.client_timeout, min_priority=args.min_request_priority,
         prefix_cache_scope=args.prefix_cache_scope,
     )  # fmt: skip

@@ -29,6 +29,8 @@ PrefixCacheScope = Literal["key", "shared"]
 PREFIX_CACHE_SCOPES: tuple[PrefixCacheScope, ...] = ("key", "shared")
 # Under the 30 s that process managers (Kubernetes, systemd) wait before SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+# Headers, then the body, then each response write: a local client needs far less.
+DEFAULT_CLIENT_TIMEOUT_S = 30.0
 
 
 def parse_size(text: str) -> int:
@@ -197,6 +199,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
+
+
 def _api_keys(text: str | None) -> tuple[str, ...]:
     """Comma-separated keys, stripped; an empty one stays, for `HttpOptions` to refuse."""
     return () if text is None else tuple(key.strip() for key in text.split(","))
@@ -245,6 +254,32 @@ def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ORIGINS",
         help="comma-separated browser origins allowed to call the API (CORS), e.g. "
         '"http://localhost:3000", or "*" for any (default: none, no CORS headers)',
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        type=_origins,
+        default=(),
+        metavar="HOSTS",
+        help="comma-separated host names requests may be addressed to (the Host header), "
+        'e.g. "mymac.local", or "*" for any (default: on a loopback address, only '
+        "localhost, 127.0.0.1 and ::1, which stops DNS rebinding; elsewhere any)",
+    )
+    group.add_argument(
+        "--client-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_CLIENT_TIMEOUT_S,
+        metavar="S",
+        help="seconds a client may take to send a request's headers, then its body, and to "
+        "take each piece of a response; slower ones are cut off "
+        f"(default {DEFAULT_CLIENT_TIMEOUT_S:.0f})",
+    )
+    group.add_argument(
+        "--min-request-priority",
+        type=int,
+        default=0,
+        metavar="P",
+        help="lowest `priority` a request may ask for under --scheduling-policy priority "
+        "(lower goes first); the default 0 lets clients defer themselves but not jump ahead",
     )
     group.add_argument(
         "--max-request-body",

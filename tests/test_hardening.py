@@ -269,13 +269,15 @@ def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: TextEngine())
     monkeypatch.setattr(app, "build_app", lambda bridge, name, max_n, options, **_: seen.update(
         bridge=bridge, options=options))  # fmt: skip
-    monkeypatch.setattr(shutdown, "run_server", lambda *args: seen.update(timeout=args[-1]))
+    monkeypatch.setattr(shutdown, "run_server", lambda *args: seen.update(timeout=args[-2]))
     origins = ["--allowed-origins", "http://a.test, http://b.test"]
     limits = ["--max-request-body", "1MiB", "--max-queued-requests", "5"]
     argv = ["serve", *origins, *limits, "--shutdown-timeout", "7.5", "--log-prompts"]
     assert main(argv) == 0
-    origins = ("http://a.test", "http://b.test")
-    assert seen["options"] == HttpOptions(("key-from-env",), origins, 2**20)
+    assert seen["options"] == HttpOptions(
+        ("key-from-env",), ("http://a.test", "http://b.test"), 2**20,
+        allowed_hosts=frozenset({"localhost", "127.0.0.1", "::1"}),
+    )  # fmt: skip
     assert seen["bridge"].max_queued_requests == 5 and seen["bridge"].log_prompts
     assert seen["timeout"] == 7.5
 

@@ -355,11 +355,11 @@ def test_n_choices_stream_each_with_its_index(client):
 
 
 def test_choices_get_derived_seeds_and_the_request_priority(client, engine):
-    body = {"prompt": "hi", "n": 3, "seed": 40, "max_tokens": 1, "priority": -2}
+    body = {"prompt": "hi", "n": 3, "seed": 40, "max_tokens": 1, "priority": 2}
     request_id = client.post("/v1/completions", json=body).json()["id"]
     added = [engine.added[f"{request_id}-{i}"] for i in range(3)]
     assert [params.seed for params, _ in added] == [40, 41, 42]
-    assert [priority for _, priority in added] == [-2, -2, -2]
+    assert [priority for _, priority in added] == [2, 2, 2]
 
 
 def test_usage_of_several_choices():

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+    429: "rate_limit_error",
 }  # fmt: skip
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPES = {
@@ -143,3 +144,5 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
     if exc.status_code == 413:
         return request_too_large()
     return APIError(str(exc.detail), status_code=exc.status_code)
+    if exc.status_code == 408:  # a body slower than --client-timeout
+        return APIError(str(exc.detail), status_code=408, code="request_timeout")

@@ -194,19 +194,20 @@ def test_malformed_json(client):
         (chat(min_p=1.5), "min_p", "less than or equal to 1"),
         (chat(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
         (chat(stop=["x"] * 17), "stop", "16"),
-        (chat(response_format={"type": "xml"}), "response_format", "json_schema"),
-        (chat(response_format={"type": "json_schema"}), "response_format", "json_schema"),
+        (chat(response_format={"type": "xml"}), "response_format.type", "json_schema"),
+        (chat(response_format={"type": "json_schema"}), "response_format.json_schema", "schema"),
         (chat(tool_choice="required"), "tool_choice", "needs tools"),
         (chat(tools=[WEATHER_TOOL], tool_choice=NAMED_F), "tool_choice", "'f'"),
         (chat(tools=[WEATHER_TOOL], tool_choice="required", response_format=JSON_OBJECT),
          "response_format", "tool_choice"),
-        (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools", "pattern"),
+        (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]),
+         "tools[0].function.name", "pattern"),
         (chat(tools=[WEATHER_TOOL] * 513), "tools", "at most 512"),
         (chat(max_tokens="many"), "max_tokens", "valid integer"),
         (chat(logit_bias={"word": 1}), "logit_bias", "token ids"),
-        (chat(logit_bias={"5": 150}), None, "[-100, 100]"),
+        (chat(logit_bias={"5": 150}), "logit_bias", "[-100, 100]"),
         (chat(logit_bias={"99999": 1}), "logit_bias", "99999"),
-        (chat(logit_bias={"5": 60, "05": 60}), "logit_bias", "token 5 more than once"),
+        (chat(logit_bias={"5": 60, "05": 60}), "logit_bias", "token 5 is named twice"),
         (chat(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias", "at most 1024"),
     ],
 )
@@ -217,7 +218,8 @@ def test_invalid_chat_requests(client, body, param, contains):
 def test_image_parts_are_refused(client):
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
     body = {"messages": [{"role": "user", "content": [image]}]}
-    assert_openai_error(client.post("/v1/chat/completions", json=body), "messages", "image_url")
+    response = client.post("/v1/chat/completions", json=body)
+    assert_openai_error(response, "messages[0].content[0].type", "image_url")
 
 
 def test_prompt_longer_than_context(client):

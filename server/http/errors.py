@@ -12,6 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.async_engine import QueueFull
@@ -75,6 +77,20 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status_code, headers=self.headers)
 
 
+Problem = tuple[tuple[str | int, ...], str]  # (location in a model, what is wrong there)
+
+
+def invalid_at(*problems: Problem) -> ValidationError:
+    """For a model validator: an error for each (location, message), the location relative to
+    the model being validated. pydantic puts the model's own location before it, so the 400
+    names the field (`messages[2].tool_call_id`), not the message that holds it."""
+    errors = [
+        InitErrorDetails(type=PydanticCustomError("invalid_field", message), loc=loc, input=None)
+        for loc, message in problems
+    ]
+    return ValidationError.from_exception_data("request", errors)
+
+
 def request_too_large() -> APIError:
     return APIError(
         "The request body is larger than this server accepts; send less, or start the server "
@@ -91,23 +107,84 @@ def _queue_full_error(exc: QueueFull) -> APIError:
     )  # fmt: skip
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """Turn FastAPI's 422 into a 400 whose message names the field and the problem."""
+def validation_error(exc: RequestValidationError, path: str = "") -> APIError:
+    """Turn FastAPI's 422 into a 400 whose `param` is the bad field's path, as OpenAI names it
+    (`messages[1].content[0].text`; Anthropic's `messages.1.content.0.text` for a request to
+    `path` on that API), and whose message says what is wrong there."""
     errors = list(exc.errors())
     if any(e.get("type") == "json_invalid" for e in errors):
         first = next(e for e in errors if e.get("type") == "json_invalid")
         detail = first.get("ctx", {}).get("error", "JSON decode error")
         return APIError(f"The request body is not valid JSON: {detail}.", code="invalid_json")
-    parts = []
-    for error in errors[:3]:
-        # loc starts with "body"; pydantic appends the union member it tried, e.g. "str".
-        field = ".".join(str(p) for p in error.get("loc", ())[1:])
-        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{field or 'body'}: {message}")
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    first_loc = errors[0].get("loc", ()) if errors else ()
-    param = str(first_loc[1]) if len(first_loc) > 1 else None
+    found = _field_errors(errors)
+    dotted = is_anthropic_path(path)
+    parts = [f"{_param(loc, dotted) or 'body'}: {message}" for loc, message in found[:3]]
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    param = _param(found[0][0], dotted) if found else None
     return APIError("Invalid request: " + "; ".join(parts) + more, param=param)
+
+
+# pydantic puts the union member it tried into the location ("str", "list[TextPart]",
+# "NamedToolChoice"); field names are lower-case words without brackets.
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none"})
+_QUOTE_LIMIT = 64  # a location part (a dict key may be the client's) is cut to this
+_MESSAGE_LIMIT = 300
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _SCALAR_TAGS or "[" in part or part[:1].isupper())
+
+
+def _field_errors(errors: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
+    """(path, message) per bad field, union members' tags out of the paths. Of a union that
+    failed, only the members that got furthest count (a list of parts whose third part lacks
+    its text, not "should be a string"); messages at one path are joined with ", or"."""
+    parsed = []
+    for error in errors:
+        path: list[object] = []
+        site: int | None = None  # how much of the path leads to the first union
+        for part in error.get("loc", ())[1:]:  # [0] is "body"
+            if _is_union_tag(part):
+                site = len(path) if site is None else site
+            else:
+                path.append(part)
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        parsed.append((tuple(path), site, message))
+    furthest: dict[tuple, int] = {}
+    for path, site, _ in parsed:
+        if site is not None:
+            key = path[:site]
+            furthest[key] = max(furthest.get(key, 0), len(path))
+    by_path: dict[tuple, list[str]] = {}
+    for path, site, message in parsed:
+        if site is None or len(path) == furthest[path[:site]]:
+            messages = by_path.setdefault(path, [])
+            if message not in messages:
+                messages.append(message)
+    return [(path, clip(_either(messages), _MESSAGE_LIMIT)) for path, messages in by_path.items()]
+
+
+def _either(messages: list[str]) -> str:
+    prefix = "Input should be "
+    if len(messages) > 1 and all(m.startswith(prefix) for m in messages):
+        return prefix + ", or ".join(m.removeprefix(prefix) for m in messages)
+    return ", or ".join(messages)
+
+
+def _param(path: tuple, dotted: bool = False) -> str | None:
+    """`("messages", 1, "content")` as `messages[1].content` (`dotted`: `messages.1.content`)."""
+    param = ""
+    for part in path:
+        if isinstance(part, int) and not dotted:
+            param += f"[{part}]"
+        else:
+            param += ("." if param else "") + clip(str(part), _QUOTE_LIMIT)
+    return param or None
+
+
+def clip(text: str, limit: int = 40) -> str:
+    """`text` cut to `limit` characters, for quoting what a client sent in an error."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -123,7 +200,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response(request.url.path)
+        return validation_error(exc, request.url.path).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -144,5 +221,3 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
     if exc.status_code == 413:
         return request_too_large()
     return APIError(str(exc.detail), status_code=exc.status_code)
-    if exc.status_code == 408:  # a body slower than --client-timeout
-        return APIError(str(exc.detail), status_code=408, code="request_timeout")

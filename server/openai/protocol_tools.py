@@ -12,10 +12,11 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 from scheduler.sampling_params import StructuredOutput
-from server.http.errors import APIError
+from server.http.errors import invalid_at
 
 MAX_TOOL_NAME_LENGTH = 64
 # A tool's name on every API, as the chat API's function names: what chat templates and tool
@@ -42,7 +43,7 @@ class Tool(BaseModel):
 
 
 class FunctionName(BaseModel):
-    name: str
+    name: ToolName  # as a tool's: a longer one names no tool, and errors quote it
 
 
 class NamedToolChoice(BaseModel):
@@ -96,7 +97,8 @@ class JSONSchemaFormat(BaseModel):
     # `schema` would shadow a BaseModel attribute, hence the alias.
     model_config = ConfigDict(populate_by_name=True)
 
-    name: str
+    # OpenAI requires a name; vLLM and llama-server do without, and nothing here reads it.
+    name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -104,21 +106,23 @@ class JSONSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
+    json_schema: JSONSchemaFormat | None = None  # required by type "json_schema"
+
+    @model_validator(mode="after")
+    def _schema_of_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            needs = 'type "json_schema" needs a "json_schema" object: {"schema": <a JSON schema>}'
+            raise invalid_at((("json_schema",), needs))
+        return self
 
     def structured(self) -> StructuredOutput | None:
-        """What the sampler must enforce: nothing, any JSON object, or the given schema.
+        """What the sampler must enforce: nothing, any JSON object, or the given schema (with
+        no schema, any JSON value).
 
         A schema is enforced whether or not `strict` is set: silently ignoring it would be worse.
         """
         if self.type == "text":
             return None
-        if self.type == "json_object":
+        if self.type == "json_object" or self.json_schema is None:
             return StructuredOutput()
-        if self.json_schema is None:
-            raise APIError(
-                'response_format of type "json_schema" needs a "json_schema" object with a '
-                '"name" and a "schema".',
-                param="response_format",
-            )
         return StructuredOutput(json_schema=json.dumps(self.json_schema.schema_ or {}))

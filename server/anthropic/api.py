@@ -16,6 +16,7 @@ from server.anthropic.output import MessageBuilder
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from server.async_engine import AsyncEngine
 from server.core import assistant_turn
+from server.core.prompts import off_loop, prompt_of
 from server.core.turn_serving import serve_turn
 from server.http.limits import check_request_limits
 
@@ -39,7 +40,8 @@ def anthropic_router(
     async def count_tokens(body: CountTokensRequest) -> dict:
         """The prompt tokens a /v1/messages call with these fields reports."""
         check_request_limits(body)  # the same caps: counting renders every tool too
-        prompt, _ = assistant_turn.prompt_of(engine.tokenizer, chat_request(body), tool_call_parser)
+        chat = chat_request(body)
+        prompt, _ = await off_loop(prompt_of, engine.tokenizer, chat, tool_call_parser)
         return TokenCount(input_tokens=len(prompt.ids)).model_dump()
 
     return router

@@ -20,8 +20,7 @@ from metal_engine.outputs import RequestOutput
 from scheduler.request import FinishReason
 from server.async_engine import AsyncEngine, EngineError
 from server.core import generation
-from server.core.chat_tools import ToolPlan, plan_tools
-from server.core.prompts import ChatPrompt, chat_prompt, chat_template, check_context
+from server.core.prompts import check_context, off_loop, prompt_of
 from server.core.reasoning import ReasoningStream, opens_reasoning
 from server.core.tool_call_stream import CallPiece, ToolCallStream
 from server.http.errors import APIError
@@ -101,14 +100,6 @@ def validated_chat_request(
         raise APIError(f"Invalid request: {param or 'body'}: {message}", param=param) from exc
 
 
-def prompt_of(
-    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None
-) -> tuple[ChatPrompt, ToolPlan]:
-    """The rendered prompt (tools described or passed to the template) and the tool plan."""
-    plan = plan_tools(chat, chat_template(tokenizer), parser_name)
-    return chat_prompt(tokenizer, plan.conversation(chat.messages), plan.template_tools()), plan
-
-
 async def start(
     engine: AsyncEngine,
     chat: ChatCompletionRequest,
@@ -120,7 +111,7 @@ async def start(
     still a 400; its `param` is renamed through `param_names` to the caller's field."""
     names = param_names or {}
     try:
-        prompt, plan = prompt_of(engine.tokenizer, chat, parser_name)
+        prompt, plan = await off_loop(prompt_of, engine.tokenizer, chat, parser_name)
         max_tokens = check_context(
             len(prompt.ids),
             chat.requested_max_tokens(),

@@ -25,10 +25,13 @@ from server.core.tool_parsers import (
     parser_for_template,
     parser_named,
 )
-from server.http.errors import APIError
+from server.http.errors import APIError, clip
 from server.openai.protocol import ChatCompletionRequest, ChatMessage
 from server.openai.protocol_tools import FunctionDefinition, Tool, ToolCall
 
+# The roles OpenAI's chat API knows. A template writes the role into the prompt as it is, so
+# any other (`"system<|im_end|>..."`) could forge turns.
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # The chat templates of most models know only these roles; "developer" is OpenAI's new
 # name for the system prompt.
 _ROLE_ALIASES = {"developer": "system"}
@@ -56,7 +59,8 @@ class ToolPlan:
     parser: ToolParser | None  # finds calls in the output; None when no tools are offered
 
     def conversation(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them."""
+        """The messages as the chat template takes them; a 400 for a role the API lacks."""
+        _check_roles(messages)
         turns = [self._turn(m) for m in messages]
         if self.offered and not self.native:
             turns = _with_system_note(turns, self._description())
@@ -124,6 +128,16 @@ def plan_tools(body: ChatCompletionRequest, template: str, parser_name: str | No
             param="response_format",
         )
     return ToolPlan(native, tools, forced, _parser(native, forced, template, parser_name))
+
+
+def _check_roles(messages: list[ChatMessage]) -> None:
+    for index, message in enumerate(messages):
+        if message.role not in _ROLES:
+            raise APIError(
+                f"messages[{index}].role is {clip(message.role)!r}; use one of "
+                f"{', '.join(_ROLES)}.",
+                param=f"messages[{index}].role",
+            )
 
 
 def _forced(tools: list[Tool], choice: Any) -> list[FunctionDefinition]:

@@ -1,18 +1,47 @@
-"""Turn chat conversations / prompts into token ids, and check them against the context."""
+"""Turn chat conversations / prompts into token ids, and check them against the context.
+
+Rendering and tokenizing run on one worker thread (`off_loop`): a megabyte prompt keeps the
+tokenizer busy for a second, which on the event loop would stall every stream and `/health`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+import asyncio
+import functools
+import re
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, TypeVar
 
 from jinja2 import TemplateError
 
-from server.http.errors import APIError
+from server.core.chat_tools import ToolPlan, plan_tools
+from server.http.errors import APIError, clip
+from server.openai.protocol import ChatCompletionRequest
+
+T = TypeVar("T")
+
+# One worker, as in vLLM: prompts are tokenized one at a time, so only one such thread competes
+# with the event loop and the engine for the GIL, and no two threads encode at once.
+_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-worker")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the prompt worker; the event loop serves other requests meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(_WORKER, fn, *args)
 
 
 class ChatPrompt(NamedTuple):
     text: str
     ids: list[int]
+
+
+def prompt_of(
+    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None
+) -> tuple[ChatPrompt, ToolPlan]:
+    """The rendered prompt (tools described or passed to the template) and the tool plan."""
+    plan = plan_tools(chat, chat_template(tokenizer), parser_name)
+    return chat_prompt(tokenizer, plan.conversation(chat.messages), plan.template_tools()), plan
 
 
 def chat_template(tokenizer: Any) -> str:
@@ -29,20 +58,80 @@ def chat_template(tokenizer: Any) -> str:
 def chat_prompt(
     tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> ChatPrompt:
-    """Render the model's chat template (with the assistant turn opened) and tokenize it."""
+    """Render the model's chat template (with the assistant turn opened) and tokenize it.
+
+    Special tokens come only from the template: one typed into a client's text (content, names,
+    tool calls and results, tool descriptions) is encoded as the plain text it is, with
+    transformers' `sanitize_control_tokens`, so `<|im_end|>` in a message cannot end its turn.
+    """
     # Tools come only for templates with tool syntax (ToolPlan.template_tools).
     extra = {"tools": tools} if tools else {}
+    text = _render(tokenizer, conversation, tokenize=False, **extra)
+    _check_unicode(text, "messages")
+    if not _holds_control_tokens(tokenizer, conversation, tools):
+        # Nothing to sanitize: the template's text holds only its own special tokens.
+        return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+    ids = _render(
+        tokenizer, conversation, tokenize=True, sanitize_control_tokens=True, return_dict=False,
+        **extra,
+    )  # fmt: skip
+    return ChatPrompt(text, list(ids))
+
+
+def _render(tokenizer: Any, conversation: list[dict[str, Any]], **options: Any) -> Any:
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False, **extra
-        )
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **options)
     except (TemplateError, ValueError, TypeError) as exc:
         # e.g. roles in an order the model rejects, or a field the template cannot handle
         message = f"The chat template rejected the messages: {exc}"
         raise APIError(message, param="messages") from exc
-    # The template already holds the special tokens (BOS, turn markers).
-    _check_unicode(text, "messages")
-    return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def _holds_control_tokens(
+    tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> bool:
+    """Whether a client's string holds a control token's text; a 400 if a dict key does (a
+    template writes keys, e.g. a schema's property names, as they are: they cannot be escaped).
+
+    Control tokens here are all added tokens but whitespace ones, a superset of those that
+    `sanitize_control_tokens` escapes: when none occurs, it would change nothing.
+    """
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # test doubles have none
+    controls = tuple(t.content for t in added.values() if t.special or not t.content.isspace())
+    if not controls:
+        return False
+    pattern = _pattern_of(controls)
+    found = False
+    for param, value in (("messages", conversation), ("tools", tools)):
+        for text, is_key in _strings(value):
+            match = pattern.search(text)
+            if match is not None and is_key:
+                raise APIError(
+                    f"{param}: the key {clip(text)!r} holds {match.group()!r}, a control token "
+                    "of this model; rename it.",
+                    param=param,
+                )
+            found = found or match is not None
+    return found
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern_of(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(token) for token in tokens))
+
+
+def _strings(value: Any) -> Iterator[tuple[str, bool]]:
+    """Every string in nested dicts and lists, and whether it is a dict key."""
+    if isinstance(value, str):
+        yield value, False
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                yield key, True
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:

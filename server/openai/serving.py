@@ -14,13 +14,12 @@ from starlette.requests import Request
 
 from server.async_engine import AsyncEngine
 from server.core import generation
-from server.core.chat_tools import plan_tools
 from server.core.prompts import (
-    chat_prompt,
-    chat_template,
     check_context,
     check_token_ids,
     completion_prompt_ids,
+    off_loop,
+    prompt_of,
 )
 from server.core.reasoning import ReasoningStream, opens_reasoning
 from server.core.tool_call_stream import ToolCallStream
@@ -78,8 +77,8 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         tokenizer = self.engine.tokenizer
-        tools = plan_tools(body, chat_template(tokenizer), self.tool_call_parser)
-        prompt = chat_prompt(tokenizer, tools.conversation(body.messages), tools.template_tools())
+        self._check_count(body.n, 1)
+        prompt, tools = await off_loop(prompt_of, tokenizer, body, self.tool_call_parser)
         structured = tools.structured() or body.response_structure()
 
         def new_stream(_: int) -> ChatChoiceStream:
@@ -107,7 +106,8 @@ class Serving:
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         tokenizer = self.engine.tokenizer
         prompts = body.prompts()
-        prompt_ids = [completion_prompt_ids(tokenizer, prompt) for prompt in prompts]
+        self._check_count(body.n, len(prompts))  # before a single prompt is tokenized
+        prompt_ids = await off_loop(lambda: [completion_prompt_ids(tokenizer, p) for p in prompts])
 
         def new_stream(k: int) -> CompletionChoiceStream:
             p = k // body.n
@@ -136,7 +136,6 @@ class Serving:
         endpoint: _Endpoint,
     ) -> Response:
         count = len(prompts) * body.n
-        self._check_count(body.n, len(prompts))
         # One SamplingParams serves every prompt, so the longest one bounds max_tokens.
         requested, context = body.requested_max_tokens(), self.engine.max_model_len
         max_tokens = min(

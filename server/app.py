@@ -15,8 +15,8 @@ from fastapi.responses import Response
 from server.anthropic.api import anthropic_router
 from server.async_engine import AsyncEngine
 from server.http.auth import ApiKeyAuth
-from server.http.body_limit import BodySizeLimit
-from server.http.client_timeouts import ClientDeadlines
+from server.http.body_limit import RequestBody
+from server.http.client_timeouts import ResponseDeadline
 from server.http.errors import install_error_handlers
 from server.http.host_check import HostCheck
 from server.http.logs import RequestIdMiddleware
@@ -139,11 +139,13 @@ def _service_router(
 
 
 def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
-    """Outermost first: request id → client deadlines → Host check → drain gate → CORS →
-    API key → body size → routes. CORS sits outside the key check so that preflights pass and
+    """Outermost first: request id → response deadline → Host check → drain gate → CORS →
+    API key → request body → routes. CORS sits outside the key check so that preflights pass and
     a 401 still carries CORS headers."""
     app.state.drain = drain
-    app.add_middleware(BodySizeLimit, max_bytes=options.max_request_body)
+    app.add_middleware(
+        RequestBody, max_bytes=options.max_request_body, timeout_s=options.client_timeout_s
+    )
     if options.api_keys:
         shared = options.prefix_cache_scope == "shared"
         app.add_middleware(ApiKeyAuth, api_keys=options.api_keys, share_prefix_cache=shared)
@@ -157,5 +159,5 @@ def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
     app.add_middleware(DrainGate, drain=drain)
     if options.allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=options.allowed_hosts)
-    app.add_middleware(ClientDeadlines, timeout_s=options.client_timeout_s)
+    app.add_middleware(ResponseDeadline, timeout_s=options.client_timeout_s)
     app.add_middleware(RequestIdMiddleware)

@@ -20,7 +20,9 @@ from test_hardening import TextEngine
 from server.app import HttpOptions, build_app
 from server.async_engine import AsyncEngine
 from server.cli import build_parser
-from server.http.client_timeouts import ClientDeadlines, timed_protocol
+from server.http import body_limit
+from server.http.body_limit import MAX_JSON_VALUES, json_value_count
+from server.http.client_timeouts import ResponseDeadline, timed_protocol
 from server.http.host_check import allowed_hosts, host_name
 from server.launch import _http_options
 
@@ -170,7 +172,7 @@ def test_a_response_nobody_reads_is_dropped_after_the_timeout():
 
     async def run() -> float:
         start = asyncio.get_running_loop().time()
-        guarded = ClientDeadlines(streaming_app, timeout_s=TIMEOUT_S)
+        guarded = ResponseDeadline(streaming_app, timeout_s=TIMEOUT_S)
         await asyncio.wait_for(guarded({"type": "http"}, None, full_socket_send), 10)
         return asyncio.get_running_loop().time() - start
 
@@ -259,3 +261,33 @@ def test_responses_metadata_keeps_openais_limits():
             body = {"model": "m", "input": "hi", "metadata": metadata}
             answer = httpx.post(f"{url}/v1/responses", json=body)
             assert answer.status_code == 400 and "metadata" in answer.json()["error"]["message"]
+
+
+# ---- what a body may hold ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "values"),
+    [
+        (b"", 0), (b"1", 1), (b"[1, 2, 3]", 4), (b'{"a": 1, "b": [2]}', 4),
+        (b'["a,b", "c[d{", "\\"],"]', 4),  # separators inside strings are text
+        (b"[[], {}]", 5),  # an empty array or object counts twice
+    ],
+)  # fmt: skip
+def test_json_values_are_counted_from_the_structure(text, values, monkeypatch):
+    assert json_value_count(text) >= values  # the quick count: separators in strings too
+    monkeypatch.setattr(body_limit, "MAX_JSON_VALUES", 0)  # the exact scan, not the quick one
+    assert json_value_count(text) == values
+
+
+def test_a_body_of_too_many_values_is_refused_before_it_is_parsed():
+    with serving() as (engine, _, url):
+        ids = [1] * (MAX_JSON_VALUES + 1)
+        started = time.monotonic()
+        answer = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": ids})
+        assert answer.status_code == 413 and time.monotonic() - started < SLACK_S
+        assert answer.json()["error"]["code"] == "request_too_large"
+        assert str(MAX_JSON_VALUES) in answer.json()["error"]["message"]
+        prose = "one, two, [three], {four}, " * 40_000  # commas in text are no values
+        parsed = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": prose})
+        assert parsed.json()["error"]["code"] == "context_length_exceeded"  # (a tiny context)

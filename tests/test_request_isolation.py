@@ -3,12 +3,20 @@ step for everyone, sent while a victim stream runs on the real engine."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 import httpx
 import openai
 from fake_engine import CharTokenizer, ScriptedEngine
-from server_helpers import running_server, small_engine
+from server_helpers import running_app, running_server, small_engine
+from victim import GAP_BOUND_S, Victim
+
+from server.app import HttpOptions, build_app
+from server.async_engine import AsyncEngine
+from server.http.client_timeouts import timed_protocol
+from server.http.limits import MAX_LOGIT_BIAS
 
 HUGE_TOP_K = 2**40  # past int32: it was an OverflowError on the engine thread
 QUESTION = [{"role": "user", "content": "Count from one to twenty."}]
@@ -82,3 +90,61 @@ def test_a_500_body_says_nothing_of_the_request():
                             json={"model": "m", "prompt": "my secret PIN 1234"})  # fmt: skip
     assert answer.status_code == 500
     assert "1234" not in answer.text and "server log" in answer.json()["error"]["message"]
+
+
+def test_logit_bias_floods_are_refused_and_full_ones_spare_the_others(default_model_dir):
+    """400k keys once made one request take 28 s and stalled every stream. Now a flood is
+    refused before it is parsed, and requests at the 1024-entry cap leave the victim's gaps
+    under the bound."""
+    full = {str(i): -1 for i in range(MAX_LOGIT_BIAS)}
+    flood = {str(i): -1 for i in range(400_000)}
+    with running_server(small_engine(default_model_dir, 512)) as url, Victim(url) as victim:
+        refused = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "m", "prompt": "One,", "max_tokens": 16, "logit_bias": flood})  # fmt: skip
+        answers = _in_parallel(4, lambda: httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "m", "prompt": "One,", "max_tokens": 16, "logit_bias": full}))  # fmt: skip
+    assert refused.status_code == 413 and "JSON values" in refused.json()["error"]["message"]
+    assert all(a.status_code == 200 for a in answers), [a.text[:200] for a in answers]
+    assert victim.max_gap < GAP_BOUND_S and victim.max_health < GAP_BOUND_S, (
+        victim.max_gap, victim.max_health)
+
+
+def test_trickling_clients_spare_the_others(default_model_dir):
+    """Forty connections that trickle their headers and bodies hold no request slot for
+    long and slow no one down; each is cut off at the client timeout."""
+    engine = small_engine(default_model_dir, 512)
+    app = build_app(AsyncEngine(engine), "m", options=HttpOptions(client_timeout_s=1.0))
+    with running_app(app, http=timed_protocol(1.0)) as url, Victim(url) as victim:
+        port = int(url.rsplit(":", 1)[1])
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        for i, sock in enumerate(socks):
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            sock.sendall(head + (b"Content-Length: 500\r\n\r\n{" if i % 2 else b"X-A: "))
+        deadline = time.monotonic() + 8
+        open_socks = list(socks)
+        while open_socks and time.monotonic() < deadline:
+            for sock in list(open_socks):
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    open_socks.remove(sock)
+            time.sleep(0.1)
+        for sock in socks:
+            sock.close()
+    assert not open_socks, f"{len(open_socks)} trickling connections were never cut off"
+    assert victim.max_gap < GAP_BOUND_S and victim.max_health < GAP_BOUND_S, (
+        victim.max_gap, victim.max_health)
+
+
+def _in_parallel(count: int, call):
+    results: list = [None] * count
+
+    def run(index: int) -> None:
+        results[index] = call()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return results

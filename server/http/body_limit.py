@@ -1,51 +1,126 @@
-"""`--max-request-body`: a 413 with the API's error body for request bodies over a size.
+"""How a request body is read: whole, before any route sees it, under three limits.
 
-(FastAPI's own `max_body_size` answers an oversized Content-Length with a plain-text 413, which
-the API clients cannot parse.)
+- `--max-request-body`: a 413 at once when Content-Length is over it, else as soon as the
+  body received grows past it (chunked uploads). (FastAPI's own `max_body_size` answers with
+  a plain-text 413, which the API clients cannot parse.)
+- `--client-timeout`: the body must arrive within that long of the headers, else a 408.
+- `MAX_JSON_VALUES`: validating a body costs time on the event loop per JSON value, whatever
+  the values are (a million small token ids took seconds, stalling every stream); bodies
+  with more values get a 413 before they are parsed.
 """
 
 from __future__ import annotations
 
-from starlette.exceptions import HTTPException
+import asyncio
+import re
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.http.errors import request_too_large
+from server.http.errors import APIError, request_too_large
+
+# Arrays, objects, strings and numbers all count. Room for a 128k-token prompt sent as ids,
+# or ~500 tools with their schemas beside a long conversation.
+MAX_JSON_VALUES = 1 << 17
+# A JSON string, escapes included: its commas and brackets are not structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
-class _BodyTooLarge(HTTPException):
-    """Raised from `receive`: FastAPI lets HTTP exceptions through body parsing, and the
-    error handlers turn them into the 413 body."""
+def json_value_count(body: bytes) -> int:
+    """How many values a JSON text holds (an empty array or object counts twice): one more
+    than its commas and openings outside strings. Bodies whose raw commas and brackets stay
+    under the limit skip the string scan, with that count as an upper bound."""
+    if not body.strip():
+        return 0
+    quick = _structure(body)
+    if quick < MAX_JSON_VALUES:
+        return quick + 1
+    return _structure(_JSON_STRING.sub(b'""', body)) + 1
 
-    def __init__(self) -> None:
-        super().__init__(status_code=413)
+
+def _structure(body: bytes) -> int:
+    return body.count(b",") + body.count(b"[") + body.count(b"{")
 
 
-class BodySizeLimit:
-    """413 at once when Content-Length is over `max_bytes`, else as soon as the body received
-    grows past it (chunked uploads)."""
+def too_many_values(count: int) -> APIError:
+    return APIError(
+        f"The request body holds about {count} JSON values; at most {MAX_JSON_VALUES} are "
+        "accepted. Send fewer items (messages, tools, token ids, logit_bias entries).",
+        status_code=413,
+        code="request_too_large",
+    )
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+def body_late(timeout_s: float) -> APIError:
+    return APIError(
+        f"The request body did not arrive within {timeout_s:g}s of its headers.",
+        status_code=408,
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
+class _Refused(Exception):
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class RequestBody:
+    """ASGI middleware: read the whole body under the limits, then hand it to the app as
+    one message (later `receive` calls, which wait for a disconnect, pass through)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if _content_length(scope) > self.max_bytes:
-            await request_too_large().response(scope["path"])(scope, receive, send)
+        try:
+            if _content_length(scope) > self.max_bytes:
+                raise _Refused(request_too_large())
+            first = await self._read(receive)
+        except _Refused as refused:
+            await refused.error.response(scope["path"])(scope, receive, send)
             return
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return first
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> Message:
+        """The body as one `http.request` message (or the disconnect that cut it short)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        chunks: list[bytes] = []
         received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                raise _Refused(body_late(self.timeout_s)) from None
+            if message["type"] != "http.request":
+                return message
+            chunk = message.get("body", b"")
+            received += len(chunk)
             if received > self.max_bytes:
-                raise _BodyTooLarge
-            return message
-
-        await self.app(scope, counting_receive, send)
+                raise _Refused(request_too_large())
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        values = json_value_count(body)
+        if values > MAX_JSON_VALUES:
+            raise _Refused(too_many_values(values))
+        return {"type": "http.request", "body": body, "more_body": False}
 
 
 def _content_length(scope: Scope) -> int:

@@ -4,9 +4,9 @@ off, so it cannot hold a connection, a request slot or the shutdown drain for ev
 Three deadlines of the same length, each measured from the step before it:
 - the request's headers, from its first byte (or from the connection, for the first request):
   `TimedH11Protocol`, since uvicorn arms no timer until the headers are complete;
-- its body, from the headers: `ClientDeadlines` answers 408 in the API's error shape;
-- each write of the response: a client whose socket buffer stays full for that long is
-  treated as gone (uvicorn's `send` blocks while the client does not read).
+- its body, from the headers: `server.http.body_limit.RequestBody` answers 408;
+- each write of the response: `ResponseDeadline` treats a client whose socket buffer stays
+  full for that long as gone (uvicorn's `send` blocks while the client does not read).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 
 import h11
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -71,19 +70,10 @@ class _ClientGone(Exception):
     """Raised from `send` when a write waited past the deadline."""
 
 
-class _BodyLate(HTTPException):
-    """Raised from `receive`: FastAPI lets HTTP exceptions through body parsing, and the
-    error handlers turn them into the API's error body."""
-
-    def __init__(self, timeout_s: float) -> None:
-        detail = f"The request body did not arrive within {timeout_s:g}s of its headers."
-        super().__init__(status_code=408, detail=detail)
-
-
-class ClientDeadlines:
-    """ASGI middleware: the body must arrive within `timeout_s` of the headers (else 408),
-    and each response write must complete within `timeout_s` (else the request is dropped as
-    if the client had disconnected: streaming handlers then abort their generation)."""
+class ResponseDeadline:
+    """ASGI middleware: each response write must complete within `timeout_s`, else the
+    request is dropped as if the client had disconnected (streaming handlers then abort
+    their generation)."""
 
     def __init__(self, app: ASGIApp, timeout_s: float) -> None:
         self.app = app
@@ -93,22 +83,10 @@ class ClientDeadlines:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        loop = asyncio.get_running_loop()
-        body_deadline = loop.time() + self.timeout_s
-        body_done = False
         gone = False
 
-        async def timed_receive() -> Message:
-            nonlocal body_done
-            if body_done or gone:
-                # After the body, `receive` only waits for a disconnect: no deadline.
-                return await receive() if not gone else {"type": "http.disconnect"}
-            try:
-                message = await asyncio.wait_for(receive(), body_deadline - loop.time())
-            except asyncio.TimeoutError:
-                raise _BodyLate(self.timeout_s) from None
-            body_done = message["type"] != "http.request" or not message.get("more_body")
-            return message
+        async def gone_or_receive() -> Message:
+            return {"type": "http.disconnect"} if gone else await receive()
 
         async def timed_send(message: Message) -> None:
             nonlocal gone
@@ -122,4 +100,4 @@ class ClientDeadlines:
 
         # Nothing more can reach a client that is gone; uvicorn then closes the connection.
         with contextlib.suppress(_ClientGone):
-            await self.app(scope, timed_receive, timed_send)
+            await self.app(scope, gone_or_receive, timed_send)

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_engine.outputs import TokenLogprobs
+from scheduler.sampling_params import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,9 @@ def compute_logprobs(logits: mx.array, token_ids: mx.array,
     selected = logits[index].astype(mx.float32)
     logprobs = selected - mx.logsumexp(selected, axis=-1, keepdims=True)
     sampled = mx.take_along_axis(logprobs, token_ids[index][:, None], axis=-1)[:, 0]
-    k = min(max(ks), logprobs.shape[-1])
+    # Every row takes the same top-MAX_LOGPROBS (cut to its own k on the host): which of tied
+    # tokens a row reports must not depend on how many another row asked for.
+    k = min(MAX_LOGPROBS, logprobs.shape[-1]) if max(ks) > 0 else 0
     if k == 0:
         empty = mx.zeros((len(rows), 0))
         return LogprobArrays(rows, ks, sampled, empty.astype(mx.int32), empty)

@@ -3,6 +3,8 @@
 A penalty only touches the logits of tokens in a row's history, so the host lists each
 penalized row's distinct history tokens as flat (row, token) entries with the factor and the
 amount for each, and the device applies them with two scatters: no pass over the vocabulary.
+A repetition penalty below 1 / MAX_REPETITION_PENALTY acts as that bound: its reciprocal
+stays finite in float32 (SamplingParams allows any value above 0).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
+
+from scheduler.sampling_params import MAX_REPETITION_PENALTY
 
 if TYPE_CHECKING:
     from metal_engine.sampler import SamplingRow
@@ -40,11 +44,15 @@ def apply_penalties(logits: mx.array, penalties: Penalties) -> mx.array:
     penalty when positive and multiplied by it otherwise. Then, over the output tokens only
     (OpenAI): `logit -= frequency * count + presence * (count > 0)`.
     """
-    rows, tokens = mx.array(penalties.rows), mx.array(penalties.tokens)
-    repetition = mx.array(penalties.repetition)
+    # An id outside the logits has nothing to penalize (and would index out of bounds).
+    inside = (penalties.tokens >= 0) & (penalties.tokens < logits.shape[-1])
+    if not inside.any():
+        return logits
+    rows, tokens = mx.array(penalties.rows[inside]), mx.array(penalties.tokens[inside])
+    repetition = mx.array(penalties.repetition[inside])
     factor = mx.where(logits[rows, tokens] > 0, 1 / repetition, repetition)
     logits = logits.at[rows, tokens].multiply(factor)
-    return logits.at[rows, tokens].subtract(mx.array(penalties.subtract))
+    return logits.at[rows, tokens].subtract(mx.array(penalties.subtract[inside]))
 
 
 def _entries(row: int, sampling_row: SamplingRow) -> tuple[np.ndarray, ...]:
@@ -59,5 +67,7 @@ def _entries(row: int, sampling_row: SamplingRow) -> tuple[np.ndarray, ...]:
     subtract = params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return (
         np.full(len(tokens), row, np.int32), tokens.astype(np.int32),
-        np.full(len(tokens), params.repetition_penalty, np.float32), subtract.astype(np.float32),
+        np.full(len(tokens), max(params.repetition_penalty, 1 / MAX_REPETITION_PENALTY),
+                np.float32),
+        subtract.astype(np.float32),
     )

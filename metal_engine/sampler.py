@@ -8,7 +8,9 @@ batch:
     -> temperature -> min-p -> top-k, top-p -> Gumbel-max draw
 
 A row with a seed draws its noise from a key derived from (seed, output index), so its tokens do
-not depend on which other requests share the batch.
+not depend on which other requests share the batch. Every parameter SamplingParams accepts stays
+finite in float32 (see `SamplingBatch.build`): no value one request sends can make NaN or an
+out-of-range index that reaches another row.
 """
 
 from __future__ import annotations
@@ -41,32 +43,39 @@ class SamplingRow:
 
 
 _INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling parameters as arrays, built on the host once per step."""
 
-    temperature: np.ndarray  # [S] float32; 0 = greedy
+    temperature: np.ndarray  # [S] float32: 0 (greedy) or in [GREEDY_BELOW_TEMPERATURE, max]
     top_k: np.ndarray  # [S] int32; 0 = off
     top_p: np.ndarray  # [S] float32; 1 = off
     log_min_p: np.ndarray  # [S] float32; -inf = off
     seeds: list[int | None]  # per row: a seed mixed with the output index, or None
     all_greedy: bool
-    additions: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # rows, token ids, values
+    # rows, token ids (any in [0, int32 max]: those past the vocabulary are dropped), values
+    additions: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     penalties: Penalties | None
     allowed: tuple[np.ndarray, np.ndarray] | None  # [S, W] int32 bitmask, [S] bool: has one
 
     @classmethod
     def build(cls, rows: list[SamplingRow]) -> SamplingBatch:
+        """The arrays of `rows`, each value in float32's safe range: a temperature below
+        GREEDY_BELOW_TEMPERATURE is greedy and one past float32's range is its max; a top_p
+        that rounds to 0 keeps the top token, a min_p that does is off."""
         params = [r.params for r in rows]
         basic = all(r.params.is_basic and r.allowed_tokens is None for r in rows)
         log_min_p = np.full(len(rows), -np.inf, np.float32)
         if not basic:
             min_p = np.array([p.min_p for p in params], np.float32)
             np.log(min_p, out=log_min_p, where=min_p > 0)
+        temperature = np.array([0 if p.greedy else p.temperature for p in params], np.float64)
+        np.minimum(temperature, _FLOAT32_MAX, out=temperature)
         return cls(
-            temperature=np.array([p.temperature for p in params], np.float32),
+            temperature=temperature.astype(np.float32),
             # A top_k past any vocabulary is no filter; int32 holds every real one.
             top_k=np.array([min(p.top_k, _INT32_MAX) for p in params], np.int32),
             top_p=np.array([p.top_p for p in params], np.float32),
@@ -108,8 +117,11 @@ def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
     if batch.allowed is not None:
         logits = mx.where(_expand_bitmask(*batch.allowed, logits.shape[-1]), logits, -mx.inf)
     if batch.additions is not None:
-        rows, tokens, values = (mx.array(a) for a in batch.additions)
-        logits = logits.at[rows, tokens].add(values)
+        rows, tokens, values = batch.additions
+        inside = tokens < logits.shape[-1]  # an index past the end would write out of bounds
+        if inside.any():
+            rows, tokens, values = (mx.array(a[inside]) for a in (rows, tokens, values))
+            logits = logits.at[rows, tokens].add(values)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     return logits
@@ -117,12 +129,14 @@ def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
 
 def _additions(rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(row, token, value) added to the logits: each logit_bias, and -inf on the stop tokens
-    of rows that have not reached min_tokens yet."""
+    of rows that have not reached min_tokens yet. Ids no vocabulary has (negative, or past
+    int32) cannot match a logit: they are left out."""
     entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
     for i, r in enumerate(rows):
         if r.num_output_tokens < r.params.min_tokens:
             eos = () if r.params.ignore_eos else r.eos_token_ids
             entries += [(i, t, -np.inf) for t in (*r.params.stop_token_ids, *eos)]
+    entries = [e for e in entries if 0 <= e[1] <= _INT32_MAX]
     if not entries:
         return None
     rows_, tokens, values = zip(*entries, strict=True)
@@ -158,8 +172,13 @@ def _filter_top_k_top_p(logits: mx.array, top_k: np.ndarray, top_p: np.ndarray) 
     kth = mx.take_along_axis(ordered, mx.array(k)[:, None], axis=-1)
     probs = mx.softmax(ordered, axis=-1)
     mass_before = mx.cumsum(probs, axis=-1) - probs
-    # The nucleus: smallest prefix of sorted tokens whose mass reaches top_p (first always kept).
-    in_nucleus = mass_before < mx.array(top_p)[:, None]
+    # The nucleus: smallest prefix of sorted tokens whose mass reaches top_p. The first is
+    # always kept (a top_p that is 0 in float32 keeps it alone); top_p = 1 keeps every token
+    # even where the rounded mass reaches 1 early.
+    in_nucleus = (
+        (mass_before < mx.array(top_p)[:, None]) | mx.array(top_p >= 1)[:, None]
+        | (mx.arange(vocab) == 0)
+    )
     smallest_kept = mx.min(mx.where(in_nucleus, ordered, mx.inf), axis=-1, keepdims=True)
     threshold = mx.maximum(kth, smallest_kept)
     return mx.where(logits >= threshold, logits, -mx.inf)

@@ -10,6 +10,8 @@ MAX_LOGPROBS = 20
 
 # Far past any useful value (1.1-1.5 is typical); bounds the logits it divides or multiplies.
 MAX_REPETITION_PENALTY = 100.0
+# Below this a temperature samples greedily (as in vLLM): dividing by it would overflow float32.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -24,15 +26,18 @@ class StructuredOutput:
 class SamplingParams:
     """How one request samples and when it stops.
 
-    `temperature == 0` means greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0` disable those
-    filters. `stop` strings are matched on the detokenized text by the engine's output
-    processor; `stop_token_ids` and EOS are matched by the scheduler, and suppressed until
-    `min_tokens` tokens are out. `logit_bias` pairs (token id, bias) are added to the logits
-    before any sampling, greedy included; so are the penalties: `presence_penalty` and
-    `frequency_penalty` (OpenAI) over the output tokens, `repetition_penalty` (divides positive
-    logits, multiplies negative ones) over prompt and output tokens. `logprobs = k` returns the
-    sampled token's logprob and its top-k alternatives; `structured` constrains the output to
-    a grammar.
+    `temperature == 0` means greedy, and so does any temperature below
+    GREEDY_BELOW_TEMPERATURE (dividing by it would overflow float32). `top_k <= 0`,
+    `top_p == 1` and `min_p == 0` disable those filters; any top_p or min_p keeps at least the
+    most likely token. `stop` strings are matched on the detokenized text by the engine's
+    output processor; `stop_token_ids` and EOS are matched by the scheduler, and suppressed
+    until `min_tokens` tokens are out. `logit_bias` pairs (token id, bias) are added to the
+    logits before any sampling, greedy included (ids past the vocabulary are ignored); so are
+    the penalties: `presence_penalty` and `frequency_penalty` (OpenAI) over the output tokens,
+    `repetition_penalty` (divides positive logits, multiplies negative ones; below
+    1 / MAX_REPETITION_PENALTY it acts as that bound) over prompt and output tokens.
+    `logprobs = k` returns the sampled token's logprob and its top-k alternatives;
+    `structured` constrains the output to a grammar.
     """
 
     max_tokens: int = 16
@@ -79,7 +84,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -208,3 +208,80 @@ def test_logprobs_are_the_log_softmax_with_the_top_k_in_order():
 
 def test_no_row_asks_for_logprobs():
     assert compute_logprobs(mx.zeros((2, 8)), mx.array([0, 1]), [None, None]) is None
+
+
+# ---- values at float32's edges (each was once token 0 for every row that had it) -----------
+
+
+@pytest.mark.parametrize("fields", [
+    dict(temperature=1e-40, top_p=0.9),
+    dict(temperature=1e-40, min_p=0.1),
+    dict(temperature=5e-324, top_k=3, top_p=0.5, min_p=0.5),
+    dict(temperature=1e-6),
+    dict(temperature=1.0, top_p=1e-300),
+    dict(temperature=3.0, top_p=5e-324, min_p=1e-300),
+    dict(temperature=1.0, min_p=1.0),
+])
+def test_tiny_temperatures_and_nuclei_sample_the_top_token(fields):
+    logits = (3 * np.random.default_rng(7).normal(size=(16, 50))).astype(np.float32)
+    params = [SamplingParams(seed=i, **fields) for i in range(16)]
+    assert run(logits, params) == logits.argmax(axis=-1).tolist()
+
+
+def test_a_huge_temperature_is_near_uniform_and_never_picks_a_masked_token():
+    logits = np.tile(np.linspace(-3, 3, 40, dtype=np.float32), (3000, 1))
+    for temperature in (1e30, 1e39, float("inf")):
+        rows = [SamplingRow(SamplingParams(temperature=temperature, seed=i, min_tokens=1), 0,
+                            eos_token_ids=(39,), allowed_tokens=bitmask(list(range(1, 40)), 2))
+                for i in range(3000)]
+        got = np.bincount(run_rows(logits, rows), minlength=40)
+        assert got[0] == 0 and got[39] == 0  # outside the grammar; held back by min_tokens
+        assert got[1:39].min() > 30  # about 79 each
+
+
+def test_ids_past_the_vocabulary_in_logit_bias_and_stop_tokens_are_ignored():
+    logits = np.random.default_rng(8).normal(size=(2, 50)).astype(np.float32)
+    odd = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(-1, 50, 2**31, 10**30),
+                         logit_bias=((50, 100.0), (2**31 - 1, 100.0), (2**40, -100.0)))
+    plain = SamplingParams(temperature=0.0)
+    np.testing.assert_array_equal(processed(logits, [SamplingRow(odd, 0),
+                                                     SamplingRow(plain, 0)]), logits)
+    assert run(logits, [odd, plain]) == logits.argmax(axis=-1).tolist()
+
+
+def test_a_vanishing_repetition_penalty_stays_finite():
+    logits = np.array([[2.0, -1.0, 0.5, 0.0]], np.float32)
+    row = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=5e-324), 1,
+                      prompt_token_ids=[0, 1, 3], output_token_ids=[2])
+    got = processed(logits, [row])[0]
+    np.testing.assert_allclose(got, [200.0, -0.01, 50.0, 0.0])  # as the bound 1/100 would
+    assert run_rows(logits, [row]) == [0]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    from server_helpers import running_server
+    from tiny_server import tiny_engine
+
+    with running_server(tiny_engine(tmp_path_factory.mktemp("tiny-llama"))) as url:
+        yield url
+
+
+@pytest.mark.parametrize("fields", [
+    dict(temperature=1e-40, top_p=0.5),
+    dict(temperature=1e-40, min_p=0.2),
+    dict(top_p=1e-300),
+    dict(temperature=1e-40, top_p=1e-300, min_p=1e-300, top_k=4),
+])
+def test_a_served_request_at_float32_edges_writes_what_greedy_writes(tiny_server, fields):
+    import httpx
+
+    def text(**sampling) -> str:
+        body = {"prompt": "w5 w9 w12", "max_tokens": 12, "seed": 3, **sampling}
+        response = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert greedy.split() and set(greedy.split()) != {"w0"}  # token 0 was the broken answer
+    assert text(**fields) == greedy

@@ -214,3 +214,16 @@ def test_api_keys_come_repeated_or_comma_separated_and_replace_the_environment(m
 def test_an_empty_key_among_several_is_refused(keys):
     with pytest.raises(ValueError, match="an API key is empty"):
         HttpOptions(api_keys=keys)
+
+
+def test_responses_requests_take_a_cache_salt_too(model_dir):
+    def responses_salted(url: str, salt: str) -> int:
+        response = openai_client(url).responses.create(
+            model="m", max_output_tokens=1, input=MESSAGE, extra_body={"cache_salt": salt}
+        )
+        return response.usage.input_tokens_details.cached_tokens
+
+    with serving(model_dir) as url:
+        assert responses_salted(url, "agent-1") == 0
+        assert responses_salted(url, "agent-2") == 0
+        assert responses_salted(url, "agent-1") > 0

@@ -48,6 +48,7 @@ def chat_request(body: ResponsesRequest, tools: ToolSet) -> ChatCompletionReques
         "response_format": _response_format(body.text.format),
         "parallel_tool_calls": body.parallel_tool_calls,
         "tools": tools.chat_tools(),
+        "cache_salt": body.cache_salt,
     }
     # "auto" (the default) and "none" mean nothing without tools; other choices need them.
     if fields["tools"] or body.tool_choice not in ("auto", "none"):

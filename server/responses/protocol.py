@@ -108,6 +108,8 @@ class ResponsesRequest(BaseModel):
     text: TextConfig = Field(default_factory=TextConfig)
     stream: bool = False
     metadata: dict[str, str] | None = None
+    # As on chat requests: prompts of different salts share no prefix-cache blocks.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # Server-side state: refused when asked for (validators run only on fields that were sent).
     store: bool | None = None
     background: bool | None = None

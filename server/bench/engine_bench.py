@@ -12,6 +12,8 @@ import metal_engine  # noqa: F401  # isort: skip  (loads the optimized BLAS befo
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal.cost import decode_step, step_cost
+from kernels_metal.metadata import AttentionMetadata
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from metal_engine.kv_cache import KVCache
@@ -78,7 +80,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_step(args: argparse.Namespace) -> int:
-    """Time decode steps with the model stubbed out: what is left is the engine's host work."""
+    """Time decode steps with the model stubbed out: what is left is the engine's host work.
+    Also reports what the same steps would cost the Metal kernels for the model of
+    `model_dir` (bytes, FLOPs, dispatches), from its kernel plan."""
     model_dir = args.model_dir or _default_model_dir()
     results = {}
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -96,8 +100,24 @@ def run_step(args: argparse.Namespace) -> int:
             engine.step()
             times.append((time.perf_counter() - start) * 1e3)
         results[batch] = {"median_ms": statistics.median(times), "p90_ms": _p90(times)}
-    _report({"host_overhead_per_decode_step": results}, args.result_json)
+    config = ModelConfig.from_model_dir(model_dir)
+    costs = {
+        batch: kernel_cost(config, decode_step(batch, args.context_len))
+        for batch in (int(b) for b in args.batch_sizes.split(","))
+    }
+    _report({"host_overhead_per_decode_step": results,
+             "metal_kernel_cost_per_decode_step": costs}, args.result_json)  # fmt: skip
     return 0
+
+
+def kernel_cost(config: ModelConfig, meta: AttentionMetadata, itemsize: int = 2) -> dict:
+    """The Metal kernels' cost of one step over all of `config`'s layers (a float16 KV pool,
+    as on Apple GPUs), from `kernels_metal.cost`."""
+    layers = [step_cost(meta, config.num_attention_heads, config.num_key_value_heads,
+                        config.head_dim, itemsize, window=config.window(layer))
+              for layer in range(config.num_hidden_layers)]  # fmt: skip
+    totals = {name: sum(cost.to_json()[name] for cost in layers) for name in layers[0].to_json()}
+    return {"layers": len(layers), **totals}
 
 
 class _StubModel:

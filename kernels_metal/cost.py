@@ -1,0 +1,108 @@
+"""What one step's attention costs on the Metal path, computed from its kernel plan.
+
+Per layer: bytes of K/V the kernels read from the pools (a GQA group reads its KV head once
+per threadgroup; the prefill kernel loads whole key tiles, the decode kernel the keys a row
+sees), bytes of new K/V `write_kv` scatters in, the other traffic (queries, outputs, split-K
+partials, the decode/prefill merge), multiply-add FLOPs of the useful scores and values, and
+kernel dispatches. An estimate of memory traffic, not a measurement: caches, the block-table
+reads and masked work inside a tile are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.plan import KernelPlan, PlanOptions, build_plan
+from kernels_metal.prefill import prefill_tile
+
+_PARTIAL_BYTES = 4  # split-K partial outputs and (max, sum) are float32
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Attention cost of one step in one layer."""
+
+    kv_read_bytes: int
+    kv_write_bytes: int
+    other_bytes: int
+    flops: int
+    dispatches: int
+
+    def total_bytes(self) -> int:
+        return self.kv_read_bytes + self.kv_write_bytes + self.other_bytes
+
+    def to_json(self, layers: int = 1) -> dict:
+        per_step = {name: value * layers for name, value in asdict(self).items()}
+        return {**per_step, "total_bytes": self.total_bytes() * layers}
+
+
+def step_cost(meta: AttentionMetadata, num_heads: int, kv_heads: int, head_dim: int,
+              itemsize: int, window: int | None = None,
+              options: PlanOptions | None = None) -> StepCost:  # fmt: skip
+    """The cost of one layer's attention for the step `meta` describes."""
+    plan = build_plan(meta, num_heads, kv_heads, options or PlanOptions(), window)
+    key_bytes = 2 * head_dim * itemsize  # one key and its value, of one KV head
+    total_q = int(meta.cu_seqlens_q[-1])
+    kv_read = other = flops = dispatches = 0
+    if plan.decode is not None:
+        keys = _decode_keys(plan)
+        kv_read += int(keys.sum()) * kv_heads * plan.decode.chunks * key_bytes
+        flops += 4 * head_dim * num_heads * int(keys.sum())
+        dispatches += 1
+        if plan.decode.num_parts > 1:  # partials written, then read by the reduce
+            partials = plan.decode.num_parts * plan.decode.num_rows * num_heads
+            other += 2 * partials * (head_dim + 2) * _PARTIAL_BYTES
+            dispatches += 1
+    if plan.prefill is not None:
+        loaded, seen = _prefill_keys(plan, prefill_tile(itemsize, head_dim))
+        kv_read += loaded * kv_heads * plan.prefill.chunks * key_bytes
+        flops += 4 * head_dim * num_heads * seen
+        dispatches += 1
+    out_bytes = total_q * num_heads * head_dim * itemsize
+    other += 2 * out_bytes  # queries in, outputs out
+    if plan.decode is not None and plan.prefill is not None:
+        other += 2 * out_bytes  # the concatenate reads and writes every row
+        dispatches += 1
+    if plan.row_order is not None:
+        other += 2 * out_bytes  # the gather back into packed order
+        dispatches += 1
+    kv_write = total_q * kv_heads * key_bytes
+    dispatches += 2  # write_kv: one scatter into each pool
+    return StepCost(kv_read, kv_write, other, flops, dispatches)
+
+
+def _decode_keys(plan: KernelPlan) -> np.ndarray:
+    """Keys each decode row reads: from its window's start (or 0) to its own position."""
+    rows = np.array(plan.decode.rows)[: plan.decode.num_rows]
+    return rows[:, 2].astype(np.int64) - rows[:, 3]
+
+
+def _prefill_keys(plan: KernelPlan, key_tile: int) -> tuple[int, int]:
+    """(keys a threadgroup loads, whole key tiles; keys its rows attend to), over all tiles."""
+    tiles = np.array(plan.prefill.tiles)[: plan.prefill.num_tiles].astype(np.int64)
+    first, count = tiles[:, 4], tiles[:, 3]
+    end = first + count  # the last row sees keys up to and including its own position
+    start = np.maximum(first - plan.window + 1, 0) if plan.window else np.zeros_like(first)
+    loaded = (-(-end // key_tile) - start // key_tile) * key_tile
+    positions = [np.arange(f, f + c) for f, c in zip(first, count, strict=True)]
+    every = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+    seen = np.minimum(every + 1, plan.window) if plan.window else every + 1
+    return int(loaded.sum()), int(seen.sum())
+
+
+def decode_step(num_requests: int, context: int, block_size: int = 16) -> AttentionMetadata:
+    """A step of `num_requests` decodes, each with `context` tokens before its new one."""
+    seq = context + 1
+    blocks = -(-seq // block_size)
+    tables = np.arange(num_requests * blocks, dtype=np.int32).reshape(num_requests, blocks)
+    slots = tables[:, (seq - 1) // block_size].astype(np.int64) * block_size
+    return AttentionMetadata(
+        cu_seqlens_q=np.arange(num_requests + 1, dtype=np.int32),
+        seq_lens=np.full(num_requests, seq, np.int32),
+        block_tables=tables,
+        slot_mapping=slots + (seq - 1) % block_size,
+        block_size=block_size,
+    )

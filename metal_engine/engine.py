@@ -224,8 +224,14 @@ class LLMEngine:
         grammar_complete = (
             request_id in self.structured and self.structured.accept(request_id, token_id)
         )
+        error = self.structured.failure(request_id)
         stop_string = detok.add_token(token_id)
-        if (stop_string or grammar_complete) and reason is None:
+        if error is not None:  # the output left its grammar: it fails, whatever else ended it
+            log.warning("request %s: its grammar failed while generating; ending it", request_id)
+            if reason is None:
+                self.scheduler.finish_request(request_id, "error")
+            reason, stop_string = "error", None
+        elif (stop_string or grammar_complete) and reason is None:
             reason = "stop"
             self.scheduler.finish_request(request_id, reason)
         else:
@@ -235,7 +241,7 @@ class LLMEngine:
             self._forget(request_id)
         return self._output(request, update.new_token_ids, text, reason,
                             update.num_output_tokens, [logprobs] if logprobs is not None else [],
-                            stop_string)
+                            stop_string, error)
 
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
@@ -245,7 +251,7 @@ class LLMEngine:
     def _output(request: Request, token_ids: list[int], text: str, reason,
                 num_output_tokens: int | None = None,
                 logprobs: list[TokenLogprobs] | None = None,
-                stop_string: str | None = None) -> RequestOutput:
+                stop_string: str | None = None, error: str | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -258,4 +264,5 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             logprobs=(logprobs or []) if request.params.logprobs is not None else None,
             stop_string=stop_string,
+            error=error,
         )

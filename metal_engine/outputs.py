@@ -28,8 +28,10 @@ class RequestOutput:
 
     `new_text` is the newly decoded text (never a partial multi-byte character, never part of
     a stop string); `finish_reason` is set on the last output of a request, with `stop_string`
-    naming the request's stop string that ended it, if one did. `logprobs` has one entry per
-    `new_token_ids` entry, or is None when the request did not ask for logprobs.
+    naming the request's stop string that ended it, if one did, and `error` saying why it
+    failed when the reason is "error" (a message for the client, quoting nothing it sent).
+    `logprobs` has one entry per `new_token_ids` entry, or is None when the request did not
+    ask for logprobs.
     """
 
     request_id: str
@@ -41,6 +43,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     stop_string: str | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

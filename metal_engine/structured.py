@@ -4,12 +4,17 @@ llguidance (a Rust core with a numpy bitmask API and no torch) compiles a schema
 the tokenizer. Each structured request gets its own matcher; before a step it writes the
 request's allowed tokens as a bitmask, which the sampler applies on the device, and after the
 step it advances by the sampled token.
+
+A grammar can also fail while generating (a lexer or parser limit met deep in the schema, a
+schema that admits no output): compiling walks its first forced steps to refuse what fails at
+once, and a request whose matcher fails later ends with finish_reason "error" (`failure`).
+llguidance's messages are kept short: its verbose ones quote the grammar, i.e. the client's
+schema, which must not reach the logs.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import llguidance
@@ -19,14 +24,18 @@ import numpy as np
 
 from scheduler.sampling_params import StructuredOutput
 
-log = logging.getLogger(__name__)
-
 ANY_JSON_OBJECT = '{"type": "object"}'
 # Strict: a keyword llguidance does not implement is an error, never ignored. No free
 # whitespace, so a weak model cannot wander into endless blanks; separators as json.dumps.
 JSON_OPTIONS = {
     "lenient": False, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
+# llguidance's default limits, with errors that name the failure but quote no grammar or state.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# Forced tokens (the only ones a mask allows) a compile walks, looking for an early failure.
+_PROBE_STEPS = 8
+# Where the client wrote the schema, for the messages they get back.
+_SCHEMA = "the JSON schema of response_format (or of a forced tool call's parameters)"
 
 
 @dataclass(frozen=True)
@@ -44,25 +53,59 @@ def grammar_tokenizer(hf_tokenizer, eos_token_ids: tuple[int, ...]) -> llguidanc
     return llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
 
 
-@functools.lru_cache(maxsize=256)
 def compile_grammar(structured: StructuredOutput,
                     tokenizer: llguidance.LLTokenizer) -> CompiledGrammar:
-    """Compile `structured` for `tokenizer`; cached per schema text.
+    """Compile `structured` for `tokenizer`; cached per schema text, refusals too.
 
     Raises ValueError, with llguidance's message naming the keyword, for a schema that is not
-    JSON or uses a feature llguidance does not support.
+    JSON or uses a feature llguidance does not support, and for one whose grammar fails in its
+    first forced steps (a regex too complex for the lexer, a schema that only refers to
+    itself).
     """
+    compiled = _compile(structured, tokenizer)
+    if isinstance(compiled, str):
+        raise ValueError(compiled)
+    return compiled
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(structured: StructuredOutput,
+             tokenizer: llguidance.LLTokenizer) -> CompiledGrammar | str:
+    """The grammar, or why it is refused (a refused schema costs its checks once)."""
     schema = ANY_JSON_OBJECT if structured.json_schema is None else structured.json_schema
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except ValueError as error:
-        raise ValueError(f"the JSON schema is not a JSON object: {error}") from None
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return f"{_SCHEMA} is not a JSON object: {error}"
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
     # A warning means part of the schema would not be enforced: refuse it like an error.
     problems = [matcher.get_error()] if matcher.is_error() else matcher.get_grammar_warnings()
     if problems:
-        raise ValueError(f"unsupported JSON schema: {'; '.join(problems)}")
+        return f"unsupported JSON schema in {_SCHEMA}: {'; '.join(map(short, problems))}"
+    failure = _early_failure(matcher.deep_copy(), tokenizer.eos_tokens)
+    if failure is not None:
+        return (f"{_SCHEMA} cannot be generated: {failure}. Simplify it (e.g. smaller "
+                "repetition counts in a pattern, no schema that only refers to itself).")
     return CompiledGrammar(matcher)
+
+
+def _early_failure(matcher: llguidance.LLMatcher, eos_tokens: list[int]) -> str | None:
+    """Walk the grammar while a single token is allowed: the error it meets there, if any."""
+    for _ in range(_PROBE_STEPS):
+        words = np.frombuffer(matcher.compute_bitmask(), np.uint32)
+        if matcher.is_error():
+            return short(matcher.get_error())
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        if len(allowed) != 1 or allowed[0] in eos_tokens or matcher.is_stopped():
+            return None
+        if not matcher.consume_token(int(allowed[0])):
+            return short(matcher.get_error())
+    return None
+
+
+def short(error: str) -> str:
+    """llguidance's message without the marker its non-verbose errors end with."""
+    return error.replace("<non-verbose/>", "").strip() or "the grammar failed"
 
 
 class StructuredOutputs:
@@ -97,12 +140,19 @@ class StructuredOutputs:
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher by its sampled token; True once the grammar is
-        complete (nothing may follow)."""
+        complete (nothing may follow). A token the grammar refuses leaves it failed."""
         matcher = self._matchers[request_id]
-        if not matcher.consume_token(token_id):
-            log.warning("request %s: token %d breaks its grammar (%s); stopping it",
-                        request_id, token_id, matcher.get_error())
+        if not matcher.is_error():
+            matcher.consume_token(token_id)
         return matcher.is_stopped()
+
+    def failure(self, request_id: str) -> str | None:
+        """Why the request's grammar failed (while computing its mask or accepting a token),
+        or None while it holds; a short message that quotes no schema."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or not matcher.is_error():
+            return None
+        return short(matcher.get_error())
 
     def bitmasks(self, request_ids: list[str]) -> dict[str, np.ndarray]:
         """The allowed-token bitmask (int32 words) of each of `request_ids` that has a grammar,

@@ -8,7 +8,8 @@ from typing import Literal
 
 from scheduler.sampling_params import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort"]
+# "error": the request failed on its own (its grammar broke while generating); the others ran on.
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 _epochs = itertools.count(1)
 

@@ -142,12 +142,26 @@ async def _merge(streams: list[Outputs]) -> Choices:
         await _close(nexts, streams)
 
 
+def request_failure(error: str | None = None) -> APIError:
+    """The 400 for a request that failed on its own (finish_reason "error"): its grammar
+    broke while generating, which the schema it came from decides. `error` says how."""
+    how = f" ({error})" if error else ""
+    return APIError(
+        "The output could not keep to the JSON schema of response_format (or of a forced tool "
+        f"call's parameters) while generating{how}. Simplify the schema, e.g. smaller "
+        "repetition counts in a pattern or fewer nested alternatives."
+    )
+
+
 async def collect(choices: Choices, count: int) -> list[list[RequestOutput]]:
-    """Every output of each of `count` choices, for non-streaming responses."""
+    """Every output of each of `count` choices, for non-streaming responses. A choice that
+    fails on its own fails the response (and ends the other choices)."""
     outputs: list[list[RequestOutput]] = [[] for _ in range(count)]
     try:
         async with contextlib.aclosing(choices):
             async for index, output in choices:
+                if output.finish_reason == "error":
+                    raise request_failure(output.error)
                 outputs[index].append(output)
     except EngineError as exc:
         raise APIError(str(exc), status_code=500) from exc
@@ -164,8 +178,8 @@ async def sse_stream(
 ) -> AsyncIterator[str]:
     """SSE events: `head(i)` for each of the `count` choices, `chunk(i, output)` for each
     output (skipped when None), then the usage chunk if asked for, then `[DONE]`. An engine
-    failure after the headers went out becomes an error event, which the OpenAI clients
-    raise."""
+    failure after the headers went out, or a choice that fails on its own, becomes an error
+    event (the last before `[DONE]`), which the OpenAI clients raise."""
     try:
         async with contextlib.aclosing(choices):
             if head is not None:
@@ -173,6 +187,10 @@ async def sse_stream(
                     yield sse(head(index))
             lasts: dict[int, RequestOutput] = {}
             async for index, output in choices:
+                if output.finish_reason == "error":
+                    yield sse(request_failure(output.error).body())
+                    yield DONE
+                    return
                 lasts[index] = output
                 event = chunk(index, output)
                 if event is not None:

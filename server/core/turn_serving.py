@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from server.async_engine import EngineError
 from server.core import assistant_turn, generation
-from server.core.assistant_turn import Turn, TurnEvent
+from server.core.assistant_turn import Turn, TurnEnd, TurnEvent
 from server.http.sse import CLIENT_CLOSED, event_stream, sse
 
 Event = dict[str, Any]  # its "type" is also the SSE event name
@@ -54,7 +54,12 @@ async def serve_turn(
 
 
 async def _whole(turn: Turn, builder: OutputBuilder) -> BaseModel:
-    await assistant_turn.consume(turn, builder.add)
+    def add(event: TurnEvent) -> None:
+        if _failed(event):
+            raise generation.request_failure()
+        builder.add(event)
+
+    await assistant_turn.consume(turn, add)
     return builder.result()
 
 
@@ -64,8 +69,17 @@ async def _stream(turn: Turn, builder: OutputBuilder) -> AsyncIterator[str]:
     try:
         async with contextlib.aclosing(turn):
             async for turn_event in turn.events:
+                if _failed(turn_event):
+                    for event in builder.fail(generation.request_failure().message):
+                        yield sse(event, event["type"])
+                    return
                 for event in builder.add(turn_event):
                     yield sse(event, event["type"])
     except EngineError as exc:
         for event in builder.fail(str(exc)):
             yield sse(event, event["type"])
+
+
+def _failed(event: TurnEvent) -> bool:
+    """Whether the turn ended failed on its own (its grammar broke; see request_failure)."""
+    return isinstance(event, TurnEnd) and event.finish_reason == "error"

@@ -114,7 +114,8 @@ BAD_COMPLETIONS = [
     ({"seed": INT64_MAX + 1}, "seed", str(INT64_MAX)),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"logit_bias": {"x": 1, "y": 1}}, "logit_bias", "'x', 'y'"),
-    ({"prompt": [1, "a"]}, "prompt[0]", "valid string"),
+    # no shape of prompt fits: the param is prompt, the message says where each went wrong
+    ({"prompt": [1, "a"]}, "prompt", "prompt[1]: Input should be a valid integer"),
 ]
 
 

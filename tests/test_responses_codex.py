@@ -379,7 +379,7 @@ GARBAGE_TOOLS = [
     ([{"type": {"name": "f"}}], "tools[0].type"),
     ([{"type": 3}], "tools[0].type"),
     ([{"name": "f"}], "tools[0].type"),
-    (["function"], "tools"),
+    (["function"], "tools[0]"),
     ([{"type": "function", "name": ["f"]}], "tools[0].name"),
     ([{"type": "namespace", "name": "ns", "tools": [{"type": ["custom"], "name": "c"}]}],
      "tools[0].tools[0].type"),

@@ -118,7 +118,7 @@ def validation_error(exc: RequestValidationError, path: str = "") -> APIError:
         return APIError(f"The request body is not valid JSON: {detail}.", code="invalid_json")
     found = _field_errors(errors)
     dotted = is_anthropic_path(path)
-    parts = [f"{_param(loc, dotted) or 'body'}: {message}" for loc, message in found[:3]]
+    parts = [f"{_param(loc, dotted) or 'body'}: {message}" for _, loc, message in found[:3]]
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
     param = _param(found[0][0], dotted) if found else None
     return APIError("Invalid request: " + "; ".join(parts) + more, param=param)
@@ -135,33 +135,54 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _SCALAR_TAGS or "[" in part or part[:1].isupper())
 
 
-def _field_errors(errors: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
-    """(path, message) per bad field, union members' tags out of the paths. Of a union that
-    failed, only the members that got furthest count (a list of parts whose third part lacks
-    its text, not "should be a string"); messages at one path are joined with ", or"."""
-    parsed = []
-    for error in errors:
-        path: list[object] = []
-        site: int | None = None  # how much of the path leads to the first union
-        for part in error.get("loc", ())[1:]:  # [0] is "body"
-            if _is_union_tag(part):
-                site = len(path) if site is None else site
-            else:
-                path.append(part)
-        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-        parsed.append((tuple(path), site, message))
-    furthest: dict[tuple, int] = {}
+def _field_errors(errors: list[dict[str, Any]]) -> list[tuple[tuple, tuple, str]]:
+    """(param path, path, message) per bad field, union members' tags out of the paths. Of
+    a union that failed, only the members that got furthest count (a list of parts whose
+    third part lacks its text, not "should be a string"); when several did, the param is
+    the path they share (`tool_choice`, not the `type` of one of its shapes). Messages at one
+    path are joined with ", or"."""
+    parsed = [_untagged(error) for error in errors]
+    furthest: dict[tuple, list[tuple]] = {}  # union site -> the furthest paths into it
     for path, site, _ in parsed:
         if site is not None:
-            key = path[:site]
-            furthest[key] = max(furthest.get(key, 0), len(path))
-    by_path: dict[tuple, list[str]] = {}
+            kept = furthest.setdefault(site, [])
+            if not kept or len(path) > len(kept[0]):
+                kept[:] = [path]
+            elif len(path) == len(kept[0]):
+                kept.append(path)
+    by_path: dict[tuple, tuple[tuple, list[str]]] = {}
     for path, site, message in parsed:
-        if site is None or len(path) == furthest[path[:site]]:
-            messages = by_path.setdefault(path, [])
+        kept = furthest[site] if site is not None else [path]
+        if path in kept:
+            _, messages = by_path.setdefault(path, (_shared_prefix(kept), []))
             if message not in messages:
                 messages.append(message)
-    return [(path, clip(_either(messages), _MESSAGE_LIMIT)) for path, messages in by_path.items()]
+    return [
+        (param, path, clip(_either(messages), _MESSAGE_LIMIT))
+        for path, (param, messages) in by_path.items()
+    ]
+
+
+def _untagged(error: dict[str, Any]) -> tuple[tuple, tuple | None, str]:
+    """(the error's path without "body" and union tags, the path up to its first union
+    or None, its message)."""
+    path: list[object] = []
+    site: tuple | None = None
+    for part in error.get("loc", ())[1:]:
+        if _is_union_tag(part):
+            site = tuple(path) if site is None else site
+        else:
+            path.append(part)
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return tuple(path), site, message
+
+
+def _shared_prefix(paths: list[tuple]) -> tuple:
+    shared = paths[0]
+    for path in paths[1:]:
+        while path[: len(shared)] != shared:
+            shared = shared[:-1]
+    return shared
 
 
 def _either(messages: list[str]) -> str:

@@ -219,6 +219,91 @@ def test_vector_constructors_convert_like_msl():
     np.testing.assert_allclose(got, [1 + 2 + 7 + 9 + 0.5, 13.5, 10.5])
 
 
+def test_16_byte_copies_through_pointer_casts_and_unroll_pragmas():
+    source = """
+      const uint lane = thread_index_in_threadgroup;
+      threadgroup uint4 raw[32];
+      threadgroup T* row = (threadgroup T*)raw;
+      raw[lane] = ((const device uint4*)x)[lane];  // 8 halves per lane, bits unchanged
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      float s = 0.0f;
+      #pragma clang loop unroll(full)
+      for (int k = 0; k < 8; ++k) {
+        s += float(row[((lane + 1) % 32) * 8 + k]);
+      }
+      out[lane] = s;
+    """
+    x = np.arange(256).astype(np.float16) / 4
+    kernel = emulator.metal_kernel("vec", ["x"], ["out"], source)
+    (out,) = kernel(inputs=[mx.array(x)], template=[("T", mx.float16)], grid=(32, 1, 1),
+                    threadgroup=(32, 1, 1), output_shapes=[(32,)], output_dtypes=[mx.float32])
+    expected = np.roll(x.astype(np.float32).reshape(32, 8).sum(axis=1), -1)
+    np.testing.assert_array_equal(np.array(out), expected)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"math_mode": "quick"}, "Expected math_mode to be 'safe', 'relaxed', or 'fast'"),
+    ({"unroll": True}, "Unknown compile option `unroll`"),
+])
+def test_compile_options_are_checked_as_mlx_checks_them(options, message):
+    for factory in (emulator.metal_kernel, mx.fast.metal_kernel):
+        with pytest.raises(ValueError, match=message):
+            factory(name="t", input_names=["x"], output_names=["out"], source="out[0] = 1;",
+                    compile_options=options)
+
+
+FAST_MATH = """
+  const uint i = thread_position_in_grid.x;
+  const uint n = threads_per_grid.x;
+  out[i] = exp2(x[i]);
+  out[n + i] = precise::exp2(x[i]);
+  out[2 * n + i] = divide(x[i], 3.0f);
+  out[3 * n + i] = exp2(half(x[i]));  // no fast variant for half
+"""
+
+
+def _math(mode: str, x: np.ndarray) -> np.ndarray:
+    kernel = emulator.metal_kernel("m", ["x"], ["out"], FAST_MATH,
+                                   compile_options={"math_mode": mode})
+    (out,) = kernel(inputs=[mx.array(x)], grid=(len(x), 1, 1), threadgroup=(len(x), 1, 1),
+                    output_shapes=[(4 * len(x),)], output_dtypes=[mx.float32])
+    return np.array(out).reshape(4, len(x))
+
+
+def test_fast_math_functions_err_at_the_bound_metal_allows():
+    x = np.concatenate([np.linspace(-140, 4, 61), [0.0, -0.25, 1.0]]).astype(np.float32)
+    safe, fast = _math("safe", x), _math("fast", x)
+    exact = np.exp2(x.astype(np.float64))
+    normal = exact >= 2.0**-126
+    ulps = np.abs(fast[0] - exact) / np.spacing(exact.astype(np.float32))
+    assert (ulps[normal] <= 3 + np.floor(np.abs(2 * x[normal]))).all()  # the MSL bound
+    assert (ulps[normal] > 1).all()  # modelled at the bound, not the host's exp2
+    assert (fast[0][~normal] == 0).all()  # subnormal results flush to zero
+    quotient = x.astype(np.float64) / 3
+    nonzero = quotient != 0
+    q_spacing = np.spacing(np.abs(quotient[nonzero]).astype(np.float32))
+    q_ulps = np.abs(fast[2] - quotient)[nonzero] / q_spacing
+    assert (q_ulps <= 2.5).all() and (q_ulps > 1).all()
+    np.testing.assert_array_equal(fast[1], safe[1])  # precise:: ignores the mode
+    np.testing.assert_array_equal(fast[3], safe[3])
+    safe_ulps = np.abs(safe[0] - exact) / np.spacing(exact.astype(np.float32))
+    assert safe_ulps[normal].max() <= 1
+
+
+def test_fast_math_functions_without_a_model_are_refused():
+    source = "out[0] = tanh(x[0]) + precise::tanh(x[0]);"
+    for mode, fails in (("safe", False), ("fast", True)):
+        kernel = emulator.metal_kernel("t", ["x"], ["out"], source,
+                                       compile_options={"math_mode": mode})
+        call = dict(inputs=[mx.zeros((8,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                    output_shapes=[(1,)], output_dtypes=[mx.float32])
+        if not fails:
+            assert np.array(kernel(**call)[0]).tolist() == [0.0]
+            continue
+        with pytest.raises(emulator.MSLUnsupportedError, match="call precise::tanh"):
+            kernel(**call)
+
+
 def test_compiled_kernels_are_reused_from_the_cache(monkeypatch):
     source = "out[thread_position_in_grid.x] = x[thread_position_in_grid.x] * 3.0f;"
     x = mx.arange(8).astype(mx.float32)

@@ -17,7 +17,9 @@ from kernels_metal.emulator.translate import MSLUnsupportedError
 
 HERE = Path(__file__).parent
 CLANG_NAMES = ("clang-19", "clang++-19", "clang")
-CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti", "-w")
+# No type-based aliasing: kernels view one buffer through several types (16-byte copies).
+CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti", "-w",
+            "-fno-strict-aliasing")
 # Bump when the launch ABI between msl_runtime.cpp and generated launchers changes.
 ABI_VERSION = "2"
 RUNTIME_SOURCES = ("msl_runtime.cpp", "msl_buffers.cpp")
@@ -80,8 +82,15 @@ _UNDECLARED = re.compile(
 )
 
 
+_UNMODELLED = re.compile(r"(fast-math \w+ is not modelled by the MSL emulator: call precise::\w+)")
+
+
 def _compile_error(stderr: str) -> Exception:
     errors = [line for line in stderr.splitlines() if "error:" in line]
+    unmodelled = _UNMODELLED.search(stderr)
+    if unmodelled:
+        return MSLUnsupportedError(
+            f"MSL construct not supported by the emulator: {unmodelled.group(1)}")
     m = _UNDECLARED.search(stderr)
     if m:
         name = next(g for g in m.groups() if g)

@@ -21,6 +21,8 @@ from kernels_metal.emulator.translate import MSLUnsupportedError, translate
 
 # Thread orders every dispatch runs in: 0 = ascending, 1 = descending, n >= 2 = shuffled by n.
 DEFAULT_ORDERS = (0, 1)
+# compile_options["math_mode"] -> MSL_MATH_MODE of the compatibility header (msl_math.h).
+MATH_MODES = {"safe": 0, "relaxed": 1, "fast": 2}
 
 _NUMPY = {
     mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16,
@@ -45,12 +47,26 @@ class RaceError(KernelFault):
 def metal_kernel(
     name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
     header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
-    orders: Sequence[int] = DEFAULT_ORDERS,
+    compile_options: dict | None = None, orders: Sequence[int] = DEFAULT_ORDERS,
 ) -> EmulatedKernel:
     """Drop-in for `mx.fast.metal_kernel` that runs the kernel through the emulator."""
     if atomic_outputs:
         raise MSLUnsupportedError("MSL construct not supported by the emulator: atomic_outputs")
-    return EmulatedKernel(name, list(input_names), list(output_names), source, header, orders)
+    math_mode = _math_mode(compile_options)
+    return EmulatedKernel(name, list(input_names), list(output_names), source, header, orders,
+                          math_mode)
+
+
+def _math_mode(compile_options: dict | None) -> str:
+    """The math mode, checked as `mx.fast.metal_kernel` checks it (same messages)."""
+    options = dict(compile_options or {})
+    for key in options:
+        if key != "math_mode":
+            raise ValueError(f"[metal_kernel] Unknown compile option `{key}`.")
+    mode = options.get("math_mode", "safe")
+    if mode not in MATH_MODES:
+        raise ValueError("[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
+    return mode
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
@@ -65,9 +81,11 @@ def from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
 
 
 class EmulatedKernel:
-    def __init__(self, name, input_names, output_names, source, header, orders):
+    def __init__(self, name, input_names, output_names, source, header, orders,
+                 math_mode="safe"):
         self.name, self.input_names, self.output_names = name, input_names, output_names
         self.source, self.header, self.orders = source, header, tuple(orders)
+        self.math_mode = math_mode
         self._libraries: dict[str, tuple[ctypes.CDLL, int]] = {}
 
     def generate(self, inputs: list[mx.array], output_dtypes, template=None) -> GeneratedKernel:
@@ -98,20 +116,21 @@ class EmulatedKernel:
 
     def _entry(self, kernel: GeneratedKernel) -> int:
         if kernel.source not in self._libraries:
-            self._libraries[kernel.source] = load(kernel)
+            self._libraries[kernel.source] = load(kernel, self.math_mode)
         return self._libraries[kernel.source][1]
 
 
 _loaded: dict[Path, tuple[ctypes.CDLL, int]] = {}
 
 
-def kernel_cpp(kernel: GeneratedKernel) -> str:
+def kernel_cpp(kernel: GeneratedKernel, math_mode: str = "safe") -> str:
     """The C++ translation unit for one generated kernel: headers, source, launcher."""
     translated = translate(kernel.source).cpp
     args = ", ".join(_argument(p, i) for i, p in enumerate(_buffers(kernel)))
     attrs = [f"t->{p.name}" for p in kernel.parameters if p.kind == "attribute"]
     call_args = ", ".join(filter(None, [args, ", ".join(attrs)]))
     return (
+        f"#define MSL_MATH_MODE {MATH_MODES[math_mode]}\n"
         '#include "msl_compat.h"\n#include "mlx_utils.h"\n'
         f'#line 1 "{kernel.name}.metal"\n{translated}\n'
         '#line 1 "launcher"\n'
@@ -120,9 +139,9 @@ def kernel_cpp(kernel: GeneratedKernel) -> str:
     )
 
 
-def load(kernel: GeneratedKernel) -> tuple[ctypes.CDLL, int]:
+def load(kernel: GeneratedKernel, math_mode: str = "safe") -> tuple[ctypes.CDLL, int]:
     build.runtime_library()
-    path = build.build_kernel(kernel_cpp(kernel))
+    path = build.build_kernel(kernel_cpp(kernel, math_mode))
     if path not in _loaded:
         lib = ctypes.CDLL(str(path))
         _loaded[path] = (lib, ctypes.cast(lib.msl_entry, ctypes.c_void_p).value)

@@ -1,11 +1,12 @@
-"""The one attention entry point the models call; picks a backend per device.
+"""The one attention entry point the models call; picks a backend per device and variant.
 
 On a Metal device the paged-attention kernels serve every call they support (dtype, head
 dim); on MLX's CPU backend a numpy implementation over views of the pools does (fp32/fp16
-pools); anything else goes to the pure-MLX reference. The first call of each kernel variant
-on a Mac builds and checks it on a small problem against the reference: if that fails (a
-kernel that does not compile on this macOS, a wrong result), one warning is logged and the
-reference serves every call from then on.
+pools); anything else goes to the pure-MLX reference. The kernels are judged per `Variant`
+(pool dtype, head dim, block size, heads, whether the layer has a window / a soft-cap): the
+first call of a variant builds its kernels and checks them against the reference on a small
+step with the layer's options. A variant that fails that check, or whose kernels raise later,
+falls back (one warning naming it and the reason); every other variant stays on the kernels.
 
 K/V are written by `write_kv`, an in-place MLX scatter: `mx.fast.metal_kernel` outputs are
 always fresh allocations, so a kernel cannot update the pool in place.
@@ -14,8 +15,11 @@ always fresh allocations, so a kernel cannot update the pool in place.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -26,19 +30,60 @@ from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.paged import PagedAttentionKernels, unsupported_reason
 from kernels_metal.reference import paged_attention_reference, write_kv
 
-__all__ = ["AttentionMetadata", "kernels_disabled_reason", "paged_attention",
-           "use_kernels", "write_kv"]
+__all__ = ["AttentionMetadata", "Variant", "check_variant", "first_use_case",
+           "kernel_fallbacks", "kernels_disabled_reason", "paged_attention", "use_kernels",
+           "variant_of", "write_kv"]
 
 log = logging.getLogger(__name__)
+
+CHECK_SOFTCAP = 50.0  # the first-use check's cap when the layer's own is not known (doctor)
+
+
+class Variant(NamedTuple):
+    """What the kernels are specialised on, checked once, and fall back on."""
+
+    dtype: mx.Dtype  # of the K/V pools; queries are cast to it
+    head_dim: int
+    block_size: int
+    num_heads: int
+    kv_heads: int
+    windowed: bool = False
+    softcapped: bool = False
+
+    @property
+    def name(self) -> str:
+        dtype = str(self.dtype).removeprefix("mlx.core.")
+        options = "-window" * self.windowed + "-softcap" * self.softcapped
+        return (f"{dtype}-d{self.head_dim}-bs{self.block_size}"
+                f"-h{self.num_heads}kv{self.kv_heads}{options}")
+
+
+def variant_of(q: mx.array, k_pool: mx.array, window: int | None = None,
+               softcap: float | None = None) -> Variant:
+    _, block_size, kv_heads, head_dim = k_pool.shape
+    return Variant(k_pool.dtype, head_dim, block_size, q.shape[1], kv_heads,
+                   window is not None, softcap is not None)
+
+
+@dataclass
+class _Verdicts:
+    """First-use results of one set of kernels: variants that passed, and those that fell back."""
+
+    passed: set[Variant] = field(default_factory=set)
+    fallbacks: dict[Variant, str] = field(default_factory=dict)
 
 
 class _Dispatch:
     def __init__(self) -> None:
-        self.kernels: PagedAttentionKernels | None = None
+        self.kernels: PagedAttentionKernels | None = None  # built at the first Metal call
+        self.verdicts = _Verdicts()
         self.override: PagedAttentionKernels | None = None
-        self.disabled: str | None = None  # why the kernels are off for this process
-        self.checked: set[tuple] = set()
+        self.override_verdicts: _Verdicts | None = None  # None: the override is not checked
         self.metal: bool | None = None  # mx.metal.is_available(), asked once
+
+    @property
+    def active_verdicts(self) -> _Verdicts:
+        return self.verdicts if self.override is None else (self.override_verdicts or _Verdicts())
 
 
 _state = _Dispatch()
@@ -55,64 +100,116 @@ def paged_attention(
     row at position p to keys `p - window + 1 .. p`; `softcap` maps scores s (after `scale`)
     to `softcap * tanh(s / softcap)` before the softmax.
     """
-    kernels = _kernels_for(q, k_pool)
-    if kernels is not None:
-        return kernels(q, k_pool, v_pool, meta, scale, window, softcap)
+    route = _route(q, k_pool, window, softcap)
+    if route is not None:
+        kernels, verdicts = route
+        try:
+            return kernels(q, k_pool, v_pool, meta, scale, window, softcap)
+        except Exception as exc:  # a launch the first-use check did not meet
+            if verdicts is None:  # kernels forced by `use_kernels`: the caller wants to see it
+                raise
+            _fall_back(verdicts, variant_of(q, k_pool, window, softcap), _describe(exc))
     if on_cpu() and cpu_attention.supports(q, k_pool):
         return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window, softcap)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
 
 
 @contextlib.contextmanager
-def use_kernels(kernels: PagedAttentionKernels) -> Iterator[None]:
-    """Serve every supported call with `kernels` (e.g. built on the emulator in tests)."""
-    previous, _state.override = _state.override, kernels
+def use_kernels(kernels: PagedAttentionKernels, first_use_check: bool = False) -> Iterator[None]:
+    """Serve every supported call with `kernels` (e.g. built on the emulator in tests).
+
+    With `first_use_check` each variant is checked and falls back as on a Mac, with verdicts
+    of its own for the duration; without, every supported call goes to `kernels` and their
+    errors propagate.
+    """
+    previous = _state.override, _state.override_verdicts
+    _state.override = kernels
+    _state.override_verdicts = _Verdicts() if first_use_check else None
     try:
         yield
     finally:
-        _state.override = previous
+        _state.override, _state.override_verdicts = previous
 
 
-def kernels_disabled_reason() -> str | None:
-    """Why this process fell back to the reference for good, or None."""
-    return _state.disabled
+def kernel_fallbacks() -> dict[Variant, str]:
+    """The variants served without the kernels because theirs failed, with the reason each."""
+    return dict(_state.active_verdicts.fallbacks)
 
 
-def _kernels_for(q: mx.array, k_pool: mx.array) -> PagedAttentionKernels | None:
+def kernels_disabled_reason(variant: Variant | None = None) -> str | None:
+    """Why `variant` fell back (None: it did not); without one, every fallback, or None."""
+    fallbacks = _state.active_verdicts.fallbacks
+    if variant is not None:
+        return fallbacks.get(variant)
+    return "; ".join(f"{v.name}: {why}" for v, why in fallbacks.items()) or None
+
+
+def _route(q: mx.array, k_pool: mx.array, window: int | None, softcap: float | None):
+    """(kernels, verdicts to record a failure in; None for unchecked ones), or None."""
     if _state.override is None:
         if _state.metal is None:
             _state.metal = mx.metal.is_available()
-        if _state.disabled is not None or not _state.metal:
+        if not _state.metal:
             return None
     if unsupported_reason(q, k_pool) is not None:
         return None
-    if _state.override is not None:
-        return _state.override
+    if _state.override is not None and _state.override_verdicts is None:
+        return _state.override, None
+    verdicts = _state.active_verdicts
+    variant = variant_of(q, k_pool, window, softcap)
+    if variant in verdicts.fallbacks:
+        return None
+    kernels = _state.override or _built_kernels()
+    if variant not in verdicts.passed:
+        reason = check_variant(kernels, variant, window, softcap)
+        if reason is not None:
+            _fall_back(verdicts, variant, reason)
+            return None
+        verdicts.passed.add(variant)
+    return kernels, verdicts
+
+
+def _built_kernels() -> PagedAttentionKernels:
     if _state.kernels is None:
         _state.kernels = PagedAttentionKernels()
-    variant = (k_pool.dtype, q.dtype, k_pool.shape[1:], q.shape[1])
-    if variant not in _state.checked:
-        reason = _first_use_check(_state.kernels, q, k_pool)
-        if reason is not None:
-            _state.disabled = reason
-            log.warning("Metal attention kernels disabled, using the MLX reference: %s", reason)
-            return None
-        _state.checked.add(variant)
     return _state.kernels
 
 
-def _first_use_check(kernels, q: mx.array, k_pool: mx.array) -> str | None:
-    """Build every kernel of this variant and compare it with the reference on a small step."""
-    _, block_size, kv_heads, head_dim = k_pool.shape
-    case = Case(k_pool.dtype, head_dim, block_size, q.shape[1], kv_heads,
-                requests=((2 * block_size + 3, 1), (0, 1), (block_size - 1, 9)))
+def _fall_back(verdicts: _Verdicts, variant: Variant, reason: str) -> None:
+    verdicts.fallbacks[variant] = reason
+    log.warning("Metal attention kernels off for %s (other variants keep them): %s",
+                variant.name, reason)
+
+
+def first_use_case(variant: Variant, window: int | None = None,
+                   softcap: float | None = None) -> Case:
+    """The small mixed step a variant is checked on, with the layer's window and soft-cap.
+
+    A window is shortened so that it cuts into the step's contexts (starts mid-block).
+    """
+    bs = variant.block_size
+    requests = ((2 * bs + 3, 1), (0, 1), (bs - 1, 33))  # decodes; a chunk over 32-row tiles
+    return Case(variant.dtype, variant.head_dim, bs, variant.num_heads, variant.kv_heads,
+                requests, window=min(window or bs + 3, bs + 3) if variant.windowed else None,
+                softcap=(softcap or CHECK_SOFTCAP) if variant.softcapped else None)
+
+
+def check_variant(kernels: PagedAttentionKernels, variant: Variant, window: int | None = None,
+                  softcap: float | None = None) -> str | None:
+    """Build and run every kernel of `variant` (one and several partitions) on a small step
+    against the reference: None if they agree, else why not."""
+    case = first_use_case(variant, window, softcap)
+    split = copy.copy(kernels)  # the same built kernels, with a partition per block
+    split.options = kernels.options.with_partition(variant.block_size)
     try:
-        result = check(kernels, case)
-        split = PagedAttentionKernels(options=kernels.options.with_partition(block_size))
-        split_result = check(split, case)
+        results = [check(kernels, case), check(split, case)]
     except Exception as exc:  # a compile error surfaces here, at the first evaluation
-        return f"{type(exc).__name__}: {exc}"
-    for r in (result, split_result):
+        return _describe(exc)
+    for r in results:
         if not r.passed:
             return f"wrong result on {case.name}: max error {r.max_error:g}"
     return None
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"

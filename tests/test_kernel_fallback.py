@@ -1,0 +1,230 @@
+"""Fallback per variant: the emulated kernels through the dispatcher, as on a Mac.
+
+A failure planted in one variant's kernel (wrong values, MLX refusing a threadgroup above the
+pipeline's limit, a launch that raises after the first-use check) sends that variant alone to
+the reference, with one warning naming it; every other variant stays on the kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from markers import requires_emulator
+
+from kernels_metal import attention, emulator
+from kernels_metal.attention import Variant, variant_of
+from kernels_metal.cases import DTYPES, HEAD_DIMS, TOLERANCE, Case, make_inputs
+from kernels_metal.paged import PagedAttentionKernels
+from kernels_metal.reference import paged_attention_reference
+
+pytestmark = requires_emulator
+
+PREFILL, DECODE = "paged_attention_prefill", "paged_attention_decode"
+MLX_THREAD_LIMIT = ("Thread group size ({}) is greater than  the maximum allowed threads per "
+                    "threadgroup ({}).")  # MLX's custom_kernel.cpp, word for word
+
+
+def planted(kernel_name: str, when, effect):
+    """An emulator `metal_kernel` whose `kernel_name` launches selected by `when` misbehave."""
+    def factory(**spec):
+        kernel = emulator.metal_kernel(**spec)
+        if spec["name"] != kernel_name:
+            return kernel
+
+        def launch(**call):
+            if when(dict(call.get("template") or ()), call):
+                return effect(kernel, call)
+            return kernel(**call)
+        return launch
+    return factory
+
+
+def scaled_output(kernel, call):
+    return [out * 1.05 for out in kernel(**call)]
+
+
+def refused_by_thread_limit(kernel, call):
+    threads = int(np.prod(call["threadgroup"]))
+    raise ValueError(MLX_THREAD_LIMIT.format(threads, threads - 32))
+
+
+def raising(message: str):
+    def effect(kernel, call):
+        raise RuntimeError(message)
+    return effect
+
+
+def without_param(index: int):
+    """Launch with params[index] zeroed: a kernel that ignores the window (10) / soft-cap (11)."""
+    def effect(kernel, call):
+        params = np.array(call["inputs"][5])
+        params[index] = 0
+        return kernel(**{**call, "inputs": [*call["inputs"][:5], mx.array(params)]})
+    return effect
+
+
+class RecordingKernels(PagedAttentionKernels):
+    """Emulated kernels that remember which variant served which step (by its metadata)."""
+
+    def __init__(self, metal_kernel):
+        super().__init__(metal_kernel)
+        self.served: list[tuple[Variant, object]] = []
+
+    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None):
+        out = super().__call__(q, k_pool, v_pool, meta, scale, window, softcap)
+        self.served.append((variant_of(q, k_pool, window, softcap), meta))
+        return out
+
+
+@pytest.fixture
+def dispatch(monkeypatch):
+    """A fresh dispatcher on a Mac's default device (the fallback is the MLX reference), and
+    the variants the reference served, by step metadata."""
+    monkeypatch.setattr(attention, "_state", attention._Dispatch())
+    monkeypatch.setattr(attention, "on_cpu", lambda: False)
+    served: list[tuple[Variant, object]] = []
+
+    def recording_reference(q, k_pool, v_pool, meta, scale, window=None, softcap=None):
+        served.append((variant_of(q, k_pool, window, softcap), meta))
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
+
+    monkeypatch.setattr(attention, "paged_attention_reference", recording_reference)
+    return served
+
+
+def mixed_step(dtype, head_dim, heads=8, kv=2, window=None, softcap=None, bs=16) -> Case:
+    requests = ((5 * bs + 3, 1), (bs - 1, 1), (bs + 5, 19), (0, 11))
+    return Case(dtype, head_dim, bs, heads, kv, requests, window=window, softcap=softcap)
+
+
+def run_step(case: Case, seed: int = 1):
+    """Serve the case through the dispatcher; check it against the fp32 reference."""
+    q, k, v, meta, scale = make_inputs(case, seed)
+    out = attention.paged_attention(q, k, v, meta, scale, case.window, case.softcap)
+    f32 = [a.astype(mx.float32) for a in (q, k, v)]
+    expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap))
+    atol, rtol = TOLERANCE[case.dtype]
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol)
+    return meta, variant_of(q, k, case.window, case.softcap)
+
+
+def serve(steps: list[Case], kernels: RecordingKernels, reference_served, caplog):
+    """Each step twice through the dispatcher: {variant: 'kernels' | 'reference'}, warnings."""
+    backends = {}
+    with (caplog.at_level(logging.WARNING, logger="kernels_metal.attention"),
+          attention.use_kernels(kernels, first_use_check=True)):
+        for case in steps * 2:
+            meta, variant = run_step(case)
+            on_kernels = any(m is meta for _, m in kernels.served)
+            on_reference = any(m is meta for _, m in reference_served)
+            assert on_kernels != on_reference, case.name
+            assert backends.setdefault(variant, on_kernels) == on_kernels, "route changed"
+        fallbacks = attention.kernel_fallbacks()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    return {v: "kernels" if k else "reference" for v, k in backends.items()}, fallbacks, warnings
+
+
+HEALTHY = [
+    mixed_step(mx.float32, 64),
+    mixed_step(mx.float16, 256, window=21, softcap=50.0),
+    mixed_step(mx.bfloat16, 256, heads=6, kv=2),
+    mixed_step(mx.float16, 128, heads=4, kv=4, window=9),
+]
+
+
+def test_a_wrong_head_dim_256_prefill_kernel_sends_only_its_variant_to_the_reference(
+        dispatch, caplog):
+    fp32_d256 = planted(PREFILL, lambda t, _: t["D"] == 256 and t["T"] == mx.float32,
+                        scaled_output)
+    kernels = RecordingKernels(fp32_d256)
+    broken = mixed_step(mx.float32, 256)
+    backends, fallbacks, warnings = serve([broken, *HEALTHY], kernels, dispatch, caplog)
+    broken_variant = Variant(mx.float32, 256, 16, 8, 2)
+    assert backends.pop(broken_variant) == "reference"
+    assert len(backends) == len(HEALTHY) and set(backends.values()) == {"kernels"}
+    assert list(fallbacks) == [broken_variant] and "wrong result" in fallbacks[broken_variant]
+    assert len(warnings) == 1 and broken_variant.name in warnings[0]
+    assert "wrong result" in warnings[0]
+    assert attention.kernels_disabled_reason() is None  # the verdicts ended with the context
+
+
+def test_a_pipeline_thread_limit_below_the_threadgroup_falls_back_that_variant(
+        dispatch, caplog):
+    """MLX refuses a launch above the pipeline's maxTotalThreadsPerThreadgroup."""
+    kernels = RecordingKernels(planted(PREFILL, lambda t, _: t["D"] == 256 and
+                                       t["T"] == mx.bfloat16, refused_by_thread_limit))
+    refused = mixed_step(mx.bfloat16, 256, heads=8, kv=1)
+    backends, fallbacks, warnings = serve([refused, *HEALTHY[:2]], kernels, dispatch, caplog)
+    variant = Variant(mx.bfloat16, 256, 16, 8, 1)
+    assert backends.pop(variant) == "reference"
+    assert len(backends) == 2 and set(backends.values()) == {"kernels"}
+    assert "maximum allowed threads per threadgroup" in fallbacks[variant]
+    assert len(warnings) == 1 and variant.name in warnings[0]
+
+
+@pytest.mark.parametrize(("kernel", "ignored", "option"), [
+    (DECODE, 11, "softcap"),  # the decode kernel drops the soft-cap
+    (PREFILL, 10, "window"),  # the tiled kernel drops the window
+])
+def test_the_first_use_check_covers_windows_and_softcap(dispatch, caplog, kernel, ignored,
+                                                        option):
+    """A kernel that ignores an option fails only the variants that use it."""
+    kernels = RecordingKernels(planted(kernel, lambda *_: True, without_param(ignored)))
+    plain = mixed_step(mx.float32, 96)
+    with_option = mixed_step(mx.float32, 96, **{option: {"softcap": 30.0, "window": 40}[option]})
+    backends, fallbacks, warnings = serve([plain, with_option], kernels, dispatch, caplog)
+    plain_variant, option_variant = list(backends)
+    assert getattr(option_variant, {"softcap": "softcapped", "window": "windowed"}[option])
+    assert backends == {plain_variant: "kernels", option_variant: "reference"}
+    assert list(fallbacks) == [option_variant] and len(warnings) == 1
+
+
+def test_a_launch_that_raises_after_the_check_falls_back_on_that_call(dispatch, caplog):
+    """The first-use step is small; a larger step's launch raises: that call and the variant's
+    later ones go to the reference, one warning."""
+    many_rows = planted(PREFILL, lambda _, call: call["inputs"][0].shape[0] > 64,
+                        raising("[metal] launch failed"))
+    kernels = RecordingKernels(many_rows)
+    small, large = mixed_step(mx.float16, 64), Case(mx.float16, 64, 16, 8, 2, ((10, 80),))
+    with (caplog.at_level(logging.WARNING, logger="kernels_metal.attention"),
+          attention.use_kernels(kernels, first_use_check=True)):
+        steps = [run_step(small)[0], run_step(large)[0], run_step(small, seed=2)[0]]
+        variant = variant_of(*make_inputs(small)[:2])
+        reason = attention.kernels_disabled_reason(variant)
+    on_kernels = [i for i, meta in enumerate(steps) if any(m is meta for _, m in kernels.served)]
+    on_reference = [i for i, meta in enumerate(steps) if any(m is meta for _, m in dispatch)]
+    assert on_kernels == [0] and on_reference == [1, 2]
+    assert reason == "RuntimeError: [metal] launch failed"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and variant.name in warnings[0].getMessage()
+
+
+def test_unchecked_kernels_raise_instead_of_falling_back(dispatch):
+    """`use_kernels` without the check is how tests prove the kernels: errors must surface."""
+    fail_all = planted(PREFILL, lambda *_: True, raising("planted"))
+    with attention.use_kernels(RecordingKernels(fail_all)), pytest.raises(RuntimeError):
+        run_step(mixed_step(mx.float32, 64))
+    assert not dispatch
+
+
+VARIANTS = [
+    Variant(dtype, d, bs, heads, kv, windowed, softcapped)
+    for i, (dtype, d) in enumerate((dt, d) for dt in DTYPES for d in HEAD_DIMS)
+    for bs, (heads, kv) in [((16, 32)[i % 2], ((8, 2), (6, 2), (4, 4), (8, 1))[i % 4])]
+    for windowed, softcapped in [(i % 3 == 1, i % 3 == 2)] + [(True, True)] * (d == 256)
+]
+
+
+def test_the_variant_list_covers_head_dim_256_with_window_and_softcap():
+    assert {(v.dtype, v.head_dim) for v in VARIANTS} == {(t, d) for t in DTYPES for d in HEAD_DIMS}
+    assert {v.dtype for v in VARIANTS if v.head_dim == 256 and v.windowed and v.softcapped} == set(
+        DTYPES)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_every_variant_passes_its_first_use_check_on_the_emulator(variant):
+    kernels = PagedAttentionKernels(emulator.metal_kernel)
+    assert attention.check_variant(kernels, variant) is None

@@ -34,6 +34,11 @@ def decode_tile(dtype_size: int, head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
 
 
+def index_type(pool: mx.array) -> mx.Dtype:
+    """Type of the kernels' K/V offsets (in 16-byte units): 32-bit unless the pool is > 64 GB."""
+    return mx.uint32 if pool.nbytes // 16 < 2**32 else mx.int64
+
+
 # Both kernels: score scale and soft-cap (exp2 domain; cap 0 = none), and which query heads
 # this threadgroup serves (threadgroup x = KV head x chunk).
 HEAD_GROUP_SOURCE = """
@@ -66,13 +71,17 @@ DECODE_SOURCE = """
   const int tid = int(thread_index_in_threadgroup);
   const int nthreads = int(threads_per_threadgroup.x);
   constexpr int LDK = D + 4 / sizeof(T);  // odd word stride: lanes reading rows avoid conflicts
+  constexpr int LDW = LDK * sizeof(T) / 4;  // the same stride in 4-byte words
+  constexpr int VPR = D * sizeof(T) / 16;  // 16-byte loads per key row (D is a multiple of 8)
   constexpr int NACC = (D + 31) / 32;
   constexpr float MASKED = -FLT_MAX;  // finite: exact under any Metal math mode
 
   threadgroup float q_tg[8 * D];
-  threadgroup T k_tg[TILE * LDK];
-  threadgroup T v_tg[TILE * LDK];
+  threadgroup uint k_words[TILE * LDW];
+  threadgroup uint v_words[TILE * LDW];
   threadgroup float p_tg[8 * 32];
+  const threadgroup T* k_tg = (const threadgroup T*)k_words;
+  const threadgroup T* v_tg = (const threadgroup T*)v_words;
 
   for (int i = tid; i < nh * D; i += nthreads) {
     q_tg[i] = float(q[(long(q_row) * H + h0) * D + i]) * scale_log2;
@@ -85,18 +94,34 @@ DECODE_SOURCE = """
     acc[k] = 0.0f;
   }
   const device int* table = block_tables + long(req) * MB;
+  // Staging: `tpk` threads per key of the tile (32 * NH threads, TILE divides 32), each with
+  // one block-table lookup per tile and 16-byte loads, offsets in 16-byte units of type IDX.
+  const device uint4* k_src = (const device uint4*)k_pool;
+  const device uint4* v_src = (const device uint4*)v_pool;
+  const int tpk = nthreads / TILE;
+  const int jt = tid / tpk;
+  const int sub = tid - jt * tpk;
 
   for (int t0 = k_begin; t0 < k_end; t0 += TILE) {
     const int n = min(TILE, k_end - t0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int i = tid; i < n * D; i += nthreads) {
-      const int j = i / D;
-      const int d = i - j * D;
-      const int pos = t0 + j;
-      const long slot = long(table[pos / BS]) * BS + pos % BS;
-      const long off = (slot * KVH + kvh) * D + d;
-      k_tg[j * LDK + d] = k_pool[off];
-      v_tg[j * LDK + d] = v_pool[off];
+    if (jt < n) {
+      const int pos = t0 + jt;
+      const IDX base = ((IDX(table[pos / BS]) * BS + IDX(pos % BS)) * KVH + kvh) * VPR;
+      for (int v = sub; v < VPR; v += tpk) {
+        const uint4 kv = k_src[base + v];
+        const uint4 vv = v_src[base + v];
+        threadgroup uint* kd = k_words + jt * LDW + 4 * v;
+        threadgroup uint* vd = v_words + jt * LDW + 4 * v;
+        kd[0] = kv.x;
+        kd[1] = kv.y;
+        kd[2] = kv.z;
+        kd[3] = kv.w;
+        vd[0] = vv.x;
+        vd[1] = vv.y;
+        vd[2] = vv.z;
+        vd[3] = vv.w;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (!active) {
@@ -220,7 +245,7 @@ def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params) -> mx.arr
     num_heads = q.shape[1]
     dtype = k_pool.dtype
     template = [("T", dtype), ("D", head_dim), ("BS", block_size),
-                ("TILE", decode_tile(dtype.size, head_dim))]
+                ("TILE", decode_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool))]
     split = work.num_parts > 1
     n, parts = work.num_rows, work.num_parts
     out, part_out, part_ml = decode(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels_metal.decode import HEAD_GROUP_SOURCE, THREADGROUP_MEMORY
+from kernels_metal.decode import HEAD_GROUP_SOURCE, THREADGROUP_MEMORY, index_type
 
 MAX_SIMDGROUPS = 8
 
@@ -58,12 +58,16 @@ PREFILL_SOURCE = """
   const int sg_rows = clamp(nq - r0, 0, 8);
   const bool active = sg % NH < nh && sg_rows > 0 && r0 < BQ;
   constexpr int LD = D + 16 / sizeof(T);
+  constexpr int VPR = D * sizeof(T) / 16;  // 16-byte loads per key row (D is a multiple of 8)
+  constexpr int VLD = LD * sizeof(T) / 16;  // the tile's row stride in 16-byte units
   constexpr int DC = D / 8;
   constexpr int KC = TK / 8;
   constexpr float MASKED = -FLT_MAX;  // finite: exact under any Metal math mode
 
-  threadgroup T k_tg[TK * LD];
-  threadgroup T v_tg[TK * LD];
+  threadgroup uint4 k_raw[TK * VLD];
+  threadgroup uint4 v_raw[TK * VLD];
+  const threadgroup T* k_tg = (const threadgroup T*)k_raw;
+  const threadgroup T* v_tg = (const threadgroup T*)v_raw;
   threadgroup float s_tg[8 * 8 * TK];
   threadgroup T p_tg[8 * 8 * TK];
   threadgroup float g_tg[8 * 64];
@@ -97,23 +101,25 @@ PREFILL_SOURCE = """
   const int n_keys = pos0 + nq;  // keys up to the tile's last query position
   const int k_first = max(0, pos0 - WIN + 1);  // the first key the tile's first row sees
   const device int* table = block_tables + long(req) * MB;
+  // Staging as in the decode kernel: `tpk` threads per key, one block-table lookup each.
+  const device uint4* k_src = (const device uint4*)k_pool;
+  const device uint4* v_src = (const device uint4*)v_pool;
+  const int tpk = nthreads / TK;
+  const int jt = tid / tpk;
+  const int sub = tid - jt * tpk;
 
   for (int k0 = k_first; k0 < n_keys; k0 += TK) {
     const int n = min(TK, n_keys - k0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int i = tid; i < TK * D; i += nthreads) {
-      const int j = i / D;
-      const int d = i - j * D;
-      T kv = T(0), vv = T(0);  // rows past the context stay zero: 0 * V must not be NaN
-      if (j < n) {
-        const int pos = k0 + j;
-        const long slot = long(table[pos / BS]) * BS + pos % BS;
-        const long off = (slot * KVH + kvh) * D + d;
-        kv = k_pool[off];
-        vv = v_pool[off];
-      }
-      k_tg[j * LD + d] = kv;
-      v_tg[j * LD + d] = vv;
+    const bool live = jt < n;  // rows past the context stay zero: 0 * V must not be NaN
+    IDX base = 0;
+    if (live) {
+      const int pos = k0 + jt;
+      base = ((IDX(table[pos / BS]) * BS + IDX(pos % BS)) * KVH + kvh) * VPR;
+    }
+    for (int v = sub; v < VPR; v += tpk) {
+      k_raw[jt * VLD + v] = live ? k_src[base + v] : uint4(0);
+      v_raw[jt * VLD + v] = live ? v_src[base + v] : uint4(0);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (!active || k0 > sg_last || k0 + n - 1 <= sg_first - WIN) {
@@ -220,7 +226,7 @@ def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params) -> mx.arr
     (out,) = kernel(
         inputs=[q, k_pool, v_pool, block_tables, work.tiles, params],
         template=[("T", dtype), ("D", head_dim), ("BS", block_size),
-                  ("TK", prefill_tile(dtype.size, head_dim))],
+                  ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool))],
         grid=(threads * kv_heads * work.chunks, work.num_tiles, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(work.num_rows, q.shape[1], head_dim)],

@@ -8,9 +8,15 @@ Launch geometry (threads; the threadgroup is `32 * NH` threads, one simdgroup pe
 A row walks the keys it sees: from the start of its sliding window (or of the context) to
 its own position. A threadgroup stages a tile of its KV head's keys and values in threadgroup
 memory once and every simdgroup (one query head of the GQA group) reads it from there: K/V is
-read from device memory once per group, not once per head. Within a tile each lane scores one
-key (soft-capped when the call asks for it); the online softmax runs in fp32 in the exp2
-domain (queries are pre-scaled by scale * log2(e)).
+read from device memory once per group, not once per head.
+
+A simdgroup's 32 lanes form 32 / KL groups of KL lanes; each group scores one key at a time,
+its lanes splitting the head dim (KW consecutive elements per chunk, chunks strided by KL) and
+adding their partial dot products with `simd_shuffle_xor`, so every lane works at every head
+dim and tile size. Each lane keeps its slice of the query and of the output in registers;
+each lane group runs its own online softmax (fp32, exp2 domain: queries are pre-scaled by
+scale * log2(e); scores soft-capped when the call asks for it) over every (32 / KL)-th key of
+a tile, and the groups merge by log-sum-exp at the end.
 
 With one partition the kernel writes the final output; with several it writes each
 partition's normalised output and (max, sum), and `reduce` merges them.
@@ -24,14 +30,35 @@ THREADGROUP_MEMORY = 32768
 MAX_HEADS_PER_THREADGROUP = 8
 
 
-def decode_tile(dtype_size: int, head_dim: int) -> int:
-    """Keys per staged tile: the largest of 32/16/8 whose buffers fit in threadgroup memory."""
-    ldk = head_dim + 4 // dtype_size
-    fixed = 4 * MAX_HEADS_PER_THREADGROUP * head_dim + 4 * MAX_HEADS_PER_THREADGROUP * 32
+def decode_lanes(head_dim: int) -> tuple[int, int]:
+    """(lanes per key KL, elements per chunk KW): KL a power of two up to 32 that splits the
+    head dim into chunks of KW, aiming at 8 elements per lane and allowing at most 32."""
+    for kw in (4, 2, 1):
+        if head_dim % kw:
+            continue
+        chunks, cap = head_dim // kw, min(32, max(1, head_dim // 8))
+        kl = max(d for d in (1, 2, 4, 8, 16, 32) if d <= cap and chunks % d == 0)
+        if head_dim // kl <= 32:
+            return kl, kw
+    raise ValueError(f"head_dim {head_dim} is not supported by the decode kernel")
+
+
+def decode_layout(dtype_size: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(KL, KW, LDK, TILE): the lane split, the staged row stride in elements (16 bytes of
+    padding when one lane group's reads span less than 128 bytes, so the groups reading
+    different rows hit different banks) and the keys per tile: the largest of 32/16/8 whose
+    K and V buffers fit in threadgroup memory."""
+    kl, kw = decode_lanes(head_dim)
+    ldk = head_dim + (16 // dtype_size if kl * kw * dtype_size < 128 else 0)
     for tile in (32, 16, 8):
-        if fixed + 2 * tile * ldk * dtype_size <= THREADGROUP_MEMORY:
-            return tile
+        if 2 * tile * ldk * dtype_size <= THREADGROUP_MEMORY:
+            return kl, kw, ldk, tile
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
+
+
+def decode_tile(dtype_size: int, head_dim: int) -> int:
+    """Keys per staged tile of the decode kernel."""
+    return decode_layout(dtype_size, head_dim)[3]
 
 
 def index_type(pool: mx.array) -> mx.Dtype:
@@ -70,29 +97,33 @@ DECODE_SOURCE = """
   const int lane = int(thread_index_in_simdgroup);
   const int tid = int(thread_index_in_threadgroup);
   const int nthreads = int(threads_per_threadgroup.x);
-  constexpr int LDK = D + 4 / sizeof(T);  // odd word stride: lanes reading rows avoid conflicts
-  constexpr int LDW = LDK * sizeof(T) / 4;  // the same stride in 4-byte words
+  constexpr int G = 32 / KL;  // keys a simdgroup scores at once: one per lane group
+  constexpr int E = D / KL;  // elements of the query and the output each lane holds
+  constexpr int NCH = E / KW;  // as chunks of KW consecutive elements, KL * KW apart
+  constexpr int KPG = (TILE + G - 1) / G;  // keys of a tile per lane group
   constexpr int VPR = D * sizeof(T) / 16;  // 16-byte loads per key row (D is a multiple of 8)
-  constexpr int NACC = (D + 31) / 32;
+  constexpr int VLD = LDK * sizeof(T) / 16;  // the tile's row stride in 16-byte units
   constexpr float MASKED = -FLT_MAX;  // finite: exact under any Metal math mode
+  const int grp = lane / KL;
+  const int kl = lane - grp * KL;
 
-  threadgroup float q_tg[8 * D];
-  threadgroup uint k_words[TILE * LDW];
-  threadgroup uint v_words[TILE * LDW];
-  threadgroup float p_tg[8 * 32];
-  const threadgroup T* k_tg = (const threadgroup T*)k_words;
-  const threadgroup T* v_tg = (const threadgroup T*)v_words;
+  threadgroup uint4 k_raw[TILE * VLD];
+  threadgroup uint4 v_raw[TILE * VLD];
+  const threadgroup T* k_tg = (const threadgroup T*)k_raw;
+  const threadgroup T* v_tg = (const threadgroup T*)v_raw;
 
-  for (int i = tid; i < nh * D; i += nthreads) {
-    q_tg[i] = float(q[(long(q_row) * H + h0) * D + i]) * scale_log2;
-  }
   const bool active = sg < nh;
-  float m = MASKED;
-  float l = 0.0f;
-  float acc[NACC];
-  for (int k = 0; k < NACC; ++k) {
-    acc[k] = 0.0f;
+  float qr[E];
+  float acc[E];
+  for (int c = 0; c < NCH; ++c) {
+    for (int w = 0; w < KW; ++w) {
+      const int d = (kl + KL * c) * KW + w;
+      qr[c * KW + w] = active ? float(q[(long(q_row) * H + h0 + sg) * D + d]) * scale_log2 : 0.0f;
+      acc[c * KW + w] = 0.0f;
+    }
   }
+  float m = MASKED;  // this lane group's running max and sum
+  float l = 0.0f;
   const device int* table = block_tables + long(req) * MB;
   // Staging: `tpk` threads per key of the tile (32 * NH threads, TILE divides 32), each with
   // one block-table lookup per tile and 16-byte loads, offsets in 16-byte units of type IDX.
@@ -109,79 +140,90 @@ DECODE_SOURCE = """
       const int pos = t0 + jt;
       const IDX base = ((IDX(table[pos / BS]) * BS + IDX(pos % BS)) * KVH + kvh) * VPR;
       for (int v = sub; v < VPR; v += tpk) {
-        const uint4 kv = k_src[base + v];
-        const uint4 vv = v_src[base + v];
-        threadgroup uint* kd = k_words + jt * LDW + 4 * v;
-        threadgroup uint* vd = v_words + jt * LDW + 4 * v;
-        kd[0] = kv.x;
-        kd[1] = kv.y;
-        kd[2] = kv.z;
-        kd[3] = kv.w;
-        vd[0] = vv.x;
-        vd[1] = vv.y;
-        vd[2] = vv.z;
-        vd[3] = vv.w;
+        k_raw[jt * VLD + v] = k_src[base + v];
+        v_raw[jt * VLD + v] = v_src[base + v];
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (!active) {
       continue;
     }
-    float s = MASKED;
-    if (lane < n) {
-      s = 0.0f;
-      for (int d = 0; d < D; ++d) {
-        s += q_tg[sg * D + d] * float(k_tg[lane * LDK + d]);
+    float sc[KPG];  // scores of keys grp, grp + G, ... of the tile
+    float tile_max = MASKED;
+    for (int i = 0; i < KPG; ++i) {
+      const int j = grp + G * i;
+      float s = 0.0f;
+      if (j < n) {  // uniform within the lane group; no simd function inside
+        for (int c = 0; c < NCH; ++c) {
+          for (int w = 0; w < KW; ++w) {
+            s += qr[c * KW + w] * float(k_tg[j * LDK + (kl + KL * c) * KW + w]);
+          }
+        }
+      }
+      for (int o = KL / 2; o > 0; o /= 2) {
+        s += simd_shuffle_xor(s, ushort(o));  // the same sum on every lane of the group
       }
       if (cap_log2 > 0.0f) {
         s = cap_log2 * tanh(s / cap_log2);
       }
+      sc[i] = j < n ? s : MASKED;
+      tile_max = max(tile_max, sc[i]);
     }
-    const float m_new = max(m, simd_max(s));  // finite: every tile has a key
-    const float p = lane < n ? exp2(s - m_new) : 0.0f;
-    const float alpha = exp2(m - m_new);
-    l = l * alpha + simd_sum(p);
-    m = m_new;
-    p_tg[sg * 32 + lane] = p;
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    for (int k = 0; k < NACC; ++k) {
+    const float m_new = max(m, tile_max);
+    const float alpha = exp2(m - m_new);  // 1 while the group has seen no key
+    float psum = 0.0f;
+    for (int k = 0; k < E; ++k) {
       acc[k] *= alpha;
     }
-    for (int j = 0; j < n; ++j) {
-      const float pj = p_tg[sg * 32 + j];
-      for (int k = 0; k < NACC; ++k) {
-        const int d = lane + 32 * k;
-        if (d < D) {
-          acc[k] += pj * float(v_tg[j * LDK + d]);
+    for (int i = 0; i < KPG; ++i) {
+      const int j = grp + G * i;
+      if (j < n) {
+        const float p = exp2(sc[i] - m_new);
+        psum += p;
+        for (int c = 0; c < NCH; ++c) {
+          for (int w = 0; w < KW; ++w) {
+            acc[c * KW + w] += p * float(v_tg[j * LDK + (kl + KL * c) * KW + w]);
+          }
         }
       }
     }
+    l = l * alpha + psum;
+    m = m_new;
   }
 
   if (!active) {
     return;
   }
+  // Merge the lane groups' states: a butterfly over the groups, each lane with its peers.
+  for (int o = KL; o < 32; o *= 2) {
+    const float m_o = simd_shuffle_xor(m, ushort(o));
+    const float l_o = simd_shuffle_xor(l, ushort(o));
+    const float m_new = max(m, m_o);
+    const float a = exp2(m - m_new);
+    const float b = exp2(m_o - m_new);
+    l = l * a + l_o * b;
+    for (int k = 0; k < E; ++k) {
+      acc[k] = acc[k] * a + simd_shuffle_xor(acc[k], ushort(o)) * b;
+    }
+    m = m_new;
+  }
   const int h = h0 + sg;
   const float inv = 1.0f / l;
-  if (NPARTS == 1) {
-    for (int k = 0; k < NACC; ++k) {
-      const int d = lane + 32 * k;
-      if (d < D) {
-        out[(long(row) * H + h) * D + d] = T(acc[k] * inv);
-      }
-    }
-  } else {
-    const long base = (long(part) * NROWS + row) * H + h;
-    for (int k = 0; k < NACC; ++k) {
-      const int d = lane + 32 * k;
-      if (d < D) {
+  const long base = NPARTS == 1 ? long(row) * H + h : (long(part) * NROWS + row) * H + h;
+  for (int c = grp; c < NCH; c += G) {  // the groups now agree: each writes some chunks
+    for (int w = 0; w < KW; ++w) {
+      const int k = c * KW + w;
+      const int d = (kl + KL * c) * KW + w;
+      if (NPARTS == 1) {
+        out[base * D + d] = T(acc[k] * inv);
+      } else {
         part_out[base * D + d] = acc[k] * inv;
       }
     }
-    if (lane == 0) {
-      part_ml[base * 2] = m;
-      part_ml[base * 2 + 1] = l;
-    }
+  }
+  if (NPARTS > 1 && lane == 0) {
+    part_ml[base * 2] = m;
+    part_ml[base * 2 + 1] = l;
   }
 """
 
@@ -244,8 +286,9 @@ def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params) -> mx.arr
     _, block_size, kv_heads, head_dim = k_pool.shape
     num_heads = q.shape[1]
     dtype = k_pool.dtype
-    template = [("T", dtype), ("D", head_dim), ("BS", block_size),
-                ("TILE", decode_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool))]
+    kl, kw, ldk, tile = decode_layout(dtype.size, head_dim)
+    template = [("T", dtype), ("D", head_dim), ("BS", block_size), ("TILE", tile),
+                ("KL", kl), ("KW", kw), ("LDK", ldk), ("IDX", index_type(k_pool))]
     split = work.num_parts > 1
     n, parts = work.num_rows, work.num_parts
     out, part_out, part_ml = decode(

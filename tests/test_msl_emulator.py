@@ -362,7 +362,8 @@ def _paged_kernel_calls():
 
     q, pool = mx.zeros((5, 8, 64), mx.bfloat16), mx.zeros((9, 16, 2, 64), mx.bfloat16)
     meta = [mx.zeros((3, 8), mx.int32), mx.zeros((2, 4), mx.int32), mx.zeros((16,), mx.int32)]
-    template = [("T", mx.bfloat16), ("D", 64), ("BS", 16), ("TILE", 32), ("IDX", mx.uint32)]
+    template = [("T", mx.bfloat16), ("D", 64), ("BS", 16), ("TILE", 32), ("IDX", mx.uint32),
+                ("KL", 8), ("KW", 4), ("LDK", 72)]
     demo_body = ("uint i = thread_position_in_grid.x; out[i] = a[i] + a_shape[0] + a_ndim "
                  "+ b_strides[0] + s + threads_per_threadgroup.x;")
     return {

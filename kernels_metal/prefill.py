@@ -11,8 +11,12 @@ GQA group reads K/V once. Key tiles past the last query row (or, with a sliding 
 the first row's window) are never loaded; a simdgroup skips tiles none of its rows sees, and
 the mask is applied only on tiles that cross the diagonal or a window edge (or hang over the
 end of the context). Scores are soft-capped when the call asks for it. S = Q K^T and O += P V
-run on 8x8 matrices; the online softmax runs per row in fp32 through a small per-simdgroup
-scratch, so the kernel does not depend on how a matrix's elements are spread over the lanes.
+run on 8x8 matrices, and the online softmax runs in fp32 on the lanes' own matrix elements
+(`thread_elements()`): each row of an 8x8 matrix sits on 4 lanes (2 columns each), so a row's
+max and sum take two `simd_shuffle_xor` steps, P goes into the P V product without a trip
+through threadgroup memory, and the running output is rescaled element by element. This relies
+on the lane -> element layout of Apple GPUs (the one MLX's steel attention relies on too; the
+emulator models it, `metal-serve doctor` checks it on a Mac).
 """
 
 from __future__ import annotations
@@ -25,12 +29,10 @@ MAX_SIMDGROUPS = 8
 
 
 def prefill_tile(dtype_size: int, head_dim: int) -> int:
-    """Keys per tile: the largest of 32/16/8 whose buffers fit in threadgroup memory."""
+    """Keys per tile: the largest of 32/16/8 whose K and V buffers fit in threadgroup memory."""
     ld = head_dim + 16 // dtype_size
     for tile in (32, 16, 8):
-        kv = 2 * tile * ld * dtype_size
-        scratch = MAX_SIMDGROUPS * (8 * tile * 4 + 8 * tile * dtype_size + 64 * 4)
-        if kv + scratch <= THREADGROUP_MEMORY:
+        if 2 * tile * ld * dtype_size <= THREADGROUP_MEMORY:
             return tile
     raise ValueError(f"head_dim {head_dim} is too large for the prefill kernel")
 
@@ -68,34 +70,25 @@ PREFILL_SOURCE = """
   threadgroup uint4 v_raw[TK * VLD];
   const threadgroup T* k_tg = (const threadgroup T*)k_raw;
   const threadgroup T* v_tg = (const threadgroup T*)v_raw;
-  threadgroup float s_tg[8 * 8 * TK];
-  threadgroup T p_tg[8 * 8 * TK];
-  threadgroup float g_tg[8 * 64];
-  threadgroup float* S = s_tg + sg * 8 * TK;  // this simdgroup's scores, 8 x TK
-  threadgroup T* P = p_tg + sg * 8 * TK;      // its probabilities, 8 x TK
-  threadgroup float* G = g_tg + sg * 64;      // an 8 x 8 diagonal (row rescale)
+  // This lane's row of every 8x8 matrix, and its two columns (Apple's thread_elements()).
+  const int qid = lane / 4;
+  const int fr = (qid & 4) + (lane / 2) % 4;
+  const int fc = (qid & 2) * 2 + (lane % 2) * 2;
+  const bool row_valid = fr < sg_rows;
 
   simdgroup_matrix<T, 8, 8> qm[DC];
   simdgroup_matrix<float, 8, 8> om[DC];
   for (int c = 0; c < DC; ++c) {
     om[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-  if (active) {
-    for (int c = 0; c < DC; ++c) {
-      for (int i = lane; i < 64; i += 32) {
-        const int r = i / 8, col = i % 8;
-        P[i] = r < sg_rows ? q[(long(q_start + r0 + r) * H + h) * D + c * 8 + col] : T(0);
-      }
-      simdgroup_barrier(mem_flags::mem_threadgroup);
-      simdgroup_load(qm[c], P, 8);
-      simdgroup_barrier(mem_flags::mem_threadgroup);
+    for (int k = 0; k < 2; ++k) {
+      const long at = (long(q_start + r0 + fr) * H + h) * D + c * 8 + fc + k;
+      qm[c].thread_elements()[k] = active && row_valid ? q[at] : T(0);
     }
   }
 
-  float m = MASKED;  // row state, held by lanes 0..7 (lane = row)
+  float m = MASKED;  // this lane's row: running max and sum (the same on its 4 lanes)
   float l = 0.0f;
-  const int row_pos = pos0 + r0 + lane;
-  const bool row_valid = lane < sg_rows;
+  const int row_pos = pos0 + r0 + fr;
   const int sg_first = pos0 + r0;
   const int sg_last = pos0 + r0 + sg_rows - 1;
   const int n_keys = pos0 + nq;  // keys up to the tile's last query position
@@ -125,86 +118,71 @@ PREFILL_SOURCE = """
     if (!active || k0 > sg_last || k0 + n - 1 <= sg_first - WIN) {
       continue;  // no key of this tile is visible to this simdgroup's rows
     }
+    simdgroup_matrix<float, 8, 8> sm[KC];
     for (int kc = 0; kc < KC; ++kc) {
-      simdgroup_matrix<float, 8, 8> sm = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      sm[kc] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (int c = 0; c < DC; ++c) {
         simdgroup_matrix<T, 8, 8> km;
         simdgroup_load(km, k_tg + kc * 8 * LD + c * 8, LD, ulong2(0, 0), true);
-        simdgroup_multiply_accumulate(sm, qm[c], km, sm);
+        simdgroup_multiply_accumulate(sm[kc], qm[c], km, sm[kc]);
       }
-      simdgroup_store(sm, S + kc * 8, TK);
     }
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    if (lane < 8) {
-      const bool masked = k0 + n - 1 > sg_first || k0 <= sg_last - WIN || n < TK || !row_valid;
-      float tile_max = MASKED;
-      for (int c = 0; c < TK; ++c) {
-        float s = S[lane * TK + c] * scale_log2;
+    const bool masked = k0 + n - 1 > sg_first || k0 <= sg_last - WIN || n < TK || sg_rows < 8;
+    float tile_max = MASKED;
+    for (int kc = 0; kc < KC; ++kc) {
+      for (int k = 0; k < 2; ++k) {
+        float s = sm[kc].thread_elements()[k] * scale_log2;
         if (cap_log2 > 0.0f) {
           s = cap_log2 * tanh(s / cap_log2);
         }
-        const int key = k0 + c;
-        if (masked && (c >= n || key > row_pos || key <= row_pos - WIN || !row_valid)) {
+        const int col = kc * 8 + fc + k;
+        const int key = k0 + col;
+        if (masked && (col >= n || key > row_pos || key <= row_pos - WIN || !row_valid)) {
           s = MASKED;
         }
-        S[lane * TK + c] = s;
+        sm[kc].thread_elements()[k] = s;
         tile_max = max(tile_max, s);
       }
-      const float m_new = max(m, tile_max);
-      const bool empty = m_new == MASKED;  // nothing visible to this row yet
-      const float alpha = empty ? 1.0f : exp2(m - m_new);
-      float sum = 0.0f;
-      for (int c = 0; c < TK; ++c) {
-        const T p = T(empty ? 0.0f : exp2(S[lane * TK + c] - m_new));
-        P[lane * TK + c] = p;
+    }
+    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));  // the row's 4 lanes
+    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
+    const float m_new = max(m, tile_max);
+    const bool empty = m_new == MASKED;  // nothing visible to this row yet
+    const float alpha = empty ? 1.0f : exp2(m - m_new);
+    simdgroup_matrix<T, 8, 8> pm[KC];
+    float sum = 0.0f;
+    for (int kc = 0; kc < KC; ++kc) {
+      for (int k = 0; k < 2; ++k) {
+        const T p = T(empty ? 0.0f : exp2(sm[kc].thread_elements()[k] - m_new));
+        pm[kc].thread_elements()[k] = p;
         sum += float(p);  // normalise by what the P V product really uses
       }
-      l = l * alpha + sum;
-      m = m_new;
-      for (int c = 0; c < 8; ++c) {
-        G[lane * 8 + c] = c == lane ? alpha : 0.0f;
-      }
     }
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    simdgroup_matrix<float, 8, 8> gm;
-    simdgroup_load(gm, G, 8);
+    sum += simd_shuffle_xor(sum, ushort(1));
+    sum += simd_shuffle_xor(sum, ushort(8));
+    l = l * alpha + sum;
+    m = m_new;
     for (int c = 0; c < DC; ++c) {
-      simdgroup_multiply(om[c], gm, om[c]);
+      om[c].thread_elements() *= alpha;  // the row rescale, on the lane's own elements
     }
     for (int kc = 0; kc < KC; ++kc) {
-      simdgroup_matrix<T, 8, 8> pm;
-      simdgroup_load(pm, P + kc * 8, TK);
       for (int c = 0; c < DC; ++c) {
         simdgroup_matrix<T, 8, 8> vm;
         simdgroup_load(vm, v_tg + kc * 8 * LD + c * 8, LD);
-        simdgroup_multiply_accumulate(om[c], pm, vm, om[c]);
+        simdgroup_multiply_accumulate(om[c], pm[kc], vm, om[c]);
       }
     }
   }
 
-  if (!active) {
+  if (!active || !row_valid) {
     return;
   }
-  if (lane < 8) {
-    for (int c = 0; c < 8; ++c) {
-      G[lane * 8 + c] = c == lane && l > 0.0f ? 1.0f / l : 0.0f;
-    }
-  }
-  simdgroup_barrier(mem_flags::mem_threadgroup);
-  simdgroup_matrix<float, 8, 8> gm;
-  simdgroup_load(gm, G, 8);
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   for (int c = 0; c < DC; ++c) {
-    simdgroup_matrix<float, 8, 8> res;
-    simdgroup_multiply(res, gm, om[c]);
-    simdgroup_store(res, S, 8);
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    for (int i = lane; i < 64; i += 32) {
-      const int r = i / 8, col = i % 8;
-      if (r < sg_rows) {
-        out[(long(out_start + r0 + r) * H + h) * D + c * 8 + col] = T(S[i]);
-      }
+    for (int k = 0; k < 2; ++k) {
+      out[(long(out_start + r0 + fr) * H + h) * D + c * 8 + fc + k] =
+          T(om[c].thread_elements()[k] * inv);
     }
-    simdgroup_barrier(mem_flags::mem_threadgroup);
   }
 """
 

@@ -12,14 +12,14 @@ changes how a decode row is computed. Every layer of the step reuses the plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from kernels_metal.decode import MAX_HEADS_PER_THREADGROUP
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.prefill import query_block
+from kernels_metal.prefill import LARGE_HEAD_DIM, LARGE_HEAD_SIMDGROUPS, MAX_SIMDGROUPS, query_block
 
 DECODE_MAX_QUERY_LEN = 4
 PARTITION_SIZE = 512  # keys per split-K partition of a long decode context
@@ -55,6 +55,19 @@ class PrefillWork:
     block_q: int
     heads_per_group: int
     chunks: int
+    requests: tuple = field(default=(), compare=False, repr=False)  # what tiles are cut from
+    variants: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def for_head_dim(self, head_dim: int) -> PrefillWork:
+        """The same rows tiled for the prefill configuration of `head_dim` (cached)."""
+        queries_per_kv = self.requests[-1]
+        if prefill_config(queries_per_kv, head_dim) == (
+                self.heads_per_group, self.chunks, self.block_q):
+            return self
+        if head_dim not in self.variants:
+            self.variants[head_dim] = _prefill_work(*self.requests[:-1], queries_per_kv,
+                                                    head_dim)[0]
+        return self.variants[head_dim]
 
 
 @dataclass(frozen=True)
@@ -67,10 +80,22 @@ class KernelPlan:
     params: dict  # (heads, kv heads, scale, softcap) -> int32 params array, filled lazily
 
 
-def head_chunks(queries_per_kv: int) -> tuple[int, int]:
-    """(query heads per threadgroup, threadgroups per KV head), at most 8 heads each."""
-    chunks = -(-queries_per_kv // MAX_HEADS_PER_THREADGROUP)
+def head_chunks(queries_per_kv: int,
+                max_heads: int = MAX_HEADS_PER_THREADGROUP) -> tuple[int, int]:
+    """(query heads per threadgroup, threadgroups per KV head), at most `max_heads` each."""
+    chunks = -(-queries_per_kv // max_heads)
     return -(-queries_per_kv // chunks), chunks
+
+
+def prefill_config(queries_per_kv: int, head_dim: int | None = None) -> tuple[int, int, int]:
+    """(heads per threadgroup, threadgroups per KV head, query rows per threadgroup) of the
+    prefill kernel. From head dim 192 its registers (Q and O of 8 rows x D per simdgroup) can
+    cap a pipeline below 256 threads: at most 4 simdgroups then."""
+    simdgroups = MAX_SIMDGROUPS
+    if head_dim is not None and head_dim >= LARGE_HEAD_DIM:
+        simdgroups = LARGE_HEAD_SIMDGROUPS
+    nh, chunks = head_chunks(queries_per_kv, simdgroups)
+    return nh, chunks, query_block(nh, simdgroups)
 
 
 def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
@@ -83,8 +108,8 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
 
     decode = _decode_work(cu, q_lens, seq_lens, np.flatnonzero(is_decode & (q_lens > 0)),
                           nh, chunks, kv_heads, options, window)
-    prefill, prefill_rows = _prefill_work(cu, q_lens, seq_lens,
-                                          np.flatnonzero(~is_decode), nh, chunks)
+    prefill, prefill_rows = _prefill_work(cu, q_lens, seq_lens, np.flatnonzero(~is_decode),
+                                          num_heads // kv_heads)
     decode_rows = _rows_of(cu, np.flatnonzero(is_decode))
     concat = np.concatenate([decode_rows, prefill_rows])
     row_order = None
@@ -121,10 +146,10 @@ def _decode_work(cu, q_lens, seq_lens, requests, nh, chunks, kv_heads, options, 
     return DecodeWork(mx.array(table), len(rows), num_parts, part, nh, chunks)
 
 
-def _prefill_work(cu, q_lens, seq_lens, requests, nh, chunks):
+def _prefill_work(cu, q_lens, seq_lens, requests, queries_per_kv, head_dim=None):
     if len(requests) == 0:
         return None, np.zeros(0, np.int64)
-    block_q = query_block(nh)
+    nh, chunks, block_q = prefill_config(queries_per_kv, head_dim)
     lens = q_lens[requests]
     per_req = -(-lens // block_q)
     req = np.repeat(requests, per_req)
@@ -139,7 +164,8 @@ def _prefill_work(cu, q_lens, seq_lens, requests, nh, chunks):
     tiles[:, 4] = seq_lens[req] - q_lens[req] + first
     # Most keys first: the longest tiles start early instead of finishing last.
     tiles = tiles[np.argsort(-(tiles[:, 4] + tiles[:, 3]), kind="stable")]
-    work = PrefillWork(mx.array(tiles), len(tiles), int(lens.sum()), block_q, nh, chunks)
+    work = PrefillWork(mx.array(tiles), len(tiles), int(lens.sum()), block_q, nh, chunks,
+                       (cu, q_lens, seq_lens, requests, queries_per_kv))
     return work, _rows_of(cu, requests)
 
 

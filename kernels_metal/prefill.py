@@ -26,6 +26,8 @@ import mlx.core as mx
 from kernels_metal.decode import HEAD_GROUP_SOURCE, THREADGROUP_MEMORY, index_type
 
 MAX_SIMDGROUPS = 8
+LARGE_HEAD_DIM = 192  # from here on at most LARGE_HEAD_SIMDGROUPS per threadgroup (plan.py)
+LARGE_HEAD_SIMDGROUPS = 4
 
 
 def prefill_tile(dtype_size: int, head_dim: int) -> int:
@@ -37,16 +39,16 @@ def prefill_tile(dtype_size: int, head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is too large for the prefill kernel")
 
 
-def query_block(heads_per_group: int) -> int:
-    """Query rows per threadgroup: as many 8-row blocks as keep it at <= 8 simdgroups."""
-    return 8 * max(1, min(4, MAX_SIMDGROUPS // heads_per_group))
+def query_block(heads_per_group: int, max_simdgroups: int = MAX_SIMDGROUPS) -> int:
+    """Query rows per threadgroup: as many 8-row blocks (up to 4) as keep it at
+    <= `max_simdgroups` simdgroups."""
+    return 8 * max(1, min(4, max_simdgroups // heads_per_group))
 
 
-# params: as decode.py: [9] = BQ, [10] = window (0: none).
+# params: as decode.py: [10] = window (0: none); NH, CHUNKS and BQ are template constants.
 # tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
 PREFILL_SOURCE = """
   const int H = params[0], KVH = params[1], MB = params[2];
-  const int CHUNKS = params[6], NH = params[7], BQ = params[9];
   const int WIN = params[10] > 0 ? params[10] : (1 << 30);  // row p sees keys > p - WIN
 """ + HEAD_GROUP_SOURCE + """
   const device int* info = tiles + int(threadgroup_position_in_grid.y) * 8;
@@ -200,11 +202,13 @@ def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params) -> mx.arr
     """Attention of the prefill rows, in tile order: `[work.num_rows, H, D]`, pool dtype."""
     _, block_size, kv_heads, head_dim = k_pool.shape
     dtype = k_pool.dtype
+    work = work.for_head_dim(head_dim)
     threads = 32 * work.heads_per_group * work.block_q // 8
     (out,) = kernel(
         inputs=[q, k_pool, v_pool, block_tables, work.tiles, params],
         template=[("T", dtype), ("D", head_dim), ("BS", block_size),
-                  ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool))],
+                  ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool)),
+                  ("NH", work.heads_per_group), ("CHUNKS", work.chunks), ("BQ", work.block_q)],
         grid=(threads * kv_heads * work.chunks, work.num_tiles, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(work.num_rows, q.shape[1], head_dim)],

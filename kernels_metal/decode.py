@@ -115,7 +115,9 @@ DECODE_SOURCE = """
   const bool active = sg < nh;
   float qr[E];
   float acc[E];
+  #pragma clang loop unroll(full)
   for (int c = 0; c < NCH; ++c) {
+    #pragma clang loop unroll(full)
     for (int w = 0; w < KW; ++w) {
       const int d = (kl + KL * c) * KW + w;
       qr[c * KW + w] = active ? float(q[(long(q_row) * H + h0 + sg) * D + d]) * scale_log2 : 0.0f;
@@ -150,11 +152,14 @@ DECODE_SOURCE = """
     }
     float sc[KPG];  // scores of keys grp, grp + G, ... of the tile
     float tile_max = MASKED;
+    #pragma clang loop unroll(full)
     for (int i = 0; i < KPG; ++i) {
       const int j = grp + G * i;
       float s = 0.0f;
       if (j < n) {  // uniform within the lane group; no simd function inside
+        #pragma clang loop unroll(full)
         for (int c = 0; c < NCH; ++c) {
+          #pragma clang loop unroll(full)
           for (int w = 0; w < KW; ++w) {
             s += qr[c * KW + w] * float(k_tg[j * LDK + (kl + KL * c) * KW + w]);
           }
@@ -172,15 +177,19 @@ DECODE_SOURCE = """
     const float m_new = max(m, tile_max);
     const float alpha = exp2(m - m_new);  // 1 while the group has seen no key
     float psum = 0.0f;
+    #pragma clang loop unroll(full)
     for (int k = 0; k < E; ++k) {
       acc[k] *= alpha;
     }
+    #pragma clang loop unroll(full)
     for (int i = 0; i < KPG; ++i) {
       const int j = grp + G * i;
       if (j < n) {
         const float p = exp2(sc[i] - m_new);
         psum += p;
+        #pragma clang loop unroll(full)
         for (int c = 0; c < NCH; ++c) {
+          #pragma clang loop unroll(full)
           for (int w = 0; w < KW; ++w) {
             acc[c * KW + w] += p * float(v_tg[j * LDK + (kl + KL * c) * KW + w]);
           }
@@ -202,6 +211,7 @@ DECODE_SOURCE = """
     const float a = exp2(m - m_new);
     const float b = exp2(m_o - m_new);
     l = l * a + l_o * b;
+    #pragma clang loop unroll(full)
     for (int k = 0; k < E; ++k) {
       acc[k] = acc[k] * a + simd_shuffle_xor(acc[k], ushort(o)) * b;
     }
@@ -211,6 +221,7 @@ DECODE_SOURCE = """
   const float inv = 1.0f / l;
   const long base = NPARTS == 1 ? long(row) * H + h : (long(part) * NROWS + row) * H + h;
   for (int c = grp; c < NCH; c += G) {  // the groups now agree: each writes some chunks
+    #pragma clang loop unroll(full)
     for (int w = 0; w < KW; ++w) {
       const int k = c * KW + w;
       const int d = (kl + KL * c) * KW + w;
@@ -241,6 +252,7 @@ REDUCE_SOURCE = """
   }
   float total = 0.0f;
   float acc[NACC];
+  #pragma clang loop unroll(full)
   for (int k = 0; k < NACC; ++k) {
     acc[k] = 0.0f;
   }
@@ -248,6 +260,7 @@ REDUCE_SOURCE = """
     const long base = (long(p) * NROWS + row) * H + h;
     const float w = part_ml[base * 2 + 1] * exp2(part_ml[base * 2] - top);
     total += w;
+    #pragma clang loop unroll(full)
     for (int k = 0; k < NACC; ++k) {
       const int d = lane + 32 * k;
       if (d < D) {
@@ -255,6 +268,7 @@ REDUCE_SOURCE = """
       }
     }
   }
+  #pragma clang loop unroll(full)
   for (int k = 0; k < NACC; ++k) {
     const int d = lane + 32 * k;
     if (d < D) {

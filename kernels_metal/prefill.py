@@ -80,8 +80,10 @@ PREFILL_SOURCE = """
 
   simdgroup_matrix<T, 8, 8> qm[DC];
   simdgroup_matrix<float, 8, 8> om[DC];
+  #pragma clang loop unroll(full)
   for (int c = 0; c < DC; ++c) {
     om[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    #pragma clang loop unroll(full)
     for (int k = 0; k < 2; ++k) {
       const long at = (long(q_start + r0 + fr) * H + h) * D + c * 8 + fc + k;
       qm[c].thread_elements()[k] = active && row_valid ? q[at] : T(0);
@@ -121,8 +123,10 @@ PREFILL_SOURCE = """
       continue;  // no key of this tile is visible to this simdgroup's rows
     }
     simdgroup_matrix<float, 8, 8> sm[KC];
+    #pragma clang loop unroll(full)
     for (int kc = 0; kc < KC; ++kc) {
       sm[kc] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      #pragma clang loop unroll(full)
       for (int c = 0; c < DC; ++c) {
         simdgroup_matrix<T, 8, 8> km;
         simdgroup_load(km, k_tg + kc * 8 * LD + c * 8, LD, ulong2(0, 0), true);
@@ -131,7 +135,9 @@ PREFILL_SOURCE = """
     }
     const bool masked = k0 + n - 1 > sg_first || k0 <= sg_last - WIN || n < TK || sg_rows < 8;
     float tile_max = MASKED;
+    #pragma clang loop unroll(full)
     for (int kc = 0; kc < KC; ++kc) {
+      #pragma clang loop unroll(full)
       for (int k = 0; k < 2; ++k) {
         float s = sm[kc].thread_elements()[k] * scale_log2;
         if (cap_log2 > 0.0f) {
@@ -153,7 +159,9 @@ PREFILL_SOURCE = """
     const float alpha = empty ? 1.0f : exp2(m - m_new);
     simdgroup_matrix<T, 8, 8> pm[KC];
     float sum = 0.0f;
+    #pragma clang loop unroll(full)
     for (int kc = 0; kc < KC; ++kc) {
+      #pragma clang loop unroll(full)
       for (int k = 0; k < 2; ++k) {
         const T p = T(empty ? 0.0f : exp2(sm[kc].thread_elements()[k] - m_new));
         pm[kc].thread_elements()[k] = p;
@@ -164,10 +172,13 @@ PREFILL_SOURCE = """
     sum += simd_shuffle_xor(sum, ushort(8));
     l = l * alpha + sum;
     m = m_new;
+    #pragma clang loop unroll(full)
     for (int c = 0; c < DC; ++c) {
       om[c].thread_elements() *= alpha;  // the row rescale, on the lane's own elements
     }
+    #pragma clang loop unroll(full)
     for (int kc = 0; kc < KC; ++kc) {
+      #pragma clang loop unroll(full)
       for (int c = 0; c < DC; ++c) {
         simdgroup_matrix<T, 8, 8> vm;
         simdgroup_load(vm, v_tg + kc * 8 * LD + c * 8, LD);
@@ -180,7 +191,9 @@ PREFILL_SOURCE = """
     return;
   }
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  #pragma clang loop unroll(full)
   for (int c = 0; c < DC; ++c) {
+    #pragma clang loop unroll(full)
     for (int k = 0; k < 2; ++k) {
       out[(long(out_start + r0 + fr) * H + h) * D + c * 8 + fc + k] =
           T(om[c].thread_elements()[k] * inv);

@@ -17,9 +17,15 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.decode import MAX_HEADS_PER_THREADGROUP
+from kernels_metal.decode import MAX_HEADS_PER_THREADGROUP, run_decode
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.prefill import LARGE_HEAD_DIM, LARGE_HEAD_SIMDGROUPS, MAX_SIMDGROUPS, query_block
+from kernels_metal.prefill import (
+    LARGE_HEAD_DIM,
+    LARGE_HEAD_SIMDGROUPS,
+    MAX_SIMDGROUPS,
+    query_block,
+    run_prefill,
+)
 
 DECODE_MAX_QUERY_LEN = 4
 PARTITION_SIZE = 512  # keys per split-K partition of a long decode context
@@ -118,6 +124,27 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
         inverse[concat] = np.arange(len(concat))
         row_order = mx.array(inverse.astype(np.int32))
     return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), row_order, window, {})
+
+
+def run_plan(plan: KernelPlan, decode_kernels, prefill_kernel, q: mx.array, k_pool: mx.array,
+             v_pool: mx.array, params: mx.array) -> mx.array:
+    """Both kernels of the step, the output `[total_q, H, D]` in packed order (pool dtype).
+
+    A step of decodes only or of prefill chunks only comes out of its kernel in packed order;
+    in a mixed step the prefill launch writes its rows at their packed rows and copies the
+    decode kernel's rows into place: no concatenate and no gather per layer.
+    """
+    decode = None
+    if plan.decode is not None:
+        decode = run_decode(decode_kernels, q, k_pool, v_pool, plan.block_tables, plan.decode,
+                            params)
+        if plan.prefill is None:
+            return decode
+    if decode is None:
+        return run_prefill(prefill_kernel, q, k_pool, v_pool, plan.block_tables, plan.prefill,
+                           params)
+    return run_prefill(prefill_kernel, q, k_pool, v_pool, plan.block_tables, plan.prefill,
+                       params, decode, plan.decode.rows)
 
 
 def _rows_of(cu: np.ndarray, requests: np.ndarray) -> np.ndarray:

@@ -47,16 +47,30 @@ def query_block(heads_per_group: int, max_simdgroups: int = MAX_SIMDGROUPS) -> i
 
 # params: as decode.py: [10] = window (0: none); NH, CHUNKS and BQ are template constants.
 # tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
+# MERGE: `out` holds every packed row: prefill rows go to their packed row, and threadgroups
+# past the last tile copy one decode row each (its head group) from `dec_out` to the packed
+# row `dec_rows` names; otherwise `out` holds the prefill rows only and dec_* are not read.
 PREFILL_SOURCE = """
   const int H = params[0], KVH = params[1], MB = params[2];
   const int WIN = params[10] > 0 ? params[10] : (1 << 30);  // row p sees keys > p - WIN
 """ + HEAD_GROUP_SOURCE + """
-  const device int* info = tiles + int(threadgroup_position_in_grid.y) * 8;
-  const int req = info[0], q_start = info[1], out_start = info[2], nq = info[3], pos0 = info[4];
-  const int sg = int(simdgroup_index_in_threadgroup);
-  const int lane = int(thread_index_in_simdgroup);
   const int tid = int(thread_index_in_threadgroup);
   const int nthreads = int(threads_per_threadgroup.x);
+  const int tile = int(threadgroup_position_in_grid.y);
+  if (MERGE && tile >= tiles_shape[0]) {
+    const int dr = tile - tiles_shape[0];
+    const device uint4* from = (const device uint4*)(dec_out + (long(dr) * H + h0) * D);
+    device uint4* to = (device uint4*)(out + (long(dec_rows[dr * 4]) * H + h0) * D);
+    for (int i = tid; i < nh * int(D * sizeof(T) / 16); i += nthreads) {
+      to[i] = from[i];
+    }
+    return;  // the whole threadgroup
+  }
+  const device int* info = tiles + tile * 8;
+  const int req = info[0], q_start = info[1], nq = info[3], pos0 = info[4];
+  const int out_start = MERGE ? q_start : info[2];
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
   const int r0 = (sg / NH) * 8;  // first tile row of this simdgroup
   const int h = h0 + sg % NH;
   const int sg_rows = clamp(nq - r0, 0, 8);
@@ -205,26 +219,38 @@ PREFILL_SOURCE = """
 def make_prefill_kernel(metal_kernel):
     return metal_kernel(
         name="paged_attention_prefill",
-        input_names=["q", "k_pool", "v_pool", "block_tables", "tiles", "params"],
+        input_names=["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "dec_out",
+                     "dec_rows"],
         output_names=["out"],
         source=PREFILL_SOURCE,
     )
 
 
-def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params) -> mx.array:
-    """Attention of the prefill rows, in tile order: `[work.num_rows, H, D]`, pool dtype."""
+def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params,
+                decode_out: mx.array | None = None, decode_rows: mx.array | None = None,
+                ) -> mx.array:
+    """Attention of the prefill rows, in request order: `[work.num_rows, H, D]`, pool dtype.
+
+    With `decode_out` (the decode kernel's `[n, H, D]` output for the rows whose packed
+    indices are `decode_rows[:n, 0]`) the result is every packed row in packed order instead:
+    `[q.shape[0], H, D]`, the decode rows copied into place by the same launch.
+    """
     _, block_size, kv_heads, head_dim = k_pool.shape
     dtype = k_pool.dtype
     work = work.for_head_dim(head_dim)
     threads = 32 * work.heads_per_group * work.block_q // 8
+    merge = decode_out is not None
+    copies = decode_out.shape[0] if merge else 0
     (out,) = kernel(
-        inputs=[q, k_pool, v_pool, block_tables, work.tiles, params],
+        inputs=[q, k_pool, v_pool, block_tables, work.tiles, params,
+                decode_out if merge else q, decode_rows if merge else work.tiles],
         template=[("T", dtype), ("D", head_dim), ("BS", block_size),
                   ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool)),
-                  ("NH", work.heads_per_group), ("CHUNKS", work.chunks), ("BQ", work.block_q)],
-        grid=(threads * kv_heads * work.chunks, work.num_tiles, 1),
+                  ("NH", work.heads_per_group), ("CHUNKS", work.chunks), ("BQ", work.block_q),
+                  ("MERGE", merge)],
+        grid=(threads * kv_heads * work.chunks, work.num_tiles + copies, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(work.num_rows, q.shape[1], head_dim)],
+        output_shapes=[(q.shape[0] if merge else work.num_rows, q.shape[1], head_dim)],
         output_dtypes=[dtype],
     )
     return out

@@ -10,7 +10,7 @@ from markers import requires_emulator
 from kernels_metal import emulator
 from kernels_metal.cases import Case, check, make_inputs
 from kernels_metal.paged import PagedAttentionKernels
-from kernels_metal.plan import PlanOptions, build_plan, prefill_config
+from kernels_metal.plan import PlanOptions, build_plan, params_for, prefill_config, run_plan
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
@@ -72,3 +72,45 @@ def test_large_head_dim_prefill_runs_in_128_threads_and_matches_the_reference(ca
     result = check(kernels, case)
     assert result.passed, f"{case.name}: max error {result.max_error:g}"
     assert max(factory.threadgroups["paged_attention_prefill"]) <= 128
+
+
+MERGE_CASES = [
+    Case(mx.float16, 64, 16, 8, 2, ((150, 1), (40, 48), (9, 1), (0, 20)), 64),  # split decode
+    Case(mx.bfloat16, 128, 32, 12, 1, ((70, 1), (0, 10), (5, 3))),  # two head chunks
+    Case(mx.float32, 256, 16, 8, 2, ((30, 1), (12, 13), (45, 2))),  # large head dim config
+    Case(mx.float16, 80, 16, 6, 2, ((200, 1), (90, 30)), None, window=24, softcap=30.0),
+    Case(mx.float32, 64, 16, 4, 4, ((20, 1), (7, 1))),  # decodes only
+    Case(mx.float32, 96, 32, 6, 3, ((0, 40), (16, 9))),  # prefill chunks only
+]
+
+
+@requires_emulator
+@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: c.name)
+def test_run_plan_writes_packed_rows_without_a_merge_and_agrees_bit_for_bit(case):
+    kernels = PagedAttentionKernels(emulator.metal_kernel,
+                                    PlanOptions(partition_size=case.partition_size))
+    q, k, v, meta, scale = make_inputs(case, seed=2)
+    merged = kernels.plan(meta, q.shape[1], k.shape[2], case.window)
+    params = params_for(merged, q.shape[1], k.shape[2], scale, case.softcap)
+    got = run_plan(merged, kernels.decode_kernels, kernels.prefill_kernel, q, k, v, params)
+    expected = kernels(q, k, v, meta, scale, case.window, case.softcap)  # concatenate + gather
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                  np.array(expected.astype(mx.float32)))
+
+
+@pytest.mark.skipif(not hasattr(mx, "export_function"), reason="needs mx.export_function")
+def test_the_merged_launch_is_accepted_by_mlx_metal_kernel(tmp_path):
+    """Tracing for export runs MLX's own metal_kernel argument checks without a GPU."""
+    case = Case(mx.bfloat16, 256, 16, 8, 2, ((70, 1), (20, 19), (3, 2)))
+    q, k, v, meta, scale = make_inputs(case)
+    kernels = PagedAttentionKernels(mx.fast.metal_kernel, PlanOptions(partition_size=32))
+    plan = kernels.plan(meta, 8, 2)
+    params = params_for(plan, 8, 2, scale)
+    assert plan.decode.num_parts > 1 and plan.prefill is not None
+
+    def step(q, k, v):
+        return run_plan(plan, kernels.decode_kernels, kernels.prefill_kernel, q, k, v, params)
+
+    mx.export_function(str(tmp_path / "merged.mlxfn"), step, q, k, v)
+    assert (tmp_path / "merged.mlxfn").stat().st_size > 0

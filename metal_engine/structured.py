@@ -15,6 +15,7 @@ schema, which must not reach the logs.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import llguidance
@@ -31,7 +32,7 @@ JSON_OPTIONS = {
     "lenient": False, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
 # llguidance's default limits, with errors that name the failure but quote no grammar or state.
-LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+LIMITS = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=100_000)
 # Forced tokens (the only ones a mask allows) a compile walks, looking for an early failure.
 _PROBE_STEPS = 8
 # Where the client wrote the schema, for the messages they get back.
@@ -111,8 +112,10 @@ def short(error: str) -> str:
 class StructuredOutputs:
     """An engine's grammars: compiles them and keeps each running structured request's matcher.
 
-    Not thread-safe: the engine thread calls it. `add` / `remove` / `accept` change a request's
-    matcher; `bitmasks` only reads them.
+    The engine thread calls it; only `compile` may also be called from another thread (the
+    server compiles a request's grammar before submitting it, so that a slow schema never
+    holds up the engine thread, which then finds it cached). `add` / `remove` / `accept`
+    change a request's matcher; `bitmasks` only reads them.
     """
 
     def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...]) -> None:
@@ -121,12 +124,15 @@ class StructuredOutputs:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._first_use = threading.Lock()
 
     def compile(self, structured: StructuredOutput) -> CompiledGrammar:
-        """ValueError for a schema that cannot be enforced (see compile_grammar)."""
-        if self._tokenizer is None:  # built on first use: engines without grammars never pay
-            self._tokenizer = grammar_tokenizer(self._hf_tokenizer, self._eos_token_ids)
-            self._executor = llguidance.LLExecutor()
+        """ValueError for a schema that cannot be enforced (see compile_grammar). Safe to
+        call from any thread; llguidance lets go of the GIL while it compiles."""
+        with self._first_use:  # built on first use: engines without grammars never pay
+            if self._tokenizer is None:
+                self._executor = llguidance.LLExecutor()
+                self._tokenizer = grammar_tokenizer(self._hf_tokenizer, self._eos_token_ids)
         return compile_grammar(structured, self._tokenizer)
 
     def add(self, request_id: str, grammar: CompiledGrammar) -> None:

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,6 +31,7 @@ from server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
+    from scheduler.sampling_params import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +163,8 @@ class AsyncEngine:
         self._observe: Callable[[], RequestObserver] = _NoObserver
         self._streams: dict[str, _Stream] = {}  # live requests; engine thread only
         self._stalled = False  # engine thread only: a step failed and nothing was added since
+        # One at a time: a client sending many slow schemas delays only other grammars.
+        self._grammar_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     @property
     def tokenizer(self) -> Any:
@@ -173,6 +177,17 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    async def _compile_grammar(self, structured: StructuredOutput) -> None:
+        """Compile a request's grammar on the grammar worker, off the engine thread: a
+        pathological schema takes seconds, which on the engine thread would stall every
+        stream. The engine compiles it again at add time and finds it cached. A refusal is
+        the engine's ValueError, raised here."""
+        grammars = getattr(self.engine, "structured", None)
+        if grammars is None:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._grammar_worker, grammars.compile, structured)
 
     def observe_requests(self, observer: Callable[[], RequestObserver]) -> None:
         """Give every request from now on an observer made by `observer()`."""
@@ -198,6 +213,7 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._grammar_worker.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -221,6 +237,12 @@ class AsyncEngine:
         """
         stream = _Stream(asyncio.get_running_loop(), current_request_id(), len(prompt_ids))
         observer = self._observe()
+        if params.structured is not None:
+            try:
+                await self._compile_grammar(params.structured)
+            except ValueError:
+                observer.on_finish("rejected")
+                raise
         with self._cond:
             self._start_locked()
             if self._queue_full_locked():

@@ -148,3 +148,23 @@ def _in_parallel(count: int, call):
     for thread in threads:
         thread.join(300)
     return results
+
+
+def test_a_schema_that_takes_seconds_to_compile_spares_the_other_streams(default_model_dir):
+    """A pattern like this one takes seconds to compile (and then fails); compiled on the
+    engine thread, it stalled every stream that long, once per distinct schema."""
+    schema = {"type": "object", "required": ["a"],
+              "properties": {"a": {"type": "string", "pattern": "^a{1000}{1000}$"}}}
+    format_ = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with running_server(small_engine(default_model_dir, 512)) as url:
+        # The first grammar of a process builds the tokenizer's grammar view (~1 s, once).
+        first = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "m", "messages": QUESTION, "max_tokens": 4,
+            "response_format": {"type": "json_object"}})  # fmt: skip
+        assert first.status_code == 200
+        with Victim(url) as victim:
+            refused = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "m", "messages": QUESTION, "max_tokens": 8, "response_format": format_})
+    assert refused.status_code == 400 and "response_format" in refused.json()["error"]["message"]
+    assert victim.max_gap < GAP_BOUND_S and victim.max_health < GAP_BOUND_S, (
+        victim.max_gap, victim.max_health)

@@ -12,7 +12,8 @@ changes how a decode row is computed. Every layer of the step reuses the plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -29,8 +30,14 @@ from kernels_metal.prefill import (
 
 DECODE_MAX_QUERY_LEN = 4
 PARTITION_SIZE = 512  # keys per split-K partition of a long decode context
-# Below this many decode threadgroups the GPU has idle cores: split long contexts.
+# Below this many decode threadgroups the GPU has idle cores: split long contexts. From the
+# device: THREADGROUPS_PER_CORE per GPU core; the constant when the core count is unknown.
 SPLIT_BELOW_THREADGROUPS = 128
+THREADGROUPS_PER_CORE = 4
+# GPU cores of Apple's chip tiers (M1-M4, a typical count), by name and by the letter that
+# ends the architecture name (applegpu_g15s: an M3 Pro).
+CORES_BY_TIER = {"Ultra": 64, "Max": 32, "Pro": 16}
+CORES_BY_ARCH_LETTER = {"d": 64, "c": 32, "s": 16, "g": 10}
 MIN_METADATA_ELEMENTS = 8  # MLX passes smaller inputs in `constant` space: another kernel source
 
 
@@ -38,9 +45,38 @@ MIN_METADATA_ELEMENTS = 8  # MLX passes smaller inputs in `constant` space: anot
 class PlanOptions:
     decode_max_query_len: int = DECODE_MAX_QUERY_LEN
     partition_size: int | None = None  # None: split only when the GPU would be under-filled
+    split_below_threadgroups: int | None = None  # None: from the device (split_threshold)
 
     def with_partition(self, partition_size: int | None) -> PlanOptions:
-        return PlanOptions(self.decode_max_query_len, partition_size)
+        return replace(self, partition_size=partition_size)
+
+
+def gpu_cores(info: dict) -> int | None:
+    """GPU core count from `mx.device_info()`: its own key if it has one, else the chip tier."""
+    for key in ("gpu_core_count", "core_count", "num_cores"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return info[key]
+    name = str(info.get("device_name", ""))
+    if name.startswith("Apple M"):
+        return next((n for tier, n in CORES_BY_TIER.items() if tier in name.split()), 10)
+    arch = str(info.get("architecture", ""))
+    if arch.startswith("applegpu_g") and arch[-1:] in CORES_BY_ARCH_LETTER:
+        return CORES_BY_ARCH_LETTER[arch[-1]]
+    return None
+
+
+def split_threshold(info: dict | None = None) -> int:
+    """Decode threadgroups below which long contexts are split: enough to fill each core."""
+    cores = gpu_cores(_device_info() if info is None else info)
+    return SPLIT_BELOW_THREADGROUPS if cores is None else THREADGROUPS_PER_CORE * cores
+
+
+@cache
+def _device_info() -> dict:
+    try:
+        return dict(mx.device_info()) if mx.metal.is_available() else {}
+    except (AttributeError, RuntimeError, ValueError):
+        return {}
 
 
 @dataclass(frozen=True)
@@ -165,7 +201,8 @@ def _decode_work(cu, q_lens, seq_lens, requests, nh, chunks, kv_heads, options, 
     max_ctx = int((ctx - first).max())  # the most keys a row sees
     part = options.partition_size
     if part is None:
-        few = len(rows) * kv_heads * chunks < SPLIT_BELOW_THREADGROUPS
+        threshold = options.split_below_threadgroups or split_threshold()
+        few = len(rows) * kv_heads * chunks < threshold
         part = PARTITION_SIZE if few and max_ctx > PARTITION_SIZE else max_ctx
     num_parts = -(-max_ctx // part)
     table = np.zeros((max(len(rows), 2), 4), np.int32)

@@ -10,7 +10,16 @@ from markers import requires_emulator
 from kernels_metal import emulator
 from kernels_metal.cases import Case, check, make_inputs
 from kernels_metal.paged import PagedAttentionKernels
-from kernels_metal.plan import PlanOptions, build_plan, params_for, prefill_config, run_plan
+from kernels_metal.plan import (
+    SPLIT_BELOW_THREADGROUPS,
+    PlanOptions,
+    build_plan,
+    gpu_cores,
+    params_for,
+    prefill_config,
+    run_plan,
+    split_threshold,
+)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
@@ -114,3 +123,28 @@ def test_the_merged_launch_is_accepted_by_mlx_metal_kernel(tmp_path):
 
     mx.export_function(str(tmp_path / "merged.mlxfn"), step, q, k, v)
     assert (tmp_path / "merged.mlxfn").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("info", "cores"), [
+    ({"device_name": "Apple M3 Max", "architecture": "applegpu_g15s"}, 32),
+    ({"device_name": "Apple M2 Ultra"}, 64),
+    ({"device_name": "Apple M4 Pro"}, 16),
+    ({"device_name": "Apple M1"}, 10),
+    ({"architecture": "applegpu_g14c"}, 32),
+    ({"device_name": "Apple M5", "gpu_core_count": 12}, 12),
+    ({"device_name": "AMD EPYC", "architecture": "x86_64"}, None),
+    ({}, None),
+])
+def test_gpu_cores_from_device_info(info, cores):
+    assert gpu_cores(info) == cores
+    assert split_threshold(info) == (SPLIT_BELOW_THREADGROUPS if cores is None else 4 * cores)
+
+
+def test_the_split_threshold_decides_when_long_decodes_are_partitioned():
+    _, _, _, meta, _ = make_inputs(Case(mx.float16, 64, 16, 8, 2, ((1500, 1), (900, 1))))
+    parts = {threshold: build_plan(meta, 8, 2, PlanOptions(split_below_threadgroups=threshold))
+             .decode.num_parts for threshold in (4, 5, 64)}
+    assert parts == {4: 1, 5: 3, 64: 3}  # 2 rows x 2 KV heads = 4 threadgroups unsplit
+    assert PlanOptions(split_below_threadgroups=7).with_partition(32).split_below_threadgroups == 7
+    if not mx.metal.is_available():  # no device to ask: the constant
+        assert split_threshold() == SPLIT_BELOW_THREADGROUPS

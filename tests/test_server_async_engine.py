@@ -11,6 +11,7 @@ import pytest
 
 from metal_engine.outputs import RequestOutput
 from scheduler import SamplingParams
+from scheduler.sampling_params import StructuredOutput
 from server.async_engine import AsyncEngine, EngineError, QueueFull
 from server.core import generation
 
@@ -392,3 +393,30 @@ def test_observers_see_each_output_and_how_the_request_ended(engine):
     assert [o.seen for o in observers] == [
         [1, 2, 3, "length"], [1, 2, "abort"], ["rejected"], ["error"]
     ]
+
+
+class _Grammars:
+    """The engine's grammar compiler: records the thread of each compile; refuses "bad"."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def compile(self, structured: StructuredOutput) -> None:
+        self.threads.append(threading.current_thread().name)
+        if structured.json_schema == "bad":
+            raise ValueError("the schema cannot be generated")
+
+
+def test_grammars_compile_on_the_grammar_worker_before_the_engine_sees_them(engine):
+    scripted, bridge = engine
+    scripted.structured = grammars = _Grammars()
+
+    async def run(schema: str, request_id: str) -> list:
+        params = SamplingParams(max_tokens=2, structured=StructuredOutput(json_schema=schema))
+        return [o async for o in bridge.generate([1, 2], params, request_id)]
+
+    assert len(asyncio.run(run('{"type": "object"}', "good"))) == 2
+    with pytest.raises(ValueError, match="cannot be generated"):
+        asyncio.run(run("bad", "bad"))
+    assert all(name.startswith("grammar") for name in grammars.threads)
+    assert len(grammars.threads) == 2 and "bad" not in scripted.requests

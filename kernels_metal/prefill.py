@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels_metal.decode import HEAD_GROUP_SOURCE, THREADGROUP_MEMORY, index_type
+from kernels_metal.decode import FAST_MATH, HEAD_GROUP_SOURCE, THREADGROUP_MEMORY, index_type
 
 MAX_SIMDGROUPS = 8
 LARGE_HEAD_DIM = 192  # from here on at most LARGE_HEAD_SIMDGROUPS per threadgroup (plan.py)
@@ -155,7 +155,7 @@ PREFILL_SOURCE = """
       for (int k = 0; k < 2; ++k) {
         float s = sm[kc].thread_elements()[k] * scale_log2;
         if (cap_log2 > 0.0f) {
-          s = cap_log2 * tanh(s / cap_log2);
+          s = cap_log2 * precise::tanh(s / cap_log2);
         }
         const int col = kc * 8 + fc + k;
         const int key = k0 + col;
@@ -223,6 +223,7 @@ def make_prefill_kernel(metal_kernel):
                      "dec_rows"],
         output_names=["out"],
         source=PREFILL_SOURCE,
+        compile_options=FAST_MATH,  # why it is safe: decode.py
     )
 
 

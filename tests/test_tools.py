@@ -287,3 +287,26 @@ def test_named_tool_call_round_trip_streamed(client):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     answer_with_the_result(client, messages, call)
+
+
+@pytest.mark.slow
+def test_forced_calls_of_tools_whose_schemas_refer_into_themselves(client):
+    """Pydantic-made schemas (MCP servers, agent SDKs) keep shared parts in `$defs`; wrapped
+    into the call's schema, "#/$defs/..." once pointed at nothing and the request was a 400."""
+    item = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    defs_tool = {"type": "function", "function": {"name": "plan_trip", "parameters": {
+        "type": "object", "properties": {"stop": {"$ref": "#/$defs/Stop"}},
+        "required": ["stop"], "$defs": {"Stop": item}}}}  # fmt: skip
+    other = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/Stop"}}, "required": ["at"],
+        "$defs": {"Stop": {"type": "object", "properties": {"n": {"type": "integer"}},
+                           "required": ["n"]}}}}}  # fmt: skip
+    for tools in ([defs_tool], [defs_tool, other]):  # one schema, and two whose $defs clash
+        reply = client.chat.completions.create(
+            model="default", messages=weather_question(), tools=tools, tool_choice="required",
+            temperature=0, max_tokens=60,
+        )  # fmt: skip
+        (call,) = reply.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        chosen = next(t for t in tools if t["function"]["name"] == call.function.name)
+        jsonschema.validate(arguments, chosen["function"]["parameters"])

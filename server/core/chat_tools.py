@@ -76,8 +76,11 @@ class ToolPlan:
         """The schema a forced call is generated under: one function's, or any of several."""
         if not self.forced:
             return None
-        schemas = [_call_schema(function) for function in self.forced]
+        defs: dict[str, Any] = {}  # parameters that refer into themselves, by call
+        schemas = [_call_schema(f, f"args{i}", defs) for i, f in enumerate(self.forced)]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        if defs:
+            schema = {**schema, "$defs": defs}
         return StructuredOutput(json_schema=json.dumps(schema))
 
     def _turn(self, message: ChatMessage) -> dict[str, Any]:
@@ -170,15 +173,38 @@ def _choice_name(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else repr(choice.function.name)
 
 
-def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
+def _call_schema(function: FunctionDefinition, key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A call of `function`: its name and its arguments. Parameters that refer into
+    themselves (`"$ref": "#/$defs/Item"`) move to `defs[key]`, their references rebased
+    there, since in the call's schema `#` is the call, not the parameters."""
+    arguments = function.parameters_schema()
+    if _has_ref(arguments):
+        defs[key] = _rebased(arguments, f"#/$defs/{key}")
+        arguments = {"$ref": f"#/$defs/{key}"}
     return {
         "type": "object",
-        "properties": {
-            "name": {"type": "string", "enum": [function.name]},
-            "arguments": function.parameters_schema(),
-        },
+        "properties": {"name": {"type": "string", "enum": [function.name]}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+    }
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(map(_has_ref, schema.values()))
+    return isinstance(schema, list) and any(map(_has_ref, schema))
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with each local reference ("#...") pointing under `root` instead."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {
+        key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+        else _rebased(value, root)
+        for key, value in schema.items()
     }
 
 

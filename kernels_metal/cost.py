@@ -3,9 +3,10 @@
 Per layer: bytes of K/V the kernels read from the pools (a GQA group reads its KV head once
 per threadgroup; the prefill kernel loads whole key tiles, the decode kernel the keys a row
 sees), bytes of new K/V `write_kv` scatters in, the other traffic (queries, outputs, split-K
-partials, the decode/prefill merge), multiply-add FLOPs of the useful scores and values, and
-kernel dispatches. An estimate of memory traffic, not a measurement: caches, the block-table
-reads and masked work inside a tile are left out.
+partials, and in a mixed step the decode rows the prefill launch copies into place),
+multiply-add FLOPs of the useful scores and values, and kernel dispatches. An estimate of
+memory traffic, not a measurement: caches, the block-table reads and masked work inside a
+tile are left out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.plan import KernelPlan, PlanOptions, build_plan
+from kernels_metal.plan import KernelPlan, PlanOptions, PrefillWork, build_plan
 from kernels_metal.prefill import prefill_tile
 
 _PARTIAL_BYTES = 4  # split-K partial outputs and (max, sum) are float32
@@ -57,18 +58,15 @@ def step_cost(meta: AttentionMetadata, num_heads: int, kv_heads: int, head_dim: 
             other += 2 * partials * (head_dim + 2) * _PARTIAL_BYTES
             dispatches += 1
     if plan.prefill is not None:
-        loaded, seen = _prefill_keys(plan, prefill_tile(itemsize, head_dim))
-        kv_read += loaded * kv_heads * plan.prefill.chunks * key_bytes
+        work = plan.prefill.for_head_dim(head_dim)  # as the launch tiles it
+        loaded, seen = _prefill_keys(work, plan.window, prefill_tile(itemsize, head_dim))
+        kv_read += loaded * kv_heads * work.chunks * key_bytes
         flops += 4 * head_dim * num_heads * seen
         dispatches += 1
-    out_bytes = total_q * num_heads * head_dim * itemsize
-    other += 2 * out_bytes  # queries in, outputs out
+    row_bytes = num_heads * head_dim * itemsize
+    other += 2 * total_q * row_bytes  # queries in, outputs out
     if plan.decode is not None and plan.prefill is not None:
-        other += 2 * out_bytes  # the concatenate reads and writes every row
-        dispatches += 1
-    if plan.row_order is not None:
-        other += 2 * out_bytes  # the gather back into packed order
-        dispatches += 1
+        other += 2 * plan.decode.num_rows * row_bytes  # the prefill launch copies them in
     kv_write = total_q * kv_heads * key_bytes
     dispatches += 2  # write_kv: one scatter into each pool
     return StepCost(kv_read, kv_write, other, flops, dispatches)
@@ -80,16 +78,16 @@ def _decode_keys(plan: KernelPlan) -> np.ndarray:
     return rows[:, 2].astype(np.int64) - rows[:, 3]
 
 
-def _prefill_keys(plan: KernelPlan, key_tile: int) -> tuple[int, int]:
+def _prefill_keys(work: PrefillWork, window: int | None, key_tile: int) -> tuple[int, int]:
     """(keys a threadgroup loads, whole key tiles; keys its rows attend to), over all tiles."""
-    tiles = np.array(plan.prefill.tiles)[: plan.prefill.num_tiles].astype(np.int64)
+    tiles = np.array(work.tiles)[: work.num_tiles].astype(np.int64)
     first, count = tiles[:, 4], tiles[:, 3]
     end = first + count  # the last row sees keys up to and including its own position
-    start = np.maximum(first - plan.window + 1, 0) if plan.window else np.zeros_like(first)
+    start = np.maximum(first - window + 1, 0) if window else np.zeros_like(first)
     loaded = (-(-end // key_tile) - start // key_tile) * key_tile
     positions = [np.arange(f, f + c) for f, c in zip(first, count, strict=True)]
     every = np.concatenate(positions) if positions else np.zeros(0, np.int64)
-    seen = np.minimum(every + 1, plan.window) if plan.window else every + 1
+    seen = np.minimum(every + 1, window) if window else every + 1
     return int(loaded.sum()), int(seen.sum())
 
 

@@ -298,6 +298,11 @@ _CONSTEXPR_INT = re.compile(r"constexpr\s+int\s+(\w+)\s*=\s*([^;]+);")
 _THREADGROUP_ARRAY = re.compile(r"threadgroup\s+(\w+)\s+\w+\s*\[([^\]]+)\]\s*;")
 _SCALAR_BYTES = {"float": 4, "int": 4, "uint": 4, "half": 2, "bfloat": 2, "bfloat16_t": 2,
                  "short": 2, "ushort": 2, "char": 1, "uchar": 1, "bool": 1}
+# MSL's vector types (`uint4`: 16 bytes; the kernels stage K/V tiles as them); a 3-vector
+# takes the room of a 4-vector.
+_SCALAR_BYTES |= {f"{name}{n}": size * (4 if n == 3 else n)
+                  for name, size in list(_SCALAR_BYTES.items()) if name != "bfloat16_t"
+                  for n in (2, 3, 4)}
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.floordiv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 

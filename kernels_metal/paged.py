@@ -11,8 +11,8 @@ import mlx.core as mx
 
 from kernels_metal.decode import make_decode_kernels, run_decode
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.plan import KernelPlan, PlanOptions, build_plan, params_for
-from kernels_metal.prefill import make_prefill_kernel, run_prefill
+from kernels_metal.plan import KernelPlan, PlanOptions, build_plan, params_for, run_plan
+from kernels_metal.prefill import make_prefill_kernel
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_HEAD_DIM = 256
@@ -54,14 +54,6 @@ class PagedAttentionKernels:
         plan = self.plan(meta, num_heads, kv_heads, window)
         params = params_for(plan, num_heads, kv_heads, scale, softcap)
         queries = q.astype(k_pool.dtype) if q.dtype != k_pool.dtype else q
-        parts = []
-        if plan.decode is not None:
-            parts.append(run_decode(self.decode_kernels, queries, k_pool, v_pool,
-                                    plan.block_tables, plan.decode, params))
-        if plan.prefill is not None:
-            parts.append(run_prefill(self.prefill_kernel, queries, k_pool, v_pool,
-                                     plan.block_tables, plan.prefill, params))
-        out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        if plan.row_order is not None:
-            out = out[plan.row_order]
+        out = run_plan(plan, self.decode_kernels, self.prefill_kernel, queries, k_pool, v_pool,
+                       params)
         return out.astype(q.dtype) if out.dtype != q.dtype else out

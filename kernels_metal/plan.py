@@ -3,7 +3,8 @@
     packed rows:  | req0: 6-row chunk | req1: 1 | req2: 1 | req3: 20-row chunk |
     decode rows:                        r1       r2                            -> decode kernel
     prefill tiles:  [req0 rows 0..5]                      [req3 0..15][16..19]  -> tiled kernel
-    output:       decode rows, then prefill rows; `row_order` puts them back in packed order.
+    output:       in packed order: the prefill launch writes its rows in place and copies
+                  the decode kernel's rows into theirs (`run_plan`).
 
 Requests with at most `decode_max_query_len` query rows (decodes, short speculative runs) go
 to the per-token kernel, the rest to the tiled kernel, so a co-scheduled prefill chunk never
@@ -117,7 +118,6 @@ class KernelPlan:
     decode: DecodeWork | None
     prefill: PrefillWork | None
     block_tables: mx.array
-    row_order: mx.array | None  # output rows (decode, then prefill) -> packed order
     window: int | None  # keys a row sees, its own included; None: the whole context
     params: dict  # (heads, kv heads, scale, softcap) -> int32 params array, filled lazily
 
@@ -150,16 +150,9 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
 
     decode = _decode_work(cu, q_lens, seq_lens, np.flatnonzero(is_decode & (q_lens > 0)),
                           nh, chunks, kv_heads, options, window)
-    prefill, prefill_rows = _prefill_work(cu, q_lens, seq_lens, np.flatnonzero(~is_decode),
+    prefill, _ = _prefill_work(cu, q_lens, seq_lens, np.flatnonzero(~is_decode),
                                           num_heads // kv_heads)
-    decode_rows = _rows_of(cu, np.flatnonzero(is_decode))
-    concat = np.concatenate([decode_rows, prefill_rows])
-    row_order = None
-    if not (concat == np.arange(len(concat))).all():
-        inverse = np.empty_like(concat)
-        inverse[concat] = np.arange(len(concat))
-        row_order = mx.array(inverse.astype(np.int32))
-    return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), row_order, window, {})
+    return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), window, {})
 
 
 def run_plan(plan: KernelPlan, decode_kernels, prefill_kernel, q: mx.array, k_pool: mx.array,

@@ -94,8 +94,9 @@ def test_the_kernels_declared_threadgroup_memory_fits_for_every_variant():
     for variant in doctor.VARIANTS:
         size, d = variant.dtype.size, variant.head_dim
         base = {"T": variant.dtype, "D": d, "BS": variant.block_size}
+        kl, kw, ldk, tile = decode.decode_layout(size, d)
         dec = doctor.declared_threadgroup_bytes(
-            decode.DECODE_SOURCE, {**base, "TILE": decode.decode_tile(size, d)})
+            decode.DECODE_SOURCE, {**base, "TILE": tile, "KL": kl, "KW": kw, "LDK": ldk})
         pre = doctor.declared_threadgroup_bytes(
             prefill.PREFILL_SOURCE, {**base, "TK": prefill.prefill_tile(size, d)})
         assert dec is not None and pre is not None and 0 < max(dec, pre) <= 32768, variant

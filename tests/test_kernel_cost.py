@@ -59,15 +59,15 @@ def test_a_prefill_chunk_loads_whole_key_tiles_and_computes_the_causal_half():
     assert cost.flops == 4 * D * HEADS * sum(range(1, 21))  # row p sees p + 1 keys
 
 
-def test_a_mixed_step_pays_for_the_merge():
+def test_a_mixed_step_pays_for_copying_the_decode_rows_into_place():
     mixed = step_cost(_step([20, 1], [20, 50]), HEADS, KV_HEADS, D, ITEM)
     decode = step_cost(_step([1], [50]), HEADS, KV_HEADS, D, ITEM)
     prefill = step_cost(_step([20], [20]), HEADS, KV_HEADS, D, ITEM)
     assert mixed.kv_read_bytes == decode.kv_read_bytes + prefill.kv_read_bytes
-    # Decode rows come out first: concatenate, then a gather back into packed order.
-    assert mixed.dispatches == 1 + 1 + 1 + 1 + 2
-    out = 21 * HEADS * D * ITEM
-    assert mixed.other_bytes == 2 * out + 2 * out + 2 * out
+    # No merge pass: the prefill launch copies the decode row into its packed place.
+    assert mixed.dispatches == 1 + 1 + 2
+    row = HEADS * D * ITEM
+    assert mixed.other_bytes == 2 * 21 * row + 2 * 1 * row
 
 
 def test_bench_step_reports_the_kernel_cost_of_the_default_model(default_model_dir, tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels_metal.decode import make_decode_kernels, run_decode
+from kernels_metal.decode import make_decode_kernels
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.plan import KernelPlan, PlanOptions, build_plan, params_for, run_plan
 from kernels_metal.prefill import make_prefill_kernel

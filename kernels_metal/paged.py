@@ -2,7 +2,8 @@
 
 `mx.fast.metal_kernel` on a Mac; `kernels_metal.emulator.metal_kernel` in tests. Outputs of a
 `metal_kernel` are always fresh allocations, so the kernels only read the K/V pools; new K/V
-reach the pools through `write_kv`, an in-place MLX scatter.
+reach the pools through `write_kv`, an MLX scatter that the runner orders so that it is done
+in place (README.md, KV writes).
 """
 
 from __future__ import annotations

@@ -47,9 +47,10 @@ class LLMEngine:
     `step()` runs one packed forward over every scheduled request and returns a RequestOutput
     for each request that produced text or finished.
 
-    With `async_scheduling`, a step schedules and queues step N+1 on the device before it
-    waits for step N's tokens, so the host work (scheduling, input packing, building the
-    graph, detokenizing) overlaps the device's work; outputs then arrive one step later.
+    With `async_scheduling`, a step schedules step N+1 and builds its graph before it waits
+    for step N's tokens, and detokenizes step N while step N+1 runs, so the host work overlaps
+    the device's work; outputs then arrive one step later. Step N+1 is queued only once the
+    device has finished step N, so its K/V writes are in place (kernels_metal/README.md).
     That pays off where the forward runs asynchronously (Metal); the CPU backend's numpy fast
     paths evaluate the forward as it is built, so there it is off by default. A request that
     reads its earlier tokens on the host to sample (penalties, a grammar) cannot sample behind

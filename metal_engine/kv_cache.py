@@ -20,7 +20,8 @@ class KVCache:
     """Owns the pools. Layers `take` a pair, scatter into it and `put` it back.
 
     Taking leaves no other reference behind, so MLX can donate the pool's buffer to the scatter
-    and write in place instead of copying the pool every step.
+    and write in place instead of copying the pool every step. The writes are only built here;
+    the runner evaluates them once no queued work still reads the pools.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
@@ -57,7 +58,7 @@ class KVCache:
         return [raw[i].tobytes() for i in range(len(block_ids))]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        """Overwrite blocks with contents `read_blocks` gave, in place (queued, not waited for)."""
+        """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
         shape = (len(block_ids), len(self.k) + len(self.v), *self.k[0].shape[1:])
         raw = np.frombuffer(b"".join(payloads), _BITS[self.dtype.size][1]).reshape(shape)
         blocks = mx.array(raw).view(self.dtype)

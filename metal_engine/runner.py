@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal import cpu_math
 from metal_engine.block_tables import BlockTables
 from metal_engine.input_batch import StepInputs, build_step_inputs
 from metal_engine.kv_cache import KVCache
@@ -41,6 +42,12 @@ class LaunchedStep:
     token_ids: mx.array | None  # [len(sample_request_ids)], being computed
     logprobs: LogprobArrays | None = None
 
+    def arrays(self) -> list[mx.array]:
+        """What the step computes for the host (the K/V writes aside)."""
+        if self.token_ids is None:
+            return []
+        return [self.token_ids, *(self.logprobs.arrays() if self.logprobs else ())]
+
     def sampled(self) -> dict[str, int]:
         """The sampled id per sampling request (blocks until the device has them)."""
         if self.token_ids is None:
@@ -56,10 +63,18 @@ class LaunchedStep:
 
 
 class ModelRunner:
+    """Builds and queues steps; a step is evaluated only once the device is done with the last.
+
+    MLX scatters into a pool in place only when nothing else holds the pool's buffer, and
+    queued work holds its inputs' buffers until it has run: evaluated behind a step still in
+    flight, each layer's K/V write would copy its pool (kernels_metal/README.md, KV writes).
+    """
+
     def __init__(self, model: CausalLM, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
         self.block_tables = BlockTables()
+        self._queued = False  # work queued on the device and not waited for since
 
     def release(self, request_ids: list[str]) -> None:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
@@ -75,27 +90,42 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device and return without waiting.
 
         Tokens the scheduler fed before knowing them (sampled by `previous`, still in flight)
-        are taken from `previous`'s device array, so the step can be queued right behind it.
+        are taken from `previous`'s device array, so the step's graph is built while
+        `previous` runs; it is queued once the device has finished `previous`.
         Penalties and grammars need `context`; a request missing from it samples from its
         params alone (it finished since it was scheduled: its token is dropped).
         """
         step = build_step_inputs(out, self.cache.block_size, self.block_tables)
+        if cpu_math.on_cpu():  # the numpy fast paths evaluate the forward as it is built
+            self._wait_for_device()
         input_ids = _with_pending_tokens(step, previous)
         hidden = self.model(input_ids, mx.array(step.positions), step.attention, self.cache)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V
-            mx.async_eval(self.cache.arrays())
-            return LaunchedStep(out, [], None)
+            return self._queue(LaunchedStep(out, [], None))
         logits = self.model.logits(hidden[mx.array(step.sample_rows)])
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]
         token_ids = sample(logits, SamplingBatch.build(rows))
         logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
-        mx.async_eval(token_ids, *(logprobs.arrays() if logprobs else ()), self.cache.arrays())
-        return LaunchedStep(out, step.sample_request_ids, token_ids, logprobs)
+        return self._queue(LaunchedStep(out, step.sample_request_ids, token_ids, logprobs))
+
+    def _queue(self, launched: LaunchedStep) -> LaunchedStep:
+        """Evaluate the step's graph asynchronously, behind nothing that reads a pool."""
+        self._wait_for_device()
+        mx.async_eval(*launched.arrays(), self.cache.arrays())
+        self._queued = True
+        return launched
+
+    def _wait_for_device(self) -> None:
+        """Return once the device has run (and let go of) everything queued before."""
+        if self._queued:
+            mx.synchronize()
+            self._queued = False
 
     def forward_logits(self, out: SchedulerOutput) -> mx.array:
         """Logits of every packed row (for tests and diagnostics, not the serving path)."""
         step = build_step_inputs(out, self.cache.block_size)
+        self._wait_for_device()
         hidden = self.model(
             _with_pending_tokens(step, None), mx.array(step.positions), step.attention, self.cache
         )

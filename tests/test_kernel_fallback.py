@@ -62,7 +62,8 @@ def without_param(index: int):
     def effect(kernel, call):
         params = np.array(call["inputs"][5])
         params[index] = 0
-        return kernel(**{**call, "inputs": [*call["inputs"][:5], mx.array(params)]})
+        inputs = call["inputs"]
+        return kernel(**{**call, "inputs": [*inputs[:5], mx.array(params), *inputs[6:]]})
     return effect
 
 

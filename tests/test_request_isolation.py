@@ -3,6 +3,7 @@ step for everyone, sent while a victim stream runs on the real engine."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -97,10 +98,12 @@ def test_logit_bias_floods_are_refused_and_full_ones_spare_the_others(default_mo
     refused before it is parsed, and requests at the 1024-entry cap leave the victim's gaps
     under the bound."""
     full = {str(i): -1 for i in range(MAX_LOGIT_BIAS)}
-    flood = {str(i): -1 for i in range(400_000)}
+    # Encoded up front: the client shares the server's process (and its GIL) here.
+    flood = json.dumps({"model": "m", "prompt": "One,", "max_tokens": 16,
+                        "logit_bias": {str(i): -1 for i in range(400_000)}}).encode()
+    headers = {"Content-Type": "application/json"}
     with running_server(small_engine(default_model_dir, 512)) as url, Victim(url) as victim:
-        refused = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": "m", "prompt": "One,", "max_tokens": 16, "logit_bias": flood})  # fmt: skip
+        refused = httpx.post(f"{url}/v1/completions", timeout=60, content=flood, headers=headers)
         answers = _in_parallel(4, lambda: httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "m", "prompt": "One,", "max_tokens": 16, "logit_bias": full}))  # fmt: skip
     assert refused.status_code == 413 and "JSON values" in refused.json()["error"]["message"]

@@ -11,9 +11,10 @@ import httpx
 
 from server.bench.sse import SSEDecoder
 
-# What a victim may wait at worst while an attack runs: several decode steps of the default
-# model on a busy 2-core machine, far below the seconds each attack once cost.
-GAP_BOUND_S = 1.5
+# What a victim may wait at worst while an attack runs: a few decode steps of the default
+# model on a busy 2-core machine (the attacker's client shares the process), far below the
+# seconds each attack once cost (28 s for a logit_bias flood, 4-12 s for a slow schema).
+GAP_BOUND_S = 2.0
 
 
 class Victim:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -117,15 +117,15 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        path = _lone_surrogate_at(data, "")
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        path = _lone_surrogate_at(value, info.field_name or "")
         if path is not None:
             raise ValueError(
                 f"{path} holds a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode"
             )
-        return data
+        return value
 
     @field_validator("metadata")
     @classmethod

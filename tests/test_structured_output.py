@@ -57,12 +57,7 @@ def make_engine(path, tokenizer, async_scheduling: bool = False) -> LLMEngine:
 
 def generate(engine: LLMEngine, requests: dict[str, SamplingParams]) -> dict[str, tuple]:
     """Every request's (token ids, text, finish reason)."""
-    for rid, params in requests.items():
-        engine.add_request(rid, PROMPTS[rid], params)
-    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            outputs[output.request_id].append(output)
+    outputs = collect_outputs(engine, requests)
     return {
         rid: ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
               outs[-1].finish_reason)
@@ -179,6 +174,7 @@ def test_a_grammar_that_fails_while_generating_ends_that_request_alone_with_an_e
 
 
 def collect_outputs(engine: LLMEngine, requests: dict[str, SamplingParams]) -> dict:
+    """Every request's outputs, in order, run to the end."""
     for rid, params in requests.items():
         engine.add_request(rid, PROMPTS[rid], params)
     outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}

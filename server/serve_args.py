@@ -221,6 +221,7 @@ class _AddApiKeys(argparse.Action):
 
 
 def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
+    """Who may call the server (keys, origins, hosts), then per-client limits and shutdown."""
     group = parser.add_argument_group("access, limits and shutdown")
     group.add_argument(
         "--api-key",
@@ -264,6 +265,10 @@ def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
         'e.g. "mymac.local", or "*" for any (default: on a loopback address, only '
         "localhost, 127.0.0.1 and ::1, which stops DNS rebinding; elsewhere any)",
     )
+    _add_limit_arguments(group)
+
+
+def _add_limit_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--client-timeout",
         type=_positive_seconds,

@@ -4,6 +4,7 @@ tokenizer, a running stream keeps its pace and `/health` answers at once."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -15,6 +16,7 @@ from server_helpers import running_app
 
 from server.app import build_app
 from server.async_engine import AsyncEngine
+from server.launch import freeze_startup_objects
 
 # A stream's tokens come every 10 ms; tokenizing one attack prompt takes ~1 s of CPU. A gap
 # or a /health answer slower than this means the loop was held by a prompt.
@@ -81,8 +83,13 @@ def _attacks() -> list[tuple[str, dict]]:
 @pytest.fixture(scope="module")
 def url(default_tokenizer):
     engine = TickingEngine(["x"], default_tokenizer)
-    with running_app(build_app(AsyncEngine(engine), "m")) as base:
-        yield base
+    app = build_app(AsyncEngine(engine), "m")
+    freeze_startup_objects()  # as `metal-serve serve` does: this process holds the test session
+    try:
+        with running_app(app) as base:
+            yield base
+    finally:
+        gc.unfreeze()
 
 
 def _victim(url: str, stop: threading.Event, arrivals: list[float]) -> None:

@@ -1,11 +1,13 @@
 """Open a Hugging Face model dir (config.json + safetensors + tokenizer files) as a ModelSource.
 
-Tensors pass through unchanged: the model classes use the Hugging Face names and layouts.
+Tensors pass through unchanged (the model classes use the Hugging Face names and layouts),
+except MoE experts, which are stacked (see convert.expert_stacking).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -13,12 +15,14 @@ from pathlib import Path
 import mlx.core as mx
 from safetensors import safe_open
 
+from convert.expert_stacking import stack_experts, stacked_shapes
 from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
 from metal_engine.weights import safetensors_files
 
 INDEX_FILE = "model.safetensors.index.json"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def open_hf_dir(path: Path) -> ModelSource:
@@ -32,17 +36,16 @@ def open_hf_dir(path: Path) -> ModelSource:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     model_config = config_from_hf(config)
     files = _weight_files(path)
-    names_by_file = _tensor_names(files, tied=model_config.tie_word_embeddings)
-    check_tensors(
-        {name: shape for names in names_by_file.values() for name, shape in names.items()},
-        tensor_shapes(model_config),
-    )
+    names_by_file = _tensor_names(files, tied=model_config.tie_word_embeddings,
+                                  layers=model_config.num_hidden_layers)
+    found = {name: shape for names in names_by_file.values() for name, shape in names.items()}
+    check_tensors(stacked_shapes(model_config, found), tensor_shapes(model_config))
     return ModelSource(
         kind="hf",
         path=path,
         config=model_config,
         base_config=config,
-        tensors=partial(_read_tensors, names_by_file),
+        tensors=lambda: stack_experts(model_config, _read_tensors(names_by_file)),
         write_tokenizer=partial(copy_hf_tokenizer, path),
         files=(config_path, *files),
     )
@@ -62,7 +65,8 @@ def _weight_files(path: Path) -> list[Path]:
     return safetensors_files(path)  # refuses a dir of pickle checkpoints
 
 
-def _tensor_names(files: list[Path], tied: bool) -> dict[Path, dict[str, tuple[int, ...]]]:
+def _tensor_names(files: list[Path], tied: bool,
+                  layers: int) -> dict[Path, dict[str, tuple[int, ...]]]:
     """Per file, the tensors to convert and their shapes, read from the headers only."""
     names_by_file: dict[Path, dict[str, tuple[int, ...]]] = {}
     seen: set[str] = set()
@@ -71,13 +75,21 @@ def _tensor_names(files: list[Path], tied: bool) -> dict[Path, dict[str, tuple[i
             names = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
         names = {n: s for n, s in names.items()
-                 if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")}
+                 if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
+                 and not _beyond_the_stack(n, layers)}
         duplicates = seen.intersection(names)
         if duplicates:
             raise ValueError(f"tensors stored in more than one file: {sorted(duplicates)[:4]}")
         seen.update(names)
         names_by_file[file] = names
     return names_by_file
+
+
+def _beyond_the_stack(name: str, layers: int) -> bool:
+    """A layer past num_hidden_layers: GLM-4.5's multi-token-prediction layers, which
+    transformers does not run either."""
+    match = _LAYER.match(name)
+    return match is not None and int(match[1]) >= layers
 
 
 def _read_tensors(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from metal_engine.models.moe_config import MoeConfig, read_moe
 from metal_engine.models.rope_parameters import RopeParameters, read_rope, read_rope_theta
 
 # model_type -> the transformers class that runs it (config.json's `architectures`).
@@ -23,12 +24,17 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LayerType = Literal["full_attention", "sliding_attention"]
 GEMMA = ("gemma2", "gemma3_text")
 QWEN = ("qwen2", "qwen3")
+# Families whose every layer slides once a window is set.
+ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads")
 
@@ -36,6 +42,7 @@ REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 4096},
     "qwen3": {"head_dim": 128},
+    "glm4_moe": {"partial_rotary_factor": 0.5},
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
@@ -67,6 +74,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale**-2 when not head_dim
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    qk_norm: bool = False  # an RMSNorm over each head of q and k where the family makes it optional
+    moe: MoeConfig | None = None  # None: every layer has a dense MLP
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -159,6 +168,8 @@ class ModelConfig:
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if model_type in GEMMA else None,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            qk_norm=bool(cfg.get("use_qk_norm", False)) if model_type == "glm4_moe" else False,
+            moe=read_moe(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
         )
@@ -183,11 +194,15 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             config["mlp_bias"] = self.mlp_bias
-        else:
+        elif self.model_type != "glm4_moe":
             config["sliding_window"] = self.sliding_window
+        if self.model_type == "glm4_moe":
+            config["use_qk_norm"] = self.qk_norm
+        if self.moe is not None:
+            config.update(self.moe.to_hf(self.model_type))
         if self.model_type in QWEN + GEMMA:  # the others derive layer types from the window
             config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
-        if self.model_type in QWEN:
+        if self.model_type in (*QWEN, "qwen3_moe"):
             config["use_sliding_window"] = self.sliding_window is not None
         if self.model_type in GEMMA:
             config.update(query_pre_attn_scalar=self.query_pre_attn_scalar,
@@ -226,17 +241,19 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     model_type = cfg["model_type"]
     if model_type == "llama":
         return None  # transformers' Llama has no window, whatever the config says
-    if model_type in QWEN and not cfg.get("use_sliding_window"):
+    if model_type in (*QWEN, "qwen3_moe") and not cfg.get("use_sliding_window"):
         return None
+    if model_type == "glm4_moe":
+        return None  # transformers' GLM-4.5 has no window
     return cfg.get("sliding_window")
 
 
 def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ...]:
-    """Which layers slide. Mistral and Phi-3 slide on every layer whenever a window is set."""
+    """Which layers slide. ALL_LAYERS_SLIDE families slide on every layer once a window is set."""
     n, model_type = cfg["num_hidden_layers"], cfg["model_type"]
     if window is None and model_type not in GEMMA:
         return ()
-    if model_type in ("mistral", "phi3"):
+    if model_type in ALL_LAYERS_SLIDE:
         return ("sliding_attention",) * n
     if cfg.get("layer_types"):
         types = tuple(cfg["layer_types"])

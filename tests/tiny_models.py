@@ -51,6 +51,18 @@ TINY_MODELS = {
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, factor=2.0,
                              partial_rotary_factor=0.5, short_factor=[1.0, 1.1, 1.2, 1.5],
                              long_factor=[2.0, 3.0, 4.0, 5.0]))),
+    # MoE: few experts and a k > 1, so every prompt spreads over all of them.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                             partial_rotary_factor=0.5))),
 }
 
 
@@ -65,6 +77,9 @@ def build_tiny_model(model_type: str, path: Path):
         # Move norms off 1 (or 0) and biases off 0, so a misread one cannot go unnoticed.
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM's choice-only router bias
+                buffer.add_(0.5 * torch.randn_like(buffer))
     model.save_pretrained(path, safe_serialization=True)
     vocab = {f"w{i}": i for i in range(VOCAB)}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))

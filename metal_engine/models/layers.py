@@ -40,11 +40,13 @@ class OffsetRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """`down(act(gate(x)) * up(x))`; Phi-3 stores gate and up as one `gate_up_proj`."""
+    """`down(act(gate(x)) * up(x))`; Phi-3 stores gate and up as one `gate_up_proj`. `inner`:
+    the width when not the config's intermediate_size (a MoE's shared expert)."""
 
-    def __init__(self, cfg: ModelConfig, bias: bool = False, fused: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False, fused: bool = False,
+                 inner: int | None = None) -> None:
         super().__init__()
-        hidden, inner = cfg.hidden_size, cfg.intermediate_size
+        hidden, inner = cfg.hidden_size, inner or cfg.intermediate_size
         if fused:
             self.gate_up_proj = Linear(hidden, 2 * inner, bias=bias)
         else:

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from metal_engine.model_config import SUPPORTED_MODEL_TYPES
-from metal_engine.models import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
+from metal_engine.models import (
+    gemma2,
+    gemma3,
+    glm4_moe,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from metal_engine.models.decoder import CausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -14,6 +25,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "gemma2": gemma2.Model,
     "gemma3_text": gemma3.Model,
     "phi3": phi3.Model,
+    "mixtral": mixtral.Model,
+    "qwen3_moe": qwen3_moe.Model,
+    "glm4_moe": glm4_moe.Model,
 }
 
 

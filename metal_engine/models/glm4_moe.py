@@ -1,0 +1,32 @@
+"""GLM-4.5 / 4.6 / 4.7 (glm4_moe): partial rotary attention with q/k/v biases and optional q/k
+norms; sigmoid-routed experts chosen with a correction bias (and by group), scaled, plus a
+shared expert every token runs; the first layers keep a dense MLP."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from metal_engine.model_config import ModelConfig
+from metal_engine.models.decoder import CausalLM
+from metal_engine.models.layers import GATED_ACTIVATIONS, MLP, Attention, PreNormDecoderLayer
+from metal_engine.models.moe import CorrectedGate, SparseMoeBlock
+
+
+def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+    moe = cfg.moe
+    if not moe.is_moe_layer(layer):
+        return MLP(cfg)
+    shared = MLP(cfg, inner=moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    return SparseMoeBlock(cfg.hidden_size, moe, GATED_ACTIVATIONS[cfg.hidden_act],
+                          CorrectedGate(cfg.hidden_size, moe.num_experts), shared)
+
+
+class Model(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        norm = nn.RMSNorm if cfg.qk_norm else None
+        layers = [
+            PreNormDecoderLayer(cfg, Attention(cfg, i, qkv_bias=cfg.attention_bias,
+                                               qk_norm=norm), feed_forward(cfg, i))
+            for i in range(cfg.num_hidden_layers)
+        ]
+        super().__init__(cfg, layers)

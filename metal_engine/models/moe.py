@@ -1,0 +1,196 @@
+"""Mixture-of-experts layers for the packed `[total_q, hidden]` rows of a step.
+
+Expert weights are stored stacked, `[experts, out, in]` under `switch_mlp.*` (mlx-lm's layout,
+so its quantized checkpoints load as they are). The chosen experts run as gathered matmuls:
+one product per (token, expert) pair, with the pairs sorted by expert once there are enough of
+them that reading each expert's weights once pays for the sort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from metal_engine.models.moe_config import MoeConfig
+
+# (token, expert) pairs from which sorting by expert beats gathering in token order.
+SORT_PAIRS = 64
+Activation = Callable[[mx.array, mx.array], mx.array]  # (gate, up) -> hidden
+Dispatch = Literal["gather", "loop"]
+
+
+class SwitchLinear(nn.Module):
+    """One linear layer per expert: `weight [experts, out, in]`, optional `bias [experts, out]`."""
+
+    def __init__(self, in_dims: int, out_dims: int, num_experts: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = mx.zeros((num_experts, out_dims, in_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, out_dims))
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
+        """x `[..., 1, in]`, experts `[...]` -> `[..., 1, out]`, row i through expert i."""
+        out = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts,
+                           sorted_indices=sorted_experts)  # fmt: skip
+        return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
+
+    def expert(self, x: mx.array, e: int) -> mx.array:
+        """x `[rows, in]` through expert `e` alone (the per-expert loop)."""
+        out = x @ self.weight[e].T
+        return out if "bias" not in self else out + self.bias[e]
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
+                     **_: object) -> QuantizedSwitchLinear:
+        return QuantizedSwitchLinear(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear with each expert's weight quantized as `mx.quantize` packs it."""
+
+    def __init__(self, source: SwitchLinear, group_size: int, bits: int, mode: str) -> None:
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        packed = mx.quantize(source.weight, group_size, bits, mode=mode)
+        self.weight, self.scales = packed[0], packed[1]
+        if len(packed) > 2:
+            self.biases = packed[2]
+        if "bias" in source:
+            self.bias = source.bias
+        self.freeze()
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
+        out = mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=experts,
+                            transpose=True, group_size=self.group_size, bits=self.bits,
+                            mode=self.mode, sorted_indices=sorted_experts)  # fmt: skip
+        return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
+
+    def expert(self, x: mx.array, e: int) -> mx.array:
+        weight = mx.dequantize(self.weight[e], self.scales[e], self.get("biases")[e]
+                               if "biases" in self else None, self.group_size, self.bits,
+                               mode=self.mode)  # fmt: skip
+        out = x @ weight.T
+        return out if "bias" not in self else out + self.bias[e]
+
+
+class SwitchGLU(nn.Module):
+    """The experts: `down(act(gate(x), up(x)))`, each through its own weights."""
+
+    def __init__(self, hidden: int, inner: int, num_experts: int, activation: Activation,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = SwitchLinear(hidden, inner, num_experts, bias)
+        self.up_proj = SwitchLinear(hidden, inner, num_experts, bias)
+        self.down_proj = SwitchLinear(inner, hidden, num_experts, bias)
+        self._act = activation
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        """x `[rows, hidden]`, experts `[rows, k]` -> `[rows, k, hidden]`."""
+        rows, k = experts.shape
+        sort = experts.size >= SORT_PAIRS
+        x = mx.expand_dims(x, (-2, -3))  # [rows, 1, 1, hidden]: one matrix row per pair
+        if sort:
+            flat = experts.flatten()
+            order = mx.argsort(flat)
+            x, experts = x.flatten(0, -3)[order // k], flat[order]
+        h = self._act(self.gate_proj(x, experts, sort), self.up_proj(x, experts, sort))
+        out = self.down_proj(h, experts, sort)
+        if sort:
+            out = out[mx.argsort(order)].reshape(rows, k, 1, -1)
+        return out.squeeze(-2)
+
+    def loop(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
+        """The weighted sum over each row's experts, one expert at a time over the rows that
+        chose it (the dense-loop baseline the benchmark compares with)."""
+        out = mx.zeros_like(x)
+        chosen = experts.tolist()
+        for e in sorted({e for row in chosen for e in row}):
+            rows, slots = zip(*[(r, s) for r, row in enumerate(chosen)
+                                for s, c in enumerate(row) if c == e], strict=True)
+            rows_ix, slots_ix = mx.array(rows), mx.array(slots)
+            xe = x[rows_ix]
+            h = self._act(self.gate_proj.expert(xe, e), self.up_proj.expert(xe, e))
+            y = self.down_proj.expert(h, e) * weights[rows_ix, slots_ix][:, None]
+            out = out.at[rows_ix].add(y.astype(out.dtype))
+        return out
+
+
+class CorrectedGate(nn.Module):
+    """GLM's router weights plus the bias its expert choice (not the weights) adds."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = mx.zeros((num_experts, hidden))
+        self.e_score_correction_bias = mx.zeros((num_experts,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+
+
+def route(logits: mx.array, moe: MoeConfig,
+          correction: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """(weights `[rows, k]` float32, expert ids `[rows, k]`) from router logits."""
+    logits = logits.astype(mx.float32)
+    if moe.scoring == "softmax":
+        scores = mx.softmax(logits, axis=-1, precise=True)
+    else:
+        scores = mx.sigmoid(logits)
+    choice = scores if correction is None else scores + correction.astype(mx.float32)
+    if moe.num_groups > 1:
+        choice = _best_groups_only(choice, moe)
+    k = moe.experts_per_token
+    experts = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]
+    weights = mx.take_along_axis(scores, experts, axis=-1)
+    if moe.normalize_top_k:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return weights, experts.astype(mx.uint32)
+
+
+def _best_groups_only(choice: mx.array, moe: MoeConfig) -> mx.array:
+    """`choice` with experts outside each row's best groups (by their top-2 sum) at -inf."""
+    rows = choice.shape[0]
+    grouped = choice.reshape(rows, moe.num_groups, -1)
+    top2 = mx.topk(grouped, min(2, grouped.shape[-1]), axis=-1).sum(axis=-1)
+    drop = moe.num_groups - moe.groups_per_token
+    worst = mx.argpartition(top2, kth=drop - 1, axis=-1)[:, :drop]
+    mask = mx.zeros_like(top2).at[mx.arange(rows)[:, None], worst].add(1.0) > 0
+    grouped = mx.where(mask[..., None], -mx.inf, grouped)
+    return grouped.reshape(rows, -1)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ the shared expert GLM adds to every token)."""
+
+    dispatch: Dispatch = "gather"
+
+    def __init__(self, hidden: int, moe: MoeConfig, activation: Activation,
+                 gate: nn.Module, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.switch_mlp = SwitchGLU(hidden, moe.expert_intermediate_size, moe.num_experts,
+                                    activation)
+        if shared is not None:
+            self.shared_experts = shared
+        self._moe = moe
+
+    def __call__(self, x: mx.array) -> mx.array:
+        correction = self.gate.get("e_score_correction_bias")
+        weights, experts = route(self.gate(x), self._moe, correction)
+        if self.dispatch == "loop":
+            out = self.switch_mlp.loop(x, experts, weights)
+        else:
+            y = self.switch_mlp(x, experts)
+            out = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        return out if "shared_experts" not in self else out + self.shared_experts(x)
+
+
+def set_dispatch(model: nn.Module, dispatch: Dispatch) -> int:
+    """Run every MoE block of `model` with `dispatch`; returns how many there are."""
+    blocks = [m for _, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.dispatch = dispatch
+    return len(blocks)

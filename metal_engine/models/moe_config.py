@@ -1,0 +1,145 @@
+"""Mixture-of-experts settings read from a Hugging Face config, and written back.
+
+Each family names the same things differently (Mixtral `num_local_experts`, Qwen3-MoE
+`num_experts`, GLM-4.5 `n_routed_experts`); they read into one MoeConfig. Router variants this
+engine does not implement are refused by the config field that selects them, so a checkpoint
+is never served with the wrong routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Scoring = Literal["softmax", "sigmoid"]
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
+# config field -> the values this engine routes as the family's reference code does.
+_ROUTER_FIELDS = {
+    "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "qwen3_moe": {"scoring_func": ("softmax",)},
+    "mixtral": {"scoring_func": ("softmax",)},
+    "gpt_oss": {"scoring_func": ("softmax",)},
+}
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """How a token picks experts, and which layers have them.
+
+    Routing: `scoring` turns router logits into scores (softmax over all experts, or an
+    independent sigmoid each); the top `experts_per_token` are chosen (for sigmoid scoring with
+    `score_correction_bias` added, and only among the best `groups_per_token` of `num_groups`
+    groups); their scores become the weights, renormalized to sum 1 when `normalize_top_k`,
+    then times `routed_scaling_factor`.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    scoring: Scoring = "softmax"
+    normalize_top_k: bool = False
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    groups_per_token: int = 1
+    score_correction_bias: bool = False  # GLM: a learned bias added for the choice only
+    shared_intermediate_size: int = 0  # width of the always-on shared expert; 0: none
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.experts_per_token}) must be between 1 "
+                             f"and the number of experts ({self.num_experts})")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"n_group ({self.num_groups}) must divide the number of experts "
+                             f"({self.num_experts})")
+        if not 1 <= self.groups_per_token <= self.num_groups:
+            raise ValueError(f"topk_group ({self.groups_per_token}) must be between 1 and "
+                             f"n_group ({self.num_groups})")
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and self.groups_per_token * per_group < self.experts_per_token:
+            raise ValueError(f"topk_group ({self.groups_per_token}) groups of {per_group} "
+                             f"experts hold fewer than num_experts_per_tok "
+                             f"({self.experts_per_token})")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def to_hf(self, model_type: str) -> dict[str, Any]:
+        """The family's own config.json keys for these settings."""
+        common = {"num_experts_per_tok": self.experts_per_token}
+        if model_type in ("mixtral", "gpt_oss"):
+            return {**common, "num_local_experts": self.num_experts}
+        if model_type == "qwen3_moe":
+            return {**common, "num_experts": self.num_experts,
+                    "moe_intermediate_size": self.expert_intermediate_size,
+                    "norm_topk_prob": self.normalize_top_k, "decoder_sparse_step": 1,
+                    "mlp_only_layers": list(self.dense_layers)}  # fmt: skip
+        dense = len(self.dense_layers)
+        return {**common, "n_routed_experts": self.num_experts,
+                "moe_intermediate_size": self.expert_intermediate_size,
+                "norm_topk_prob": self.normalize_top_k,
+                "routed_scaling_factor": self.routed_scaling_factor,
+                "n_group": self.num_groups, "topk_group": self.groups_per_token,
+                "n_shared_experts": self.shared_intermediate_size // self.expert_intermediate_size,
+                "first_k_dense_replace": dense}  # fmt: skip
+
+
+def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
+    """The MoE settings of a config.json (None for a dense family)."""
+    model_type = cfg["model_type"]
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    _check_router(cfg)
+    layers = cfg["num_hidden_layers"]
+    if model_type in ("mixtral", "gpt_oss"):
+        return MoeConfig(
+            num_experts=_required(cfg, "num_local_experts"),
+            experts_per_token=_experts_per_token(cfg),
+            expert_intermediate_size=cfg["intermediate_size"],
+            normalize_top_k=True,  # GPT-OSS: a softmax over the top-k logits, the same thing
+        )
+    if model_type == "qwen3_moe":
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or ()) | {
+            i for i in range(layers) if (i + 1) % step}
+        return MoeConfig(
+            num_experts=cfg.get("num_experts") or _required(cfg, "num_local_experts"),
+            experts_per_token=_experts_per_token(cfg),
+            expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
+            normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
+            dense_layers=tuple(sorted(dense)),
+        )
+    expert_size = _required(cfg, "moe_intermediate_size")
+    return MoeConfig(
+        num_experts=cfg.get("n_routed_experts") or _required(cfg, "num_local_experts"),
+        experts_per_token=_experts_per_token(cfg),
+        expert_intermediate_size=expert_size,
+        scoring="sigmoid",
+        normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        num_groups=cfg.get("n_group", 1),
+        groups_per_token=cfg.get("topk_group", 1),
+        score_correction_bias=True,
+        shared_intermediate_size=expert_size * cfg.get("n_shared_experts", 1),
+        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), layers))),
+    )
+
+
+def _check_router(cfg: dict[str, Any]) -> None:
+    for key, supported in _ROUTER_FIELDS[cfg["model_type"]].items():
+        if key in cfg and cfg[key] not in supported:
+            raise ValueError(
+                f"config.json sets {key}={cfg[key]!r}: this {cfg['model_type']} router variant "
+                f"is not supported (supported: {', '.join(map(repr, supported))})"
+            )
+
+
+def _experts_per_token(cfg: dict[str, Any]) -> int:
+    # The original GPT-OSS config says experts_per_token.
+    return cfg.get("num_experts_per_tok") or _required(cfg, "experts_per_token")
+
+
+def _required(cfg: dict[str, Any], key: str) -> int:
+    if not cfg.get(key):
+        raise ValueError(f"config.json of a {cfg['model_type']} model lacks {key}")
+    return cfg[key]

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from server.anthropic.api import anthropic_router
 from server.async_engine import AsyncEngine
+from server.core.chat_turn import load_chat_format
 from server.http.auth import ApiKeyAuth
 from server.http.body_limit import RequestBody
 from server.http.client_timeouts import ResponseDeadline
@@ -88,6 +89,7 @@ def build_app(
     `app.state.drain` is what a graceful shutdown drains.
     """
     options = options or HttpOptions()
+    load_chat_format(async_engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -16,7 +16,8 @@ from server.anthropic.output import MessageBuilder
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from server.async_engine import AsyncEngine
 from server.core import assistant_turn
-from server.core.prompts import off_loop, prompt_of
+from server.core.chat_turn import prepare_chat
+from server.core.prompts import off_loop
 from server.core.turn_serving import serve_turn
 from server.http.limits import check_request_limits
 
@@ -41,7 +42,7 @@ def anthropic_router(
         """The prompt tokens a /v1/messages call with these fields reports."""
         check_request_limits(body)  # the same caps: counting renders every tool too
         chat = chat_request(body)
-        prompt, _ = await off_loop(prompt_of, engine.tokenizer, chat, tool_call_parser)
-        return TokenCount(input_tokens=len(prompt.ids)).model_dump()
+        prepared = await off_loop(prepare_chat, engine.tokenizer, chat, tool_call_parser)
+        return TokenCount(input_tokens=len(prepared.ids)).model_dump()
 
     return router

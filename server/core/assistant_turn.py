@@ -20,9 +20,9 @@ from metal_engine.outputs import RequestOutput
 from scheduler.request import FinishReason
 from server.async_engine import AsyncEngine, EngineError
 from server.core import generation
-from server.core.prompts import check_context, off_loop, prompt_of
-from server.core.reasoning import ReasoningStream, opens_reasoning
-from server.core.tool_call_stream import CallPiece, ToolCallStream
+from server.core.chat_turn import prepare_chat
+from server.core.prompts import check_context, off_loop
+from server.core.tool_call_stream import CallPiece
 from server.http.errors import APIError
 from server.openai.choice_streams import ChatChoiceStream
 from server.openai.protocol import ChatCompletionRequest, Usage
@@ -111,17 +111,16 @@ async def start(
     still a 400; its `param` is renamed through `param_names` to the caller's field."""
     names = param_names or {}
     try:
-        prompt, plan = await off_loop(prompt_of, engine.tokenizer, chat, parser_name)
+        prepared = await off_loop(prepare_chat, engine.tokenizer, chat, parser_name)
         max_tokens = check_context(
-            len(prompt.ids),
+            len(prepared.ids),
             chat.requested_max_tokens(),
             engine.max_model_len,
             names.get("messages", "messages"),
         )
-        structured = plan.structured() or chat.response_structure()
-        params = chat.sampling_params(max_tokens, structured, engine.sampling_defaults)
+        params = prepared.sampling_params(chat, max_tokens, engine.sampling_defaults)
         choices = await generation.start(
-            engine, prompt.ids, params, request_id, cache_salt=chat.cache_salt
+            engine, prepared.ids, params, request_id, cache_salt=chat.cache_salt
         )
     except APIError as exc:
         exc.param = names.get(exc.param or "", exc.param)
@@ -133,10 +132,7 @@ async def start(
         raise
     # The chat path's splitter into reasoning, content and tool calls (never raw call syntax).
     splitter = ChatChoiceStream(
-        ReasoningStream(starts_inside=opens_reasoning(prompt.text)),
-        ToolCallStream(plan.parser) if plan.parser is not None else None,
-        logprobs=None,
-        parallel_calls=chat.parallel_tool_calls,
+        prepared.new_parser(), logprobs=None, parallel_calls=chat.parallel_tool_calls
     )
     events = _events(first, choices, splitter)
     return Turn(first.num_prompt_tokens, first.num_cached_tokens, events, choices)

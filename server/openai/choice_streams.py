@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from server.core.reasoning import ReasoningStream
-from server.core.tool_call_stream import CallPiece, ToolCallStream
+from server.core.tool_call_stream import CallPiece
+from server.core.turn_parsing import TurnParser
 from server.openai.logprobs import LogprobsAligner, TokenEntry, chat_logprobs, completion_logprobs
 from server.openai.protocol import (
     AssistantMessage,
@@ -50,28 +50,24 @@ class ChatPiece:
 
 
 class ChatChoiceStream:
-    """Splits a chat choice's text into reasoning, content and tool calls, with logprobs."""
+    """Splits a chat choice into reasoning, content and tool calls (through the model
+    format's `parser`), with logprobs."""
 
     def __init__(
         self,
-        reasoning: ReasoningStream,
-        tools: ToolCallStream | None,
+        parser: TurnParser,
         logprobs: LogprobsAligner | None,
         parallel_calls: bool = True,
     ) -> None:
-        self.reasoning = reasoning
-        self.tools = tools
+        self.parser = parser
         self.logprobs = logprobs
         self.parallel_calls = parallel_calls
         self.calls: list[ToolCall] = []  # the calls so far, their arguments as streamed
         self.num_complete = 0  # calls that ended whole (not cut by the end of the text)
 
     def feed(self, output: RequestOutput) -> ChatPiece:
-        final = output.finished
-        reasoning, content = self.reasoning.feed(output.new_text, final)
-        pieces: list[CallPiece] = []
-        if self.tools is not None:
-            content, pieces = self.tools.feed(content, final)
+        turn = self.parser.feed(output)
+        reasoning, content, pieces = turn.reasoning, turn.content, turn.calls
         if not self.parallel_calls:
             pieces = [piece for piece in pieces if piece.index == 0]
         for piece in pieces:

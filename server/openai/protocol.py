@@ -64,6 +64,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # on assistant messages
     tool_call_id: str | None = None  # on tool messages
     name: str | None = None
+    # An earlier answer's reasoning, as this server returned it; harmony prompts (GPT-OSS)
+    # keep it while its turn's tool calls run, chat templates leave it out.
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _fields_of_its_role(self) -> ChatMessage:
@@ -261,6 +264,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # How long GPT-OSS (harmony) models think: low, medium or high; other models ignore it.
+    reasoning_effort: str | None = None
 
     @field_validator("messages")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,15 +15,8 @@ from starlette.requests import Request
 
 from server.async_engine import AsyncEngine
 from server.core import generation
-from server.core.prompts import (
-    check_context,
-    check_token_ids,
-    completion_prompt_ids,
-    off_loop,
-    prompt_of,
-)
-from server.core.reasoning import ReasoningStream, opens_reasoning
-from server.core.tool_call_stream import ToolCallStream
+from server.core.chat_turn import prepare_chat
+from server.core.prompts import check_context, check_token_ids, completion_prompt_ids, off_loop
 from server.core.tool_parsers import parser_named
 from server.http.errors import APIError
 from server.http.sse import CLIENT_CLOSED, event_stream
@@ -62,6 +56,7 @@ class _Endpoint:
     # The response (whole, or one stream chunk) from id, created, choices and usage.
     response: Callable[[str, int, list[Any], Usage | None], BaseModel]
     head: Callable[[int], BaseModel] | None = None  # a stream's first item for choice k
+    stop_token_ids: tuple[int, ...] = ()  # the prompt format's own ends of a turn
 
 
 @dataclass(frozen=True)
@@ -78,14 +73,12 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         tokenizer = self.engine.tokenizer
         self._check_count(body.n, 1)
-        prompt, tools = await off_loop(prompt_of, tokenizer, body, self.tool_call_parser)
-        structured = tools.structured() or body.response_structure()
+        prepared = await off_loop(prepare_chat, tokenizer, body, self.tool_call_parser)
 
         def new_stream(_: int) -> ChatChoiceStream:
             return ChatChoiceStream(
-                ReasoningStream(starts_inside=opens_reasoning(prompt.text)),
-                ToolCallStream(tools.parser) if tools.parser is not None else None,
-                LogprobsAligner(tokenizer, prompt.ids) if body.logprobs else None,
+                prepared.new_parser(),
+                LogprobsAligner(tokenizer, prepared.ids) if body.logprobs else None,
                 body.parallel_tool_calls,
             )
 
@@ -100,8 +93,9 @@ class Serving:
         def head(index: int) -> BaseModel:
             return ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
 
-        endpoint = _Endpoint("chatcmpl", "messages", new_stream, response, head)
-        return await self._serve(body, request, [prompt.ids], structured, endpoint)
+        endpoint = _Endpoint("chatcmpl", "messages", new_stream, response, head,
+                             prepared.stop_token_ids)  # fmt: skip
+        return await self._serve(body, request, [prepared.ids], prepared.structured, endpoint)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         tokenizer = self.engine.tokenizer
@@ -142,6 +136,9 @@ class Serving:
             check_context(len(ids), requested, context, endpoint.prompt_param) for ids in prompts
         )
         params = body.sampling_params(max_tokens, structured, self.engine.sampling_defaults)
+        if endpoint.stop_token_ids:
+            stops = (*params.stop_token_ids, *endpoint.stop_token_ids)
+            params = dataclasses.replace(params, stop_token_ids=stops)
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         start = generation.start_prompts(

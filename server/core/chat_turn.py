@@ -1,0 +1,84 @@
+"""A chat request as the engine's input and the parser of its answer, in the model's format:
+the chat template's (prompts.py, chat_tools.py, reasoning.py, tool_call_stream.py) or, for
+a tokenizer that speaks harmony (GPT-OSS), harmony's (harmony_*.py). Every API starts its
+assistant turns here, so each format serves all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from server.core.harmony_encoding import harmony_encoding, speaks_harmony
+from server.core.harmony_parsing import HarmonyTurnParser
+from server.core.harmony_prompts import harmony_prompt_ids
+from server.core.prompts import prompt_of
+from server.core.reasoning import ReasoningStream, opens_reasoning
+from server.core.tool_call_stream import ToolCallStream
+from server.core.turn_parsing import TemplateTurnParser, TurnParser
+from server.http.errors import APIError
+from server.openai.protocol import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from scheduler import SamplingParams
+    from scheduler.sampling_params import StructuredOutput
+    from server.sampling_defaults import SamplingDefaults
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """The prompt's token ids, what the sampler must add for this format, and a factory of
+    parsers for the answer (one per choice)."""
+
+    ids: list[int]
+    structured: StructuredOutput | None  # a forced call's or response_format's schema
+    stop_token_ids: tuple[int, ...]  # the format's own ends of a turn
+    new_parser: Callable[[], TurnParser]
+
+    def sampling_params(
+        self, chat: ChatCompletionRequest, max_tokens: int, defaults: SamplingDefaults
+    ) -> SamplingParams:
+        params = chat.sampling_params(max_tokens, self.structured, defaults)
+        if not self.stop_token_ids:
+            return params
+        stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.stop_token_ids)))
+        return dataclasses.replace(params, stop_token_ids=stops)
+
+
+def load_chat_format(tokenizer: Any) -> None:
+    """Build what the model's format needs before serving (harmony's encoding), so that a
+    vocabulary the library refuses stops the server's start, not its first request."""
+    if speaks_harmony(tokenizer):
+        harmony_encoding(tokenizer)
+
+
+def prepare_chat(
+    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None
+) -> PreparedChat:
+    """The request in the model's format; a 400 for what that format cannot carry.
+    `parser_name` (`--tool-call-parser`) only concerns chat templates."""
+    if speaks_harmony(tokenizer):
+        return _harmony_chat(tokenizer, chat)
+    prompt, plan = prompt_of(tokenizer, chat, parser_name)
+    starts_inside = opens_reasoning(prompt.text)
+
+    def new_parser() -> TurnParser:
+        tools = ToolCallStream(plan.parser) if plan.parser is not None else None
+        return TemplateTurnParser(ReasoningStream(starts_inside=starts_inside), tools)
+
+    structured = plan.structured() or chat.response_structure()
+    return PreparedChat(prompt.ids, structured, (), new_parser)
+
+
+def _harmony_chat(tokenizer: Any, chat: ChatCompletionRequest) -> PreparedChat:
+    try:
+        encoding = harmony_encoding(tokenizer)
+    except ValueError as exc:  # the server's model, not the request, is at fault
+        raise APIError(str(exc), status_code=500) from exc
+    ids = harmony_prompt_ids(encoding, chat, datetime.date.today().isoformat())
+    # <|return|> ends the answer, <|call|> a tool call for the client to run.
+    stops = tuple(encoding.stop_tokens_for_assistant_actions())
+    return PreparedChat(ids, None, stops, lambda: HarmonyTurnParser(encoding))

@@ -3,10 +3,11 @@
 On a Metal device the paged-attention kernels serve every call they support (dtype, head
 dim); on MLX's CPU backend a numpy implementation over views of the pools does (fp32/fp16
 pools); anything else goes to the pure-MLX reference. The kernels are judged per `Variant`
-(pool dtype, head dim, block size, heads, whether the layer has a window / a soft-cap): the
-first call of a variant builds its kernels and checks them against the reference on a small
-step with the layer's options. A variant that fails that check, or whose kernels raise later,
-falls back (one warning naming it and the reason); every other variant stays on the kernels.
+(pool dtype, head dim, block size, heads, whether the layer has a window / a soft-cap /
+attention sinks): the first call of a variant builds its kernels and checks them against the
+reference on a small step with the layer's options. A variant that fails that check, or
+whose kernels raise later, falls back (one warning naming it and the reason); every other
+variant stays on the kernels.
 
 K/V are written by `write_kv`, an in-place MLX scatter: `mx.fast.metal_kernel` outputs are
 always fresh allocations, so a kernel cannot update the pool in place.
@@ -49,20 +50,22 @@ class Variant(NamedTuple):
     kv_heads: int
     windowed: bool = False
     softcapped: bool = False
+    with_sinks: bool = False
 
     @property
     def name(self) -> str:
         dtype = str(self.dtype).removeprefix("mlx.core.")
-        options = "-window" * self.windowed + "-softcap" * self.softcapped
+        options = ("-window" * self.windowed + "-softcap" * self.softcapped
+                   + "-sinks" * self.with_sinks)
         return (f"{dtype}-d{self.head_dim}-bs{self.block_size}"
                 f"-h{self.num_heads}kv{self.kv_heads}{options}")
 
 
 def variant_of(q: mx.array, k_pool: mx.array, window: int | None = None,
-               softcap: float | None = None) -> Variant:
+               softcap: float | None = None, sinks: mx.array | None = None) -> Variant:
     _, block_size, kv_heads, head_dim = k_pool.shape
     return Variant(k_pool.dtype, head_dim, block_size, q.shape[1], kv_heads,
-                   window is not None, softcap is not None)
+                   window is not None, softcap is not None, sinks is not None)
 
 
 @dataclass
@@ -91,27 +94,37 @@ _state = _Dispatch()
 
 def paged_attention(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Packed varlen causal attention: `q [total_q, H, D]` -> `[total_q, H, D]`.
 
     `k_pool`/`v_pool` are `[num_blocks, block_size, kv_heads, head_dim]`; query heads
     `h` use KV head `h // (H // kv_heads)` (GQA). A layer's `window` (None: global) limits a
     row at position p to keys `p - window + 1 .. p`; `softcap` maps scores s (after `scale`)
-    to `softcap * tanh(s / softcap)` before the softmax.
+    to `softcap * tanh(s / softcap)` before the softmax. `sinks [H]` (GPT-OSS) joins one
+    logit per head to every row's softmax, as is (no scale, no cap), with no value: the
+    probability it takes is dropped; -inf is the same as no sink.
     """
-    route = _route(q, k_pool, window, softcap)
+    _check_sinks(sinks, q.shape[1])
+    route = _route(q, k_pool, window, softcap, sinks)
     if route is not None:
         kernels, verdicts = route
         try:
-            return kernels(q, k_pool, v_pool, meta, scale, window, softcap)
+            return kernels(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
         except Exception as exc:  # a launch the first-use check did not meet
             if verdicts is None:  # kernels forced by `use_kernels`: the caller wants to see it
                 raise
-            _fall_back(verdicts, variant_of(q, k_pool, window, softcap), _describe(exc))
+            _fall_back(verdicts, variant_of(q, k_pool, window, softcap, sinks), _describe(exc))
     if on_cpu() and cpu_attention.supports(q, k_pool):
-        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window, softcap)
-    return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
+        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window, softcap,
+                                                 sinks)
+    return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+
+
+def _check_sinks(sinks: mx.array | None, num_heads: int) -> None:
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks has shape {sinks.shape}; it needs one logit per query head: "
+                         f"({num_heads},)")
 
 
 @contextlib.contextmanager
@@ -144,7 +157,8 @@ def kernels_disabled_reason(variant: Variant | None = None) -> str | None:
     return "; ".join(f"{v.name}: {why}" for v, why in fallbacks.items()) or None
 
 
-def _route(q: mx.array, k_pool: mx.array, window: int | None, softcap: float | None):
+def _route(q: mx.array, k_pool: mx.array, window: int | None, softcap: float | None,
+           sinks: mx.array | None):
     """(kernels, verdicts to record a failure in; None for unchecked ones), or None."""
     if _state.override is None:
         if _state.metal is None:
@@ -156,7 +170,7 @@ def _route(q: mx.array, k_pool: mx.array, window: int | None, softcap: float | N
     if _state.override is not None and _state.override_verdicts is None:
         return _state.override, None
     verdicts = _state.active_verdicts
-    variant = variant_of(q, k_pool, window, softcap)
+    variant = variant_of(q, k_pool, window, softcap, sinks)
     if variant in verdicts.fallbacks:
         return None
     kernels = _state.override or _built_kernels()
@@ -183,7 +197,8 @@ def _fall_back(verdicts: _Verdicts, variant: Variant, reason: str) -> None:
 
 def first_use_case(variant: Variant, window: int | None = None,
                    softcap: float | None = None) -> Case:
-    """The small mixed step a variant is checked on, with the layer's window and soft-cap.
+    """The small mixed step a variant is checked on, with the layer's window and soft-cap
+    (and random sinks if it has them).
 
     A window is shortened so that it cuts into the step's contexts (starts mid-block).
     """
@@ -191,7 +206,8 @@ def first_use_case(variant: Variant, window: int | None = None,
     requests = ((2 * bs + 3, 1), (0, 1), (bs - 1, 33))  # decodes; a chunk over 32-row tiles
     return Case(variant.dtype, variant.head_dim, bs, variant.num_heads, variant.kv_heads,
                 requests, window=min(window or bs + 3, bs + 3) if variant.windowed else None,
-                softcap=(softcap or CHECK_SOFTCAP) if variant.softcapped else None)
+                softcap=(softcap or CHECK_SOFTCAP) if variant.softcapped else None,
+                sinks=variant.with_sinks)
 
 
 def check_variant(kernels: PagedAttentionKernels, variant: Variant, window: int | None = None,

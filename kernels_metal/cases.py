@@ -32,6 +32,7 @@ class Case:
     partition_size: int | None = None
     window: int | None = None  # sliding window of the layer; None: global attention
     softcap: float | None = None
+    sinks: bool = False  # random per-head sink logits (`case_sinks`)
 
     @property
     def name(self) -> str:
@@ -39,9 +40,10 @@ class Case:
         split = f"-p{self.partition_size}" if self.partition_size else ""
         window = f"-w{self.window}" if self.window else ""
         softcap = f"-cap{self.softcap:g}" if self.softcap else ""
+        sinks = "-sinks" if self.sinks else ""
         dtype = str(self.dtype).removeprefix("mlx.core.")
         return (f"{dtype}-d{self.head_dim}-bs{self.block_size}-h{self.num_heads}"
-                f"kv{self.kv_heads}-[{reqs}]{split}{window}{softcap}")
+                f"kv{self.kv_heads}-[{reqs}]{split}{window}{softcap}{sinks}")
 
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -113,9 +115,26 @@ WINDOW_CASES = [
 ]
 
 
+# Attention sinks (GPT-OSS: head dim 64, 64 query over 8 KV heads, a 128-key window on every
+# other layer): decode in one partition and split, prefill tiles, mixed steps, with windows.
+SINK_CASES = [
+    Case(mx.float32, 64, 16, 8, 1, ((30, 1), (100, 1), (0, 1), (20, 40)), sinks=True),
+    Case(mx.float32, 64, 16, 8, 1, ((30, 1), (100, 1), (0, 1), (20, 40)), 32, window=24,
+         sinks=True),
+    Case(mx.float16, 64, 16, 16, 1, ((200, 1), (7, 1), (60, 33)), 64, sinks=True),  # 2 chunks
+    Case(mx.bfloat16, 64, 32, 8, 1, ((300, 1), (150, 2), (40, 70)), 48, window=128,
+         sinks=True),
+    Case(mx.float16, 128, 16, 6, 2, ((0, 45), (33, 17)), window=20, sinks=True),  # prefill only
+    Case(mx.float32, 96, 32, 4, 4, tuple((c, 1) for c in (1, 40, 90, 170)), 32, sinks=True),
+    Case(mx.bfloat16, 256, 16, 4, 2, ((70, 1), (30, 25)), 32, window=24, softcap=50.0,
+         sinks=True),
+    Case(mx.float16, 80, 32, 6, 3, ((5, 1), (12, 13), (64, 3)), window=9, sinks=True),
+]
+
+
 def grid() -> list[Case]:
     """The kernel check grid: every variant once, then the edge cases."""
-    return variant_cases() + EDGE_CASES + WINDOW_CASES
+    return variant_cases() + EDGE_CASES + WINDOW_CASES + SINK_CASES
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -153,6 +172,15 @@ def make_inputs(case: Case, seed: int = 0):
             meta, d**-0.5)
 
 
+def case_sinks(case: Case, seed: int = 0) -> mx.array | None:
+    """The case's `[num_heads]` float32 sink logits, or None: from well below the scores
+    (unit-variance here) to far above them, so some heads give the sink most of the mass."""
+    if not case.sinks:
+        return None
+    rng = np.random.default_rng([seed, case.num_heads])
+    return mx.array(rng.uniform(-4.0, 6.0, case.num_heads).astype(np.float32))
+
+
 @dataclass(frozen=True)
 class CaseResult:
     max_error: float  # largest |kernel - reference|; NaN if the kernel produced NaN
@@ -166,9 +194,11 @@ class CaseResult:
 def check(kernels, case: Case, seed: int = 0) -> CaseResult:
     """Run `kernels` on the case and compare with the fp32 reference on the same inputs."""
     q, k_pool, v_pool, meta, scale = make_inputs(case, seed)
+    sinks = case_sinks(case, seed)
     f32 = [a.astype(mx.float32) for a in (q, k_pool, v_pool)]
-    expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap))
-    got = kernels(q, k_pool, v_pool, meta, scale, case.window, case.softcap)
+    expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap,
+                                                  sinks))
+    got = kernels(q, k_pool, v_pool, meta, scale, case.window, case.softcap, sinks)
     if got.shape != q.shape or got.dtype != q.dtype:
         raise AssertionError(f"{case.name}: got {got.shape} {got.dtype}, want {q.shape} {q.dtype}")
     got = np.array(got.astype(mx.float32))

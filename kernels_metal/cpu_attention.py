@@ -64,7 +64,7 @@ def supports(q: mx.array, k_pool: mx.array) -> bool:
 
 def paged_attention_cpu(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Same contract as `paged_attention_reference`."""
     key = ("cpu", window, q.shape[1])
@@ -73,12 +73,13 @@ def paged_attention_cpu(
     plan: CpuPlan = meta.backend_plans[key]
     queries = np.asarray(q.astype(mx.float32))  # [total_q, H, D]
     keys, values = np.asarray(k_pool), np.asarray(v_pool)  # zero-copy views of the pools
-    out = _attend_all(queries, keys, values, plan, scale, softcap)
+    sink_logits = None if sinks is None else np.asarray(sinks.astype(mx.float32))
+    out = _attend_all(queries, keys, values, plan, scale, softcap, sink_logits)
     return mx.array(out).astype(q.dtype)
 
 
 def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,
-                scale: float, softcap: float | None) -> np.ndarray:
+                scale: float, softcap: float | None, sinks: np.ndarray | None) -> np.ndarray:
     kv_heads = keys.shape[2]
     prefixes = [tuple(_gather(pool, blocks[None])[0] for pool in (keys, values))
                 for blocks in plan.prefixes]
@@ -92,7 +93,7 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
         k, v = k_all[:, keys_seen], v_all[:, keys_seen]
         shared = None if part.prefix is None else prefixes[part.prefix]
         out[part.rows] = _attend(queries[part.rows], k, v, shared,
-                                 part, kv_heads, scale, softcap)
+                                 part, kv_heads, scale, softcap, sinks)
     return out
 
 
@@ -106,8 +107,9 @@ def _gather(pool: np.ndarray, tables: np.ndarray) -> np.ndarray:
 
 def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
             shared: tuple[np.ndarray, np.ndarray] | None, part: Slice, kv_heads: int,
-            scale: float, softcap: float | None) -> np.ndarray:
-    """Softmax attention of `rows [R * n, H, D]` over their keys (and the shared ones)."""
+            scale: float, softcap: float | None, sinks: np.ndarray | None) -> np.ndarray:
+    """Softmax attention of `rows [R * n, H, D]` over their keys (and the shared ones, and
+    each head's sink logit)."""
     num_requests, n = k.shape[0], part.rows_each
     heads, head_dim = rows.shape[1], rows.shape[2]
     g = heads // kv_heads
@@ -132,7 +134,8 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
     if part.blocked is not None:
         masked = scores.reshape(num_requests, kv_heads, n, g, -1)[..., part.mask_from:]
         blocked = masked, part.blocked[:, None, :, None, :]
-    total = _softmax(scores, by_request, blocked)
+    sink_logits = None if sinks is None else _sinks_by_column(sinks, kv_heads, n)
+    total = _softmax(scores, by_request, blocked, sink_logits)
     out = scores @ v.transpose(0, 2, 1, 3)  # [R, kvh, n * g, D]
     if shared_scores is not None:
         shared_out = shared_scores @ shared[1].transpose(1, 0, 2)  # [kvh, R * n * g, D]
@@ -142,16 +145,27 @@ def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
     return out.reshape(num_requests * n, heads, head_dim)
 
 
+def _sinks_by_column(sinks: np.ndarray, kv_heads: int, n: int) -> np.ndarray:
+    """Sink logits `[H]` laid out as the score rows of `_attend`: `[1, kvh, n * g, 1]`."""
+    g = len(sinks) // kv_heads
+    by_head = np.broadcast_to(sinks.reshape(kv_heads, 1, g), (kv_heads, n, g))
+    return by_head.reshape(1, kv_heads, n * g, 1)
+
+
 def _softmax(scores: np.ndarray, shared: np.ndarray | None,
-             blocked: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+             blocked: tuple[np.ndarray, np.ndarray] | None,
+             sinks: np.ndarray | None = None) -> np.ndarray:
     """Unnormalized softmax weights in place over the last axis of `scores` and `shared`
-    (the same rows' shared keys) together; returns the rows' totals. `blocked` is a view of
+    (the same rows' shared keys) together; returns the rows' totals, which include the
+    weight of each row's `sinks` logit (a key with no value). `blocked` is a view of
     `scores` and the mask of its entries that get no weight."""
     if blocked is not None:
         np.copyto(blocked[0], -np.inf, where=blocked[1])
     row_max = scores.max(axis=-1, keepdims=True)
     if shared is not None:
         np.maximum(row_max, shared.max(axis=-1, keepdims=True), out=row_max)
+    if sinks is not None:
+        np.maximum(row_max, sinks, out=row_max)
     # Softmax does not change with a shift of a row. The slice is shifted by its row maxima
     # only if one of them lies outside the range where exp is safe to take unshifted.
     low, high = UNSHIFTED_MAX_RANGE
@@ -166,6 +180,8 @@ def _softmax(scores: np.ndarray, shared: np.ndarray | None,
         if shift:
             shared -= row_max
         total += _exp_floored(shared).sum(axis=-1, keepdims=True)
+    if sinks is not None:  # unfloored: a sink of -inf weighs exactly 0
+        total += np.exp(sinks - row_max) if shift else np.exp(sinks)
     return total
 
 

@@ -19,7 +19,9 @@ scale * log2(e); scores soft-capped when the call asks for it) over every (32 / 
 a tile, and the groups merge by log-sum-exp at the end.
 
 With one partition the kernel writes the final output; with several it writes each
-partition's normalised output and (max, sum), and `reduce` merges them.
+partition's normalised output and (max, sum), and `reduce` merges them. A head's attention
+sink (GPT-OSS: one more logit in the softmax, with no value) joins once per row, where the
+final output is normalised: here with one partition, in `reduce` with several.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ MAX_HEADS_PER_THREADGROUP = 8
 # kernels, safe because no NaN or infinity ever arises in them: the mask sentinel is -FLT_MAX,
 # finite, so every exp2 argument is finite and <= 0 (a masked score minus a finite max stays
 # -FLT_MAX) and two sentinels subtract to 0; they never read a K/V row they did not stage;
-# decode divides by l >= 1, prefill only by l > 0; fast exp2's error (3 + |2x| ulp) and the
-# flush of results below 2^-126 stay far inside the cases' tolerances. The soft-cap's tanh
-# stays precise::. The reduce kernel, one pass per row and head, keeps the safe mode.
+# decode divides by l >= 1, prefill only by l > 0; sink logits arrive finite (no sink:
+# -FLT_MAX, `plan.sink_input`) and their fold keeps exp2 arguments <= 0, sums no smaller; fast
+# exp2's error (3 + |2x| ulp) and the flush of results below 2^-126 stay far inside the
+# cases' tolerances. The soft-cap's tanh stays precise::. The reduce kernel, one pass per
+# row and head, keeps the safe mode.
 FAST_MATH = {"math_mode": "fast"}
 
 
@@ -87,9 +91,18 @@ HEAD_GROUP_SOURCE = """
   const int nh = min(NH, qpg - chunk * NH);
 """
 
+# A row's sink folded into its final (max m, sum l): the sink's weight joins l, and `keep`
+# rescales what the keys hold (1 exactly unless the sink is the larger, so that a sink of
+# -FLT_MAX, which stands for none, changes no bit). Needs `h`, `m`, `l`; sets `keep`.
+SINK_FOLD_SOURCE = """\
+    const float sink = sinks[h];
+    keep = sink > m ? exp2(m - sink) : 1.0f;
+    l = l * keep + (sink > m ? 1.0f : exp2(sink - m));"""
+
 # params: [H, KVH, max_blocks, part_size, num_parts, num_rows, chunks, NH, scale*log2e bits,
 #          (prefill: BQ), (prefill: window), softcap*log2e bits]
 # rows: [packed query row, request, context length, first key it sees] per decode row
+# sinks: [max(H, 8)] float32, each head's sink logit * log2e; -FLT_MAX: no sink
 DECODE_SOURCE = """
   const int H = params[0], KVH = params[1], MB = params[2], PART = params[3];
   const int NPARTS = params[4], NROWS = params[5], CHUNKS = params[6], NH = params[7];
@@ -227,7 +240,11 @@ DECODE_SOURCE = """
     m = m_new;
   }
   const int h = h0 + sg;
-  const float inv = 1.0f / l;
+  float keep = 1.0f;
+  if (NPARTS == 1) {  // split rows get their sink in the reduce, once
+""" + SINK_FOLD_SOURCE + """
+  }
+  const float inv = keep / l;
   const long base = NPARTS == 1 ? long(row) * H + h : (long(part) * NROWS + row) * H + h;
   for (int c = grp; c < NCH; c += G) {  // the groups now agree: each writes some chunks
     #pragma clang loop unroll(full)
@@ -255,11 +272,12 @@ REDUCE_SOURCE = """
   const int lane = int(thread_index_in_simdgroup);
   constexpr int NACC = (D + 31) / 32;
   const int nparts = (rows[row * 4 + 2] - rows[row * 4 + 3] + PART - 1) / PART;
-  float top = -FLT_MAX;
+  const float sink = sinks[h];  // the row's sink joins here, once (decode.py)
+  float top = sink;
   for (int p = 0; p < nparts; ++p) {
     top = max(top, part_ml[((long(p) * NROWS + row) * H + h) * 2]);
   }
-  float total = 0.0f;
+  float total = exp2(sink - top);  // 0 for no sink (-FLT_MAX)
   float acc[NACC];
   #pragma clang loop unroll(full)
   for (int k = 0; k < NACC; ++k) {
@@ -290,22 +308,24 @@ REDUCE_SOURCE = """
 def make_decode_kernels(metal_kernel) -> tuple:
     decode = metal_kernel(
         name="paged_attention_decode",
-        input_names=["q", "k_pool", "v_pool", "block_tables", "rows", "params"],
+        input_names=["q", "k_pool", "v_pool", "block_tables", "rows", "params", "sinks"],
         output_names=["out", "part_out", "part_ml"],
         source=DECODE_SOURCE,
         compile_options=FAST_MATH,
     )
     reduce = metal_kernel(
         name="paged_attention_reduce",
-        input_names=["part_out", "part_ml", "rows", "params"],
+        input_names=["part_out", "part_ml", "rows", "params", "sinks"],
         output_names=["out"],
         source=REDUCE_SOURCE,
     )
     return decode, reduce
 
 
-def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params) -> mx.array:
-    """Attention of `work.num_rows` single query rows: `[num_rows, H, D]` in the pool dtype."""
+def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params,
+               sinks: mx.array) -> mx.array:
+    """Attention of `work.num_rows` single query rows: `[num_rows, H, D]` in the pool dtype.
+    `sinks` is the kernels' form of the layer's sinks (`plan.sink_input`)."""
     decode, reduce = kernels
     _, block_size, kv_heads, head_dim = k_pool.shape
     num_heads = q.shape[1]
@@ -316,7 +336,7 @@ def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params) -> mx.arr
     split = work.num_parts > 1
     n, parts = work.num_rows, work.num_parts
     out, part_out, part_ml = decode(
-        inputs=[q, k_pool, v_pool, block_tables, work.rows, params],
+        inputs=[q, k_pool, v_pool, block_tables, work.rows, params, sinks],
         template=template,
         grid=(32 * work.heads_per_group * kv_heads * work.chunks, n, parts),
         threadgroup=(32 * work.heads_per_group, 1, 1),
@@ -328,7 +348,7 @@ def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params) -> mx.arr
     if not split:
         return out
     (out,) = reduce(
-        inputs=[part_out, part_ml, work.rows, params],
+        inputs=[part_out, part_ml, work.rows, params, sinks],
         template=[("T", dtype), ("D", head_dim)],
         grid=(32, num_heads, n),
         threadgroup=(32, 1, 1),

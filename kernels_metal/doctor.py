@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from kernels_metal import attention, cpu_attention
 from kernels_metal.attention import Variant
-from kernels_metal.cases import DTYPES, HEAD_DIMS, Case, check, grid, make_inputs
+from kernels_metal.cases import DTYPES, HEAD_DIMS, Case, case_sinks, check, grid, make_inputs
 from kernels_metal.cost import step_cost
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import PlanOptions
@@ -40,9 +40,11 @@ EXIT_NOTHING_TO_CHECK = 2
 THREADGROUP_MEMORY = 32768  # Apple GPUs' threadgroup memory per threadgroup
 REPORT_WINDOW, REPORT_SOFTCAP = 256, 50.0
 
-# One variant per (dtype, head dim) at GQA 4, then Gemma 2's shape: head dim 256, window, cap.
+# One variant per (dtype, head dim) at GQA 4, then Gemma 2's shape (head dim 256, window, cap)
+# and GPT-OSS's (head dim 64, GQA 8, window, sinks).
 VARIANTS = [Variant(t, d, 16, 8, 2) for t in DTYPES for d in HEAD_DIMS] + [
-    Variant(t, 256, 16, 8, 2, windowed=True, softcapped=True) for t in DTYPES]
+    Variant(t, 256, 16, 8, 2, windowed=True, softcapped=True) for t in DTYPES] + [
+    Variant(t, 64, 16, 8, 1, windowed=True, with_sinks=True) for t in DTYPES]
 
 Timer = Callable[[Callable[[], mx.array]], float]  # seconds one call of the thunk takes
 
@@ -168,7 +170,7 @@ def report_variants(metal_kernel, variants: list[Variant], workloads, timer: Tim
     Returns how many variants failed their first-use check (the dispatcher would send them
     to the reference). `timer` None: no timings (the emulator, `--no-timing`).
     """
-    print("\nPer variant (pool dtype, head dim, block size, heads, window/softcap). MLX's "
+    print("\nPer variant (pool dtype, head dim, block size, heads, window/softcap/sinks). MLX's "
           "Python API does not expose a kernel's pipeline: its thread limit "
           "(maxTotalThreadsPerThreadgroup) shows only when MLX refuses a launch above it; the "
           "threadgroup memory is what the kernel source declares.")
@@ -192,7 +194,7 @@ def _report_workload(metal_kernel, kernels, variant, workload, timer, emulated) 
     print(f"  {workload.name}:")
     failure = None
     try:
-        PagedAttentionKernels(log)(*inputs, case.window, case.softcap)
+        PagedAttentionKernels(log)(*inputs, case.window, case.softcap, case_sinks(case))
     except Exception as exc:  # the launches before it are still worth printing
         failure = f"{type(exc).__name__}: {_first_line(exc)}"
     for launch in log.launches:
@@ -207,7 +209,8 @@ def workload_case(variant: Variant, workload: Workload) -> Case:
     return Case(variant.dtype, variant.head_dim, variant.block_size, variant.num_heads,
                 variant.kv_heads, workload.requests,
                 window=REPORT_WINDOW if variant.windowed else None,
-                softcap=REPORT_SOFTCAP if variant.softcapped else None)
+                softcap=REPORT_SOFTCAP if variant.softcapped else None,
+                sinks=variant.with_sinks)
 
 
 def timing_line(kernels, case: Case, inputs, timer: Timer) -> str:
@@ -217,7 +220,7 @@ def timing_line(kernels, case: Case, inputs, timer: Timer) -> str:
     cost = step_cost(meta, case.num_heads, case.kv_heads, case.head_dim, case.dtype.size,
                      case.window)
     moved = cost.kv_read_bytes + cost.other_bytes
-    args = (q, k_pool, v_pool, meta, scale, case.window, case.softcap)
+    args = (q, k_pool, v_pool, meta, scale, case.window, case.softcap, case_sinks(case))
     kernel_s = timer(lambda: kernels(*args))
     reference_s = timer(lambda: paged_attention_reference(*args))
 

@@ -49,12 +49,12 @@ class PagedAttentionKernels:
 
     def __call__(self, q: mx.array, k_pool: mx.array, v_pool: mx.array,
                  meta: AttentionMetadata, scale: float, window: int | None = None,
-                 softcap: float | None = None) -> mx.array:
+                 softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
         """Same contract as `paged_attention_reference`."""
         num_heads, kv_heads = q.shape[1], k_pool.shape[2]
         plan = self.plan(meta, num_heads, kv_heads, window)
         params = params_for(plan, num_heads, kv_heads, scale, softcap)
         queries = q.astype(k_pool.dtype) if q.dtype != k_pool.dtype else q
         out = run_plan(plan, self.decode_kernels, self.prefill_kernel, queries, k_pool, v_pool,
-                       params)
+                       params, sinks)
         return out.astype(q.dtype) if out.dtype != q.dtype else out

@@ -13,6 +13,7 @@ changes how a decode row is computed. Every layer of the step reuses the plan.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import cache
 
@@ -40,6 +41,8 @@ THREADGROUPS_PER_CORE = 4
 CORES_BY_TIER = {"Ultra": 64, "Max": 32, "Pro": 16}
 CORES_BY_ARCH_LETTER = {"d": 64, "c": 32, "s": 16, "g": 10}
 MIN_METADATA_ELEMENTS = 8  # MLX passes smaller inputs in `constant` space: another kernel source
+LOG2E = math.log2(math.e)
+FLT_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -156,24 +159,41 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
 
 
 def run_plan(plan: KernelPlan, decode_kernels, prefill_kernel, q: mx.array, k_pool: mx.array,
-             v_pool: mx.array, params: mx.array) -> mx.array:
+             v_pool: mx.array, params: mx.array, sinks: mx.array | None = None) -> mx.array:
     """Both kernels of the step, the output `[total_q, H, D]` in packed order (pool dtype).
 
     A step of decodes only or of prefill chunks only comes out of its kernel in packed order;
     in a mixed step the prefill launch writes its rows at their packed rows and copies the
-    decode kernel's rows into place: no concatenate and no gather per layer.
+    decode kernel's rows into place: no concatenate and no gather per layer. `sinks`: the
+    layer's `[H]` sink logits, or None.
     """
+    sink_logits = sink_input(sinks, q.shape[1])
     decode = None
     if plan.decode is not None:
         decode = run_decode(decode_kernels, q, k_pool, v_pool, plan.block_tables, plan.decode,
-                            params)
+                            params, sink_logits)
         if plan.prefill is None:
             return decode
     if decode is None:
         return run_prefill(prefill_kernel, q, k_pool, v_pool, plan.block_tables, plan.prefill,
-                           params)
+                           params, sink_logits)
     return run_prefill(prefill_kernel, q, k_pool, v_pool, plan.block_tables, plan.prefill,
-                       params, decode, plan.decode.rows)
+                       params, sink_logits, decode, plan.decode.rows)
+
+
+def sink_input(sinks: mx.array | None, num_heads: int) -> mx.array:
+    """The kernels' `sinks`: each head's sink logit times log2(e) (they work in the exp2
+    domain), clamped finite for fast math; None becomes -FLT_MAX, a sink of weight 0."""
+    if sinks is None:
+        return _no_sinks(num_heads)
+    logits = mx.clip(sinks.astype(mx.float32) * LOG2E, -FLT_MAX, FLT_MAX)
+    padding = MIN_METADATA_ELEMENTS - num_heads
+    return logits if padding <= 0 else mx.concatenate([logits, mx.zeros((padding,))])
+
+
+@cache
+def _no_sinks(num_heads: int) -> mx.array:
+    return mx.full((max(num_heads, MIN_METADATA_ELEMENTS),), -FLT_MAX, mx.float32)
 
 
 def _rows_of(cu: np.ndarray, requests: np.ndarray) -> np.ndarray:

@@ -10,20 +10,27 @@ K/V tile that the threadgroup gathers through the block table into threadgroup m
 GQA group reads K/V once. Key tiles past the last query row (or, with a sliding window, before
 the first row's window) are never loaded; a simdgroup skips tiles none of its rows sees, and
 the mask is applied only on tiles that cross the diagonal or a window edge (or hang over the
-end of the context). Scores are soft-capped when the call asks for it. S = Q K^T and O += P V
-run on 8x8 matrices, and the online softmax runs in fp32 on the lanes' own matrix elements
-(`thread_elements()`): each row of an 8x8 matrix sits on 4 lanes (2 columns each), so a row's
-max and sum take two `simd_shuffle_xor` steps, P goes into the P V product without a trip
-through threadgroup memory, and the running output is rescaled element by element. This relies
-on the lane -> element layout of Apple GPUs (the one MLX's steel attention relies on too; the
-emulator models it, `metal-serve doctor` checks it on a Mac).
+end of the context). Scores are soft-capped when the call asks for it; a head's attention
+sink joins each row's softmax once, at the end. S = Q K^T and O += P V run on 8x8 matrices,
+and the online softmax runs in fp32 on the lanes' own matrix elements (`thread_elements()`):
+each row of an 8x8 matrix sits on 4 lanes (2 columns each), so a row's max and sum take two
+`simd_shuffle_xor` steps, P goes into the P V product without a trip through threadgroup
+memory, and the running output is rescaled element by element. This relies on the lane ->
+element layout of Apple GPUs (the one MLX's steel attention relies on too; the emulator models
+it, `metal-serve doctor` checks it on a Mac).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels_metal.decode import FAST_MATH, HEAD_GROUP_SOURCE, THREADGROUP_MEMORY, index_type
+from kernels_metal.decode import (
+    FAST_MATH,
+    HEAD_GROUP_SOURCE,
+    SINK_FOLD_SOURCE,
+    THREADGROUP_MEMORY,
+    index_type,
+)
 
 MAX_SIMDGROUPS = 8
 LARGE_HEAD_DIM = 192  # from here on at most LARGE_HEAD_SIMDGROUPS per threadgroup (plan.py)
@@ -46,6 +53,7 @@ def query_block(heads_per_group: int, max_simdgroups: int = MAX_SIMDGROUPS) -> i
 
 
 # params: as decode.py: [10] = window (0: none); NH, CHUNKS and BQ are template constants.
+# sinks: as decode.py (one logit per head, exp2 domain, -FLT_MAX: none).
 # tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
 # MERGE: `out` holds every packed row: prefill rows go to their packed row, and threadgroups
 # past the last tile copy one decode row each (its head group) from `dec_out` to the packed
@@ -204,7 +212,11 @@ PREFILL_SOURCE = """
   if (!active || !row_valid) {
     return;
   }
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  float keep = 1.0f;
+  {  // the row's attention sink joins its softmax here, once
+""" + SINK_FOLD_SOURCE + """
+  }
+  const float inv = l > 0.0f ? keep / l : 0.0f;
   #pragma clang loop unroll(full)
   for (int c = 0; c < DC; ++c) {
     #pragma clang loop unroll(full)
@@ -220,17 +232,18 @@ def make_prefill_kernel(metal_kernel):
     return metal_kernel(
         name="paged_attention_prefill",
         input_names=["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "dec_out",
-                     "dec_rows"],
+                     "dec_rows", "sinks"],
         output_names=["out"],
         source=PREFILL_SOURCE,
         compile_options=FAST_MATH,  # why it is safe: decode.py
     )
 
 
-def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params,
+def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params, sinks: mx.array,
                 decode_out: mx.array | None = None, decode_rows: mx.array | None = None,
                 ) -> mx.array:
     """Attention of the prefill rows, in request order: `[work.num_rows, H, D]`, pool dtype.
+    `sinks` is the kernels' form of the layer's sinks (`plan.sink_input`).
 
     With `decode_out` (the decode kernel's `[n, H, D]` output for the rows whose packed
     indices are `decode_rows[:n, 0]`) the result is every packed row in packed order instead:
@@ -244,7 +257,7 @@ def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params,
     copies = decode_out.shape[0] if merge else 0
     (out,) = kernel(
         inputs=[q, k_pool, v_pool, block_tables, work.tiles, params,
-                decode_out if merge else q, decode_rows if merge else work.tiles],
+                decode_out if merge else q, decode_rows if merge else work.tiles, sinks],
         template=[("T", dtype), ("D", head_dim), ("BS", block_size),
                   ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool)),
                   ("NH", work.heads_per_group), ("CHUNKS", work.chunks), ("BQ", work.block_q),

@@ -41,27 +41,29 @@ class ReferencePlan:
 
 def paged_attention_reference(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Causal varlen attention of packed queries `[total_q, H, D]` over paged K/V.
 
     Decode rows of all requests go through one batched call; each prefill chunk gets its own
     call with a causal mask offset by its cached prefix. With a `window` a row at position p
     sees keys `p - window + 1 .. p` only; `softcap` squashes scores to `cap * tanh(s / cap)`.
+    `sinks [H]` (GPT-OSS) adds one logit per head to every row's softmax, after `scale` and
+    `softcap` and not scaled by them, with no value: its probability is dropped.
     """
     key = ("reference", window)
     if key not in meta.backend_plans:
         meta.backend_plans[key] = build_plan(meta, window)
     plan: ReferencePlan = meta.backend_plans[key]
-    parts = [_attend(q, k_pool, v_pool, group, scale, softcap) for group in plan.groups]
+    parts = [_attend(q, k_pool, v_pool, group, scale, softcap, sinks) for group in plan.groups]
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
     if plan.row_order is not None:
         out = out[plan.row_order]
     return out.astype(q.dtype)
 
 
-def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float,
-            cap: float | None) -> mx.array:
+def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float, cap: float | None,
+            sinks: mx.array | None) -> mx.array:
     """Masked softmax attention of one group, the query heads of a KV head batched together."""
     k = _gather_kv(k_pool, group.tables, group.num_keys)  # [G, kvh, L, d]
     v = _gather_kv(v_pool, group.tables, group.num_keys)
@@ -76,9 +78,25 @@ def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float,
     if cap is not None:
         scores = tanh_softcap(scores, cap)
     scores = scores.reshape(num_groups, kv_heads, heads_per_kv, n, num_keys)
-    probs = masked_softmax(scores, group.mask, axis=-1).reshape(num_groups, kv_heads, -1, num_keys)
+    if sinks is None:
+        probs = masked_softmax(scores, group.mask, axis=-1)
+    else:
+        probs = _softmax_with_sinks(scores, group.mask, sinks)
+    probs = probs.reshape(num_groups, kv_heads, -1, num_keys)
     out = (probs @ v).reshape(num_groups, kv_heads, heads_per_kv, n, head_dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(-1, kv_heads * heads_per_kv, head_dim)
+
+
+def _softmax_with_sinks(scores: mx.array, mask: mx.array, sinks: mx.array) -> mx.array:
+    """Softmax of `scores [G, kvh, g, n, L]` with each head's sink as one more, always
+    visible, column, which is then dropped (transformers' GPT-OSS eager attention)."""
+    num_groups, kv_heads, heads_per_kv, n, _ = scores.shape
+    per_head = sinks.astype(mx.float32).reshape(1, kv_heads, heads_per_kv, 1, 1)
+    sink_column = mx.broadcast_to(per_head, (num_groups, kv_heads, heads_per_kv, n, 1))
+    visible = mx.ones((*mask.shape[:-1], 1), dtype=mx.bool_)
+    probs = masked_softmax(mx.concatenate([scores, sink_column], axis=-1),
+                           mx.concatenate([mask, visible], axis=-1), axis=-1)
+    return probs[..., :-1]
 
 
 def _gather_kv(pool: mx.array, tables: mx.array, num_keys: int) -> mx.array:

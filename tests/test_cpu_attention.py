@@ -46,20 +46,34 @@ def shared_prefix_step(shared_blocks: int, own_tokens: list[int], q_lens: list[i
     return q, k, v, meta, head_dim**-0.5
 
 
-def assert_matches_reference(q, k, v, meta, scale, window=None, softcap=None):
-    expected = paged_attention_reference(q, k, v, meta, scale, window, softcap)
-    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap)
+def assert_matches_reference(q, k, v, meta, scale, window=None, softcap=None, sinks=None):
+    expected = paged_attention_reference(q, k, v, meta, scale, window, softcap, sinks)
+    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap, sinks)
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("softcap", [None, 15.0])
-def test_decode_rows_share_their_common_prefix_in_one_cascade(softcap):
+SINKS = mx.array([3.0, -2.0, 0.5, 8.0, -40.0, 1.0])  # one per query head of the steps here
+
+
+@pytest.mark.parametrize(("softcap", "sinks"), [(None, None), (15.0, None), (None, SINKS),
+                                                (15.0, SINKS)])
+def test_decode_rows_share_their_common_prefix_in_one_cascade(softcap, sinks):
     # Five decode requests over 4 shared blocks, one prefill chunk over the same blocks.
     q, k, v, meta, scale = shared_prefix_step(4, [1, 9, 30, 8, 17, 12], [1, 1, 1, 1, 1, 5])
     plan = cpu_attention.build_plan(meta, q.shape[1])
     assert [len(p) for p in plan.prefixes] == [4]
     assert all(s.prefix == 0 for s in plan.slices if s.rows_each == 1)
-    assert_matches_reference(q, k, v, meta, scale, softcap=softcap)
+    assert_matches_reference(q, k, v, meta, scale, softcap=softcap, sinks=sinks)
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_sinks_join_windows_and_a_sink_of_minus_infinity_is_none(window):
+    q, k, v, meta, scale = shared_prefix_step(3, [4, 20, 33, 9], [1, 1, 1, 17])
+    assert_matches_reference(q, k, v, meta, scale, window, sinks=SINKS)
+    plain = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window)
+    minus_inf = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window,
+                                                  sinks=mx.full((6,), -mx.inf))
+    np.testing.assert_array_equal(np.array(minus_inf), np.array(plain))
 
 
 def test_requests_with_identical_tables_keep_their_newest_key_out_of_the_shared_part():
@@ -151,13 +165,14 @@ def test_fp16_pools_are_read_in_float32_and_bfloat16_is_not_taken():
 
 
 @pytest.mark.parametrize("offset", [-200.0, 300.0])
-def test_rows_whose_scores_would_overflow_or_vanish_are_shifted_by_their_max(offset):
+@pytest.mark.parametrize("sinks", [None, SINKS])
+def test_rows_whose_scores_would_overflow_or_vanish_are_shifted_by_their_max(offset, sinks):
     # Every score pushed far above exp's range (or far below it) by a constant key component.
     q, k, v, meta, scale = shared_prefix_step(2, [5, 20, 9], [1, 1, 6])
     q = mx.concatenate([q, mx.ones((*q.shape[:2], 1))], axis=-1)
     k = mx.concatenate([k, mx.full((*k.shape[:3], 1), offset / scale)], axis=-1)
     v = mx.concatenate([v, mx.zeros((*v.shape[:3], 1))], axis=-1)
-    expected = paged_attention_reference(q, k, v, meta, scale)
-    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale)
+    expected = paged_attention_reference(q, k, v, meta, scale, sinks=sinks)
+    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, sinks=sinks)
     assert np.isfinite(np.array(got)).all()
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)

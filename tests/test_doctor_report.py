@@ -65,8 +65,9 @@ def test_without_metal_it_says_so_and_what_it_checked_instead(capsys):
 
 
 def test_without_metal_a_wrong_attention_here_fails(capsys, monkeypatch):
-    def wrong(q, k_pool, v_pool, meta, scale, window=None, softcap=None):
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap) * 1.01
+    def wrong(q, k_pool, v_pool, meta, scale, window=None, softcap=None, sinks=None):
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap,
+                                         sinks) * 1.01
 
     monkeypatch.setattr(attention, "paged_attention", wrong)
     assert run(["--only", "float32-d64"]) == doctor.EXIT_FAILED

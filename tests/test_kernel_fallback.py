@@ -16,13 +16,14 @@ from markers import requires_emulator
 
 from kernels_metal import attention, emulator
 from kernels_metal.attention import Variant, variant_of
-from kernels_metal.cases import DTYPES, HEAD_DIMS, TOLERANCE, Case, make_inputs
+from kernels_metal.cases import DTYPES, HEAD_DIMS, TOLERANCE, Case, case_sinks, make_inputs
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.reference import paged_attention_reference
 
 pytestmark = requires_emulator
 
 PREFILL, DECODE = "paged_attention_prefill", "paged_attention_decode"
+REDUCE = "paged_attention_reduce"
 MLX_THREAD_LIMIT = ("Thread group size ({}) is greater than  the maximum allowed threads per "
                     "threadgroup ({}).")  # MLX's custom_kernel.cpp, word for word
 
@@ -57,6 +58,13 @@ def raising(message: str):
     return effect
 
 
+def without_sinks(kernel, call):
+    """Launch with every sink at -FLT_MAX: a kernel that ignores the layer's sinks."""
+    inputs = call["inputs"]
+    ignored = mx.full(inputs[-1].shape, -np.finfo(np.float32).max)
+    return kernel(**{**call, "inputs": [*inputs[:-1], ignored]})
+
+
 def without_param(index: int):
     """Launch with params[index] zeroed: a kernel that ignores the window (10) / soft-cap (11)."""
     def effect(kernel, call):
@@ -74,9 +82,9 @@ class RecordingKernels(PagedAttentionKernels):
         super().__init__(metal_kernel)
         self.served: list[tuple[Variant, object]] = []
 
-    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None):
-        out = super().__call__(q, k_pool, v_pool, meta, scale, window, softcap)
-        self.served.append((variant_of(q, k_pool, window, softcap), meta))
+    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None, sinks=None):
+        out = super().__call__(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+        self.served.append((variant_of(q, k_pool, window, softcap, sinks), meta))
         return out
 
 
@@ -88,28 +96,33 @@ def dispatch(monkeypatch):
     monkeypatch.setattr(attention, "on_cpu", lambda: False)
     served: list[tuple[Variant, object]] = []
 
-    def recording_reference(q, k_pool, v_pool, meta, scale, window=None, softcap=None):
-        served.append((variant_of(q, k_pool, window, softcap), meta))
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
+    def recording_reference(q, k_pool, v_pool, meta, scale, window=None, softcap=None,
+                            sinks=None):
+        served.append((variant_of(q, k_pool, window, softcap, sinks), meta))
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
 
     monkeypatch.setattr(attention, "paged_attention_reference", recording_reference)
     return served
 
 
-def mixed_step(dtype, head_dim, heads=8, kv=2, window=None, softcap=None, bs=16) -> Case:
+def mixed_step(dtype, head_dim, heads=8, kv=2, window=None, softcap=None, bs=16,
+               sinks=False) -> Case:
     requests = ((5 * bs + 3, 1), (bs - 1, 1), (bs + 5, 19), (0, 11))
-    return Case(dtype, head_dim, bs, heads, kv, requests, window=window, softcap=softcap)
+    return Case(dtype, head_dim, bs, heads, kv, requests, window=window, softcap=softcap,
+                sinks=sinks)
 
 
 def run_step(case: Case, seed: int = 1):
     """Serve the case through the dispatcher; check it against the fp32 reference."""
     q, k, v, meta, scale = make_inputs(case, seed)
-    out = attention.paged_attention(q, k, v, meta, scale, case.window, case.softcap)
+    sinks = case_sinks(case, seed)
+    out = attention.paged_attention(q, k, v, meta, scale, case.window, case.softcap, sinks)
     f32 = [a.astype(mx.float32) for a in (q, k, v)]
-    expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap))
+    expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap,
+                                                  sinks))
     atol, rtol = TOLERANCE[case.dtype]
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol)
-    return meta, variant_of(q, k, case.window, case.softcap)
+    return meta, variant_of(q, k, case.window, case.softcap, sinks)
 
 
 def serve(steps: list[Case], kernels: RecordingKernels, reference_served, caplog):
@@ -133,6 +146,7 @@ HEALTHY = [
     mixed_step(mx.float16, 256, window=21, softcap=50.0),
     mixed_step(mx.bfloat16, 256, heads=6, kv=2),
     mixed_step(mx.float16, 128, heads=4, kv=4, window=9),
+    mixed_step(mx.bfloat16, 64, heads=8, kv=1, window=21, sinks=True),
 ]
 
 
@@ -166,19 +180,26 @@ def test_a_pipeline_thread_limit_below_the_threadgroup_falls_back_that_variant(
     assert len(warnings) == 1 and variant.name in warnings[0]
 
 
-@pytest.mark.parametrize(("kernel", "ignored", "option"), [
-    (DECODE, 11, "softcap"),  # the decode kernel drops the soft-cap
-    (PREFILL, 10, "window"),  # the tiled kernel drops the window
+OPTION_VALUES = {"softcap": 30.0, "window": 40, "sinks": True}
+VARIANT_FLAGS = {"softcap": "softcapped", "window": "windowed", "sinks": "with_sinks"}
+
+
+@pytest.mark.parametrize(("kernel", "effect", "option"), [
+    (DECODE, without_param(11), "softcap"),  # the decode kernel drops the soft-cap
+    (PREFILL, without_param(10), "window"),  # the tiled kernel drops the window
+    (DECODE, without_sinks, "sinks"),  # the decode kernel drops the sinks
+    (PREFILL, without_sinks, "sinks"),  # the tiled kernel drops them
+    (REDUCE, without_sinks, "sinks"),  # the reduce drops them (split rows only)
 ])
-def test_the_first_use_check_covers_windows_and_softcap(dispatch, caplog, kernel, ignored,
-                                                        option):
+def test_the_first_use_check_covers_windows_softcap_and_sinks(dispatch, caplog, kernel, effect,
+                                                              option):
     """A kernel that ignores an option fails only the variants that use it."""
-    kernels = RecordingKernels(planted(kernel, lambda *_: True, without_param(ignored)))
+    kernels = RecordingKernels(planted(kernel, lambda *_: True, effect))
     plain = mixed_step(mx.float32, 96)
-    with_option = mixed_step(mx.float32, 96, **{option: {"softcap": 30.0, "window": 40}[option]})
+    with_option = mixed_step(mx.float32, 96, **{option: OPTION_VALUES[option]})
     backends, fallbacks, warnings = serve([plain, with_option], kernels, dispatch, caplog)
     plain_variant, option_variant = list(backends)
-    assert getattr(option_variant, {"softcap": "softcapped", "window": "windowed"}[option])
+    assert getattr(option_variant, VARIANT_FLAGS[option])
     assert backends == {plain_variant: "kernels", option_variant: "reference"}
     assert list(fallbacks) == [option_variant] and len(warnings) == 1
 
@@ -212,17 +233,19 @@ def test_unchecked_kernels_raise_instead_of_falling_back(dispatch):
 
 
 VARIANTS = [
-    Variant(dtype, d, bs, heads, kv, windowed, softcapped)
+    Variant(dtype, d, bs, heads, kv, windowed, softcapped, i % 2 == 0)
     for i, (dtype, d) in enumerate((dt, d) for dt in DTYPES for d in HEAD_DIMS)
     for bs, (heads, kv) in [((16, 32)[i % 2], ((8, 2), (6, 2), (4, 4), (8, 1))[i % 4])]
     for windowed, softcapped in [(i % 3 == 1, i % 3 == 2)] + [(True, True)] * (d == 256)
-]
+] + [Variant(dtype, 64, 16, 16, 2, windowed=True, with_sinks=True) for dtype in DTYPES]
 
 
-def test_the_variant_list_covers_head_dim_256_with_window_and_softcap():
+def test_the_variant_list_covers_head_dim_256_with_window_and_softcap_and_sinks():
     assert {(v.dtype, v.head_dim) for v in VARIANTS} == {(t, d) for t in DTYPES for d in HEAD_DIMS}
     assert {v.dtype for v in VARIANTS if v.head_dim == 256 and v.windowed and v.softcapped} == set(
         DTYPES)
+    assert {v.dtype for v in VARIANTS if v.windowed and v.with_sinks} == set(DTYPES)
+    assert {v.dtype for v in VARIANTS if v.with_sinks and not v.windowed} == set(DTYPES)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)

@@ -8,7 +8,7 @@ import pytest
 from markers import requires_emulator
 
 from kernels_metal import emulator
-from kernels_metal.cases import Case, check, make_inputs
+from kernels_metal.cases import Case, case_sinks, check, make_inputs
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import (
     SPLIT_BELOW_THREADGROUPS,
@@ -90,6 +90,7 @@ MERGE_CASES = [
     Case(mx.float16, 80, 16, 6, 2, ((200, 1), (90, 30)), None, window=24, softcap=30.0),
     Case(mx.float32, 64, 16, 4, 4, ((20, 1), (7, 1))),  # decodes only
     Case(mx.float32, 96, 32, 6, 3, ((0, 40), (16, 9))),  # prefill chunks only
+    Case(mx.bfloat16, 64, 16, 8, 1, ((130, 1), (20, 40), (3, 1)), 32, window=48, sinks=True),
 ]
 
 
@@ -99,10 +100,13 @@ def test_run_plan_writes_packed_rows_without_a_merge_and_agrees_bit_for_bit(case
     kernels = PagedAttentionKernels(emulator.metal_kernel,
                                     PlanOptions(partition_size=case.partition_size))
     q, k, v, meta, scale = make_inputs(case, seed=2)
+    sinks = case_sinks(case, seed=2)
     merged = kernels.plan(meta, q.shape[1], k.shape[2], case.window)
     params = params_for(merged, q.shape[1], k.shape[2], scale, case.softcap)
-    got = run_plan(merged, kernels.decode_kernels, kernels.prefill_kernel, q, k, v, params)
-    expected = kernels(q, k, v, meta, scale, case.window, case.softcap)  # concatenate + gather
+    got = run_plan(merged, kernels.decode_kernels, kernels.prefill_kernel, q, k, v, params,
+                   sinks)
+    expected = kernels(q, k, v, meta, scale, case.window, case.softcap, sinks)
+    assert check(kernels, case, seed=2).passed
     assert got.shape == q.shape and got.dtype == q.dtype
     np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
                                   np.array(expected.astype(mx.float32)))

@@ -16,7 +16,16 @@ import pytest
 from markers import requires_emulator
 
 from kernels_metal import emulator
-from kernels_metal.cases import BLOCK_SIZES, DTYPES, HEAD_DIMS, Case, check, grid, make_inputs
+from kernels_metal.cases import (
+    BLOCK_SIZES,
+    DTYPES,
+    HEAD_DIMS,
+    Case,
+    case_sinks,
+    check,
+    grid,
+    make_inputs,
+)
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import PlanOptions, build_plan
 from kernels_metal.reference import paged_attention_reference
@@ -41,6 +50,25 @@ def test_grid_covers_the_required_shapes():
         itertools.product(HEAD_DIMS, BLOCK_SIZES))
     assert {c.num_heads // c.kv_heads for c in CASES} >= {1, 3, 4, 8}
     assert any(c.window for c in CASES) and any(c.softcap for c in CASES)
+
+
+def test_grid_runs_sinks_through_every_launch_kind():
+    """Sinks in decode rows (one partition and split), prefill tiles and mixed steps, with
+    and without windows, and with more than 8 query heads per KV head (two chunks)."""
+    launches, chunked = set(), False
+    for case in (c for c in CASES if c.sinks):
+        _, _, _, meta, _ = make_inputs(case)
+        options = PlanOptions(partition_size=case.partition_size)
+        plan = build_plan(meta, case.num_heads, case.kv_heads, options, case.window)
+        windowed = case.window is not None
+        if plan.decode is not None:
+            launches.add((f"decode-{min(plan.decode.num_parts, 2)}-parts", windowed))
+            chunked |= plan.decode.chunks > 1
+        if plan.prefill is not None:
+            launches.add(("prefill", windowed))
+    kinds = ("decode-1-parts", "decode-2-parts", "prefill")
+    assert launches == {(kind, windowed) for kind in kinds for windowed in (False, True)}
+    assert chunked and any(c.softcap for c in CASES if c.sinks)
 
 
 def test_decode_rows_are_unchanged_by_a_co_scheduled_prefill():
@@ -74,14 +102,30 @@ def test_plan_sends_short_requests_to_the_decode_kernel_and_chunks_to_tiles():
     assert sorted([*rows[:, 0], *covered]) == list(range(33))  # every packed row, once
 
 
-def test_split_and_single_partition_decode_agree():
-    case = Case(mx.float32, 128, 16, 4, 2, ((250, 1), (31, 1)))
+@pytest.mark.parametrize("sinks", [False, True])
+def test_split_and_single_partition_decode_agree(sinks):
+    """A split row's sink is counted once: in the reduce, not in each partition."""
+    case = Case(mx.float32, 128, 16, 4, 2, ((250, 1), (31, 1)), sinks=sinks)
     q, k, v, meta, scale = make_inputs(case, seed=5)
+    sink_logits = case_sinks(case, seed=5)
     outs = [np.array(PagedAttentionKernels(emulator.metal_kernel, PlanOptions(partition_size=p))(
-        q, k, v, meta, scale)) for p in (None, 32, 100)]
-    expected = np.array(paged_attention_reference(q, k, v, meta, scale))
+        q, k, v, meta, scale, sinks=sink_logits)) for p in (None, 32, 100)]
+    expected = np.array(paged_attention_reference(q, k, v, meta, scale, sinks=sink_logits))
     for out in outs:
         np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "partition"), [(None, None), (None, 32), (20, 16)])
+def test_a_sink_of_minus_infinity_changes_no_bit_of_the_kernels_output(window, partition):
+    case = Case(mx.float16, 64, 16, 8, 2, ((90, 1), (3, 1), (30, 40), (10, 2)), partition,
+                window=window)
+    q, k, v, meta, scale = make_inputs(case, seed=6)
+    kernels = PagedAttentionKernels(emulator.metal_kernel, PlanOptions(partition_size=partition))
+    plain = np.array(kernels(q, k, v, meta, scale, window))
+    none = np.array(kernels(q, k, v, meta, scale, window, sinks=mx.full((8,), -mx.inf)))
+    np.testing.assert_array_equal(none, plain)
+    some = np.array(kernels(q, k, v, meta, scale, window, sinks=mx.full((8,), 2.0)))
+    assert (np.abs(some) < np.abs(plain)).mean() > 0.9  # a real sink takes mass away
 
 
 @pytest.mark.skipif(not hasattr(mx, "export_function"), reason="needs mx.export_function")

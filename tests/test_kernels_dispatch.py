@@ -30,9 +30,10 @@ class RecordingKernels:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None):
+    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None, sinks=None):
         self.calls += 1
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap)
+        self.sinks = sinks
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
 
 
 def test_off_metal_the_cpu_path_serves_and_the_reference_takes_bfloat16(fresh_dispatch):
@@ -45,6 +46,22 @@ def test_off_metal_the_cpu_path_serves_and_the_reference_takes_bfloat16(fresh_di
         np.array(attention.paged_attention(q, k, v, meta, scale).astype(mx.float32)),
         np.array(paged_attention_reference(q, k, v, meta, scale).astype(mx.float32)))
     assert fresh_dispatch.kernels is None
+
+
+def test_sinks_reach_every_backend_and_must_be_one_per_query_head(fresh_dispatch):
+    q, k, v, meta, scale = make_inputs(CASE)
+    sinks = mx.array([0.5, 3.0, -1.0, 2.0, 0.0, 6.0])
+    expected = np.array(paged_attention_reference(q, k, v, meta, scale, 7, sinks=sinks))
+    np.testing.assert_allclose(np.array(attention.paged_attention(q, k, v, meta, scale, 7,
+                                                                  sinks=sinks)),
+                               expected, atol=1e-5, rtol=1e-5)  # the CPU path
+    kernels = RecordingKernels()
+    with attention.use_kernels(kernels):
+        out = attention.paged_attention(q, k, v, meta, scale, window=7, sinks=sinks)
+    assert kernels.sinks is sinks
+    np.testing.assert_array_equal(np.array(out), expected)
+    with pytest.raises(ValueError, match=r"one logit per query head: \(6,\)"):
+        attention.paged_attention(q, k, v, meta, scale, sinks=mx.zeros((2,)))
 
 
 def test_use_kernels_routes_supported_calls_only(fresh_dispatch):

@@ -21,7 +21,7 @@ class CountingKernels(PagedAttentionKernels):
         self.decode_steps = self.prefill_steps = self.mixed_steps = self.split_steps = 0
         self.windowed_calls = self.softcapped_calls = 0
 
-    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None):
+    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None, sinks=None):
         self.windowed_calls += window is not None
         self.softcapped_calls += softcap is not None
         plan = self.plan(meta, q.shape[1], k_pool.shape[2], window)
@@ -29,7 +29,7 @@ class CountingKernels(PagedAttentionKernels):
         self.prefill_steps += plan.prefill is not None
         self.mixed_steps += plan.decode is not None and plan.prefill is not None
         self.split_steps += plan.decode is not None and plan.decode.num_parts > 1
-        return super().__call__(q, k_pool, v_pool, meta, scale, window, softcap)
+        return super().__call__(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
 
 
 def greedy_without_and_with_kernels(path, prompts, max_tokens):

@@ -362,6 +362,7 @@ def _paged_kernel_calls():
 
     q, pool = mx.zeros((5, 8, 64), mx.bfloat16), mx.zeros((9, 16, 2, 64), mx.bfloat16)
     meta = [mx.zeros((3, 8), mx.int32), mx.zeros((2, 4), mx.int32), mx.zeros((16,), mx.int32)]
+    sinks = mx.zeros((8,), mx.float32)
     template = [("T", mx.bfloat16), ("D", 64), ("BS", 16), ("TILE", 32), ("IDX", mx.uint32),
                 ("KL", 8), ("KW", 4), ("LDK", 72)]
     demo_body = ("uint i = thread_position_in_grid.x; out[i] = a[i] + a_shape[0] + a_ndim "
@@ -376,24 +377,26 @@ def _paged_kernel_calls():
                                   output_shapes=[(16,), (2,)],
                                   output_dtypes=[mx.float32, mx.int32]))),
         "decode": (dict(name="paged_attention_decode",
-                        input_names=["q", "k_pool", "v_pool", "block_tables", "rows", "params"],
+                        input_names=["q", "k_pool", "v_pool", "block_tables", "rows", "params",
+                                     "sinks"],
                         output_names=["out", "part_out", "part_ml"], source=DECODE_SOURCE),
-                   dict(inputs=[q, pool, pool, *meta],
+                   dict(inputs=[q, pool, pool, *meta, sinks],
                         kwargs=dict(template=template, grid=(64, 2, 1), threadgroup=(64, 1, 1),
                                     output_shapes=[(2, 8, 64), (1,), (1,)],
                                     output_dtypes=[mx.bfloat16, mx.float32, mx.float32]))),
         "reduce": (dict(name="paged_attention_reduce",
-                        input_names=["part_out", "part_ml", "rows", "params"],
+                        input_names=["part_out", "part_ml", "rows", "params", "sinks"],
                         output_names=["out"], source=REDUCE_SOURCE),
-                   dict(inputs=[mx.zeros((2, 2, 8, 64)), mx.zeros((2, 2, 8, 2)), *meta[1:]],
+                   dict(inputs=[mx.zeros((2, 2, 8, 64)), mx.zeros((2, 2, 8, 2)), *meta[1:],
+                                sinks],
                         kwargs=dict(template=[("T", mx.float16), ("D", 64)], grid=(32, 8, 2),
                                     threadgroup=(32, 1, 1), output_shapes=[(2, 8, 64)],
                                     output_dtypes=[mx.float16]))),
         "prefill": (dict(name="paged_attention_prefill",
                          input_names=["q", "k_pool", "v_pool", "block_tables", "tiles",
-                                      "params", "dec_out", "dec_rows"],
+                                      "params", "dec_out", "dec_rows", "sinks"],
                          output_names=["out"], source=PREFILL_SOURCE),
-                    dict(inputs=[q, pool, pool, *meta, q, meta[1]],
+                    dict(inputs=[q, pool, pool, *meta, q, meta[1], sinks],
                          kwargs=dict(template=template[:3] + [("TK", 32), ("IDX", mx.uint32),
                                                              ("NH", 4), ("CHUNKS", 1), ("BQ", 16),
                                                              ("MERGE", True)],

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from server.core.tool_parsers import PARSERS
+from server.core.tool_parser_choice import PARSERS
 from server.sampling_defaults import FROM_MODEL, parse_override
 
 _UNITS = {

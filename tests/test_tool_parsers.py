@@ -9,6 +9,7 @@ import pytest
 
 from server.core.reasoning import ReasoningStream
 from server.core.tool_call_stream import CallPiece, ToolCallStream
+from server.core.tool_parser_choice import parser_for_template, parser_named
 from server.core.tool_parsers import (
     ForcedCallParser,
     HermesParser,
@@ -16,8 +17,6 @@ from server.core.tool_parsers import (
     MistralParser,
     ParsedCall,
     ToolParser,
-    parser_for_template,
-    parser_named,
 )
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}')

@@ -18,13 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.sampling_params import StructuredOutput
-from server.core.tool_parsers import (
-    ForcedCallParser,
-    HermesParser,
-    ToolParser,
-    parser_for_template,
-    parser_named,
-)
+from server.core.tool_parser_choice import parser_for_template, parser_named
+from server.core.tool_parsers import ForcedCallParser, HermesParser, ToolParser
 from server.http.errors import APIError, clip
 from server.openai.protocol import ChatCompletionRequest, ChatMessage
 from server.openai.protocol_tools import FunctionDefinition, Tool, ToolCall
@@ -130,7 +125,9 @@ def plan_tools(body: ChatCompletionRequest, template: str, parser_name: str | No
             "call is already generated under its own JSON schema.",
             param="response_format",
         )
-    return ToolPlan(native, tools, forced, _parser(native, forced, template, parser_name))
+    parser = _parser(native, forced, template, parser_name)
+    schemas = {tool.function.name: tool.function.parameters_schema() for tool in tools}
+    return ToolPlan(native, tools, forced, parser.for_tools(schemas))
 
 
 def _check_roles(messages: list[ChatMessage]) -> None:

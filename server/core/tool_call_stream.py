@@ -70,7 +70,9 @@ class _OpenCall:
     arguments_start: int  # where its arguments object starts in the call's text
     sent: int = 0  # characters of its arguments streamed so far
     end: _ObjectEnd = field(default_factory=_ObjectEnd)
-    caught_up: bool = False  # all the text so far was streamed: none is held back
+    # Once all of its text so far streamed: the model's text held back (which the next delta
+    # continues); None while the next delta needs the region parsed again.
+    held: str | None = None
 
 
 class ToolCallStream:
@@ -100,11 +102,12 @@ class ToolCallStream:
             end = len(self.text) if final else self.parser.safe_end(self.text)
             return self._content_to(end), []
         content = self._content_to(self.region)
-        if not final and self._only_arguments(delta):
+        fragment = None if final else self._plain_fragment(delta)
+        if fragment is not None:
             assert self.open is not None
-            self.open.end.feed(delta)
-            self.open.sent += len(delta)
-            return content, [CallPiece(self.num_calls, None, delta)]
+            self.open.end.feed(fragment)
+            self.open.sent += len(fragment)
+            return content, [CallPiece(self.num_calls, None, fragment)] if fragment else []
         region = self.text[self.region :]
         found = self.parser.calls(region, final)
         pieces = [self._end_call(call) for call in found.calls[self.num_calls :]]
@@ -112,9 +115,9 @@ class ToolCallStream:
         piece = self._stream(call_text)
         pieces += [piece] if piece else []
         if self.open is not None and call_text is not None:
-            self.open.caught_up = region.endswith(call_text) and (
-                self.open.sent == len(call_text) - self.open.arguments_start
-            )
+            call = self.open
+            streamed = call.sent == len(call_text) - call.arguments_start
+            call.held = self.parser.held_tail(region, found.end, call_text) if streamed else None
         if not final:
             return content, pieces
         if self.open is not None:
@@ -125,14 +128,17 @@ class ToolCallStream:
             content += region[found.end :]
         return content, pieces
 
-    def _only_arguments(self, delta: str) -> bool:
-        """Whether all of `delta` is more of the open call's arguments, nothing held back:
-        it cannot close the object nor start the family's closing tag."""
+    def _plain_fragment(self, delta: str) -> str | None:
+        """What `delta` adds to the open call's arguments, without parsing the region again:
+        None unless all the call's text so far streamed and `delta` can end nothing."""
         call = self.open
-        if call is None or not call.caught_up or call.end.length is not None:
-            return False
-        tag = self.parser.tag_start
-        return "}" not in delta and "]" not in delta and not (tag and tag in delta)
+        if call is None or call.held is None or call.end.length is not None:
+            return None
+        plain = self.parser.plain_arguments(call.held + delta)
+        if plain is None:
+            return None
+        fragment, call.held = plain
+        return fragment
 
     def _stream(self, call_text: str | None) -> CallPiece | None:
         """The next piece of the call being written, if it has a new one."""

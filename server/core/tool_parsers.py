@@ -80,20 +80,26 @@ def _arguments_text(call_text: str, arguments: dict) -> str | None:
     return call_text[start:end] if value == arguments else None
 
 
-def _skip_space(text: str, pos: int, also: str = "") -> int:
+def skip_space(text: str, pos: int, also: str = "") -> int:
     while pos < len(text) and (text[pos].isspace() or text[pos] in also):
         pos += 1
     return pos
 
 
 class ToolParser(ABC):
-    """Finds tool calls in one family's syntax. Stateless: one instance serves every request."""
+    """Finds tool calls in one family's syntax. It keeps nothing of the texts it reads: one
+    instance serves every choice of the requests offering the same tools."""
 
     name: ClassVar[str]
     markers: ClassVar[tuple[str, ...]] = ()  # open a region anywhere in the text
     leading: ClassVar[str] = ""  # opens a region at the start of the text (spaces aside)
     template_hints: ClassVar[tuple[str, ...]] = ()  # chat-template text that picks this parser
     tag_start: ClassVar[str] = ""  # begins a tag that may end a call's text (none: JSON ends it)
+
+    def for_tools(self, schemas: dict[str, dict[str, Any]]) -> ToolParser:
+        """This parser for a request's functions (their parameter schemas by name); the
+        families that write argument values as untyped text read their types there."""
+        return self
 
     def region_start(self, text: str) -> int | None:
         if self.leading and text.lstrip().startswith(self.leading):
@@ -105,7 +111,7 @@ class ToolParser(ABC):
         open at the start (while only spaces came) or at a marker's partial prefix."""
         if self.leading and self.leading.startswith(text.lstrip()):
             return 0
-        return min((len(_held_back(text, m)) for m in self.markers), default=len(text))
+        return min((len(held_back(text, m)) for m in self.markers), default=len(text))
 
     @abstractmethod
     def calls(self, region: str, final: bool) -> RegionCalls:
@@ -113,8 +119,23 @@ class ToolParser(ABC):
 
     def open_call(self, region: str, end: int) -> str | None:
         """The text of the call being written after the complete calls (`region[end:]`), from
-        its `{`; None while none has begun, or for a syntax whose calls cannot stream."""
+        its `{` (a syntax that is no JSON renders it as the JSON call it becomes, a text that
+        only grows); None while none has begun, or for a syntax whose calls cannot stream."""
         return None
+
+    def held_tail(self, region: str, end: int, call_text: str) -> str | None:
+        """Once `call_text` (`open_call`'s) has streamed whole: the end of the model's text it
+        holds back, if the next delta may stream without parsing the region again (else
+        None). A JSON family's call text is the model's own: nothing is held back."""
+        return "" if region.endswith(call_text) else None
+
+    def plain_arguments(self, text: str) -> tuple[str, str] | None:
+        """What `text` (the held-back tail, then a delta) adds to the open call's arguments,
+        and the tail it holds back in turn; None when it may end the call, or more."""
+        tag = self.tag_start
+        if "}" in text or "]" in text or (tag and tag in text):
+            return None
+        return text, ""
 
     def cut_off(self, region: str, end: int) -> bool:
         """Whether the text ended inside a call, after the complete ones: JSON cut short, as
@@ -135,7 +156,7 @@ class HermesParser(ToolParser):
     def calls(self, region: str, final: bool) -> RegionCalls:
         calls, end = [], 0
         while True:
-            start = _skip_space(region, end)
+            start = skip_space(region, end)
             if not region.startswith(self.markers[0], start):
                 break
             body_start = start + len(self.markers[0])
@@ -153,19 +174,19 @@ class HermesParser(ToolParser):
         return RegionCalls(calls, end)
 
     def cut_off(self, region: str, end: int) -> bool:
-        start = _skip_space(region, end)
+        start = skip_space(region, end)
         if not region.startswith(self.markers[0], start) or self._close in region[start:]:
             return False
         body = region[start + len(self.markers[0]) :].strip()
         return not body or _is_cut_json(body)
 
     def open_call(self, region: str, end: int) -> str | None:
-        start = _skip_space(region, end)
+        start = skip_space(region, end)
         if not region.startswith(self.markers[0], start):
             return None
         body_start = start + len(self.markers[0])
         close = region.find(self._close, body_start)  # a close tag ends even a malformed call
-        return _object_from(region[:close] if close >= 0 else _held_back(region, self._close),
+        return _object_from(region[:close] if close >= 0 else held_back(region, self._close),
                             body_start)  # fmt: skip
 
 
@@ -182,7 +203,7 @@ class Llama3JsonParser(ToolParser):
         pos = len(self.markers[0]) if region.startswith(self.markers[0]) else 0
         calls, end = [], 0
         while True:
-            start = _skip_space(region, pos, also=";")
+            start = skip_space(region, pos, also=";")
             try:
                 value, stop = _JSON.raw_decode(region, start)
             except ValueError:
@@ -212,7 +233,7 @@ class MistralParser(ToolParser):
     def calls(self, region: str, final: bool) -> RegionCalls:
         pos = len(self.markers[0]) if region.startswith(self.markers[0]) else 0
         try:
-            value, stop = _JSON.raw_decode(region, _skip_space(region, pos))
+            value, stop = _JSON.raw_decode(region, skip_space(region, pos))
         except ValueError:
             return RegionCalls([], 0)
         calls = [_call_of(item) for item in (value if isinstance(value, list) else [value])]
@@ -229,7 +250,7 @@ class ForcedCallParser(ToolParser):
     leading = "{"
 
     def calls(self, region: str, final: bool) -> RegionCalls:
-        start = _skip_space(region, 0)
+        start = skip_space(region, 0)
         try:
             value, stop = _JSON.raw_decode(region, start)
         except ValueError:
@@ -243,11 +264,11 @@ class ForcedCallParser(ToolParser):
 
 def _object_from(text: str, pos: int, also: str = "") -> str | None:
     """`text` from the `{` that opens at `pos` (spaces and `also` skipped), if one does."""
-    start = _skip_space(text, pos, also)
+    start = skip_space(text, pos, also)
     return text[start:] if text.startswith("{", start) else None
 
 
-def _held_back(text: str, tag: str) -> str:
+def held_back(text: str, tag: str) -> str:
     """`text` without an end that may be the start of `tag`, until the next delta tells."""
     for i in range(max(0, len(text) - len(tag) + 1), len(text)):
         if tag.startswith(text[i:]):
@@ -278,22 +299,3 @@ def _is_cut_json(text: str) -> bool:
         return False
     except ValueError:
         return partial_json(text) is not None
-
-
-PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)
-}
-
-
-def parser_named(name: str) -> ToolParser:
-    if name not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)}")
-    return PARSERS[name]()
-
-
-def parser_for_template(template: str) -> ToolParser | None:
-    """The parser whose family's syntax the chat template mentions, if any."""
-    for parser in PARSERS.values():
-        if any(hint in template for hint in parser.template_hints):
-            return parser()
-    return None

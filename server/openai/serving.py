@@ -17,7 +17,7 @@ from server.async_engine import AsyncEngine
 from server.core import generation
 from server.core.chat_turn import prepare_chat
 from server.core.prompts import check_context, check_token_ids, completion_prompt_ids, off_loop
-from server.core.tool_parsers import parser_named
+from server.core.tool_parser_choice import parser_named
 from server.http.errors import APIError
 from server.http.sse import CLIENT_CLOSED, event_stream
 from server.openai.choice_streams import ChatChoiceStream, CompletionChoiceStream

@@ -1,6 +1,10 @@
 """Quantize tensors while writing a model dir, in the layout mlx-lm writes (see
-metal_engine.quantization): every Linear and Embedding whose input width is a multiple of the
-group size becomes `weight` (uint32, packed), `scales` and `biases`."""
+metal_engine.quantization): every Linear, Embedding and stacked-expert layer whose input width
+is a multiple of the group size becomes `weight` (uint32, packed), `scales` and `biases`.
+
+mlx-lm keeps some modules at other params (its models' `quant_predicate`) and lists those in
+config.json; FAMILY_MODULE_PARAMS holds the ones of the families converted here.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,25 @@ from metal_engine.model_config import ModelConfig
 from metal_engine.models.registry import model_class
 from metal_engine.quantization import QuantParams
 
+MODE = "affine"
+# model_type -> (module path suffix, params) that mlx-lm quantizes differently. Qwen3-MoE's
+# router stays at 8 bits: which experts a token picks is sensitive to its rounding.
+FAMILY_MODULE_PARAMS = {"qwen3_moe": (("mlp.gate", QuantParams(64, 8)),)}
 
-def quantizable_modules(config: ModelConfig, group_size: int) -> set[str]:
+
+def quantizable_modules(config: ModelConfig, group_size: int) -> list[str]:
     """Module paths mlx-lm's `quantize_model` would quantize for this config."""
     model = model_class(config.model_type)(config)
-    return {path for path, module in model.named_modules()
-            if hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0}
+    # mlx-lm checks divisibility by the checkpoint-wide group size, also for special modules.
+    return [path for path, module in model.named_modules()
+            if hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0]
+
+
+def special_params(config: ModelConfig, modules: list[str]) -> dict[str, QuantParams]:
+    """The modules among `modules` that mlx-lm quantizes with other params, and those."""
+    special = FAMILY_MODULE_PARAMS.get(config.model_type, ())
+    return {path: params for path in modules
+            for suffix, params in special if path.endswith(suffix)}
 
 
 class TensorQuantizer:
@@ -25,7 +42,8 @@ class TensorQuantizer:
 
     def __init__(self, config: ModelConfig, params: QuantParams, dtype: mx.Dtype) -> None:
         self.params, self.dtype = params, dtype
-        self.modules = quantizable_modules(config, params.group_size)
+        modules = quantizable_modules(config, params.group_size)
+        self.modules, self.special = set(modules), special_params(config, modules)
 
     def __call__(self, name: str, tensor: mx.array) -> Iterator[tuple[str, mx.array]]:
         # Quantized from `dtype`, as mlx-lm quantizes a model loaded in that dtype.
@@ -34,12 +52,16 @@ class TensorQuantizer:
         if not name.endswith(".weight") or module not in self.modules:
             yield name, tensor
             return
-        weight, scales, biases = mx.quantize(tensor, self.params.group_size, self.params.bits)
+        params = self.special.get(module, self.params)
+        # Stacked experts `[experts, out, in]` quantize as each expert's matrix would.
+        weight, scales, biases = mx.quantize(tensor, params.group_size, params.bits, mode=MODE)
         yield name, weight
         yield f"{module}.scales", scales
         yield f"{module}.biases", biases
 
-    def config_entries(self) -> dict[str, dict[str, int]]:
-        """The config.json keys mlx-lm writes: `quantization`, repeated as `quantization_config`."""
-        return {"quantization": self.params.to_dict(),
-                "quantization_config": self.params.to_dict()}
+    def config_entries(self) -> dict[str, dict[str, int | str | dict[str, int]]]:
+        """The config.json keys mlx-lm writes: `quantization` (the checkpoint-wide params, the
+        mode, and each module quantized otherwise), repeated as `quantization_config`."""
+        entries: dict[str, int | str | dict[str, int]] = {**self.params.to_dict(), "mode": MODE}
+        entries.update({path: params.to_dict() for path, params in self.special.items()})
+        return {"quantization": entries, "quantization_config": dict(entries)}

@@ -146,7 +146,7 @@ def test_gguf_k_quants_quantize_to_mlx_on_the_way(tmp_path: Path) -> None:
     out = convert_model(path, tmp_path / "out", progress=False, quantize=8, group_size=64)
 
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"] == {"group_size": 64, "bits": 8}
+    assert config["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
     check = validate_conversion(path, out)
     assert check.reference == "the source in float32" and check.passed, check
 

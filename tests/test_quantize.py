@@ -73,7 +73,7 @@ def test_quantized_dir_has_mlx_lm_layout(quantized_default, default_model_dir) -
     out = quantized_default[4]
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"] == config["quantization_config"] == {
-        "group_size": 64, "bits": 4}
+        "group_size": 64, "bits": 4, "mode": "affine"}
     stored = mx.load(str(out / "model.safetensors"))
     q_proj = "model.layers.0.self_attn.q_proj"
     assert stored[f"{q_proj}.weight"].dtype == mx.uint32

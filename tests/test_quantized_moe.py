@@ -1,0 +1,149 @@
+"""Quantized MoE checkpoints: mlx-community's (mlx-lm's layout) load as they are and equal our
+own `--quantize` output, tensor for tensor and config entry for config entry.
+
+The mlx-lm layout is written here by hand from mlx-lm's rules: experts stacked
+`[experts, out, in]` under `switch_mlp` and quantized as one tensor; every Linear, Embedding
+and expert stack whose input width divides by the group size is quantized, except GLM's router
+(not a Linear there); Qwen3-MoE's router at 8 bits (group 64), listed per module in
+config.json's `quantization`, which `quantization_config` repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import build_tiny_model
+
+from convert import convert_model
+from convert.validate import probe_ids, prompt_logits, validate_conversion
+from metal_engine import weights
+from metal_engine.models.moe import QuantizedSwitchLinear
+from metal_engine.weights import load_model
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def moe_source(request, tmp_path_factory) -> tuple[str, Path]:
+    source = tmp_path_factory.mktemp(f"{request.param}-hf")
+    build_tiny_model(request.param, source)
+    return request.param, source
+
+
+def stacked_float_tensors(source: Path) -> dict[str, mx.array]:
+    """The source's tensors with each layer's per-expert projections stacked."""
+    tensors = mx.load(str(source / "model.safetensors"))
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.+)\.experts\.(\d+)\.(\w+)\.weight", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            stacked = f"{match[1]}.switch_mlp.{PROJECTIONS.get(match[3], match[3])}.weight"
+            experts.setdefault(stacked, {})[int(match[2])] = tensor
+    for name, by_index in experts.items():
+        out[name] = mx.stack([by_index[i] for i in range(len(by_index))])
+    return out
+
+
+def quantized_params(model_type: str, name: str, tensor: mx.array,
+                     group_size: int, bits: int) -> dict[str, int] | None:
+    """mlx-lm's choice for one tensor: its params, or None where it stays float."""
+    if not name.endswith(".weight") or tensor.ndim < 2 or tensor.shape[-1] % group_size:
+        return None
+    if model_type == "glm4_moe" and name.endswith("mlp.gate.weight"):
+        return None  # GLM's router (with its correction bias) has no quantized form
+    if model_type == "qwen3_moe" and name.endswith("mlp.gate.weight"):
+        return {"group_size": 64, "bits": 8}
+    return {"group_size": group_size, "bits": bits}
+
+
+def write_mlx_lm_layout(model_type: str, source: Path, out: Path, group_size: int,
+                        bits: int) -> Path:
+    """The checkpoint mlx-lm's convert (`-q --q-bits bits --q-group-size group_size`) writes."""
+    out.mkdir()
+    entries: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    tensors = {}
+    for name, tensor in stacked_float_tensors(source).items():
+        params = quantized_params(model_type, name, tensor, group_size, bits)
+        if params is None:
+            tensors[name] = tensor
+            continue
+        module = name.removesuffix(".weight")
+        if params != {"group_size": group_size, "bits": bits}:
+            entries[module] = params
+        packed, scales, biases = mx.quantize(tensor, params["group_size"], params["bits"])
+        tensors.update({name: packed, f"{module}.scales": scales, f"{module}.biases": biases})
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = entries
+    (out / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True))
+    shutil.copy(source / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+@pytest.mark.parametrize("group_size", [64, 32])
+def test_mlx_community_moe_checkpoint_loads_and_equals_our_quantize(moe_source, tmp_path,
+                                                                    group_size) -> None:
+    model_type, source = moe_source
+    theirs = write_mlx_lm_layout(model_type, source, tmp_path / "mlx-lm", group_size, 4)
+    ours = convert_model(source, tmp_path / "ours", quantize=4, group_size=group_size,
+                         progress=False)
+
+    their_tensors, our_tensors = (mx.load(str(d / "model.safetensors")) for d in (theirs, ours))
+    assert set(our_tensors) == set(their_tensors)
+    for name, tensor in their_tensors.items():
+        assert our_tensors[name].dtype == tensor.dtype, name
+        assert mx.array_equal(our_tensors[name], tensor), name
+    their_config, our_config = (json.loads((d / "config.json").read_text())
+                                for d in (theirs, ours))
+    for key in ("quantization", "quantization_config"):
+        assert our_config[key] == their_config[key], key
+    stacked = [n for n in their_tensors if ".switch_mlp." in n and n.endswith(".scales")]
+    assert stacked and all(their_tensors[n].ndim == 3 for n in stacked)  # experts quantized
+
+    ids = probe_ids(128) * 5  # 40 tokens: the gathered matmuls sort by expert
+    their_logits = prompt_logits(load_model(theirs, mx.float32), ids)
+    np.testing.assert_array_equal(prompt_logits(load_model(ours, mx.float32), ids), their_logits)
+    check = validate_conversion(source, ours)  # 4 bits stays near the float source
+    assert check.reference == "the source in float32" and check.passed, check
+    assert check.relative_error > 0  # and was quantized
+
+
+def test_qwen3_moe_router_is_kept_at_8_bits(tmp_path) -> None:
+    source = tmp_path / "hf"
+    build_tiny_model("qwen3_moe", source)
+    out = convert_model(source, tmp_path / "q4", quantize=4, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    routers = {f"model.layers.{i}.mlp.gate": {"group_size": 64, "bits": 8} for i in (0, 2)}
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine", **routers}
+    stored = mx.load(str(out / "model.safetensors"))
+    assert stored["model.layers.0.mlp.gate.weight"].shape == (4, 64 * 8 // 32)  # 8-bit packing
+    assert stored["model.layers.0.mlp.switch_mlp.up_proj.weight"].shape == (4, 32, 64 * 4 // 32)
+    assert "model.layers.1.mlp.down_proj.scales" not in stored  # the dense layer: 96 % 64
+
+
+def test_quantized_moe_runs_quantized_or_dequantized(moe_source, tmp_path, monkeypatch) -> None:
+    """On the CPU the experts are dequantized at load; where quantized kernels run they stay
+    QuantizedSwitchLinear (gather_qmm), forced here on the CPU: both give the same logits."""
+    model_type, source = moe_source
+    out = convert_model(source, tmp_path / "q8", quantize=8, group_size=32, progress=False)
+    ids = probe_ids(128) * 5
+    dequantized_model = load_model(out, mx.float32)
+    assert not any(isinstance(m, QuantizedSwitchLinear)
+                   for _, m in dequantized_model.named_modules())
+    dequantized = prompt_logits(dequantized_model, ids)
+
+    monkeypatch.setattr(weights, "keeps_quantized", lambda: True)
+    model = load_model(out, mx.float32)
+    kept = [p for p, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    stored = mx.load(str(out / "model.safetensors"))
+    assert len(kept) == 3 * sum(n.endswith("switch_mlp.gate_proj.weight") for n in stored)
+    np.testing.assert_allclose(prompt_logits(model, ids), dequantized, atol=1e-4, rtol=1e-4)

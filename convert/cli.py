@@ -16,13 +16,14 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the source and the options of `metal-serve convert` to `parser`."""
     parser.add_argument("source",
                         help="a .gguf file, a Hugging Face model dir, or a hub repo id (org/name) "
-                             "of Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text or Phi-3")
+                             "of Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, "
+                             "Mixtral, Qwen3-MoE or GLM-4.5")
     parser.add_argument("--out", type=Path, required=True, help="model directory to create")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="dtype of the written weights, or of the scales and biases of "
                              "quantized ones (default: float32)")
     parser.add_argument("--quantize", type=int, choices=(4, 8),
-                        help="quantize Linear and Embedding weights to this many bits "
+                        help="quantize Linear, Embedding and expert weights to this many bits "
                              "(MLX affine quantization, as mlx-lm writes it)")
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
                         help="weights sharing one scale and bias when quantizing (default: 64)")

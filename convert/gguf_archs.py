@@ -2,18 +2,25 @@
 describes, and what llama.cpp's own converter changed in the weights.
 
 Mistral GGUFs carry the `llama` architecture (llama.cpp writes them so); they convert to
-`model_type: llama`, which computes the same.
+`model_type: llama`, which computes the same. The MoE architectures' parts are in
+convert.gguf_moe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-Metadata = Callable[[str], Any]  # key without the "{arch}." prefix -> value or None
+from convert.gguf_moe import (
+    EXPERT_NAMES,
+    GLM_EXPERT_NAMES,
+    Metadata,
+    glm4_moe_keys,
+    qwen3_moe_keys,
+)
 
 COMMON_BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -33,6 +40,8 @@ SANDWICH_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GLM_NAMES = {**COMMON_BLOCK_NAMES, **QK_NORM_NAMES, **GLM_EXPERT_NAMES,
+             "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
 # llama.cpp scales Gemma's queries by hidden/heads instead of head_dim for the 27B models,
 # which it recognises by their layer count; the Hugging Face configs agree.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -44,9 +53,17 @@ class GgufArch:
     block_names: dict[str, str]
     permutes_qk: bool = False  # llama.cpp interleaved q/k rows for its rope kernel
     norm_offset: float = 0.0  # llama.cpp stored Gemma's `1 + w` norm weights with the 1 added
+    partial_rotary: bool = False  # rope.dimension_count is the rotated part of a head (GLM)
 
-    def config_keys(self, arch: str, meta: Metadata) -> dict[str, Any]:
-        """Config keys beyond the shared ones (soft-capping, windows, Gemma's query scale)."""
+    def config_keys(self, arch: str, meta: Metadata, names: Collection[str],
+                    layers: int) -> dict[str, Any]:
+        """Config keys beyond the shared ones (experts, soft-capping, windows, Gemma's query
+        scale); `names` are the file's tensors by Hugging Face name."""
+        if self.model_type == "qwen3_moe":
+            return qwen3_moe_keys(meta, names, layers)
+        if self.model_type == "glm4_moe":
+            return {**glm4_moe_keys(meta, names, layers),
+                    "partial_rotary_factor": meta("rope.dimension_count") / head_dim(meta, self)}
         if self.model_type not in ("gemma2", "gemma3_text"):
             return {}
         keys: dict[str, Any] = {"sliding_window": meta("attention.sliding_window")}
@@ -73,7 +90,17 @@ ARCHS = {
     "qwen3": GgufArch("qwen3", {**PRE_NORM_NAMES, **QK_NORM_NAMES}),
     "gemma2": GgufArch("gemma2", SANDWICH_NAMES, norm_offset=1.0),
     "gemma3": GgufArch("gemma3_text", {**SANDWICH_NAMES, **QK_NORM_NAMES}, norm_offset=1.0),
+    "qwen3moe": GgufArch("qwen3_moe", {**PRE_NORM_NAMES, **QK_NORM_NAMES, **EXPERT_NAMES}),
+    "glm4moe": GgufArch("glm4_moe", GLM_NAMES, partial_rotary=True),
 }
+
+
+def head_dim(meta: Metadata, arch: GgufArch) -> int:
+    """Width of one attention head: key_length, else the rotary width where it is the whole
+    head, else llama.cpp's default of hidden / heads."""
+    rotary = None if arch.partial_rotary else meta("rope.dimension_count")
+    return (meta("attention.key_length") or rotary
+            or meta("embedding_length") // meta("attention.head_count"))
 
 
 def rope_scaling(meta: Metadata) -> dict[str, Any] | None:

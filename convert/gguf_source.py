@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from convert.gguf_archs import ARCHS, GgufArch, llama3_rope_scaling, rope_scaling
+from convert.gguf_archs import ARCHS, GgufArch, head_dim, llama3_rope_scaling, rope_scaling
 from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import write_gguf_tokenizer
@@ -32,6 +32,7 @@ GLOBAL_NAMES = {
 # Llama 3.x rope scaling as llama.cpp stores it: one divisor per rotary frequency.
 ROPE_FREQS = "rope_freqs.weight"
 NAME_RE = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 
 
 def open_gguf(path: Path) -> ModelSource:
@@ -41,7 +42,9 @@ def open_gguf(path: Path) -> ModelSource:
     arch = ARCHS[arch_name]
     _check_types(reader.tensors)
     rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name != ROPE_FREQS}
+    layers = _main_layers(reader, arch_name)
+    tensors = {hf_name(t.name, arch): t for t in reader.tensors
+               if t.name != ROPE_FREQS and not _beyond_layers(t.name, layers)}
     config = _config_from_metadata(reader, arch_name, tensors, rope_freqs)
     check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(config))
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
@@ -60,9 +63,11 @@ def hf_name(gguf_name: str, arch: GgufArch) -> str:
     """llama.cpp tensor name -> Hugging Face name, e.g. blk.3.attn_q.weight -> ...q_proj.weight."""
     match = NAME_RE.fullmatch(gguf_name)
     table = arch.block_names if match and match[1] is not None else GLOBAL_NAMES
+    prefix = f"model.layers.{match[1]}." if match and match[1] is not None else ""
+    if match is not None and f"{match[2]}.{match[3]}" in table:  # renamed with its suffix
+        return prefix + table[f"{match[2]}.{match[3]}"]
     if match is None or match[2] not in table:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no {arch.model_type} equivalent")
-    prefix = f"model.layers.{match[1]}." if match[1] is not None else ""
     return f"{prefix}{table[match[2]]}.{match[3]}"
 
 
@@ -89,6 +94,18 @@ def _check_file(reader: GGUFReader) -> str:
     return arch
 
 
+def _main_layers(reader: GGUFReader, arch_name: str) -> int:
+    """The decoder layers: block_count less the multi-token-prediction blocks llama.cpp counts
+    in it (GLM-4.5), which this engine does not run (transformers does not either)."""
+    blocks = _require(reader, f"{arch_name}.block_count")
+    return blocks - (_get(reader, f"{arch_name}.nextn_predict_layers") or 0)
+
+
+def _beyond_layers(gguf_name: str, layers: int) -> bool:
+    match = BLOCK_RE.match(gguf_name)
+    return match is not None and int(match[1]) >= layers
+
+
 def _check_types(tensors: list[ReaderTensor]) -> None:
     for tensor in tensors:
         if tensor.tensor_type not in SUPPORTED_TYPES:
@@ -112,18 +129,19 @@ def _config_from_metadata(reader: GGUFReader, arch_name: str, tensors: dict[str,
 
     hidden = required("embedding_length")
     heads = required("attention.head_count")
-    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads
+    head_size = head_dim(meta, arch)
+    layers = _main_layers(reader, arch_name)
     theta = _shortest(meta("rope.freq_base") or 10000.0)
     scaling = rope_scaling(meta) if rope_freqs is None else llama3_rope_scaling(
-        dequantize(rope_freqs.data, rope_freqs.tensor_type), theta, head_dim)
+        dequantize(rope_freqs.data, rope_freqs.tensor_type), theta, head_size)
     return ModelConfig.from_dict(dict(
         model_type=arch.model_type,
         hidden_size=hidden,
         intermediate_size=required("feed_forward_length"),
-        num_hidden_layers=required("block_count"),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=meta("attention.head_count_kv") or heads,
-        head_dim=head_dim,
+        head_dim=head_size,
         vocab_size=meta("vocab_size") or _token_count(reader),
         rms_norm_eps=_shortest(meta("attention.layer_norm_rms_epsilon") or 1e-5),
         rope_theta=theta,
@@ -134,7 +152,7 @@ def _config_from_metadata(reader: GGUFReader, arch_name: str, tensors: dict[str,
         eos_token_id=_get(reader, "tokenizer.ggml.eos_token_id"),
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors,
-        **arch.config_keys(arch_name, meta),
+        **arch.config_keys(arch_name, meta, tensors, layers),
     ))
 
 

@@ -1,0 +1,199 @@
+"""MoE GGUFs (llama.cpp's qwen3moe and glm4moe) convert to the stacked-expert layout and compute
+what the Hugging Face model they came from computes.
+
+Each GGUF is written here from a tiny random transformers checkpoint the way llama.cpp's
+converter arranges it: its tensor names, each layer's experts stacked into one 3-D tensor per
+projection (stored Q8_0), GLM's correction bias as `exp_probs_b.bias`, its multi-token
+prediction block counted in block_count, and the metadata keys its `set_gguf_parameters` writes.
+The reference is that checkpoint with its experts rounded as Q8_0 stores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from gguf import ExpertGatingFuncType, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from gguf_files import copy_tokenizer_metadata, finish
+from safetensors.numpy import load_file, save_file
+from tiny_models import VOCAB, build_tiny_model
+
+from convert import convert_model
+from convert.validate import probe_ids, prompt_logits, validate_conversion
+from metal_engine.model_config import ModelConfig
+from metal_engine.weights import load_model
+
+GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe"}
+GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+# Hugging Face name within a layer -> llama.cpp's (gguf-py's tensor map for these archs).
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    **{f"self_attn.{p}_proj.{kind}": f"attn_{g}.{kind}"
+       for p, g in [("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")]
+       for kind in ("weight", "bias")},
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
+    **{f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+       for p in ("gate", "up", "down")},
+}
+# Qwen's post-attention norm is llama.cpp's ffn_norm; GLM-4.5's tensor list names it so.
+POST_ATTENTION_NORM = {"qwen3_moe": "ffn_norm.weight", "glm4_moe": "post_attention_norm.weight"}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def gguf_tensors(model_type: str, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tensors llama.cpp's converter writes for this checkpoint (float, unquantized)."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, tensor in hf.items():
+        if name in GLOBAL_NAMES:
+            out[GLOBAL_NAMES[name]] = tensor
+        elif match := EXPERT.fullmatch(name):
+            experts.setdefault((match[1], match[3]), {})[int(match[2])] = tensor
+        else:
+            layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+            short = (POST_ATTENTION_NORM[model_type] if rest == "post_attention_layernorm.weight"
+                     else LAYER_NAMES[rest])
+            out[f"blk.{layer}.{short}"] = tensor
+    for (layer, proj), by_expert in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack(
+            [by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def add_metadata(writer: GGUFWriter, model_type: str, cfg: dict) -> None:
+    """The metadata keys llama.cpp's converter writes from this config."""
+    nextn = 1 if model_type == "glm4_moe" else 0
+    writer.add_block_count(cfg["num_hidden_layers"] + nextn)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    copy_tokenizer_metadata(writer, VOCAB)
+    writer.add_token_scores([0.0] * VOCAB)  # the first 128 tokens hold no merges to copy
+    if model_type == "qwen3_moe":
+        writer.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+        return
+    writer.add_expert_count(cfg["n_routed_experts"])
+    writer.add_expert_group_count(cfg["n_group"])
+    writer.add_expert_group_used_count(cfg["topk_group"])
+    partial = cfg["rope_parameters"].get("partial_rotary_factor", 0.5)
+    writer.add_rope_dimension_count(int(cfg["head_dim"] * partial))
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+    writer.add_nextn_predict_layers(nextn)
+
+
+def add_nextn_block(writer: GGUFWriter, layer: int, hidden: int) -> None:
+    """A few of GLM-4.5's multi-token-prediction tensors, in the block after the decoder's."""
+    rng = np.random.default_rng(1)
+    writer.add_tensor(f"blk.{layer}.nextn.eh_proj.weight",
+                      rng.standard_normal((hidden, 2 * hidden)).astype(np.float32))
+    for name in ("nextn.enorm", "nextn.hnorm", "attn_norm"):
+        writer.add_tensor(f"blk.{layer}.{name}.weight", np.ones(hidden, np.float32))
+
+
+def write_moe_gguf(model_type: str, hf_dir: Path, root: Path) -> tuple[Path, Path]:
+    """(the GGUF of `hf_dir`'s model, `hf_dir` with its experts rounded as the GGUF stores
+    them: the reference)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    hf = load_file(hf_dir / "model.safetensors")
+    path = root / f"{GGUF_ARCHS[model_type]}.gguf"
+    writer = GGUFWriter(path, GGUF_ARCHS[model_type])
+    add_metadata(writer, model_type, cfg)
+    rounded: dict[str, np.ndarray] = {}
+    for name, tensor in gguf_tensors(model_type, hf).items():
+        if tensor.ndim == 3:  # the experts: Q8_0, as a quantized GGUF stores them
+            raw = quantize(tensor, Q.Q8_0)
+            writer.add_tensor(name, raw, raw_dtype=Q.Q8_0)
+            rounded[name] = dequantize(raw, Q.Q8_0).reshape(tensor.shape)
+        else:
+            writer.add_tensor(name, tensor)
+    if model_type == "glm4_moe":
+        add_nextn_block(writer, cfg["num_hidden_layers"], cfg["hidden_size"])
+    finish(writer)
+
+    reference = root / "reference"
+    reference.mkdir()
+    for name in hf:
+        if match := EXPERT.fullmatch(name):
+            hf[name] = rounded[f"blk.{match[1]}.ffn_{match[3]}_exps.weight"][int(match[2])]
+    save_file(hf, reference / "model.safetensors", metadata={"format": "pt"})
+    (reference / "config.json").write_text(json.dumps(cfg))
+    return path, reference
+
+
+@pytest.mark.parametrize("model_type", list(GGUF_ARCHS))
+def test_moe_gguf_converts_to_the_hf_model(model_type: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "hf"
+    build_tiny_model(model_type, source)
+    path, reference = write_moe_gguf(model_type, source, tmp_path)
+    out = convert_model(path, tmp_path / "out", progress=False)
+
+    got = load_file(out / "model.safetensors")
+    expected = load_file(reference / "model.safetensors")
+    names = set()
+    for name, tensor in expected.items():
+        if match := EXPERT.fullmatch(name):  # one expert's slice of the stack
+            layer, expert, proj = match.groups()
+            name = f"model.layers.{layer}.mlp.switch_mlp.{proj}_proj.weight"
+            assert got[name].ndim == 3, name
+            np.testing.assert_array_equal(got[name][int(expert)], tensor, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+        names.add(name)
+    assert set(got) == names  # and no multi-token-prediction tensors
+
+    ours = ModelConfig.from_dict(json.loads((out / "config.json").read_text()))
+    theirs = ModelConfig.from_dict(json.loads((reference / "config.json").read_text()))
+    assert ours.moe == theirs.moe and ours.moe is not None
+    # The GGUF's tokenizer (borrowed from the default model) names its own special tokens.
+    assert dataclasses.replace(ours, bos_token_id=theirs.bos_token_id,
+                               eos_token_ids=theirs.eos_token_ids) == theirs
+
+    ids = probe_ids(VOCAB) * 5  # 40 tokens: every expert is chosen
+    model = AutoModelForCausalLM.from_pretrained(reference, attn_implementation="eager").float()
+    with torch.no_grad():
+        expected_logits = model(torch.tensor([ids])).logits[0].numpy()
+    got_logits = prompt_logits(load_model(out, mx.float32), ids)
+    np.testing.assert_allclose(got_logits, expected_logits, atol=1e-4, rtol=1e-4)
+    assert validate_conversion(path, out).relative_error == 0.0
+
+
+def test_moe_gguf_with_an_unsupported_router_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "hf"
+    build_tiny_model("glm4_moe", source)
+    path, _ = write_moe_gguf("glm4_moe", source, tmp_path)
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r+")  # switch the gating function to softmax in place
+    field = reader.fields["glm4moe.expert_gating_func"]
+    field.parts[field.data[0]][0] = int(ExpertGatingFuncType.SOFTMAX)
+    reader.data.flush()
+    with pytest.raises(ValueError, match="scoring_func='softmax'"):
+        convert_model(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

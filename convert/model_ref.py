@@ -19,7 +19,8 @@ def resolve_model(reference: str, revision: str | None = None, cache_dir: Path |
     - a local dir: as it is (loading names anything wrong with it);
     - a hub repo id (`org/name`, at `revision`): its snapshot in the hub cache when the engine
       loads it as it is (an mlx-community quantized repo, or safetensors in the Hugging Face
-      layout with a tokenizer.json), else its conversion into the metal-serve cache;
+      layout with a tokenizer.json and no per-expert tensors), else its conversion into the
+      metal-serve cache;
     - a .gguf file: its conversion into the metal-serve cache, made on first use.
     """
     path = Path(reference).expanduser()
@@ -43,5 +44,6 @@ def loads_as_is(folder: Path) -> bool:
     config = read_config_json(folder)
     if QuantizationConfig.from_config(config) is not None:
         return True
-    open_hf_dir(folder)  # checks every tensor name and shape against the config
-    return (folder / "tokenizer.json").is_file()
+    source = open_hf_dir(folder)  # checks every tensor name and shape against the config
+    # A MoE checkpoint stores one tensor per expert, which the engine loads only stacked.
+    return (folder / "tokenizer.json").is_file() and source.config.moe is None

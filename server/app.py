@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -34,6 +35,9 @@ from server.serve_args import (
     PREFIX_CACHE_SCOPES,
     PrefixCacheScope,
 )
+
+if TYPE_CHECKING:
+    from metal_engine.parameter_count import ParameterCount
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ def build_app(
     max_n: int = DEFAULT_MAX_N,
     options: HttpOptions | None = None,
     tool_call_parser: str | None = None,
+    parameters: ParameterCount | None = None,
 ) -> FastAPI:
     """An app serving one model.
 
@@ -86,6 +91,7 @@ def build_app(
     and the model directory's name, each with its context length and the sampling defaults
     of requests (`async_engine.sampling_defaults`). A request may ask for up to `max_n` choices.
     `tool_call_parser` names the tool-call format (default: picked from the chat template).
+    `parameters`, when given, are listed on the model cards (total and active per token).
     `app.state.drain` is what a graceful shutdown drains.
     """
     options = options or HttpOptions()
@@ -105,7 +111,7 @@ def build_app(
     serving = Serving(async_engine, served_model_name, max_n, tool_call_parser)
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
     parser = serving.tool_call_parser
-    app.include_router(_service_router(async_engine, metrics, model_ids))
+    app.include_router(_service_router(async_engine, metrics, model_ids, parameters))
     app.include_router(openai_router(serving, options.min_priority))
     app.include_router(responses_router(async_engine, served_model_name, parser))
     app.include_router(anthropic_router(async_engine, served_model_name, parser))
@@ -113,11 +119,14 @@ def build_app(
 
 
 def _service_router(
-    async_engine: AsyncEngine, metrics: ServerMetrics, model_ids: list[str]
+    async_engine: AsyncEngine, metrics: ServerMetrics, model_ids: list[str],
+    parameters: ParameterCount | None = None,
 ) -> APIRouter:
     """`/health`, `/metrics` and `/v1/models`."""
     router = APIRouter()
     created = int(time.time())
+    counts = ({"num_parameters": parameters.total, "active_parameters": parameters.active}
+              if parameters else {})
 
     @router.get("/health")
     async def health() -> dict:
@@ -132,7 +141,7 @@ def _service_router(
     async def models() -> dict:
         cards = [
             ModelCard(id=model_id, created=created, max_model_len=async_engine.max_model_len,
-                      sampling_defaults=asdict(async_engine.sampling_defaults))
+                      sampling_defaults=asdict(async_engine.sampling_defaults), **counts)
             for model_id in model_ids
         ]  # fmt: skip
         return ModelList(data=cards).model_dump()

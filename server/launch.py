@@ -19,6 +19,7 @@ __all__ = ["add_serve_arguments", "freeze_startup_objects", "serve"]
 
 if TYPE_CHECKING:
     from metal_engine.engine import LLMEngine
+    from metal_engine.parameter_count import ParameterCount
     from server.app import HttpOptions
     from server.sampling_defaults import SamplingDefaults
 
@@ -56,11 +57,12 @@ def serve(args: argparse.Namespace) -> int:
     bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
                          sampling_defaults=defaults,
                          report_cached_tokens=args.report_cached_tokens)
+    parameters = _parameter_count(engine)
     app = build_app(bridge, args.served_model_name, args.max_n, options=options,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, parameters=parameters)
     log.info(
-        "serving %s as %r on http://%s:%d/v1", model_dir, args.served_model_name,
-        args.host, args.port,
+        "serving %s (%s) as %r on http://%s:%d/v1", model_dir, parameters.describe(),
+        args.served_model_name, args.host, args.port,
     )  # fmt: skip
     freeze_startup_objects()
     run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
@@ -128,6 +130,13 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
         **{k: v for k, v in options.items() if v is not None},
     )
     return LLMEngine.from_config(config)
+
+
+def _parameter_count(engine: LLMEngine) -> ParameterCount:
+    """Total and per-token parameters, for the startup log and the model cards."""
+    from metal_engine.parameter_count import count_parameters
+
+    return count_parameters(engine.runner.model.config)
 
 
 def _http_options(args: argparse.Namespace) -> HttpOptions:

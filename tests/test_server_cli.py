@@ -119,6 +119,7 @@ def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, val
     ],
 )
 def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
+    from metal_engine.parameter_count import ParameterCount
     from server import app, launch
     from server.http import shutdown
 
@@ -128,6 +129,7 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
         built.append({"max_n": max_n, "tool_call_parser": tool_call_parser})
 
     monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: object())
+    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", build_app)
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", str(tmp_path), *argv]) == 0
@@ -163,11 +165,13 @@ def test_bad_generation_config_overrides_exit_2(value, message, capsys):
 
 def _served_defaults(monkeypatch, argv):
     """The sampling defaults `serve argv` hands the app's engine bridge, and its log."""
+    from metal_engine.parameter_count import ParameterCount
     from server import app, launch
     from server.http import shutdown
 
     built = []
     monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: object())
+    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda engine, *args, **kw: built.append(engine))
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", *argv]) == 0

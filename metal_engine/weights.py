@@ -4,6 +4,7 @@ MLX's affine quantized layout (see metal_engine.quantization)."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +18,10 @@ from metal_engine.quantization import QuantizationConfig, dequantize_weights
 
 log = logging.getLogger("metal_serve")
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
+PER_EXPERT = re.compile(
+    r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|scales|biases)$")
+# Mixtral's projection names -> the stacked layout's.
+PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -60,6 +65,8 @@ def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
     weights: dict[str, mx.array] = {}
     for path in files:
         weights.update(mx.load(str(path)))
+    if config.moe is not None:
+        weights = stack_per_expert(weights, config.moe.num_experts)
     weights = model.sanitize(weights)
     if quantization is not None and keeps_quantized():
         nn.quantize(model, class_predicate=_quantized_modules(weights, quantization))
@@ -74,6 +81,29 @@ def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def stack_per_expert(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
+    """`weights` with one-tensor-per-expert sets stacked `[experts, ...]` under `switch_mlp`, as
+    the models name them. Early mlx-community MoE checkpoints (Mixtral's, written before mlx-lm
+    stacked experts) store them so, quantized with each expert's scales and biases; stacking
+    those equals quantizing the stack."""
+    stacked: dict[str, mx.array] = {}
+    sets: dict[str, dict[int, mx.array]] = {}
+    for name, value in weights.items():
+        match = PER_EXPERT.match(name)
+        if match is None:
+            stacked[name] = value
+            continue
+        proj = PROJECTIONS.get(match["proj"], match["proj"])
+        target = f"{match['block']}.switch_mlp.{proj}.{match['kind']}"
+        sets.setdefault(target, {})[int(match["expert"])] = value
+    for name, by_expert in sets.items():
+        if sorted(by_expert) != list(range(num_experts)):
+            raise ValueError(f"{name}: the checkpoint holds {len(by_expert)} experts' tensors, "
+                             f"its config.json says {num_experts} experts")
+        stacked[name] = mx.stack([by_expert[e] for e in range(num_experts)])
+    return stacked
 
 
 def _quantized_modules(weights: dict[str, mx.array], quantization: QuantizationConfig):

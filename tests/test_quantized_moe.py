@@ -1,5 +1,6 @@
 """Quantized MoE checkpoints: mlx-community's (mlx-lm's layout) load as they are and equal our
-own `--quantize` output, tensor for tensor and config entry for config entry.
+own `--quantize` output, tensor for tensor and config entry for config entry; early ones, with
+each expert quantized alone under its own name, load stacked.
 
 The mlx-lm layout is written here by hand from mlx-lm's rules: experts stacked
 `[experts, out, in]` under `switch_mlp` and quantized as one tensor; every Linear, Embedding
@@ -66,12 +67,15 @@ def quantized_params(model_type: str, name: str, tensor: mx.array,
 
 
 def write_mlx_lm_layout(model_type: str, source: Path, out: Path, group_size: int,
-                        bits: int) -> Path:
-    """The checkpoint mlx-lm's convert (`-q --q-bits bits --q-group-size group_size`) writes."""
+                        bits: int, per_expert: bool = False) -> Path:
+    """The checkpoint mlx-lm's convert (`-q --q-bits bits --q-group-size group_size`) writes;
+    `per_expert`: as early mlx-community Mixtral repos hold it, each expert quantized alone."""
     out.mkdir()
     entries: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
     tensors = {}
-    for name, tensor in stacked_float_tensors(source).items():
+    floats = (mx.load(str(source / "model.safetensors")) if per_expert
+              else stacked_float_tensors(source))
+    for name, tensor in floats.items():
         params = quantized_params(model_type, name, tensor, group_size, bits)
         if params is None:
             tensors[name] = tensor
@@ -115,6 +119,16 @@ def test_mlx_community_moe_checkpoint_loads_and_equals_our_quantize(moe_source, 
     check = validate_conversion(source, ours)  # 4 bits stays near the float source
     assert check.reference == "the source in float32" and check.passed, check
     assert check.relative_error > 0  # and was quantized
+
+
+def test_early_per_expert_checkpoint_loads_stacked(moe_source, tmp_path) -> None:
+    model_type, source = moe_source
+    stacked = write_mlx_lm_layout(model_type, source, tmp_path / "stacked", 32, 4)
+    early = write_mlx_lm_layout(model_type, source, tmp_path / "early", 32, 4, per_expert=True)
+    assert any(".experts.0." in n for n in mx.load(str(early / "model.safetensors")))
+    ids = probe_ids(128) * 5
+    np.testing.assert_array_equal(prompt_logits(load_model(early, mx.float32), ids),
+                                  prompt_logits(load_model(stacked, mx.float32), ids))
 
 
 def test_qwen3_moe_router_is_kept_at_8_bits(tmp_path) -> None:

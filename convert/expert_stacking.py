@@ -1,11 +1,19 @@
 """Hugging Face MoE checkpoints store one tensor per expert (`...experts.7.gate_proj.weight`);
 the layout here stacks them into one `[experts, out, in]` tensor per projection
-(`...switch_mlp.gate_proj.weight`), as mlx-lm does."""
+(`...switch_mlp.gate_proj.weight`), as mlx-lm does.
+
+GPT-OSS's checkpoints are stacked already but fused and `[in, out]`: `experts.gate_up_proj
+[experts, hidden, 2 * inner]` with gate and up interleaved (even and odd columns), and
+`experts.down_proj [experts, inner, hidden]`, biases beside them; they are split and
+transposed into `experts.{gate,up,down}_proj.{weight,bias}`. Gemma 4's are fused but `[out,
+in]`: `experts.gate_up_proj [experts, 2 * inner, hidden]` (gate rows first) and
+`experts.down_proj [experts, hidden, inner]`."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -25,12 +33,69 @@ def _stacked_name(name: str) -> tuple[str, int] | None:
     return f"{match['block']}.switch_mlp.{proj}.weight", int(match["expert"])
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """How a family stores its stacked experts: `[experts, in, out]` (`transposed`) or
+    `[experts, out, in]`; gate and up rows alternating (`interleaved`) or gate's first."""
+
+    transposed: bool
+    interleaved: bool
+
+    def split_shapes(self, name: str,
+                     shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]] | None:
+        """The (name, shape) pairs the fused tensor `name` becomes; None if it is not one."""
+        parts = _fused_parts(name)
+        if parts is None:
+            return None
+        block, kind, bias = parts
+        prefix = f"{block}.experts"
+        if bias:
+            experts, width = shape
+            if kind == "down_proj":
+                return [(f"{prefix}.down_proj.bias", shape)]
+            return [(f"{prefix}.{p}.bias", (experts, width // 2)) for p in _GATE_UP]
+        experts, rows, cols = shape
+        out, inner = (cols, rows) if self.transposed else (rows, cols)
+        if kind == "down_proj":
+            return [(f"{prefix}.down_proj.weight", (experts, out, inner))]
+        return [(f"{prefix}.{p}.weight", (experts, out // 2, inner)) for p in _GATE_UP]
+
+    def split(self, name: str, tensor: mx.array) -> list[tuple[str, mx.array]]:
+        names = [n for n, _ in self.split_shapes(name, tuple(tensor.shape))]
+        block, kind, bias = _fused_parts(name)
+        tensor = mx.array(tensor)
+        if not bias and self.transposed:
+            tensor = tensor.swapaxes(-1, -2)  # now [experts, out, in]
+        if kind == "down_proj":
+            return [(names[0], tensor)]
+        if self.interleaved:
+            halves = (tensor[:, 0::2], tensor[:, 1::2])
+        else:
+            halves = tuple(mx.split(tensor, 2, axis=1))
+        return list(zip(names, halves, strict=True))
+
+
+_GATE_UP = ("gate_proj", "up_proj")
+FUSED_LAYOUTS = {
+    "gpt_oss": FusedExperts(transposed=True, interleaved=True),
+    "gemma4_text": FusedExperts(transposed=False, interleaved=False),
+}
+
+
+def _fused_parts(name: str) -> tuple[str, str, bool] | None:
+    """(block, "gate_up_proj" or "down_proj", is a bias) of a fused expert tensor name."""
+    match = re.fullmatch(r"(.+)\.experts\.(gate_up_proj|down_proj)(_bias)?", name)
+    return None if match is None else (match[1], match[2], match[3] is not None)
+
+
 def stacked_shapes(config: ModelConfig,
                    shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """`shapes` with each complete set of per-expert tensors replaced by its stack. A set
     missing experts, or whose shapes differ, is an error naming it."""
-    if config.moe is None:
-        return shapes
+    fused = FUSED_LAYOUTS.get(config.model_type)
+    if fused is not None:
+        return {new: shape for name, old in shapes.items()
+                for new, shape in (fused.split_shapes(name, old) or [(name, old)])}
     stacked: dict[str, tuple[int, ...]] = {}
     experts: dict[str, dict[int, tuple[int, ...]]] = {}
     for name, shape in shapes.items():
@@ -39,6 +104,8 @@ def stacked_shapes(config: ModelConfig,
             stacked[name] = shape
         else:
             experts.setdefault(target[0], {})[target[1]] = shape
+    if not experts:
+        return stacked
     count = config.moe.num_experts
     for name, by_expert in experts.items():
         missing = sorted(set(range(count)) - set(by_expert))
@@ -55,6 +122,11 @@ def stack_experts(config: ModelConfig,
                   tensors: Iterator[tuple[str, mx.array]]) -> Iterator[tuple[str, mx.array]]:
     """The tensor stream with per-expert tensors held until their set is complete, then yielded
     stacked; everything else passes straight through."""
+    fused = FUSED_LAYOUTS.get(config.model_type)
+    if fused is not None:
+        for name, tensor in tensors:
+            yield from (fused.split(name, tensor) if _fused_parts(name) else [(name, tensor)])
+        return
     if config.moe is None:
         yield from tensors
         return

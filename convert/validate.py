@@ -69,8 +69,7 @@ def prompt_logits(model: CausalLM, ids: list[int]) -> np.ndarray:
     """`[len(ids), vocab]` logits of one prompt, through the engine's packed forward."""
     cfg = model.config
     num_blocks = len(ids) // BLOCK_SIZE + 2
-    cache = KVCache(cfg.num_hidden_layers, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads,
-                    cfg.head_dim, mx.float32)
+    cache = KVCache.for_model(cfg, num_blocks, BLOCK_SIZE, mx.float32)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=1,
         max_num_batched_tokens=len(ids), max_model_len=len(ids) + 1,

@@ -30,10 +30,8 @@ _SPILL_BATCH = 64
 
 
 def _disk_store(config: EngineConfig, cache: KVCache) -> KVDiskStore:
-    layout = BlockLayout(
-        num_layers=len(cache.k), block_size=cache.block_size, kv_heads=cache.k[0].shape[2],
-        head_dim=cache.k[0].shape[3], dtype=str(cache.dtype).removeprefix("mlx.core."),
-    )
+    layout = BlockLayout(cache.shapes, cache.block_size,
+                         str(cache.dtype).removeprefix("mlx.core."))
     store = KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout), layout,
                         config.kv_cache_dir_size)
     log.info("KV disk cache: %d blocks (%.1f MiB) in %s", store.num_blocks,
@@ -79,9 +77,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype)
         model = load_model(config.model_dir, dtype)
         mc = model.config
-        per_block = bytes_per_block(
-            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, dtype
-        )
+        per_block = bytes_per_block(mc.kv_pool_shapes(), config.block_size, dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
         num_blocks = budget // per_block
         kv_tokens = num_blocks * config.block_size
@@ -92,8 +88,7 @@ class LLMEngine:
             "(trained: %d)", kv_tokens, num_blocks, config.block_size,
             num_blocks * per_block / 2**20, max_model_len, mc.trained_context_len,
         )  # fmt: skip
-        cache = KVCache(mc.num_hidden_layers, num_blocks, config.block_size,
-                        mc.num_key_value_heads, mc.head_dim, dtype)
+        cache = KVCache.for_model(mc, num_blocks, config.block_size, dtype)
         store = _disk_store(config, cache) if config.kv_cache_dir is not None else None
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,

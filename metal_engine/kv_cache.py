@@ -1,12 +1,25 @@
-"""Paged K/V pools, one pair per layer, each `[num_blocks, block_size, kv_heads, head_dim]`."""
+"""Paged K/V pools, one pair per pool, each `[num_blocks, block_size, kv_heads, head_dim]`.
+
+A pool usually belongs to one layer; a model whose layers differ in KV heads or head size
+(Gemma 4's full and sliding layers) gives each pool its own shape, and one whose layers share
+K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool).
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:
+    from metal_engine.model_config import ModelConfig
+
+PoolShape = tuple[int, int]  # (kv_heads, head_dim)
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +37,28 @@ class KVCache:
     the runner evaluates them once no queued work still reads the pools.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: mx.Dtype) -> None:
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+    def __init__(self, shapes: Sequence[PoolShape], num_blocks: int, block_size: int,
+                 dtype: mx.Dtype) -> None:
+        """`shapes`: (kv_heads, head_dim) of each pool."""
+        self.shapes = tuple(shapes)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.k: list[mx.array | None] = [mx.zeros(shape, dtype) for _ in range(num_layers)]
-        self.v: list[mx.array | None] = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.k: list[mx.array | None] = [mx.zeros((num_blocks, block_size, *shape), dtype)
+                                         for shape in self.shapes]
+        self.v: list[mx.array | None] = [mx.zeros((num_blocks, block_size, *shape), dtype)
+                                         for shape in self.shapes]
         mx.eval(self.k, self.v)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
+                  dtype: mx.Dtype) -> KVCache:
+        return cls(cfg.kv_pool_shapes(), num_blocks, block_size, dtype)
+
+    def peek(self, layer: int) -> tuple[mx.array, mx.array]:
+        """A pool pair to read without writing (a layer reading another layer's K/V)."""
+        k, v = self.k[layer], self.v[layer]
+        if k is None or v is None:
+            raise RuntimeError(f"KV pool of layer {layer} was taken and not put back")
+        return k, v
 
     def take(self, layer: int) -> tuple[mx.array, mx.array]:
         k, v = self.k[layer], self.v[layer]
@@ -50,23 +78,26 @@ class KVCache:
         return self.k[0].dtype
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Each block's K then V of every layer, as raw bytes (waits for pending writes)."""
+        """Each block's K then V of every pool, as raw bytes (waits for pending writes)."""
         index = mx.array(block_ids)
-        # [n, 2 * layers, block_size, kv_heads, head_dim]; bit-cast so numpy takes any dtype
-        blocks = mx.stack([pool[index] for pool in self.k + self.v], axis=1)
+        # [n, features of every pool]; bit-cast so numpy takes any dtype
+        blocks = mx.concatenate([pool[index].reshape(len(block_ids), -1)
+                                 for pool in self.k + self.v], axis=1)
         raw = np.asarray(blocks.view(_BITS[self.dtype.size][0]))
         return [raw[i].tobytes() for i in range(len(block_ids))]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
-        shape = (len(block_ids), len(self.k) + len(self.v), *self.k[0].shape[1:])
-        raw = np.frombuffer(b"".join(payloads), _BITS[self.dtype.size][1]).reshape(shape)
+        n = len(block_ids)
+        raw = np.frombuffer(b"".join(payloads), _BITS[self.dtype.size][1]).reshape(n, -1)
         blocks = mx.array(raw).view(self.dtype)
+        sizes = [self.block_size * heads * dim for heads, dim in self.shapes] * 2
+        parts = mx.split(blocks, list(itertools.accumulate(sizes))[:-1], axis=1)
         index = mx.array(block_ids)
-        for layer in range(len(self.k)):
+        for layer, shape in enumerate(self.shapes):
             k, v = self.take(layer)
-            k[index] = blocks[:, layer]
-            v[index] = blocks[:, len(self.k) + layer]
+            k[index] = parts[layer].reshape(n, self.block_size, *shape)
+            v[index] = parts[len(self.shapes) + layer].reshape(n, self.block_size, *shape)
             self.put(layer, k, v)
 
 
@@ -74,9 +105,8 @@ class KVCache:
 _BITS = {4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16)}
 
 
-def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
-                    dtype: mx.Dtype) -> int:
-    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.size
+def bytes_per_block(shapes: Sequence[PoolShape], block_size: int, dtype: mx.Dtype) -> int:
+    return 2 * block_size * sum(heads * dim for heads, dim in shapes) * dtype.size
 
 
 def default_kv_cache_memory(weights_bytes: int) -> int:

@@ -3,9 +3,9 @@
     directory/<identity>/<hash[:2]>/<hash>.kvb      one file per block: header, then payload
 
     header (little-endian, HEADER.size bytes, every field checked on load):
-        magic | format version | dtype code | num_layers | block_size | kv_heads | head_dim
+        magic | format version | dtype code | num_pools | block_size | features per slot
         | payload length | blake2b(block hash + payload)
-    payload: K and V of every layer, as the caller packed them (payload_bytes long)
+    payload: K and V of every pool, as the caller packed them (payload_bytes long)
 
 The identity names the model, weights and layout, so a changed model never sees another's K/V.
 A file that fails any check is deleted and reported as a miss: the cache is an optimization,
@@ -26,9 +26,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"MSKV"
-HEADER = struct.Struct("<4sHHIIIIQ16s")
+HEADER = struct.Struct("<4sHHIIIQ16s")
 CHECKSUM_SIZE = 16
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
@@ -41,12 +41,11 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """What one block's payload holds; part of the cache identity and of every file header."""
+    """What one block's payload holds; part of the cache identity and of every file header.
+    `pools`: (kv_heads, head_dim) of each KV pool (see metal_engine.kv_cache)."""
 
-    num_layers: int
+    pools: tuple[tuple[int, int], ...]
     block_size: int
-    kv_heads: int
-    head_dim: int
     dtype: str
 
     def __post_init__(self) -> None:
@@ -54,15 +53,21 @@ class BlockLayout:
             raise ValueError(
                 f"KV dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPE_CODES)}"
             )
-        for name in ("num_layers", "block_size", "kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.pools:
+            raise ValueError("a block layout needs at least one pool")
+        if self.block_size < 1 or min(min(shape) for shape in self.pools) < 1:
+            raise ValueError(f"block size and pool shapes must be at least 1, got block size "
+                             f"{self.block_size} and pools {self.pools}")
+
+    @property
+    def slot_features(self) -> int:
+        """K (or V) values one token holds over every pool."""
+        return sum(heads * dim for heads, dim in self.pools)
 
     @property
     def payload_bytes(self) -> int:
-        """K and V of every layer: 2 * L * block_size * kv_heads * head_dim * itemsize."""
-        per_layer = self.block_size * self.kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
-        return 2 * self.num_layers * per_layer
+        """K and V of every pool: 2 * block_size * slot_features * itemsize."""
+        return 2 * self.block_size * self.slot_features * DTYPE_SIZES[self.dtype]
 
     @property
     def file_bytes(self) -> int:
@@ -168,8 +173,8 @@ class KVDiskStore:
     def _header(self, block_hash: bytes, payload: memoryview) -> bytes:
         layout = self.layout
         return HEADER.pack(
-            MAGIC, FORMAT_VERSION, DTYPE_CODES[layout.dtype], layout.num_layers,
-            layout.block_size, layout.kv_heads, layout.head_dim, layout.payload_bytes,
+            MAGIC, FORMAT_VERSION, DTYPE_CODES[layout.dtype], len(layout.pools),
+            layout.block_size, layout.slot_features, layout.payload_bytes,
             _checksum(block_hash, payload),
         )
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from metal_engine.models import gemma4_config
+from metal_engine.models.gemma4_config import Gemma4Options, read_gemma4
 from metal_engine.models.moe_config import MoeConfig, read_moe
 from metal_engine.models.rope_parameters import RopeParameters, read_rope, read_rope_theta
 
@@ -27,11 +29,16 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LayerType = Literal["full_attention", "sliding_attention"]
-GEMMA = ("gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
+ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text")  # a rope dict per layer type
+# Multimodal checkpoints whose text part is served: model_type -> the text model's.
+TEXT_PARTS = {"gemma4": "gemma4_text"}
 QWEN = ("qwen2", "qwen3")
 # Families whose every layer slides once a window is set.
 ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")
@@ -43,6 +50,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 4096},
     "qwen3": {"head_dim": 128},
     "glm4_moe": {"partial_rotary_factor": 0.5},
+    "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
+    "gemma4_text": gemma4_config.DEFAULTS,
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
@@ -74,8 +83,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale**-2 when not head_dim
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # (kv_heads, head_dim) of each layer where they differ by layer (Gemma 4); empty: the
+    # fields above for every layer.
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
+    kv_shared_layers: int = 0  # the last layers read K/V an earlier layer wrote (Gemma 4)
     qk_norm: bool = False  # an RMSNorm over each head of q and k where the family makes it optional
     moe: MoeConfig | None = None  # None: every layer has a dense MLP
+    gemma4: Gemma4Options | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -124,6 +138,25 @@ class ModelConfig:
         """Keys layer `layer` attends to (its own included); None: the whole context."""
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
 
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv_heads, head_dim) of layer `layer`."""
+        if self.layer_kv_shapes:
+            return self.layer_kv_shapes[layer]
+        return self.num_key_value_heads, self.head_dim
+
+    def kv_pool(self, layer: int) -> int:
+        """The KV pool layer `layer` attends over: its own, or for a layer sharing K/V the
+        pool of the last layer of its type before the sharing ones (transformers' rule)."""
+        first_shared = self.num_hidden_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_type(layer)
+        return max(i for i in range(first_shared) if self.layer_type(i) == kind)
+
+    def kv_pool_shapes(self) -> list[tuple[int, int]]:
+        """(kv_heads, head_dim) of each KV pool, in pool order."""
+        return [self.kv_shape(i) for i in range(self.num_hidden_layers - self.kv_shared_layers)]
+
     def rope_for(self, layer_type: LayerType) -> RopeParameters:
         if layer_type == "sliding_attention" and self.local_rope is not None:
             return self.local_rope
@@ -132,6 +165,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json (transformers 4 or 5 style)."""
+        cfg = _text_part(cfg)
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: "
@@ -140,12 +174,14 @@ class ModelConfig:
         missing = [k for k in REQUIRED_KEYS if k not in cfg]
         if missing:
             raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
-        if cfg.get("use_bidirectional_attention"):
+        if cfg.get("use_bidirectional_attention") not in (None, False, "vision"):
             raise ValueError("bidirectional (embedding) Gemma models are not causal LMs; "
                              "use a checkpoint with use_bidirectional_attention false")
         heads = cfg["num_attention_heads"]
         window = _sliding_window(cfg)
         rope, local_rope = _ropes(cfg)
+        layer_types = _layer_types(cfg, window)
+        gemma4 = model_type == "gemma4_text"
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -164,7 +200,10 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=window,
-            layer_types=_layer_types(cfg, window),
+            layer_types=layer_types,
+            layer_kv_shapes=gemma4_config.layer_kv_shapes(cfg, layer_types) if gemma4 else (),
+            kv_shared_layers=cfg.get("num_kv_shared_layers") or 0,
+            gemma4=read_gemma4(cfg) if gemma4 else None,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if model_type in GEMMA else None,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
@@ -200,10 +239,14 @@ class ModelConfig:
             config["use_qk_norm"] = self.qk_norm
         if self.moe is not None:
             config.update(self.moe.to_hf(self.model_type))
-        if self.model_type in QWEN + GEMMA:  # the others derive layer types from the window
+        if self.model_type in (*QWEN, *GEMMA, "gpt_oss"):  # the others: from the window
             config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
         if self.model_type in (*QWEN, "qwen3_moe"):
             config["use_sliding_window"] = self.sliding_window is not None
+        if self.gemma4 is not None:
+            config.update(self.gemma4.to_hf(), num_kv_shared_layers=self.kv_shared_layers,
+                          per_layer_config={str(i): {"num_key_value_heads": h, "head_dim": d}
+                                            for i, (h, d) in enumerate(self.layer_kv_shapes)})
         if self.model_type in GEMMA:
             config.update(query_pre_attn_scalar=self.query_pre_attn_scalar,
                           attn_logit_softcapping=self.attn_logit_softcapping,
@@ -217,12 +260,14 @@ class ModelConfig:
         keys: dict[str, Any] = {"rope_theta": self.rope.rope_theta, "rope_parameters": full}
         if self.rope.rope_type != "default":
             keys["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
-        if self.rope.partial_rotary_factor != 1.0:
-            keys["partial_rotary_factor"] = self.rope.partial_rotary_factor
-        if self.model_type == "gemma3_text":
+        if self.model_type in ROPE_PER_LAYER_TYPE:
+            # Each layer type's dict holds its own partial_rotary_factor: a top-level one
+            # would be read as every rope's.
             local = self.rope_for("sliding_attention")
             keys["rope_parameters"] = {"full_attention": full, "sliding_attention": local.to_hf()}
             keys["rope_local_base_freq"] = local.rope_theta
+        elif self.rope.partial_rotary_factor != 1.0:
+            keys["partial_rotary_factor"] = self.rope.partial_rotary_factor
         return keys
 
 
@@ -261,12 +306,16 @@ def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ..
         if unknown:
             raise ValueError(f"layer types {sorted(unknown)} are not supported")
         return types
+    if model_type == "gpt_oss":  # alternates, sliding first
+        return tuple("full_attention" if i % 2 else "sliding_attention" for i in range(n))
     if model_type in GEMMA:
         # Gemma 2 alternates; Gemma 3 has one global layer every `sliding_window_pattern`.
         pattern = 2 if model_type == "gemma2" else (
             cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                     for i in range(n))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        if model_type == "gemma4_text":
+            types[-1] = "full_attention"  # transformers makes the last layer global
+        return tuple(types)
     first = cfg.get("max_window_layers", 28)  # Qwen: layers from this one on slide
     return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
@@ -274,7 +323,7 @@ def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ..
 def _ropes(cfg: dict[str, Any]) -> tuple[RopeParameters, RopeParameters | None]:
     """(rope of full-attention layers, rope of sliding layers if it differs)."""
     params = cfg.get("rope_parameters") or {}
-    if cfg["model_type"] != "gemma3_text":
+    if cfg["model_type"] not in ROPE_PER_LAYER_TYPE:
         theta = read_rope_theta(cfg)
         return read_rope(cfg, params or cfg.get("rope_scaling"), theta), None
     if "full_attention" in params:  # transformers 5: one dict per layer type
@@ -284,6 +333,16 @@ def _ropes(cfg: dict[str, Any]) -> tuple[RopeParameters, RopeParameters | None]:
     theta = float(cfg.get("rope_theta") or 1_000_000.0)
     local_theta = float(cfg.get("rope_local_base_freq") or 10_000.0)
     return read_rope(cfg, full, theta), read_rope(cfg, local, local_theta)
+
+
+def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model config (tokens ids may sit at the top level)."""
+    text_type = TEXT_PARTS.get(cfg.get("model_type"))
+    if text_type is None:
+        return cfg
+    inherited = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+                 if k in cfg}
+    return {**inherited, **(cfg.get("text_config") or {}), "model_type": text_type}
 
 
 def _as_tuple(value) -> tuple[int, ...]:

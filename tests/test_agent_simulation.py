@@ -100,8 +100,7 @@ def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
     """An engine whose prefix cache spills to (and loads from) `kv_dir`."""
     runner, _ = make_runner_and_scheduler(model_dir, num_blocks=1024, block_size=BLOCK)
     cache = runner.cache
-    layout = BlockLayout(len(cache.k), BLOCK, cache.k[0].shape[2], cache.k[0].shape[3],
-                         "float32")
+    layout = BlockLayout(cache.shapes, BLOCK, "float32")
     store = KVDiskStore(kv_dir, "tiny-agents", layout, 1 << 30)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS, max_num_batched_tokens=2048,

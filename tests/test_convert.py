@@ -184,14 +184,14 @@ def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Pa
     model = build_tiny_model(model_type, source)
     out = convert_model(source, tmp_path / "out", progress=False)
 
-    expected, got = _stacked_experts(_hf_tensors(source)), _hf_tensors(out)
+    expected, got = _stacked_experts(_hf_tensors(source), model_type), _hf_tensors(out)
     assert set(got) == set(expected)
     for name, tensor in expected.items():
         np.testing.assert_array_equal(got[name], tensor, err_msg=name)
     config = json.loads((out / "config.json").read_text())
     source_config = json.loads((source / "config.json").read_text())
     assert "rope_theta" not in source_config and "rope_parameters" in config
-    if model_type == "gemma3_text":
+    if model_type in ("gemma3_text", "gemma4_text"):  # a rope per layer type
         assert config["rope_theta"] == config["rope_parameters"]["full_attention"]["rope_theta"]
         assert (config["rope_local_base_freq"]
                 == config["rope_parameters"]["sliding_attention"]["rope_theta"])
@@ -208,7 +208,7 @@ def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Pa
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _stacked_experts(tensors: dict[str, np.ndarray], model_type: str) -> dict[str, np.ndarray]:
     """Per-expert tensors (`...experts.E.w1.weight`, `...experts.E.gate_proj.weight`) stacked
     into `...switch_mlp.gate_proj.weight [experts, out, in]`; the rest as they are."""
     names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -216,6 +216,11 @@ def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in tensors.items():
         match = re.fullmatch(r"(.+)\.experts\.(\d+)\.(\w+)\.weight", name)
+        fused = re.fullmatch(r"(.+)\.experts\.(gate_up_proj|down_proj)(_bias)?", name)
+        if fused is not None:
+            split = _split_gpt_oss if model_type == "gpt_oss" else _split_gemma4
+            out.update(split(fused[1], fused[2], fused[3] is not None, tensor))
+            continue
         if match is None:
             out[name] = tensor
             continue
@@ -224,6 +229,27 @@ def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for name, by_index in experts.items():
         out[name] = np.stack([by_index[i] for i in range(len(by_index))])
     return out
+
+
+def _split_gemma4(block: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
+    """Gemma 4: [experts, out, in], gate rows then up rows; no biases."""
+    if kind == "down_proj":
+        return {f"{block}.experts.down_proj.weight": tensor}
+    gate, up = np.split(tensor, 2, axis=1)
+    return {f"{block}.experts.gate_proj.weight": gate, f"{block}.experts.up_proj.weight": up}
+
+
+def _split_gpt_oss(block: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
+    """GPT-OSS: [experts, in, out], gate and up columns interleaved."""
+    prefix = f"{block}.experts"
+    if kind == "down_proj":
+        return {f"{prefix}.down_proj.bias": tensor} if bias else {
+            f"{prefix}.down_proj.weight": tensor.transpose(0, 2, 1)}
+    if bias:
+        return {f"{prefix}.gate_proj.bias": tensor[:, 0::2],
+                f"{prefix}.up_proj.bias": tensor[:, 1::2]}
+    return {f"{prefix}.gate_proj.weight": tensor[:, :, 0::2].transpose(0, 2, 1),
+            f"{prefix}.up_proj.weight": tensor[:, :, 1::2].transpose(0, 2, 1)}
 
 
 # ---------------------------------------------------------------- GGUF source

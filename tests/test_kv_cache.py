@@ -46,14 +46,15 @@ def test_written_slots_hold_the_new_keys(tiny_llama):
 
 def test_blocks_read_as_bytes_write_back_bit_exact_into_other_blocks():
     for dtype in (mx.float32, mx.bfloat16):
-        cache = KVCache(num_layers=3, num_blocks=6, block_size=4, kv_heads=2, head_dim=8,
-                        dtype=dtype)
+        # Pools of different shapes, as Gemma 4's sliding and full layers have.
+        shapes = [(2, 8), (1, 16), (2, 8)]
+        cache = KVCache(shapes, num_blocks=6, block_size=4, dtype=dtype)
         for layer in range(3):
             k, v = cache.take(layer)
             cache.put(layer, mx.random.normal(k.shape).astype(dtype),
                       mx.random.normal(v.shape).astype(dtype))
         payloads = cache.read_blocks([1, 4])
-        assert len(payloads[0]) == bytes_per_block(3, 4, 2, 8, dtype)
+        assert len(payloads[0]) == bytes_per_block(shapes, 4, dtype)
         cache.write_blocks([0, 5], payloads)
         for pools in (cache.k, cache.v):
             for pool in pools:

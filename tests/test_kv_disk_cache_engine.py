@@ -26,9 +26,8 @@ def model_dir(tiny_llama_with_tokenizer):
 
 
 def engine(model_dir, kv_dir, num_blocks: int = 64) -> LLMEngine:
-    per_block = bytes_per_block(TINY_LLAMA["num_hidden_layers"], BLOCK,
-                                TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"],
-                                mx.float32)
+    per_block = bytes_per_block([(TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"])]
+                                * TINY_LLAMA["num_hidden_layers"], BLOCK, mx.float32)
     return LLMEngine.from_config(EngineConfig(
         model_dir=model_dir, block_size=BLOCK, kv_cache_memory=num_blocks * per_block,
         max_model_len=min(256, num_blocks * BLOCK), kv_cache_dir=kv_dir,

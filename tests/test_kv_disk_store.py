@@ -21,7 +21,7 @@ from metal_engine.kv_cache import bytes_per_block
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
 from scheduler.prefix_hash import hash_block
 
-LAYOUT = BlockLayout(num_layers=2, block_size=4, kv_heads=2, head_dim=8, dtype="float16")
+LAYOUT = BlockLayout(((2, 8),) * 2, 4, "float16")
 IDENTITY = "0123456789abcdef0123456789abcdef"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,13 +62,14 @@ def stored_ids(store: KVDiskStore, candidates: range) -> list[int]:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_payload_bytes_matches_the_engine_pool(dtype):
-    layout = BlockLayout(num_layers=3, block_size=16, kv_heads=2, head_dim=64, dtype=dtype)
-    assert layout.payload_bytes == bytes_per_block(3, 16, 2, 64, getattr(mx, dtype))
+    pools = ((2, 64), (1, 128), (2, 64))  # pools may differ in shape (Gemma 4)
+    layout = BlockLayout(pools, 16, dtype)
+    assert layout.payload_bytes == bytes_per_block(pools, 16, getattr(mx, dtype))
 
 
 def test_layout_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="int8"):
-        BlockLayout(num_layers=1, block_size=1, kv_heads=1, head_dim=1, dtype="int8")
+        BlockLayout(((1, 1),) * 1, 1, "int8")
 
 
 @pytest.fixture
@@ -114,7 +115,7 @@ def test_identity_changes_with_the_model(model_dir, change):
 
 
 def test_identity_changes_with_the_layout(model_dir):
-    other = BlockLayout(num_layers=2, block_size=4, kv_heads=2, head_dim=8, dtype="float32")
+    other = BlockLayout(((2, 8),) * 2, 4, "float32")
     assert model_identity(model_dir, other) != model_identity(model_dir, LAYOUT)
 
 
@@ -145,8 +146,8 @@ def test_round_trip(tmp_path):
 
 
 def test_save_takes_a_memoryview_of_an_mlx_array(tmp_path):
-    layout = BlockLayout(num_layers=2, block_size=4, kv_heads=2, head_dim=8, dtype="bfloat16")
-    shape = (2, layout.num_layers, layout.block_size, layout.kv_heads, layout.head_dim)
+    layout = BlockLayout(((2, 8),) * 2, 4, "bfloat16")
+    shape = (2, len(layout.pools), layout.block_size, *layout.pools[0])
     kv = mx.random.normal(shape, key=mx.random.key(0)).astype(mx.bfloat16)
     store = open_store(tmp_path, layout=layout)
     store.save(block_hash(1), memoryview(kv))
@@ -299,7 +300,7 @@ def test_other_format_version_is_dropped(tmp_path, monkeypatch):
 
 
 def test_other_layout_of_the_same_size_is_dropped(tmp_path):
-    swapped = BlockLayout(num_layers=2, block_size=2, kv_heads=4, head_dim=8, dtype="float16")
+    swapped = BlockLayout(((4, 8),) * 2, 2, "float16")
     assert swapped.payload_bytes == LAYOUT.payload_bytes
     open_store(tmp_path, layout=swapped).save(block_hash(1), payload(1))
     assert_dropped(open_store(tmp_path), tmp_path, 1)
@@ -410,7 +411,7 @@ WORKER = textwrap.dedent("""
     from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
     from scheduler.prefix_hash import hash_block
 
-    layout = BlockLayout(2, 4, 2, 8, "float16")
+    layout = BlockLayout(((2, 8),) * 2, 4, "float16")
     store = KVDiskStore(Path(sys.argv[1]), "shared", layout, max_bytes=8 * layout.file_bytes)
     rng = random.Random(int(sys.argv[2]))
     for _ in range(400):

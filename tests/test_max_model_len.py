@@ -62,9 +62,8 @@ def test_a_kv_cache_of_fewer_than_two_blocks_is_refused():
 
 def test_an_engine_with_a_one_block_kv_cache_names_the_flag(tiny_llama_with_tokenizer):
     # The context is capped by the cache, so a check against the context could never fire.
-    per_block = bytes_per_block(TINY_LLAMA["num_hidden_layers"], 16,
-                                TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"],
-                                mx.float32)
+    per_block = bytes_per_block([(TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"])]
+                                * TINY_LLAMA["num_hidden_layers"], 16, mx.float32)
     config = EngineConfig(model_dir=tiny_llama_with_tokenizer, dtype="float32",
                           kv_cache_memory=per_block)
     with pytest.raises(ValueError, match="holds 1 blocks.*raise --kv-cache-memory"):

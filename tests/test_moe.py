@@ -81,13 +81,13 @@ def _experts(num_experts: int) -> SwitchGLU:
 
 
 @pytest.mark.parametrize("rows", [3, SORT_PAIRS], ids=["token-order", "sorted-by-expert"])
-def test_gathered_experts_equal_the_per_expert_loop(rows):
+def test_gathered_experts_equal_the_grouped_products(rows):
     moe = _moe()
     glu = _experts(moe.num_experts)
     x = mx.random.normal((rows, HIDDEN))
     weights, experts = route(mx.random.normal((rows, moe.num_experts)), moe)
     gathered = (glu(x, experts) * weights[..., None]).sum(axis=-2)
-    np.testing.assert_allclose(np.array(gathered), np.array(glu.loop(x, experts, weights)),
+    np.testing.assert_allclose(np.array(gathered), np.array(glu.grouped(x, experts, weights)),
                                atol=1e-5)
 
 

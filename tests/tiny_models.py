@@ -63,6 +63,27 @@ TINY_MODELS = {
         routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                              partial_rotary_factor=0.5))),
+    # Windows shorter than the prompts on the sliding layers; sinks are random parameters.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=64))),
+    # Every Gemma 4 layer kind: full layers with their own head size and KV heads attending
+    # over their keys as values, the last two layers reading K/V of earlier ones (with
+    # double-wide MLPs), per-layer embeddings, and experts beside each MLP.
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_hidden_layers=5, sliding_window=WINDOW, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        use_double_wide_mlp=True, final_logit_softcapping=30.0,
+        rope_parameters={"full_attention": dict(rope_type="proportional", rope_theta=1e6,
+                                                partial_rotary_factor=0.25),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
 }
 
 

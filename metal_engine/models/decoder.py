@@ -32,26 +32,33 @@ class DecoderModel(nn.Module):
         self.norm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self._embed_scale = embed_scale  # Gemma: sqrt(hidden_size)
         self._ropes = LayerRopes(cfg)
+        self._pools = [cfg.kv_pool(i) for i in range(cfg.num_hidden_layers)]
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
                  cache: KVCache) -> mx.array:
+        h = self.embed(input_ids)
+        tables = self._ropes.tables(positions, meta)
+        for layer, rope, pool in zip(self.layers, tables, self._pools, strict=True):
+            h = layer(h, rope, meta, cache, pool)
+        return self.norm(h)
+
+    def embed(self, input_ids: mx.array) -> mx.array:
         h = self.embed_tokens(input_ids)
         if self._embed_scale is not None:
             h = h * mx.array(self._embed_scale, dtype=h.dtype)  # rounded as transformers does
-        tables = self._ropes.tables(positions, meta)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, tables[i], meta, cache, i)
-        return self.norm(h)
+        return h
 
 
 class CausalLM(nn.Module):
     """`__call__` gives final hidden states for every packed row; `logits` only for chosen rows."""
 
+    decoder_class: type[DecoderModel] = DecoderModel
+
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module],
                  norm: type[nn.Module] = nn.RMSNorm, embed_scale: float | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, layers, norm, embed_scale)
+        self.model = self.decoder_class(cfg, layers, norm, embed_scale)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

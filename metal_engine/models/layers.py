@@ -67,13 +67,13 @@ class Attention(nn.Module):
     """Self-attention of packed rows over the paged KV cache.
 
     Options by family: biases on q/k/v and on o, a per-head norm of q and k before rope
-    (`qk_norm`: the norm class), and one fused `qkv_proj` (Phi-3). Window, soft-capping and
-    scale come from the config.
+    (`qk_norm`: the norm class), one fused `qkv_proj` (Phi-3), and a learned sink logit per
+    head (`sinks`, GPT-OSS). Window, soft-capping and scale come from the config.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: type[nn.Module] | None = None,
-                 fused_qkv: bool = False) -> None:
+                 fused_qkv: bool = False, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -92,6 +92,8 @@ class Attention(nn.Module):
         if qk_norm is not None:
             self.q_norm = qk_norm(self.head_dim, eps=cfg.rms_norm_eps)
             self.k_norm = qk_norm(self.head_dim, eps=cfg.rms_norm_eps)
+        if sinks:
+            self.sinks = mx.zeros((self.num_heads,))
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "qkv_proj" not in self:
@@ -116,8 +118,10 @@ class Attention(nn.Module):
         k_pool, v_pool = cache.take(layer)
         k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
         cache.put(layer, k_pool, v_pool)
+        sinks = self.get("sinks")
         out = paged_attention(q, k_pool, v_pool, meta, self.scale, window=self.window,
-                              softcap=self.softcap)
+                              softcap=self.softcap,
+                              sinks=None if sinks is None else sinks.astype(mx.float32))
         return self.o_proj(out.reshape(total, -1))
 
 

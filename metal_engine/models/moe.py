@@ -1,9 +1,14 @@
 """Mixture-of-experts layers for the packed `[total_q, hidden]` rows of a step.
 
 Expert weights are stored stacked, `[experts, out, in]` under `switch_mlp.*` (mlx-lm's layout,
-so its quantized checkpoints load as they are). The chosen experts run as gathered matmuls:
-one product per (token, expert) pair, with the pairs sorted by expert once there are enough of
-them that reading each expert's weights once pays for the sort.
+so its quantized checkpoints load as they are). Two ways to run the chosen experts:
+
+- `gather`: gathered matmuls (`mx.gather_mm` / `mx.gather_qmm`), one product per (token,
+  expert) pair, the pairs sorted by expert once there are enough of them that reading each
+  expert's weights once pays for the sort. No host sync; the way on Metal.
+- `grouped`: one BLAS product per expert that any row chose, over those rows. MLX's CPU
+  gather_mm multiplies pair by pair, reading an expert's weights once per pair, so from
+  SORT_PAIRS pairs on the CPU backend groups instead (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from kernels_metal.cpu_math import linear, on_cpu
 from metal_engine.models.moe_config import MoeConfig
 
 # (token, expert) pairs from which sorting by expert beats gathering in token order.
 SORT_PAIRS = 64
 Activation = Callable[[mx.array, mx.array], mx.array]  # (gate, up) -> hidden
-Dispatch = Literal["gather", "loop"]
+Dispatch = Literal["gather", "grouped"]
 
 
 class SwitchLinear(nn.Module):
@@ -38,9 +45,8 @@ class SwitchLinear(nn.Module):
         return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
 
     def expert(self, x: mx.array, e: int) -> mx.array:
-        """x `[rows, in]` through expert `e` alone (the per-expert loop)."""
-        out = x @ self.weight[e].T
-        return out if "bias" not in self else out + self.bias[e]
+        """x `[rows, in]` through expert `e` alone."""
+        return linear(x, self.weight[e], None if "bias" not in self else self.bias[e])
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
                      **_: object) -> QuantizedSwitchLinear:
@@ -68,15 +74,17 @@ class QuantizedSwitchLinear(nn.Module):
         return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
 
     def expert(self, x: mx.array, e: int) -> mx.array:
-        weight = mx.dequantize(self.weight[e], self.scales[e], self.get("biases")[e]
-                               if "biases" in self else None, self.group_size, self.bits,
-                               mode=self.mode)  # fmt: skip
-        out = x @ weight.T
-        return out if "bias" not in self else out + self.bias[e]
+        biases = self.biases[e] if "biases" in self else None
+        weight = mx.dequantize(self.weight[e], self.scales[e], biases, self.group_size,
+                               self.bits, mode=self.mode)  # fmt: skip
+        return linear(x, weight.astype(x.dtype), None if "bias" not in self else self.bias[e])
 
 
 class SwitchGLU(nn.Module):
-    """The experts: `down(act(gate(x), up(x)))`, each through its own weights."""
+    """The experts: `down(act(gate(x), up(x)))`, each through its own weights. `dispatch`:
+    how they run (see the module docstring); None picks by backend and batch."""
+
+    dispatch: Dispatch | None = None
 
     def __init__(self, hidden: int, inner: int, num_experts: int, activation: Activation,
                  bias: bool = False) -> None:
@@ -101,20 +109,31 @@ class SwitchGLU(nn.Module):
             out = out[mx.argsort(order)].reshape(rows, k, 1, -1)
         return out.squeeze(-2)
 
-    def loop(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
-        """The weighted sum over each row's experts, one expert at a time over the rows that
-        chose it (the dense-loop baseline the benchmark compares with)."""
-        out = mx.zeros_like(x)
-        chosen = experts.tolist()
-        for e in sorted({e for row in chosen for e in row}):
-            rows, slots = zip(*[(r, s) for r, row in enumerate(chosen)
-                                for s, c in enumerate(row) if c == e], strict=True)
-            rows_ix, slots_ix = mx.array(rows), mx.array(slots)
-            xe = x[rows_ix]
+    def mix(self, x: mx.array, weights: mx.array, experts: mx.array) -> mx.array:
+        """Each row's chosen experts' outputs, weighted and summed: `[rows, hidden]`."""
+        grouped_by_default = on_cpu() and experts.size >= SORT_PAIRS
+        if (self.dispatch or ("grouped" if grouped_by_default else "gather")) == "grouped":
+            return self.grouped(x, experts, weights)
+        y = self(x, experts)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+    def grouped(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
+        """The weighted sum over each row's experts, one product per chosen expert over the
+        rows that chose it (evaluates on the host)."""
+        k = experts.shape[1]
+        flat = np.asarray(experts).reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        starts = np.flatnonzero(np.diff(flat[order], prepend=-1))
+        x_host = np.asarray(x.astype(mx.float32))
+        pair_weights = np.asarray(weights.astype(mx.float32)).reshape(-1)
+        out = np.zeros_like(x_host)
+        for pairs in np.split(order, starts[1:]):
+            e, rows = int(flat[pairs[0]]), pairs // k
+            xe = mx.array(x_host[rows]).astype(x.dtype)
             h = self._act(self.gate_proj.expert(xe, e), self.up_proj.expert(xe, e))
-            y = self.down_proj.expert(h, e) * weights[rows_ix, slots_ix][:, None]
-            out = out.at[rows_ix].add(y.astype(out.dtype))
-        return out
+            y = np.asarray(self.down_proj.expert(h, e).astype(mx.float32))
+            np.add.at(out, rows, y * pair_weights[pairs, None])
+        return mx.array(out).astype(x.dtype)
 
 
 class CorrectedGate(nn.Module):
@@ -165,8 +184,6 @@ def _best_groups_only(choice: mx.array, moe: MoeConfig) -> mx.array:
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ the shared expert GLM adds to every token)."""
 
-    dispatch: Dispatch = "gather"
-
     def __init__(self, hidden: int, moe: MoeConfig, activation: Activation,
                  gate: nn.Module, shared: nn.Module | None = None) -> None:
         super().__init__()
@@ -180,17 +197,13 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         correction = self.gate.get("e_score_correction_bias")
         weights, experts = route(self.gate(x), self._moe, correction)
-        if self.dispatch == "loop":
-            out = self.switch_mlp.loop(x, experts, weights)
-        else:
-            y = self.switch_mlp(x, experts)
-            out = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        out = self.switch_mlp.mix(x, weights, experts)
         return out if "shared_experts" not in self else out + self.shared_experts(x)
 
 
-def set_dispatch(model: nn.Module, dispatch: Dispatch) -> int:
-    """Run every MoE block of `model` with `dispatch`; returns how many there are."""
-    blocks = [m for _, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
-    for block in blocks:
-        block.dispatch = dispatch
-    return len(blocks)
+def set_dispatch(model: nn.Module, dispatch: Dispatch | None) -> int:
+    """Run every set of experts in `model` with `dispatch`; returns how many there are."""
+    experts = [m for _, m in model.named_modules() if isinstance(m, SwitchGLU)]
+    for glu in experts:
+        glu.dispatch = dispatch
+    return len(experts)

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Scoring = Literal["softmax", "sigmoid"]
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma4_text")
 # config field -> the values this engine routes as the family's reference code does.
 _ROUTER_FIELDS = {
     "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "qwen3_moe": {"scoring_func": ("softmax",)},
     "mixtral": {"scoring_func": ("softmax",)},
     "gpt_oss": {"scoring_func": ("softmax",)},
+    "gemma4_text": {},
 }
 
 
@@ -44,6 +45,10 @@ class MoeConfig:
     score_correction_bias: bool = False  # GLM: a learned bias added for the choice only
     shared_intermediate_size: int = 0  # width of the always-on shared expert; 0: none
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
+    # GPT-OSS's clamped SwiGLU: `(clip(up, ±limit) + 1) * g * sigmoid(alpha * g)`,
+    # g = min(gate, limit). None: the config's hidden_act.
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.experts_per_token <= self.num_experts:
@@ -66,8 +71,15 @@ class MoeConfig:
 
     def to_hf(self, model_type: str) -> dict[str, Any]:
         """The family's own config.json keys for these settings."""
+        if model_type == "gemma4_text":
+            return {"enable_moe_block": True, "num_experts": self.num_experts,
+                    "top_k_experts": self.experts_per_token,
+                    "moe_intermediate_size": self.expert_intermediate_size}
         common = {"num_experts_per_tok": self.experts_per_token}
-        if model_type in ("mixtral", "gpt_oss"):
+        if model_type == "gpt_oss":
+            return {**common, "num_local_experts": self.num_experts,
+                    "swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
+        if model_type == "mixtral":
             return {**common, "num_local_experts": self.num_experts}
         if model_type == "qwen3_moe":
             return {**common, "num_experts": self.num_experts,
@@ -91,12 +103,30 @@ def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
         return None
     _check_router(cfg)
     layers = cfg["num_hidden_layers"]
-    if model_type in ("mixtral", "gpt_oss"):
+    if model_type == "gemma4_text":  # experts beside every layer's MLP, when enabled
+        if not cfg.get("enable_moe_block"):
+            return None
+        return MoeConfig(
+            num_experts=_required(cfg, "num_experts"),
+            experts_per_token=_required(cfg, "top_k_experts"),
+            expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
+            normalize_top_k=True,
+        )
+    if model_type == "mixtral":
         return MoeConfig(
             num_experts=_required(cfg, "num_local_experts"),
             experts_per_token=_experts_per_token(cfg),
             expert_intermediate_size=cfg["intermediate_size"],
-            normalize_top_k=True,  # GPT-OSS: a softmax over the top-k logits, the same thing
+            normalize_top_k=True,
+        )
+    if model_type == "gpt_oss":
+        return MoeConfig(
+            num_experts=_required(cfg, "num_local_experts"),
+            experts_per_token=_experts_per_token(cfg),
+            expert_intermediate_size=cfg["intermediate_size"],
+            normalize_top_k=True,  # its softmax over the top-k logits is the same thing
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         )
     if model_type == "qwen3_moe":
         step = cfg.get("decoder_sparse_step") or 1

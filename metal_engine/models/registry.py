@@ -6,7 +6,9 @@ from metal_engine.model_config import SUPPORTED_MODEL_TYPES
 from metal_engine.models import (
     gemma2,
     gemma3,
+    gemma4,
     glm4_moe,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -28,6 +30,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "mixtral": mixtral.Model,
     "qwen3_moe": qwen3_moe.Model,
     "glm4_moe": glm4_moe.Model,
+    "gpt_oss": gpt_oss.Model,
+    "gemma4_text": gemma4.Model,
 }
 
 

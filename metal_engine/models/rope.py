@@ -42,7 +42,17 @@ def frequencies(params: RopeParameters, dim: int, max_positions: int,
         return _yarn(inv_freq, params, dim, max_positions)
     if kind == "longrope":
         return _longrope(exponents, params, max_positions, context_len)
+    if kind == "proportional":
+        return _proportional(inv_freq, params), 1.0
     return inv_freq, 1.0
+
+
+def _proportional(inv_freq: np.ndarray, p: RopeParameters) -> np.ndarray:
+    """The whole head's frequencies, only the fastest `partial_rotary_factor` of them kept
+    (the rest 0: those feature pairs do not rotate), slowed by `factor`."""
+    rotated = int(p.partial_rotary_factor * len(inv_freq))
+    kept = np.where(np.arange(len(inv_freq)) < rotated, inv_freq, 0.0)
+    return kept / (p.factor or 1.0)
 
 
 def _llama3(inv_freq: np.ndarray, p: RopeParameters) -> np.ndarray:
@@ -105,7 +115,9 @@ class RotaryEmbedding:
 
     def __init__(self, params: RopeParameters, head_dim: int, max_position_embeddings: int):
         self.params = params
-        self.rotary_dim = int(head_dim * params.partial_rotary_factor)
+        # The proportional kind turns the whole head (its slow frequencies at 0).
+        share = 1.0 if params.rope_type == "proportional" else params.partial_rotary_factor
+        self.rotary_dim = int(head_dim * share)
         self.max_positions = max_position_embeddings
         inv_freq, self.scale = frequencies(params, self.rotary_dim, max_position_embeddings)
         self._inv_freq = mx.array(inv_freq.astype(np.float32))
@@ -139,10 +151,12 @@ class LayerRopes:
     local and a global one) and shared by the layers that use it."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        self.layer_params = [cfg.rope_for(cfg.layer_type(i)) for i in range(cfg.num_hidden_layers)]
+        # A rope is its parameters and the head size it turns (Gemma 4's layers differ in both).
+        self.layer_params = [(cfg.rope_for(cfg.layer_type(i)), cfg.kv_shape(i)[1])
+                             for i in range(cfg.num_hidden_layers)]
         self.embeddings = {
-            params: RotaryEmbedding(params, cfg.head_dim, cfg.max_position_embeddings)
-            for params in set(self.layer_params)
+            key: RotaryEmbedding(key[0], key[1], cfg.max_position_embeddings)
+            for key in set(self.layer_params)
         }
 
     def tables(self, positions: mx.array,

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn", "longrope"]
+RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional"]
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 
 # Keys each kind needs besides rope_theta (original_max_position_embeddings has a fallback).
@@ -31,7 +31,9 @@ class RopeParameters:
 
     rope_type: RopeType = "default"
     rope_theta: float = 10000.0
-    partial_rotary_factor: float = 1.0  # share of head_dim that rotates (Phi-3 family)
+    # Share of head_dim that rotates: the first features (Phi-3 family), or for the
+    # proportional kind the fastest frequencies over the whole head (Gemma 4).
+    partial_rotary_factor: float = 1.0
     factor: float | None = None
     original_max_position_embeddings: int | None = None  # llama3, yarn, longrope
     low_freq_factor: float | None = None  # llama3

@@ -138,7 +138,7 @@ def _stub_engine(model_dir: Path, batch: int, context: int) -> LLMEngine:
 
     block_size = 16
     num_blocks = batch * (-(-context // block_size))
-    cache = KVCache(0, num_blocks, block_size, 1, 1, mx.float32)
+    cache = KVCache((), num_blocks, block_size, mx.float32)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=batch,
         max_num_batched_tokens=max(batch * context, 1), max_model_len=context,

@@ -17,8 +17,10 @@ import numpy as np
 from convert.gguf_moe import (
     EXPERT_NAMES,
     GLM_EXPERT_NAMES,
+    MIXTRAL_EXPERT_NAMES,
     Metadata,
     glm4_moe_keys,
+    mixtral_keys,
     qwen3_moe_keys,
 )
 
@@ -59,6 +61,8 @@ class GgufArch:
                     layers: int) -> dict[str, Any]:
         """Config keys beyond the shared ones (experts, soft-capping, windows, Gemma's query
         scale); `names` are the file's tensors by Hugging Face name."""
+        if self.model_type == "mixtral":
+            return mixtral_keys(meta, names, layers)
         if self.model_type == "qwen3_moe":
             return qwen3_moe_keys(meta, names, layers)
         if self.model_type == "glm4_moe":
@@ -93,6 +97,17 @@ ARCHS = {
     "qwen3moe": GgufArch("qwen3_moe", {**PRE_NORM_NAMES, **QK_NORM_NAMES, **EXPERT_NAMES}),
     "glm4moe": GgufArch("glm4_moe", GLM_NAMES, partial_rotary=True),
 }
+
+
+# llama.cpp writes Mixtral as `llama` with experts (and q/k permuted, as for Llama).
+MIXTRAL = GgufArch("mixtral", {**PRE_NORM_NAMES, **MIXTRAL_EXPERT_NAMES}, permutes_qk=True)
+
+
+def gguf_arch(arch_name: str, meta: Metadata) -> GgufArch:
+    """How to read a file of the architecture `arch_name` (one of ARCHS)."""
+    if arch_name == "llama" and meta("expert_count"):
+        return MIXTRAL
+    return ARCHS[arch_name]
 
 
 def head_dim(meta: Metadata, arch: GgufArch) -> int:

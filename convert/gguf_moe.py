@@ -1,5 +1,6 @@
-"""llama.cpp's mixture-of-experts architectures (qwen3moe, glm4moe): expert tensor names and the
-Hugging Face MoE config keys their metadata describes.
+"""llama.cpp's mixture-of-experts architectures (qwen3moe, glm4moe, and Mixtral, which llama.cpp
+writes as `llama` with experts): expert tensor names and the Hugging Face MoE config keys their
+metadata describes.
 
 llama.cpp stores each layer's experts stacked, `ffn_{gate,up,down}_exps` with ggml dims
 `[in, out, experts]`, which read reversed are the `[experts, out, in]` of `switch_mlp.*` here.
@@ -21,6 +22,8 @@ EXPERT_NAMES = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+MIXTRAL_EXPERT_NAMES = {short: name.replace("mlp.", "block_sparse_moe.", 1)
+                        for short, name in EXPERT_NAMES.items()}
 # GLM-4.5's shared expert, and its router's choice-only bias (a `.bias` in GGUF, a parameter of
 # its own in Hugging Face's layout).
 GLM_EXPERT_NAMES = {
@@ -37,6 +40,16 @@ GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 def moe_layers(names: Collection[str], layers: int) -> set[int]:
     """The layers whose router is among the Hugging Face tensor `names`."""
     return {i for i in range(layers) if f"model.layers.{i}.mlp.gate.weight" in names}
+
+
+def mixtral_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[str, Any]:
+    """Mixtral's config keys; its experts are feed_forward_length wide, in every layer."""
+    routers = {f"model.layers.{i}.block_sparse_moe.gate.weight" for i in range(layers)}
+    if not routers <= set(names):
+        raise ValueError("this llama GGUF with experts lacks some layers' routers "
+                         "(ffn_gate_inp); the file is incomplete")
+    return {"num_local_experts": _required(meta, "expert_count"),
+            "num_experts_per_tok": _required(meta, "expert_used_count")}
 
 
 def qwen3_moe_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[str, Any]:

@@ -13,7 +13,14 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from convert.gguf_archs import ARCHS, GgufArch, head_dim, llama3_rope_scaling, rope_scaling
+from convert.gguf_archs import (
+    ARCHS,
+    GgufArch,
+    gguf_arch,
+    head_dim,
+    llama3_rope_scaling,
+    rope_scaling,
+)
 from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import write_gguf_tokenizer
@@ -39,13 +46,13 @@ def open_gguf(path: Path) -> ModelSource:
     """Read metadata and tensor headers, validate them; dequantize nothing yet."""
     reader = GGUFReader(path)
     arch_name = _check_file(reader)
-    arch = ARCHS[arch_name]
+    arch = gguf_arch(arch_name, lambda key: _get(reader, f"{arch_name}.{key}"))
     _check_types(reader.tensors)
     rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     layers = _main_layers(reader, arch_name)
     tensors = {hf_name(t.name, arch): t for t in reader.tensors
                if t.name != ROPE_FREQS and not _beyond_layers(t.name, layers)}
-    config = _config_from_metadata(reader, arch_name, tensors, rope_freqs)
+    config = _config_from_metadata(reader, arch_name, arch, tensors, rope_freqs)
     check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(config))
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     return ModelSource(
@@ -85,7 +92,7 @@ def _check_file(reader: GGUFReader) -> str:
     arch = _get(reader, "general.architecture")
     if arch not in ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; the converter handles "
-                         f"{', '.join(ARCHS)} (Mistral GGUFs are 'llama')")
+                         f"{', '.join(ARCHS)} (Mistral and Mixtral GGUFs are 'llama')")
     if (_get(reader, "split.count") or 1) > 1:
         raise ValueError(
             "this GGUF is one part of a split model; merge the parts first "
@@ -116,10 +123,10 @@ def _check_types(tensors: list[ReaderTensor]) -> None:
             )
 
 
-def _config_from_metadata(reader: GGUFReader, arch_name: str, tensors: dict[str, ReaderTensor],
+def _config_from_metadata(reader: GGUFReader, arch_name: str, arch: GgufArch,
+                          tensors: dict[str, ReaderTensor],
                           rope_freqs: ReaderTensor | None) -> ModelConfig:
     """The Hugging Face config keys llama.cpp's metadata describes, read like a config.json."""
-    arch = ARCHS[arch_name]
 
     def meta(key: str) -> Any:
         return _get(reader, f"{arch_name}.{key}")

@@ -1,12 +1,12 @@
-"""MoE GGUFs (llama.cpp's qwen3moe and glm4moe) convert to the stacked-expert layout and compute
-what the Hugging Face model they came from computes.
+"""MoE GGUFs (llama.cpp's qwen3moe and glm4moe, and Mixtral, which it writes as llama) convert
+to the stacked-expert layout and compute what the Hugging Face model they came from computes.
 
 Each GGUF is written here from a tiny random transformers checkpoint the way llama.cpp's
 converter arranges it: its tensor names, each layer's experts stacked into one 3-D tensor per
-projection (stored Q8_0), GLM's correction bias as `exp_probs_b.bias`, its multi-token
-prediction block counted in block_count, and the metadata keys its `set_gguf_parameters` writes.
-The reference is that checkpoint with its experts rounded as Q8_0 stores them.
-"""
+projection (stored Q8_0), Mixtral's q/k rows permuted as for Llama, GLM's correction bias as
+`exp_probs_b.bias` and its multi-token prediction block counted in block_count, and the
+metadata keys its `set_gguf_parameters` writes. The reference is that checkpoint with its
+experts rounded as Q8_0 stores them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from gguf import ExpertGatingFuncType, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from gguf_files import copy_tokenizer_metadata, finish
+from gguf_files import copy_tokenizer_metadata, finish, llama_cpp_permute
 from safetensors.numpy import load_file, save_file
 from tiny_models import VOCAB, build_tiny_model
 
@@ -31,7 +31,7 @@ from convert.validate import probe_ids, prompt_logits, validate_conversion
 from metal_engine.model_config import ModelConfig
 from metal_engine.weights import load_model
 
-GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe"}
+GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe", "mixtral": "llama"}
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 # Hugging Face name within a layer -> llama.cpp's (gguf-py's tensor map for these archs).
@@ -43,29 +43,38 @@ LAYER_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
     **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
     **{f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight"
        for p in ("gate", "up", "down")},
 }
 # Qwen's post-attention norm is llama.cpp's ffn_norm; GLM-4.5's tensor list names it so.
-POST_ATTENTION_NORM = {"qwen3_moe": "ffn_norm.weight", "glm4_moe": "post_attention_norm.weight"}
-EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+POST_ATTENTION_NORM = {"qwen3_moe": "ffn_norm.weight", "glm4_moe": "post_attention_norm.weight",
+                       "mixtral": "ffn_norm.weight"}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+               "w1": "gate", "w3": "up", "w2": "down"}
 
 
-def gguf_tensors(model_type: str, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def gguf_tensors(model_type: str, hf: dict[str, np.ndarray],
+                 cfg: dict) -> dict[str, np.ndarray]:
     """The tensors llama.cpp's converter writes for this checkpoint (float, unquantized)."""
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    heads = {"self_attn.q_proj.weight": cfg["num_attention_heads"],
+             "self_attn.k_proj.weight": cfg["num_key_value_heads"]}
     for name, tensor in hf.items():
         if name in GLOBAL_NAMES:
             out[GLOBAL_NAMES[name]] = tensor
         elif match := EXPERT.fullmatch(name):
-            experts.setdefault((match[1], match[3]), {})[int(match[2])] = tensor
+            experts.setdefault((match[1], PROJECTIONS[match[4]]), {})[int(match[3])] = tensor
         else:
             layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
             short = (POST_ATTENTION_NORM[model_type] if rest == "post_attention_layernorm.weight"
                      else LAYER_NAMES[rest])
+            if model_type == "mixtral" and rest in heads:  # llama.cpp's rope row order
+                tensor = llama_cpp_permute(tensor, heads[rest])
             out[f"blk.{layer}.{short}"] = tensor
     for (layer, proj), by_expert in experts.items():
         out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack(
@@ -87,9 +96,13 @@ def add_metadata(writer: GGUFWriter, model_type: str, cfg: dict) -> None:
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     copy_tokenizer_metadata(writer, VOCAB)
     writer.add_token_scores([0.0] * VOCAB)  # the first 128 tokens hold no merges to copy
+    if model_type == "mixtral":  # llama's converter writes no expert width: it is the FFN's
+        writer.add_rope_dimension_count(cfg["head_dim"])
+        writer.add_expert_count(cfg["num_local_experts"])
+        return
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if model_type == "qwen3_moe":
         writer.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
         return
@@ -124,7 +137,7 @@ def write_moe_gguf(model_type: str, hf_dir: Path, root: Path) -> tuple[Path, Pat
     writer = GGUFWriter(path, GGUF_ARCHS[model_type])
     add_metadata(writer, model_type, cfg)
     rounded: dict[str, np.ndarray] = {}
-    for name, tensor in gguf_tensors(model_type, hf).items():
+    for name, tensor in gguf_tensors(model_type, hf, cfg).items():
         if tensor.ndim == 3:  # the experts: Q8_0, as a quantized GGUF stores them
             raw = quantize(tensor, Q.Q8_0)
             writer.add_tensor(name, raw, raw_dtype=Q.Q8_0)
@@ -139,8 +152,11 @@ def write_moe_gguf(model_type: str, hf_dir: Path, root: Path) -> tuple[Path, Pat
     reference.mkdir()
     for name in hf:
         if match := EXPERT.fullmatch(name):
-            hf[name] = rounded[f"blk.{match[1]}.ffn_{match[3]}_exps.weight"][int(match[2])]
+            proj = PROJECTIONS[match[4]]
+            hf[name] = rounded[f"blk.{match[1]}.ffn_{proj}_exps.weight"][int(match[3])]
     save_file(hf, reference / "model.safetensors", metadata={"format": "pt"})
+    if model_type == "mixtral":
+        cfg["sliding_window"] = None  # llama.cpp's llama architecture has no window
     (reference / "config.json").write_text(json.dumps(cfg))
     return path, reference
 
@@ -159,8 +175,8 @@ def test_moe_gguf_converts_to_the_hf_model(model_type: str, tmp_path: Path) -> N
     names = set()
     for name, tensor in expected.items():
         if match := EXPERT.fullmatch(name):  # one expert's slice of the stack
-            layer, expert, proj = match.groups()
-            name = f"model.layers.{layer}.mlp.switch_mlp.{proj}_proj.weight"
+            layer, block, expert, proj = match.groups()
+            name = f"model.layers.{layer}.{block}.switch_mlp.{PROJECTIONS[proj]}_proj.weight"
             assert got[name].ndim == 3, name
             np.testing.assert_array_equal(got[name][int(expert)], tensor, err_msg=name)
         else:

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 from convert.api import convert_model, local_source
-from convert.model_dir import DTYPES, read_manifest
+from convert.model_dir import DTYPES
+from metal_engine.model_config import ModelConfig, read_config_json
+from metal_engine.parameter_count import count_parameters
 from metal_engine.quantization import GROUP_SIZES
 
 
@@ -46,11 +48,11 @@ def run_convert(args: argparse.Namespace) -> int:
         print(f"metal-serve convert: error: {exc}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
-    manifest = read_manifest(out) or {}
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     bits = f"  {args.quantize}-bit (group size {args.group_size})" if args.quantize else ""
+    parameters = count_parameters(ModelConfig.from_dict(read_config_json(out)))
     print(f"wrote {out}")
-    print(f"  parameters {manifest.get('num_parameters', 0):,}  dtype {args.dtype}{bits}  "
+    print(f"  {parameters.describe()}  dtype {args.dtype}{bits}  "
           f"size {size / 1e6:,.1f} MB  in {seconds:.1f} s")
     if not args.validate:
         return 0

@@ -72,3 +72,12 @@ def test_serve_logs_and_lists_total_and_active(tmp_path: Path, monkeypatch, caps
     cards = client.get("/v1/models").json()["data"]
     assert [(c["num_parameters"], c["active_parameters"]) for c in cards] == [
         (expected.total, expected.active)] * len(cards)
+
+
+def test_convert_summary_gives_total_and_active(tmp_path: Path, capsys) -> None:
+    build_tiny_model("mixtral", tmp_path / "hf")
+    argv = ["convert", str(tmp_path / "hf"), "--out", str(tmp_path / "out"), "--no-progress",
+            "--no-validate"]
+    assert main(argv) == 0
+    summary = counted_from_tensors(tmp_path / "hf").describe()
+    assert "active per token" in summary and summary in capsys.readouterr().out

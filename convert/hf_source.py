@@ -19,10 +19,12 @@ from convert.expert_stacking import stack_experts, stacked_shapes
 from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
+from metal_engine.model_config import TEXT_PARTS, text_part_config
 from metal_engine.weights import safetensors_files
 
 INDEX_FILE = "model.safetensors.index.json"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+TEXT_MODEL_PREFIX = "model.language_model."
 
 
 def open_hf_dir(path: Path) -> ModelSource:
@@ -37,14 +39,16 @@ def open_hf_dir(path: Path) -> ModelSource:
     model_config = config_from_hf(config)
     files = _weight_files(path)
     names_by_file = _tensor_names(files, tied=model_config.tie_word_embeddings,
-                                  layers=model_config.num_hidden_layers)
-    found = {name: shape for names in names_by_file.values() for name, shape in names.items()}
+                                  layers=model_config.num_hidden_layers,
+                                  text_part=config.get("model_type") in TEXT_PARTS)
+    found = {target: shape for names in names_by_file.values()
+             for target, shape in names.values()}
     check_tensors(stacked_shapes(model_config, found), tensor_shapes(model_config))
     return ModelSource(
         kind="hf",
         path=path,
         config=model_config,
-        base_config=config,
+        base_config=text_part_config(config),  # a multimodal config's text model
         tensors=lambda: stack_experts(model_config, _read_tensors(names_by_file)),
         write_tokenizer=partial(copy_hf_tokenizer, path),
         files=(config_path, *files),
@@ -65,24 +69,34 @@ def _weight_files(path: Path) -> list[Path]:
     return safetensors_files(path)  # refuses a dir of pickle checkpoints
 
 
-def _tensor_names(files: list[Path], tied: bool,
-                  layers: int) -> dict[Path, dict[str, tuple[int, ...]]]:
-    """Per file, the tensors to convert and their shapes, read from the headers only."""
-    names_by_file: dict[Path, dict[str, tuple[int, ...]]] = {}
+def _tensor_names(files: list[Path], tied: bool, layers: int,
+                  text_part: bool) -> dict[Path, dict[str, tuple[str, tuple[int, ...]]]]:
+    """Per file, the tensors to convert: source name -> (name here, shape), read from the
+    headers only. `text_part`: a multimodal checkpoint, of which only the text model is kept."""
+    names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     seen: set[str] = set()
     for file in files:
         with safe_open(file, framework="numpy") as handle:
-            names = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
+            shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
+        targets = {n: _text_model_name(n) if text_part else n for n in shapes}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
-        names = {n: s for n, s in names.items()
-                 if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
-                 and not _beyond_the_stack(n, layers)}
+        names = {n: (t, shapes[n]) for n, t in targets.items()
+                 if t is not None and not t.endswith(IGNORED_SUFFIXES)
+                 and not (tied and t == "lm_head.weight") and not _beyond_the_stack(t, layers)}
         duplicates = seen.intersection(names)
         if duplicates:
             raise ValueError(f"tensors stored in more than one file: {sorted(duplicates)[:4]}")
         seen.update(names)
         names_by_file[file] = names
     return names_by_file
+
+
+def _text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's, None if it is not one of
+    the text model's (vision and audio towers, their projections)."""
+    if name.startswith(TEXT_MODEL_PREFIX):
+        return "model." + name.removeprefix(TEXT_MODEL_PREFIX)
+    return name if name.startswith("lm_head.") else None
 
 
 def _beyond_the_stack(name: str, layers: int) -> bool:
@@ -93,10 +107,10 @@ def _beyond_the_stack(name: str, layers: int) -> bool:
 
 
 def _read_tensors(
-    names_by_file: dict[Path, dict[str, tuple[int, ...]]],
+    names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]],
 ) -> Iterator[tuple[str, mx.array]]:
     for file, names in names_by_file.items():
         # mx.load is lazy and reads bfloat16, which numpy cannot represent.
         weights = mx.load(str(file))
-        for name in names:
-            yield name, weights[name]
+        for source, (target, _) in names.items():
+            yield target, weights[source]

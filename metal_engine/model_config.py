@@ -165,7 +165,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json (transformers 4 or 5 style)."""
-        cfg = _text_part(cfg)
+        cfg = text_part_config(cfg)
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: "
@@ -335,7 +335,7 @@ def _ropes(cfg: dict[str, Any]) -> tuple[RopeParameters, RopeParameters | None]:
     return read_rope(cfg, full, theta), read_rope(cfg, local, local_theta)
 
 
-def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+def text_part_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A multimodal checkpoint's text model config (tokens ids may sit at the top level)."""
     text_type = TEXT_PARTS.get(cfg.get("model_type"))
     if text_type is None:

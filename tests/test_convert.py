@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_models
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
@@ -20,12 +22,15 @@ from gguf_files import TEMPLATE, copy_tokenizer_metadata, finish, llama_cpp_perm
 from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_torch
-from tiny_models import TINY_MODELS, build_tiny_model
+from tiny_models import COMMON, TINY_MODELS, build_tiny_model
+from tokenizers import Tokenizer, models
 
 from convert import DefaultModelMissing, convert_model, ensure_default_model, model_dir
 from convert.cli import add_convert_arguments, run_convert
 from convert.default_model import default_gguf_path
+from convert.validate import prompt_logits
 from metal_engine.model_config import ModelConfig
+from metal_engine.weights import load_model
 from server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 2, 64, 4, 2, 256, 400
@@ -469,3 +474,31 @@ def test_cli_validation_catches_a_wrong_conversion(hf_dir: Path, tmp_path: Path,
     assert run_convert(args) == 1
     verdict = capsys.readouterr().out.splitlines()[-1]
     assert "logits vs transformers (float32)" in verdict and "FAILED" in verdict
+
+
+def test_a_multimodal_gemma4_checkpoint_converts_to_its_text_model(tmp_path: Path) -> None:
+    """The published Gemma 4 checkpoints are multimodal: the text model's weights sit under
+    `model.language_model.`, beside vision towers the conversion leaves out."""
+    import transformers
+
+    _, _, overrides = TINY_MODELS["gemma4_text"]
+    text = transformers.Gemma4TextConfig(**{**COMMON, **overrides})
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       audio_config=None)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    vocab = {f"w{i}": i for i in range(tiny_models.VOCAB)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "hf" / "tokenizer.json"))
+    out = convert_model(tmp_path / "hf", tmp_path / "out", progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "gemma4_text" and "vision_config" not in written
+    assert not any("vision" in name for name in _hf_tensors(out))
+    ids = [5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    got = prompt_logits(load_model(out, mx.float32), ids)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)

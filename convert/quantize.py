@@ -17,9 +17,12 @@ from metal_engine.models.registry import model_class
 from metal_engine.quantization import QuantParams
 
 MODE = "affine"
-# model_type -> (module path suffix, params) that mlx-lm quantizes differently. Qwen3-MoE's
-# router stays at 8 bits: which experts a token picks is sensitive to its rounding.
-FAMILY_MODULE_PARAMS = {"qwen3_moe": (("mlp.gate", QuantParams(64, 8)),)}
+# model_type -> (module path suffix, params) that mlx-lm quantizes differently. The routers of
+# Qwen3-MoE and GPT-OSS stay at 8 bits: which experts a token picks is sensitive to rounding.
+FAMILY_MODULE_PARAMS = {
+    "qwen3_moe": (("mlp.gate", QuantParams(64, 8)),),
+    "gpt_oss": (("router", QuantParams(64, 8)),),
+}
 
 
 def quantizable_modules(config: ModelConfig, group_size: int) -> list[str]:

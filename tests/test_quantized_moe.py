@@ -5,8 +5,8 @@ each expert quantized alone under its own name, load stacked.
 The mlx-lm layout is written here by hand from mlx-lm's rules: experts stacked
 `[experts, out, in]` under `switch_mlp` and quantized as one tensor; every Linear, Embedding
 and expert stack whose input width divides by the group size is quantized, except GLM's router
-(not a Linear there); Qwen3-MoE's router at 8 bits (group 64), listed per module in
-config.json's `quantization`, which `quantization_config` repeats.
+(not a Linear there); Qwen3-MoE's and GPT-OSS's routers at 8 bits (group 64), listed per module
+in config.json's `quantization`, which `quantization_config` repeats.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from metal_engine import weights
 from metal_engine.models.moe import QuantizedSwitchLinear
 from metal_engine.weights import load_model
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -39,12 +39,15 @@ def moe_source(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def stacked_float_tensors(source: Path) -> dict[str, mx.array]:
-    """The source's tensors with each layer's per-expert projections stacked."""
+    """The source's tensors with each layer's per-expert projections stacked (GPT-OSS's fused
+    ones split)."""
     tensors = mx.load(str(source / "model.safetensors"))
     out, experts = {}, {}
     for name, tensor in tensors.items():
         match = re.fullmatch(r"(.+)\.experts\.(\d+)\.(\w+)\.weight", name)
-        if match is None:
+        if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
+            out.update(split_gpt_oss_experts(name, tensor))
+        elif match is None:
             out[name] = tensor
         else:
             stacked = f"{match[1]}.switch_mlp.{PROJECTIONS.get(match[3], match[3])}.weight"
@@ -52,6 +55,22 @@ def stacked_float_tensors(source: Path) -> dict[str, mx.array]:
     for name, by_index in experts.items():
         out[name] = mx.stack([by_index[i] for i in range(len(by_index))])
     return out
+
+
+def split_gpt_oss_experts(name: str, tensor: mx.array) -> dict[str, mx.array]:
+    """transformers' GPT-OSS experts, `[experts, in, out]` with gate and up interleaved in one
+    tensor, as `[experts, out, in]` gate, up and down projections."""
+    block = name.partition(".experts.")[0] + ".experts"
+    if name.endswith("gate_up_proj"):
+        fused = tensor.swapaxes(-1, -2)
+        return {f"{block}.gate_proj.weight": fused[:, ::2],
+                f"{block}.up_proj.weight": fused[:, 1::2]}
+    if name.endswith("gate_up_proj_bias"):
+        return {f"{block}.gate_proj.bias": tensor[:, ::2],
+                f"{block}.up_proj.bias": tensor[:, 1::2]}
+    if name.endswith("down_proj"):
+        return {f"{block}.down_proj.weight": tensor.swapaxes(-1, -2)}
+    return {f"{block}.down_proj.bias": tensor}
 
 
 def quantized_params(model_type: str, name: str, tensor: mx.array,
@@ -62,6 +81,8 @@ def quantized_params(model_type: str, name: str, tensor: mx.array,
     if model_type == "glm4_moe" and name.endswith("mlp.gate.weight"):
         return None  # GLM's router (with its correction bias) has no quantized form
     if model_type == "qwen3_moe" and name.endswith("mlp.gate.weight"):
+        return {"group_size": 64, "bits": 8}
+    if model_type == "gpt_oss" and name.endswith("router.weight"):
         return {"group_size": 64, "bits": 8}
     return {"group_size": group_size, "bits": bits}
 
@@ -110,8 +131,7 @@ def test_mlx_community_moe_checkpoint_loads_and_equals_our_quantize(moe_source, 
                                 for d in (theirs, ours))
     for key in ("quantization", "quantization_config"):
         assert our_config[key] == their_config[key], key
-    stacked = [n for n in their_tensors if ".switch_mlp." in n and n.endswith(".scales")]
-    assert stacked and all(their_tensors[n].ndim == 3 for n in stacked)  # experts quantized
+    assert any(n.endswith(".scales") and t.ndim == 3 for n, t in their_tensors.items())
 
     ids = probe_ids(128) * 5  # 40 tokens: the gathered matmuls sort by expert
     their_logits = prompt_logits(load_model(theirs, mx.float32), ids)
@@ -121,6 +141,8 @@ def test_mlx_community_moe_checkpoint_loads_and_equals_our_quantize(moe_source, 
     assert check.relative_error > 0  # and was quantized
 
 
+# GPT-OSS checkpoints were never stored one tensor per expert.
+@pytest.mark.parametrize("moe_source", ["qwen3_moe", "mixtral", "glm4_moe"], indirect=True)
 def test_early_per_expert_checkpoint_loads_stacked(moe_source, tmp_path) -> None:
     model_type, source = moe_source
     stacked = write_mlx_lm_layout(model_type, source, tmp_path / "stacked", 32, 4)
@@ -159,5 +181,6 @@ def test_quantized_moe_runs_quantized_or_dequantized(moe_source, tmp_path, monke
     model = load_model(out, mx.float32)
     kept = [p for p, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
     stored = mx.load(str(out / "model.safetensors"))
-    assert len(kept) == 3 * sum(n.endswith("switch_mlp.gate_proj.weight") for n in stored)
+    assert kept and len(kept) == sum(n.endswith(".scales") and t.ndim == 3
+                                     for n, t in stored.items())
     np.testing.assert_allclose(prompt_logits(model, ids), dequantized, atol=1e-4, rtol=1e-4)

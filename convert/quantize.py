@@ -18,10 +18,12 @@ from metal_engine.quantization import QuantParams
 
 MODE = "affine"
 # model_type -> (module path suffix, params) that mlx-lm quantizes differently. The routers of
-# Qwen3-MoE and GPT-OSS stay at 8 bits: which experts a token picks is sensitive to rounding.
+# Qwen3-MoE, GPT-OSS and Gemma 4 stay at 8 bits: which experts a token picks is sensitive to
+# rounding.
 FAMILY_MODULE_PARAMS = {
     "qwen3_moe": (("mlp.gate", QuantParams(64, 8)),),
     "gpt_oss": (("router", QuantParams(64, 8)),),
+    "gemma4_text": (("router.proj", QuantParams(64, 8)),),
 }
 
 

@@ -153,17 +153,32 @@ def test_early_per_expert_checkpoint_loads_stacked(moe_source, tmp_path) -> None
                                   prompt_logits(load_model(stacked, mx.float32), ids))
 
 
-def test_qwen3_moe_router_is_kept_at_8_bits(tmp_path) -> None:
+@pytest.mark.parametrize(("model_type", "router"), [
+    ("qwen3_moe", "mlp.gate"), ("gpt_oss", "mlp.router"), ("gemma4_text", "router.proj")])
+def test_routers_are_kept_at_8_bits(tmp_path, model_type, router) -> None:
+    """As mlx-lm's quant_predicate of each family says; the rest at the asked 4 bits."""
+    source = tmp_path / "hf"
+    build_tiny_model(model_type, source)
+    out = convert_model(source, tmp_path / "q4", quantize=4, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    stored = mx.load(str(out / "model.safetensors"))
+    routers = {n.removesuffix(".weight") for n in stored if n.endswith(f"{router}.weight")}
+    assert routers
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine",
+                                      **dict.fromkeys(routers, {"group_size": 64, "bits": 8})}
+    for name in routers:
+        assert stored[f"{name}.weight"].shape[-1] == 64 * 8 // 32  # 8-bit packing
+    up = next(n for n, t in stored.items() if n.endswith("up_proj.weight") and t.ndim == 3)
+    assert stored[up].shape[-1] == 64 * 4 // 32
+
+
+def test_dense_layers_whose_width_misses_the_group_stay_float(tmp_path) -> None:
     source = tmp_path / "hf"
     build_tiny_model("qwen3_moe", source)
     out = convert_model(source, tmp_path / "q4", quantize=4, progress=False)
-    config = json.loads((out / "config.json").read_text())
-    routers = {f"model.layers.{i}.mlp.gate": {"group_size": 64, "bits": 8} for i in (0, 2)}
-    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine", **routers}
     stored = mx.load(str(out / "model.safetensors"))
-    assert stored["model.layers.0.mlp.gate.weight"].shape == (4, 64 * 8 // 32)  # 8-bit packing
-    assert stored["model.layers.0.mlp.switch_mlp.up_proj.weight"].shape == (4, 32, 64 * 4 // 32)
     assert "model.layers.1.mlp.down_proj.scales" not in stored  # the dense layer: 96 % 64
+    assert "model.layers.1.mlp.up_proj.scales" in stored
 
 
 def test_quantized_moe_runs_quantized_or_dequantized(moe_source, tmp_path, monkeypatch) -> None:

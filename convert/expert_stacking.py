@@ -18,19 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from metal_engine.model_config import ModelConfig
-
-_PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-# Mixtral's projection names -> the stacked layout's.
-_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-def _stacked_name(name: str) -> tuple[str, int] | None:
-    """(stacked tensor name, expert index) of a per-expert tensor name, else None."""
-    match = _PER_EXPERT.match(name)
-    if match is None:
-        return None
-    proj = _PROJECTIONS.get(match["proj"], match["proj"])
-    return f"{match['block']}.switch_mlp.{proj}.weight", int(match["expert"])
+from metal_engine.weights import stacked_expert_name
 
 
 @dataclass(frozen=True)
@@ -99,7 +87,7 @@ def stacked_shapes(config: ModelConfig,
     stacked: dict[str, tuple[int, ...]] = {}
     experts: dict[str, dict[int, tuple[int, ...]]] = {}
     for name, shape in shapes.items():
-        target = _stacked_name(name)
+        target = stacked_expert_name(name)
         if target is None:
             stacked[name] = shape
         else:
@@ -132,7 +120,7 @@ def stack_experts(config: ModelConfig,
         return
     pending: dict[str, dict[int, mx.array]] = {}
     for name, tensor in tensors:
-        target = _stacked_name(name)
+        target = stacked_expert_name(name)
         if target is None:
             yield name, tensor
             continue

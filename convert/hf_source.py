@@ -1,7 +1,8 @@
 """Open a Hugging Face model dir (config.json + safetensors + tokenizer files) as a ModelSource.
 
 Tensors pass through unchanged (the model classes use the Hugging Face names and layouts),
-except MoE experts, which are stacked (see convert.expert_stacking).
+except MoE experts, which are stacked (see convert.expert_stacking), and GPT-OSS's MXFP4 ones,
+which stay packed (see convert.mxfp4_experts).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import mlx.core as mx
 from safetensors import safe_open
 
 from convert.expert_stacking import stack_experts, stacked_shapes
-from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, tensor_shapes
+from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, stored_shapes
+from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
 from metal_engine.model_config import TEXT_PARTS, text_part_config
@@ -43,15 +45,21 @@ def open_hf_dir(path: Path) -> ModelSource:
                                   text_part=config.get("model_type") in TEXT_PARTS)
     found = {target: shape for names in names_by_file.values()
              for target, shape in names.values()}
-    check_tensors(stacked_shapes(model_config, found), tensor_shapes(model_config))
+    quantized = packed_modules(list(found))
+    check_tensors(stacked_shapes(model_config, relaid_shapes(found)),
+                  stored_shapes(model_config, quantized))
+    base_config = dict(text_part_config(config))  # a multimodal config's text model
+    base_config.pop("quantization_config", None)  # how the source stored it, not the output
     return ModelSource(
         kind="hf",
         path=path,
         config=model_config,
-        base_config=text_part_config(config),  # a multimodal config's text model
-        tensors=lambda: stack_experts(model_config, _read_tensors(names_by_file)),
+        base_config=base_config,
+        tensors=lambda: stack_experts(model_config,
+                                      relay_tensors(_read_tensors(names_by_file))),
         write_tokenizer=partial(copy_hf_tokenizer, path),
         files=(config_path, *files),
+        quantized=quantized,
     )
 
 

@@ -3,11 +3,13 @@ model's family, as ModelConfig reads them and the model classes name their weigh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from convert.mxfp4_experts import is_mxfp4_checkpoint
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import DERIVED_WEIGHTS
-from metal_engine.quantization import QuantizationConfig
+from metal_engine.quantization import QuantizationConfig, QuantParams
 from metal_engine.weights import weight_shapes
 
 # Source checkpoints may carry these; they are derived from the config, so they are dropped.
@@ -15,7 +17,10 @@ IGNORED_SUFFIXES = DERIVED_WEIGHTS
 
 
 def config_from_hf(config: dict[str, Any]) -> ModelConfig:
-    """Read a Hugging Face config.json (transformers 4 or 5 style) of a float checkpoint."""
+    """Read a Hugging Face config.json (transformers 4 or 5 style) of a float checkpoint, or of
+    GPT-OSS's MXFP4 one."""
+    if is_mxfp4_checkpoint(config):
+        return ModelConfig.from_dict(config)
     if QuantizationConfig.from_config(config) is not None:  # raises for foreign schemes
         raise ValueError("this checkpoint is already in MLX's quantized layout: serve it as it is "
                          "(`metal-serve serve DIR`), or convert its float checkpoint")
@@ -34,6 +39,21 @@ def config_dict(config: ModelConfig, dtype: str,
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model dir holds, in writing order, with its `[out, in]` shape."""
     return weight_shapes(config)
+
+
+def stored_shapes(config: ModelConfig,
+                  quantized: Mapping[str, QuantParams]) -> dict[str, tuple[int, ...]]:
+    """`tensor_shapes` with the weight of each module in `quantized` replaced by the packed
+    tensors `mx.quantize` makes of it."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in tensor_shapes(config).items():
+        module, _, kind = name.rpartition(".")
+        if kind != "weight" or module not in quantized:
+            shapes[name] = shape
+            continue
+        packed = quantized[module].packed_shapes(shape)
+        shapes.update({f"{module}.{part}": packed[part] for part in packed})
+    return shapes
 
 
 def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from datetime import datetime, timezone
@@ -12,8 +13,8 @@ from typing import Any
 import mlx.core as mx
 from tqdm import tqdm
 
-from convert.layout import config_dict, tensor_shapes
-from convert.quantize import TensorQuantizer
+from convert.layout import config_dict, stored_shapes, tensor_shapes
+from convert.quantize import TensorQuantizer, quantization_entries
 from convert.source import ModelSource, fingerprint
 from metal_engine.quantization import QuantParams
 
@@ -41,7 +42,8 @@ def write_model_dir(
     """Write config, weights, tokenizer and manifest for `source`; `out` appears only when done.
 
     With `quantization`, Linear and Embedding weights are written quantized (mlx-lm's layout)
-    and `dtype` is that of their scales and biases and of every other tensor.
+    and `dtype` is that of their scales and biases and of every other tensor. Modules the
+    source hands over quantized (`source.quantized`) are written as they come.
     """
     check_out_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -50,11 +52,11 @@ def write_model_dir(
     try:
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; a model dir is meant to be shared
         source.write_tokenizer(tmp)  # first: it fails fast on an unusable tokenizer
-        quantizer = (TensorQuantizer(source.config, quantization, DTYPES[dtype])
+        quantizer = (TensorQuantizer(source.config, quantization, DTYPES[dtype], source.quantized)
                      if quantization else None)
         num_params = write_weights(source, tmp, dtype, progress, quantizer)
         config = config_dict(source.config, dtype, source.base_config)
-        config.update(quantizer.config_entries() if quantizer else {})
+        config.update(quantization_entries(quantizer, source.quantized))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / MANIFEST_FILE, _manifest(source, dtype, num_params, quantization))
         _publish(tmp, out, force)
@@ -71,20 +73,22 @@ def write_weights(source: ModelSource, folder: Path, dtype: str, progress: bool,
 
     One shard is named model.safetensors; several get the Hugging Face names plus an index.
     """
-    target = DTYPES[dtype]
     writer = _ShardWriter(folder, MAX_SHARD_BYTES)
-    total = len(tensor_shapes(source.config))
-    num_params = 0
+    total = len(stored_shapes(source.config, source.quantized))
     for name, tensor in tqdm(source.tensors(), total=total, desc="converting", unit="tensor",
                              disable=not progress):
         array = mx.array(tensor)
-        num_params += array.size
-        stored = quantizer(name, array) if quantizer else [(name, array.astype(target))]
+        stored = quantizer(name, array) if quantizer else [(name, _cast(array, DTYPES[dtype]))]
         for stored_name, stored_array in stored:
             mx.eval(stored_array)
             writer.add(stored_name, stored_array)
     writer.finish()
-    return num_params
+    return sum(math.prod(shape) for shape in tensor_shapes(source.config).values())
+
+
+def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    # Packed weights and their uint8 scales stay as they are.
+    return array.astype(dtype) if mx.issubdtype(array.dtype, mx.floating) else array
 
 
 def save_shard(path: Path, tensors: dict[str, mx.array]) -> None:

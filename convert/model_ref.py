@@ -8,6 +8,7 @@ from convert.api import local_source
 from convert.cache import ensure_converted, models_dir
 from convert.hf_source import open_hf_dir
 from convert.hub import is_repo_id
+from convert.mxfp4_experts import is_mxfp4_checkpoint
 from metal_engine.model_config import read_config_json
 from metal_engine.quantization import QuantizationConfig
 
@@ -42,6 +43,8 @@ def loads_as_is(folder: Path) -> bool:
     """Whether the engine loads `folder` without conversion. Raises ValueError for weights it
     can never load (pickle only, a foreign quantization scheme, an unsupported family)."""
     config = read_config_json(folder)
+    if is_mxfp4_checkpoint(config):  # GPT-OSS as OpenAI publishes it: its experts re-laid
+        return False
     if QuantizationConfig.from_config(config) is not None:
         return True
     source = open_hf_dir(folder)  # checks every tensor name and shape against the config

@@ -3,12 +3,13 @@ metal_engine.quantization): every Linear, Embedding and stacked-expert layer who
 is a multiple of the group size becomes `weight` (uint32, packed), `scales` and `biases`.
 
 mlx-lm keeps some modules at other params (its models' `quant_predicate`) and lists those in
-config.json; FAMILY_MODULE_PARAMS holds the ones of the families converted here.
+config.json; FAMILY_MODULE_PARAMS holds the ones of the families converted here. A source whose
+experts come quantized already (GPT-OSS's MXFP4) keeps them as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import mlx.core as mx
 
@@ -43,14 +44,20 @@ def special_params(config: ModelConfig, modules: list[str]) -> dict[str, QuantPa
 
 
 class TensorQuantizer:
-    """Turns each (name, float tensor) into the tensors a quantized model dir stores."""
+    """Turns each (name, float tensor) into the tensors a quantized model dir stores; the
+    `prequantized` modules' packed tensors pass through."""
 
-    def __init__(self, config: ModelConfig, params: QuantParams, dtype: mx.Dtype) -> None:
+    def __init__(self, config: ModelConfig, params: QuantParams, dtype: mx.Dtype,
+                 prequantized: Mapping[str, QuantParams] | None = None) -> None:
         self.params, self.dtype = params, dtype
-        modules = quantizable_modules(config, params.group_size)
-        self.modules, self.special = set(modules), special_params(config, modules)
+        modules = [path for path in quantizable_modules(config, params.group_size)
+                   if path not in (prequantized or {})]
+        self.modules, self.special = dict.fromkeys(modules), special_params(config, modules)
 
     def __call__(self, name: str, tensor: mx.array) -> Iterator[tuple[str, mx.array]]:
+        if not mx.issubdtype(tensor.dtype, mx.floating):  # packed already
+            yield name, tensor
+            return
         # Quantized from `dtype`, as mlx-lm quantizes a model loaded in that dtype.
         tensor = tensor.astype(self.dtype)
         module = name.removesuffix(".weight")
@@ -70,3 +77,25 @@ class TensorQuantizer:
         entries: dict[str, int | str | dict[str, int]] = {**self.params.to_dict(), "mode": MODE}
         entries.update({path: params.to_dict() for path, params in self.special.items()})
         return {"quantization": entries, "quantization_config": dict(entries)}
+
+    def module_entries(self) -> dict[str, dict[str, int | str]]:
+        """Every module quantized here with its params, as mlx-lm lists them when the
+        checkpoint came quantized already: its `quant_predicate`'s own, else with the mode."""
+        return {path: self.special[path].to_dict() if path in self.special
+                else {**self.params.to_dict(), "mode": MODE} for path in self.modules}
+
+
+def quantization_entries(quantizer: TensorQuantizer | None,
+                         prequantized: Mapping[str, QuantParams]) -> dict[str, dict]:
+    """config.json's quantization keys for a dir written with `quantizer` (or none) from a
+    source whose `prequantized` modules came packed. Those share one set of params, which
+    becomes the checkpoint-wide one, as mlx-lm records GPT-OSS's MXFP4 experts; the modules
+    quantized here are then listed one by one."""
+    if not prequantized:
+        return quantizer.config_entries() if quantizer else {}
+    shared = set(prequantized.values())
+    if len(shared) != 1:
+        raise ValueError(f"the source's quantized modules differ in params ({shared}); "
+                         "mlx-lm's layout records one set for them")
+    entries: dict = {**shared.pop().to_dict(), **(quantizer.module_entries() if quantizer else {})}
+    return {"quantization": entries, "quantization_config": dict(entries)}

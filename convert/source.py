@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from metal_engine.model_config import ModelConfig
+from metal_engine.quantization import QuantParams
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -21,9 +22,11 @@ class ModelSource:
     """One opened source; nothing heavy is read until `tensors()` is iterated.
 
     `tensors()` yields (Hugging Face name, tensor in [out, in] layout) for every name in
-    `tensor_shapes(config)`, each exactly once. `write_tokenizer(dir)` writes the tokenizer files
-    into dir. `base_config` holds source config keys to keep (empty for GGUF); `files` are the
-    source files the manifest fingerprints.
+    `tensor_shapes(config)`, each exactly once, except that the modules in `quantized` come
+    already packed, as `stored_shapes(config, quantized)` names them (GPT-OSS's MXFP4 experts).
+    `write_tokenizer(dir)` writes the tokenizer files into dir. `base_config` holds source
+    config keys to keep (empty for GGUF); `files` are the source files the manifest
+    fingerprints.
     """
 
     kind: Literal["gguf", "hf"]
@@ -33,6 +36,7 @@ class ModelSource:
     tensors: Callable[[], Iterator[tuple[str, Tensor]]]
     write_tokenizer: Callable[[Path], None]
     files: tuple[Path, ...]
+    quantized: dict[str, QuantParams] = field(default_factory=dict)
 
 
 def fingerprint(files: tuple[Path, ...]) -> dict[str, dict[str, float]]:

@@ -14,6 +14,7 @@ from convert.model_dir import read_manifest
 from metal_engine.kv_cache import KVCache
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.registry import model_class
+from metal_engine.quantization import QuantizationConfig, dequantize_weights
 from metal_engine.runner import ModelRunner
 from metal_engine.weights import load_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -80,10 +81,15 @@ def prompt_logits(model: CausalLM, ids: list[int]) -> np.ndarray:
 
 
 def _source_model(source: Path) -> CausalLM:
-    """The source's tensors in float32 in this engine's model, without writing them anywhere."""
+    """The source's tensors in float32 in this engine's model, without writing them anywhere
+    (the ones it hands over quantized, dequantized)."""
     opened = open_source(source)
     model = model_class(opened.config.model_type)(opened.config)
-    weights = {name: mx.array(t).astype(mx.float32) for name, t in opened.tensors()}
+    weights = {name: mx.array(t) for name, t in opened.tensors()}
+    if opened.quantized:
+        packed = QuantizationConfig(next(iter(opened.quantized.values())), opened.quantized)
+        weights = dequantize_weights(weights, packed)
+    weights = {name: value.astype(mx.float32) for name, value in weights.items()}
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     model.eval()
     return model

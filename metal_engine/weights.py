@@ -1,5 +1,5 @@
 """Build a model from a model dir: config.json + safetensors (sharded or not), in float or in
-MLX's affine quantized layout (see metal_engine.quantization)."""
+MLX's quantized layout (see metal_engine.quantization)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from metal_engine.quantization import QuantizationConfig, dequantize_weights
 
 log = logging.getLogger("metal_serve")
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
-PER_EXPERT = re.compile(
+_PER_EXPERT = re.compile(
     r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|scales|biases)$")
 # Mixtral's projection names -> the stacked layout's.
-PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -71,10 +71,11 @@ def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
     if quantization is not None and keeps_quantized():
         nn.quantize(model, class_predicate=_quantized_modules(weights, quantization))
     elif quantization is not None:
-        log.info("CPU backend: dequantizing the %d-bit weights of %s to %s at load (MLX's CPU "
-                 "quantized matmul is slow)", quantization.default.bits, model_dir, dtype)
+        log.info("CPU backend: dequantizing the %d-bit %s weights of %s to %s at load (MLX's "
+                 "CPU quantized matmul is slow)", quantization.default.bits,
+                 quantization.default.mode, model_dir, dtype)
         weights = dequantize_weights(weights, quantization)
-    # Packed quantized weights are uint32 and stay so; every float tensor takes `dtype`.
+    # Packed weights (uint32) and mxfp4 scales (uint8) stay so; every float tensor takes `dtype`.
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
@@ -91,19 +92,27 @@ def stack_per_expert(weights: dict[str, mx.array], num_experts: int) -> dict[str
     stacked: dict[str, mx.array] = {}
     sets: dict[str, dict[int, mx.array]] = {}
     for name, value in weights.items():
-        match = PER_EXPERT.match(name)
-        if match is None:
+        target = stacked_expert_name(name)
+        if target is None:
             stacked[name] = value
-            continue
-        proj = PROJECTIONS.get(match["proj"], match["proj"])
-        target = f"{match['block']}.switch_mlp.{proj}.{match['kind']}"
-        sets.setdefault(target, {})[int(match["expert"])] = value
+        else:
+            sets.setdefault(target[0], {})[target[1]] = value
     for name, by_expert in sets.items():
         if sorted(by_expert) != list(range(num_experts)):
             raise ValueError(f"{name}: the checkpoint holds {len(by_expert)} experts' tensors, "
                              f"its config.json says {num_experts} experts")
         stacked[name] = mx.stack([by_expert[e] for e in range(num_experts)])
     return stacked
+
+
+def stacked_expert_name(name: str) -> tuple[str, int] | None:
+    """(name in the stacked layout, expert index) of a per-expert tensor name, else None:
+    `...experts.7.w1.weight` -> (`...switch_mlp.gate_proj.weight`, 7)."""
+    match = _PER_EXPERT.match(name)
+    if match is None:
+        return None
+    proj = _PROJECTIONS.get(match["proj"], match["proj"])
+    return f"{match['block']}.switch_mlp.{proj}.{match['kind']}", int(match["expert"])
 
 
 def _quantized_modules(weights: dict[str, mx.array], quantization: QuantizationConfig):

@@ -161,7 +161,7 @@ def test_quantized_layers_kept_off_the_cpu(tiny_float_dir, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize(("entries", "message"), [
-    ({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}, "mode 'mxfp4'"),
+    ({"quantization": {"group_size": 16, "bits": 4, "mode": "nvfp4"}}, "mode 'nvfp4'"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized with 'gptq'"),
     ({"quantization": {"group_size": 48, "bits": 4}}, "group size 48"),
 ])

@@ -83,13 +83,19 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
         if bias is None:
             return x @ weight.T
         return mx.addmm(bias, x, weight.T)
-    rows, w = np.asarray(x), np.asarray(weight)
-    # BLAS streams the weight about twice as fast as the left operand of a product with few
-    # columns as it does as the transposed right operand of one with few rows.
-    y = np.ascontiguousarray((w @ rows.T).T) if len(rows) < FEW_ROWS else rows @ w.T
+    y = host_linear(np.asarray(x), np.asarray(weight))
     if bias is not None:
         y += np.asarray(bias)
     return mx.array(y)
+
+
+def host_linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """`rows @ weight.T` in numpy's BLAS."""
+    # BLAS streams the weight about twice as fast as the left operand of a product with few
+    # columns as it does as the transposed right operand of one with few rows.
+    if len(rows) < FEW_ROWS:
+        return np.ascontiguousarray((weight @ rows.T).T)
+    return rows @ weight.T
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:

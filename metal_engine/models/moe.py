@@ -6,9 +6,9 @@ so its quantized checkpoints load as they are). Two ways to run the chosen exper
 - `gather`: gathered matmuls (`mx.gather_mm` / `mx.gather_qmm`), one product per (token,
   expert) pair, the pairs sorted by expert once there are enough of them that reading each
   expert's weights once pays for the sort. No host sync; the way on Metal.
-- `grouped`: one BLAS product per expert that any row chose, over those rows. MLX's CPU
-  gather_mm multiplies pair by pair, reading an expert's weights once per pair, so from
-  SORT_PAIRS pairs on the CPU backend groups instead (see docs/benchmarks.md).
+- `grouped`: one BLAS product per expert that any row chose, over those rows, in numpy on
+  the host. The CPU backend's way: its gather_mm copies the (transposed) stack out before
+  multiplying, about twice as slow at one row and more with more (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kernels_metal.cpu_math import linear, on_cpu
+from kernels_metal.cpu_math import host_linear, on_cpu
 from metal_engine.models.moe_config import MoeConfig
 
 # (token, expert) pairs from which sorting by expert beats gathering in token order.
@@ -44,9 +44,11 @@ class SwitchLinear(nn.Module):
                            sorted_indices=sorted_experts)  # fmt: skip
         return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
 
-    def expert(self, x: mx.array, e: int) -> mx.array:
-        """x `[rows, in]` through expert `e` alone."""
-        return linear(x, self.weight[e], None if "bias" not in self else self.bias[e])
+    def expert(self, x: np.ndarray, e: int) -> np.ndarray:
+        """x `[rows, in]` through expert `e` alone, on the host (float32)."""
+        # Index the zero-copy view of the whole stack: an MLX slice would be copied out.
+        out = host_linear(x, np.asarray(self.weight)[e])
+        return out if "bias" not in self else out + np.asarray(self.bias)[e]
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
                      **_: object) -> QuantizedSwitchLinear:
@@ -73,11 +75,12 @@ class QuantizedSwitchLinear(nn.Module):
                             mode=self.mode, sorted_indices=sorted_experts)  # fmt: skip
         return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
 
-    def expert(self, x: mx.array, e: int) -> mx.array:
+    def expert(self, x: np.ndarray, e: int) -> np.ndarray:
         biases = self.biases[e] if "biases" in self else None
         weight = mx.dequantize(self.weight[e], self.scales[e], biases, self.group_size,
                                self.bits, mode=self.mode)  # fmt: skip
-        return linear(x, weight.astype(x.dtype), None if "bias" not in self else self.bias[e])
+        out = host_linear(x, np.asarray(weight.astype(mx.float32)))
+        return out if "bias" not in self else out + np.asarray(self.bias[e].astype(mx.float32))
 
 
 class SwitchGLU(nn.Module):
@@ -111,8 +114,7 @@ class SwitchGLU(nn.Module):
 
     def mix(self, x: mx.array, weights: mx.array, experts: mx.array) -> mx.array:
         """Each row's chosen experts' outputs, weighted and summed: `[rows, hidden]`."""
-        grouped_by_default = on_cpu() and experts.size >= SORT_PAIRS
-        if (self.dispatch or ("grouped" if grouped_by_default else "gather")) == "grouped":
+        if (self.dispatch or ("grouped" if on_cpu() else "gather")) == "grouped":
             return self.grouped(x, experts, weights)
         y = self(x, experts)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
@@ -129,10 +131,10 @@ class SwitchGLU(nn.Module):
         out = np.zeros_like(x_host)
         for pairs in np.split(order, starts[1:]):
             e, rows = int(flat[pairs[0]]), pairs // k
-            xe = mx.array(x_host[rows]).astype(x.dtype)
-            h = self._act(self.gate_proj.expert(xe, e), self.up_proj.expert(xe, e))
-            y = np.asarray(self.down_proj.expert(h, e).astype(mx.float32))
-            np.add.at(out, rows, y * pair_weights[pairs, None])
+            xe = x_host[rows]
+            gate, up = self.gate_proj.expert(xe, e), self.up_proj.expert(xe, e)
+            h = np.asarray(self._act(mx.array(gate), mx.array(up)))
+            np.add.at(out, rows, self.down_proj.expert(h, e) * pair_weights[pairs, None])
         return mx.array(out).astype(x.dtype)
 
 

@@ -18,6 +18,7 @@ from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
+from metal_engine.models.moe import set_dispatch
 from metal_engine.runner import ModelRunner
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
 
@@ -30,6 +31,9 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes")
+    parser.add_argument("--moe-dispatch", choices=("auto", "gather", "grouped"), default="auto",
+                        help="how a MoE model's experts run: gathered matmuls, one product per "
+                             "chosen expert, or the backend's choice (default)")
     parser.add_argument("--result-json", type=Path)
 
 
@@ -41,12 +45,15 @@ def run_throughput(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
     ))
+    dispatch = None if args.moe_dispatch == "auto" else args.moe_dispatch
+    expert_sets = set_dispatch(engine.runner.model, dispatch)
     _run_to_completion(engine, 2, args.input_len, 4)  # warm-up
     start = time.perf_counter()
     output_tokens = _run_to_completion(engine, args.num_prompts, args.input_len, args.output_len)
     elapsed = time.perf_counter() - start
     result = {
         "num_prompts": args.num_prompts,
+        "moe_dispatch": args.moe_dispatch if expert_sets else None,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "elapsed_s": elapsed,

@@ -17,9 +17,11 @@ import numpy as np
 from convert.gguf_moe import (
     EXPERT_NAMES,
     GLM_EXPERT_NAMES,
+    GPT_OSS_NAMES,
     MIXTRAL_EXPERT_NAMES,
     Metadata,
     glm4_moe_keys,
+    gpt_oss_keys,
     mixtral_keys,
     qwen3_moe_keys,
 )
@@ -65,6 +67,8 @@ class GgufArch:
             return mixtral_keys(meta, names, layers)
         if self.model_type == "qwen3_moe":
             return qwen3_moe_keys(meta, names, layers)
+        if self.model_type == "gpt_oss":
+            return gpt_oss_keys(meta, names, layers)
         if self.model_type == "glm4_moe":
             return {**glm4_moe_keys(meta, names, layers),
                     "partial_rotary_factor": meta("rope.dimension_count") / head_dim(meta, self)}
@@ -96,6 +100,8 @@ ARCHS = {
     "gemma3": GgufArch("gemma3_text", {**SANDWICH_NAMES, **QK_NORM_NAMES}, norm_offset=1.0),
     "qwen3moe": GgufArch("qwen3_moe", {**PRE_NORM_NAMES, **QK_NORM_NAMES, **EXPERT_NAMES}),
     "glm4moe": GgufArch("glm4_moe", GLM_NAMES, partial_rotary=True),
+    "gpt-oss": GgufArch("gpt_oss", {**COMMON_BLOCK_NAMES, **GPT_OSS_NAMES,
+                                    "post_attention_norm": "post_attention_layernorm"}),
 }
 
 

@@ -1,6 +1,6 @@
-"""llama.cpp's mixture-of-experts architectures (qwen3moe, glm4moe, and Mixtral, which llama.cpp
-writes as `llama` with experts): expert tensor names and the Hugging Face MoE config keys their
-metadata describes.
+"""llama.cpp's mixture-of-experts architectures (qwen3moe, glm4moe, gpt-oss, and Mixtral, which
+llama.cpp writes as `llama` with experts): expert tensor names and the Hugging Face MoE config
+keys their metadata describes.
 
 llama.cpp stores each layer's experts stacked, `ffn_{gate,up,down}_exps` with ggml dims
 `[in, out, experts]`, which read reversed are the `[experts, out, in]` of `switch_mlp.*` here.
@@ -33,13 +33,21 @@ GLM_EXPERT_NAMES = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
+# GPT-OSS: router and experts with biases, under its own names; each head's sink logit.
+GPT_OSS_NAMES = {
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "attn_sinks.weight": "self_attn.sinks",
+}
 # llama.cpp's expert_gating_func values -> Hugging Face's scoring_func.
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
-def moe_layers(names: Collection[str], layers: int) -> set[int]:
+def moe_layers(names: Collection[str], layers: int, router: str = "mlp.gate") -> set[int]:
     """The layers whose router is among the Hugging Face tensor `names`."""
-    return {i for i in range(layers) if f"model.layers.{i}.mlp.gate.weight" in names}
+    return {i for i in range(layers) if f"model.layers.{i}.{router}.weight" in names}
 
 
 def mixtral_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[str, Any]:
@@ -86,6 +94,36 @@ def glm4_moe_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[s
         "topk_method": "noaux_tc",
         "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in names,
     }
+
+
+def gpt_oss_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[str, Any]:
+    """GPT-OSS's config keys. llama.cpp slides every other layer from the first (as the
+    released configs' layer_types do), fixes the clamped SwiGLU at alpha 1.702, limit 7, and
+    keeps only yarn's betas; yarn's corrections are GPT-OSS's own untruncated ones."""
+    if moe_layers(names, layers, router="mlp.router") != set(range(layers)):
+        raise ValueError("this gpt-oss GGUF lacks some layers' routers (ffn_gate_inp); the "
+                         "file is incomplete")
+    scaling = rope_scaling_yarn(meta)
+    return {
+        "num_local_experts": _required(meta, "expert_count"),
+        "num_experts_per_tok": _required(meta, "expert_used_count"),
+        "intermediate_size": _one_width(_required(meta, "expert_feed_forward_length")),
+        "sliding_window": _required(meta, "attention.sliding_window"),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(layers)],
+        "swiglu_limit": 7.0,
+        **({"rope_scaling": scaling} if scaling else {}),
+    }
+
+
+def rope_scaling_yarn(meta: Metadata) -> dict[str, Any] | None:
+    if meta("rope.scaling.type") != "yarn":
+        return None
+    return {"rope_type": "yarn", "factor": _shortest(meta("rope.scaling.factor")),
+            "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
+            "beta_fast": _shortest(meta("rope.scaling.yarn_beta_fast") or 32.0),
+            "beta_slow": _shortest(meta("rope.scaling.yarn_beta_slow") or 1.0),
+            "truncate": False}
 
 
 def _expert_keys(meta: Metadata) -> dict[str, Any]:

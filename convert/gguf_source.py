@@ -1,4 +1,5 @@
-"""Open a llama.cpp GGUF file as a ModelSource: dequantize, rename, undo llama.cpp's changes."""
+"""Open a llama.cpp GGUF file as a ModelSource: dequantize, rename, undo llama.cpp's changes.
+MXFP4 expert stacks (gpt-oss) stay quantized, re-laid as MLX's mxfp4 (convert.gguf_mxfp4)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from convert.gguf_archs import (
     llama3_rope_scaling,
     rope_scaling,
 )
+from convert.gguf_mxfp4 import mlx_mxfp4
 from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import write_gguf_tokenizer
 from metal_engine.model_config import ModelConfig
+from metal_engine.quantization import MXFP4, QuantParams
 
 # Types gguf.quants can dequantize in numpy.
 SUPPORTED_TYPES = frozenset({
     QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
-    QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+    QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4,
 })
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -54,15 +57,17 @@ def open_gguf(path: Path) -> ModelSource:
                if t.name != ROPE_FREQS and not _beyond_layers(t.name, layers)}
     config = _config_from_metadata(reader, arch_name, arch, tensors, rope_freqs)
     check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(config))
+    quantized = _mxfp4_expert_stacks(tensors)
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     return ModelSource(
         kind="gguf",
         path=path,
         config=config,
         base_config={},
-        tensors=partial(_read_tensors, tensors, config, arch),
+        tensors=partial(_read_tensors, tensors, config, arch, quantized),
         write_tokenizer=partial(write_gguf_tokenizer, path, eos_token_id=eos),
         files=(path,),
+        quantized=quantized,
     )
 
 
@@ -123,6 +128,12 @@ def _check_types(tensors: list[ReaderTensor]) -> None:
             )
 
 
+def _mxfp4_expert_stacks(tensors: dict[str, ReaderTensor]) -> dict[str, QuantParams]:
+    """The expert stacks (module paths) stored as MXFP4: kept so, as MLX runs them."""
+    return {name.removesuffix(".weight"): MXFP4 for name, t in tensors.items()
+            if t.tensor_type == QType.MXFP4 and len(t.shape) == 3 and name.endswith(".weight")}
+
+
 def _config_from_metadata(reader: GGUFReader, arch_name: str, arch: GgufArch,
                           tensors: dict[str, ReaderTensor],
                           rope_freqs: ReaderTensor | None) -> ModelConfig:
@@ -141,7 +152,7 @@ def _config_from_metadata(reader: GGUFReader, arch_name: str, arch: GgufArch,
     theta = _shortest(meta("rope.freq_base") or 10000.0)
     scaling = rope_scaling(meta) if rope_freqs is None else llama3_rope_scaling(
         dequantize(rope_freqs.data, rope_freqs.tensor_type), theta, head_size)
-    return ModelConfig.from_dict(dict(
+    keys = dict(
         model_type=arch.model_type,
         hidden_size=hidden,
         intermediate_size=required("feed_forward_length"),
@@ -159,14 +170,21 @@ def _config_from_metadata(reader: GGUFReader, arch_name: str, arch: GgufArch,
         eos_token_id=_get(reader, "tokenizer.ggml.eos_token_id"),
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors,
-        **arch.config_keys(arch_name, meta, tensors, layers),
-    ))
+    )
+    keys.update(arch.config_keys(arch_name, meta, tensors, layers))  # may refine shared ones
+    return ModelConfig.from_dict(keys)
 
 
-def _read_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig,
-                  arch: GgufArch) -> Iterator[tuple[str, Any]]:
+def _read_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arch: GgufArch,
+                  quantized: dict[str, QuantParams]) -> Iterator[tuple[str, Any]]:
     for name, shape in tensor_shapes(config).items():
         tensor = tensors[name]
+        module = name.removesuffix(".weight")
+        if module in quantized:
+            weight, scales = mlx_mxfp4(tensor.data, shape)
+            yield name, weight
+            yield f"{module}.scales", scales
+            continue
         weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if arch.permutes_qk and ".q_proj." in name:
             weights = undo_rope_permutation(weights, config.num_attention_heads)

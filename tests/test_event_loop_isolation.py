@@ -16,7 +16,7 @@ from server_helpers import running_app
 
 from server.app import build_app
 from server.async_engine import AsyncEngine
-from server.launch import freeze_startup_objects
+from server.heap import freeze_startup_objects
 
 # A stream's tokens come every 10 ms; tokenizing one attack prompt takes ~1 s of CPU. A gap
 # or a /health answer slower than this means the loop was held by a prompt.

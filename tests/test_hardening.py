@@ -259,6 +259,7 @@ def test_log_lines_carry_the_request_id_and_prompts_only_when_asked(log_prompts)
 
 
 def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
+    from metal_engine.parameter_count import ParameterCount
     from server import app, launch
     from server.http import shutdown
 
@@ -267,6 +268,7 @@ def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "configure_logging", lambda *args: None)
     monkeypatch.setattr(launch, "_resolve_model", lambda args: tmp_path)
     monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: TextEngine())
+    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda bridge, name, max_n, options, **_: seen.update(
         bridge=bridge, options=options))  # fmt: skip
     monkeypatch.setattr(shutdown, "run_server", lambda *args: seen.update(timeout=args[-2]))

@@ -16,7 +16,6 @@ import server.http.shutdown
 from convert import convert_model
 from metal_engine.model_config import ModelConfig
 from metal_engine.parameter_count import ParameterCount, count_parameters
-from server import launch
 from server.cli import main
 
 # One expert's tensor, or all experts' in one (GPT-OSS); not GLM's shared_experts.
@@ -63,7 +62,6 @@ def test_serve_logs_and_lists_total_and_active(tmp_path: Path, monkeypatch, caps
     served = {}
     monkeypatch.setattr(server.http.shutdown, "run_server",
                         lambda app, *args: served.setdefault("app", app))
-    monkeypatch.setattr(launch, "freeze_startup_objects", lambda: None)
 
     assert main(["serve", str(model_dir), "--kv-cache-memory", "16MiB"]) == 0
 

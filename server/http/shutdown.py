@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.async_engine import AsyncEngine
+from server.heap import freeze_startup_objects
 from server.http.client_timeouts import timed_protocol
 from server.http.errors import APIError
 
@@ -129,4 +130,5 @@ def run_server(
         timeout_graceful_shutdown=_ABORTED_REPLY_GRACE_S,  # after our drain, only stragglers
         http=timed_protocol(client_timeout_s),
     )  # fmt: skip
+    freeze_startup_objects()
     DrainingServer(config, app.state.drain, timeout_s).run()

@@ -24,8 +24,8 @@ class SandwichDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
 
-    def __call__(self, x, rope, meta, cache, layer):
-        attn = self.self_attn(self.input_layernorm(x), rope, meta, cache, layer)
+    def __call__(self, x, rope, meta, cache, pool):
+        attn = self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)
         h = x + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 

@@ -105,8 +105,9 @@ class Attention(nn.Module):
 
     def __call__(
         self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
-        cache: KVCache, layer: int,
+        cache: KVCache, pool: int,
     ) -> mx.array:
+        """`pool`: the KV pool this layer writes and attends over (ModelConfig.kv_pool)."""
         total = x.shape[0]
         q, k, v = self._project(x)
         q = q.reshape(total, self.num_heads, self.head_dim)
@@ -115,9 +116,9 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_pool, v_pool = cache.take(layer)
+        k_pool, v_pool = cache.take(pool)
         k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
-        cache.put(layer, k_pool, v_pool)
+        cache.put(pool, k_pool, v_pool)
         sinks = self.get("sinks")
         out = paged_attention(q, k_pool, v_pool, meta, self.scale, window=self.window,
                               softcap=self.softcap,
@@ -135,6 +136,6 @@ class PreNormDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, rope, meta, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, layer)
+    def __call__(self, x, rope, meta, cache, pool):
+        h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -16,8 +16,8 @@ class MixtralDecoderLayer(PreNormDecoderLayer):
         super().__init__(cfg, attention, moe)
         self.block_sparse_moe = self.pop("mlp")
 
-    def __call__(self, x, rope, meta, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, layer)
+    def __call__(self, x, rope, meta, cache, pool):
+        h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)
         return h + self.block_sparse_moe(self.post_attention_layernorm(h))
 
 

@@ -120,8 +120,8 @@ def run_step(args: argparse.Namespace) -> int:
 def kernel_cost(config: ModelConfig, meta: AttentionMetadata, itemsize: int = 2) -> dict:
     """The Metal kernels' cost of one step over all of `config`'s layers (a float16 KV pool,
     as on Apple GPUs), from `kernels_metal.cost`."""
-    layers = [step_cost(meta, config.num_attention_heads, config.num_key_value_heads,
-                        config.head_dim, itemsize, window=config.window(layer))
+    layers = [step_cost(meta, config.num_attention_heads, *config.kv_shape(layer), itemsize,
+                        window=config.window(layer))
               for layer in range(config.num_hidden_layers)]  # fmt: skip
     totals = {name: sum(cost.to_json()[name] for cost in layers) for name in layers[0].to_json()}
     return {"layers": len(layers), **totals}

@@ -180,3 +180,23 @@ def test_the_engine_gets_harmony_prompts_and_stops(base_url, engine):
     assert "<|start|>developer<|message|># Tools" in prompt and "type get_weather" in prompt
     assert prompt.endswith(f"<|start|>user<|message|>{WEATHER_QUESTION}<|end|><|start|>assistant")
     assert {200002, 200012} <= set(params.stop_token_ids)  # <|return|>, <|call|>
+
+
+@pytest.mark.parametrize(("effort", "rendered"), [("high", "high"), ("minimal", "low"),
+                                                  ("xhigh", "high")])
+def test_responses_reasoning_effort_reaches_the_system_message(base_url, engine, effort,
+                                                               rendered):
+    """Codex sends `reasoning.effort`; harmony's system message carries it (OpenAI's
+    efforts harmony lacks land on the nearest)."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    client.responses.create(model="gpt-oss", input=WEATHER_QUESTION,
+                            reasoning={"effort": effort, "summary": "auto"})
+    prompt = engine.prompts[list(engine.prompts)[-1]]
+    assert f"Reasoning: {rendered}" in prompt
+
+
+def test_an_unknown_responses_reasoning_effort_is_a_400(base_url):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model="gpt-oss", input="hi", reasoning={"effort": "extreme"})
+    assert error.value.body["param"] == "reasoning.effort"

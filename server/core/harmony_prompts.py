@@ -35,9 +35,11 @@ from server.http.errors import APIError, clip
 from server.openai.protocol import ChatCompletionRequest, ChatMessage
 from server.openai.protocol_tools import Tool
 
+# Harmony has three efforts; OpenAI's other names land on the nearest.
 _EFFORTS = {
-    "minimal": ReasoningEffort.LOW, "low": ReasoningEffort.LOW,
+    "none": ReasoningEffort.LOW, "minimal": ReasoningEffort.LOW, "low": ReasoningEffort.LOW,
     "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH,
+    "xhigh": ReasoningEffort.HIGH,
 }  # fmt: skip
 _INSTRUCTION_ROLES = ("system", "developer")
 _CALL_CONTENT_TYPE = "<|constrain|>json"  # what GPT-OSS writes before a call's JSON

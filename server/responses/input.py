@@ -23,6 +23,7 @@ RESPONSES_PARAMS = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -49,6 +50,7 @@ def chat_request(body: ResponsesRequest, tools: ToolSet) -> ChatCompletionReques
         "parallel_tool_calls": body.parallel_tool_calls,
         "tools": tools.chat_tools(),
         "cache_salt": body.cache_salt,
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
     }
     # "auto" (the default) and "none" mean nothing without tools; other choices need them.
     if fields["tools"] or body.tool_choice not in ("auto", "none"):

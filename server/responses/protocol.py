@@ -65,6 +65,13 @@ class TextConfig(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningConfig(BaseModel):
+    """How hard a reasoning model thinks (GPT-OSS reads it; other models' templates ignore
+    it). No summaries are made: the reasoning comes out whole."""
+
+    effort: str | None = None
+
+
 _STATE_HINT = "this server stores no responses; send the whole conversation in `input`"
 # OpenAI's limits on `metadata`.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -106,6 +113,7 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     text: TextConfig = Field(default_factory=TextConfig)
+    reasoning: ReasoningConfig | None = None
     stream: bool = False
     metadata: dict[str, str] | None = None
     # As on chat requests: prompts of different salts share no prefix-cache blocks.

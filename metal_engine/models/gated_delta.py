@@ -1,0 +1,171 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 / Qwen3-Next, over packed rows.
+
+A request's whole history lives in two states the caller passes in and gets back: the conv
+state (its last `kernel_size - 1` conv inputs, `[num_seqs, kernel_size - 1, conv_dim]`) and
+the recurrent state of the delta rule (`[num_seqs, Hv, Dk, Dv]`). Zeros start a request.
+Parameter names and shapes are Hugging Face's qwen3_5 ones (`conv1d.weight [conv_dim, 1, K]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kernels_metal.cpu_math import exp
+from metal_engine.models.gated_delta_rule import gated_delta_rule
+from metal_engine.models.layers import Linear
+
+
+def silu(x: mx.array) -> mx.array:
+    return x / (1 + exp(-x))
+
+
+def _conv_indices(cu_seqlens, kernel_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into `concat([rows, states.reshape(-1, C)])`: each row's conv window
+    `[total_q, K]` (oldest first) and each request's new state `[num_seqs, K - 1]`.
+
+    Laid out per request as its K - 1 state rows, then its rows:
+        extended:  | s0 s0 s0 | r0 r0 r0 r0 r0 | s1 s1 s1 | r1 | ...
+    """
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lens, width = np.diff(cu), kernel_size - 1
+    num_seqs, total = len(lens), int(cu[-1])
+    row_request = np.repeat(np.arange(num_seqs), lens)
+    row_at = np.arange(total) + (row_request + 1) * width
+    state_at = (cu[:-1] + np.arange(num_seqs) * width)[:, None] + np.arange(width)
+    extended = np.empty(total + num_seqs * width, dtype=np.int64)
+    extended[row_at] = np.arange(total)
+    extended[state_at] = total + np.arange(num_seqs * width).reshape(num_seqs, width)
+    windows = extended[row_at[:, None] - width + np.arange(kernel_size)]
+    new_state = extended[state_at + lens[:, None]]
+    return windows, new_state
+
+
+def causal_conv1d(x: mx.array, weight: mx.array, cu_seqlens,
+                  state: mx.array) -> tuple[mx.array, mx.array]:
+    """Depthwise causal conv of each request's rows `x [total_q, C]`, continuing from its
+    `state [num_seqs, K - 1, C]`, then SiLU. `weight [C, 1, K]`. Returns (out, new state)."""
+    kernel_size, channels = weight.shape[-1], x.shape[-1]
+    windows, new_state = _conv_indices(cu_seqlens, kernel_size)
+    source = mx.concatenate([x, state.astype(x.dtype).reshape(-1, channels)])
+    taps = weight.reshape(channels, kernel_size).T.astype(x.dtype)  # [K, C]
+    out = (source[mx.array(windows)] * taps).sum(axis=1)
+    return silu(out), source[mx.array(new_state)]
+
+
+class CausalConv1d(nn.Module):
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = mx.zeros((channels, 1, kernel_size))
+
+    def __call__(self, x: mx.array, cu_seqlens, state: mx.array) -> tuple[mx.array, mx.array]:
+        return causal_conv1d(x, self.weight, cu_seqlens, state)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, then times SiLU of the gate (norm before gate)."""
+
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        normed = mx.fast.rms_norm(x, self.weight, self.eps).astype(mx.float32)
+        return (normed * silu(gate.astype(mx.float32))).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    hidden_size: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int = 4
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_key_heads})")
+        if self.conv_kernel_size < 1:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.conv_kernel_size}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> GatedDeltaNetConfig:
+        """From a Hugging Face text config (qwen3_5 / qwen3_next `linear_*` fields)."""
+        return cls(hidden_size=hf["hidden_size"], num_key_heads=hf["linear_num_key_heads"],
+                   num_value_heads=hf["linear_num_value_heads"],
+                   key_head_dim=hf["linear_key_head_dim"],
+                   value_head_dim=hf["linear_value_head_dim"],
+                   conv_kernel_size=hf.get("linear_conv_kernel_dim", 4),
+                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6))
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # q, k and v go through the conv together
+        return 2 * self.key_dim + self.value_dim
+
+
+class DeltaNetStep(NamedTuple):
+    out: mx.array  # [total_q, hidden]
+    conv_state: mx.array  # [num_seqs, K - 1, conv_dim]
+    recurrent_state: mx.array  # [num_seqs, Hv, Dk, Dv] float32
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer over packed rows, with explicit per-request states."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hidden, heads = cfg.hidden_size, cfg.num_value_heads
+        self.in_proj_qkv = Linear(hidden, cfg.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, cfg.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, heads, bias=False)
+        self.in_proj_a = Linear(hidden, heads, bias=False)
+        self.conv1d = CausalConv1d(cfg.conv_dim, cfg.conv_kernel_size)
+        self.dt_bias = mx.ones((heads,))
+        self.A_log = mx.zeros((heads,))
+        self.norm = GatedRMSNorm(cfg.value_head_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(cfg.value_dim, hidden, bias=False)
+
+    def zero_states(self, num_seqs: int, dtype: mx.Dtype = mx.float32):
+        """(conv state, recurrent state) of requests that have seen no rows yet."""
+        cfg = self.cfg
+        conv = mx.zeros((num_seqs, cfg.conv_kernel_size - 1, cfg.conv_dim), dtype=dtype)
+        shape = (num_seqs, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim)
+        return conv, mx.zeros(shape, dtype=mx.float32)
+
+    def __call__(self, x: mx.array, cu_seqlens, conv_state: mx.array,
+                 recurrent_state: mx.array) -> DeltaNetStep:
+        """`x [total_q, hidden]` rows packed by `cu_seqlens`; states as `zero_states`."""
+        cfg, total = self.cfg, x.shape[0]
+        mixed, conv_state = self.conv1d(self.in_proj_qkv(x), cu_seqlens, conv_state)
+        q, k, v = mx.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        q = q.reshape(total, cfg.num_key_heads, cfg.key_head_dim)
+        k = k.reshape(total, cfg.num_key_heads, cfg.key_head_dim)
+        v = v.reshape(total, cfg.num_value_heads, cfg.value_head_dim)
+        beta = mx.sigmoid(self.in_proj_b(x))
+        rule = gated_delta_rule(q, k, v, self._log_decay(x), beta, cu_seqlens, recurrent_state)
+        z = self.in_proj_z(x).reshape(total, cfg.num_value_heads, cfg.value_head_dim)
+        out = self.norm(rule.out, z).reshape(total, cfg.value_dim)
+        return DeltaNetStep(self.out_proj(out), conv_state, rule.state)
+
+    def _log_decay(self, x: mx.array) -> mx.array:
+        """g = -exp(A_log) * softplus(a + dt_bias), in float32 (exp(A_log) overflows fp16)."""
+        a = self.in_proj_a(x).astype(mx.float32) + self.dt_bias.astype(mx.float32)
+        return -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a)

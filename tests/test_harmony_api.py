@@ -29,6 +29,9 @@ ANSWER_TURN = (
     "<|channel|>analysis<|message|>A greeting; answer kindly.<|end|>"
     "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?<|return|>"
 )
+# A forced call: the prompt opens the call, the model writes only its arguments.
+FORCED_HEADER = " to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
+FORCED_ARGUMENTS = '{"city": "Paris", "unit": "C"}<|call|>'
 PARAMETERS = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
@@ -62,11 +65,15 @@ class HarmonyEngine(ScriptedEngine):
         encoding = harmony_encoding(self.tokenizer)
         self.turns = {
             name: encoding.encode(text, allowed_special="all")
-            for name, text in (("call", CALL_TURN), ("answer", ANSWER_TURN))
+            for name, text in (("call", CALL_TURN), ("answer", ANSWER_TURN),
+                               ("forced", FORCED_ARGUMENTS))
         }
 
     def script_for(self, request_id: str) -> list[int]:  # type: ignore[override]
-        return self.turns["call" if WEATHER_QUESTION in self.prompts[request_id] else "answer"]
+        prompt = self.prompts[request_id]
+        if prompt.endswith(FORCED_HEADER):
+            return self.turns["forced"]
+        return self.turns["call" if WEATHER_QUESTION in prompt else "answer"]
 
     def step(self) -> list[RequestOutput]:
         outputs = []
@@ -200,3 +207,59 @@ def test_an_unknown_responses_reasoning_effort_is_a_400(base_url):
     with pytest.raises(openai.BadRequestError) as error:
         client.responses.create(model="gpt-oss", input="hi", reasoning={"effort": "extreme"})
     assert error.value.body["param"] == "reasoning.effort"
+
+
+FORCED_CALL = [("get_weather", {"city": "Paris", "unit": "C"})]
+
+
+def forced_on_chat(client: openai.OpenAI, stream: bool) -> list[tuple[str, dict]]:
+    fields = {"model": "gpt-oss", "messages": [{"role": "user", "content": GREETING}],
+              "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                          "parameters": PARAMETERS}}],
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if not stream:
+        message = client.chat.completions.create(**fields).choices[0].message
+        return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    names, arguments = {}, {}
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or []:
+            names[call.index] = call.function.name or names.get(call.index)
+            arguments[call.index] = arguments.get(call.index, "") + call.function.arguments
+    return [(names[i], json.loads(arguments[i])) for i in sorted(names)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_opens_the_call_in_the_prompt(base_url, engine, stream):
+    """Harmony can open a call after `<|start|>assistant`: the prompt ends with its header,
+    the arguments are sampled under the function's schema, and they come out as that call."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    assert forced_on_chat(client, stream) == FORCED_CALL
+    request_id = list(engine.prompts)[-1]
+    assert engine.prompts[request_id].endswith("<|start|>assistant" + FORCED_HEADER)
+    assert json.loads(engine.params[request_id].structured.json_schema) == PARAMETERS
+
+
+def test_forced_calls_on_responses_and_messages(base_url):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    response = client.responses.create(
+        model="gpt-oss", input=GREETING, tool_choice={"type": "function", "name": "get_weather"},
+        tools=[{"type": "function", "name": "get_weather", "parameters": PARAMETERS}])
+    assert [(i.name, json.loads(i.arguments)) for i in response.output
+            if i.type == "function_call"] == FORCED_CALL  # fmt: skip
+    claude = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
+    message = claude.messages.create(
+        model="gpt-oss", max_tokens=64, messages=[{"role": "user", "content": GREETING}],
+        tools=[{"name": "get_weather", "input_schema": PARAMETERS}],
+        tool_choice={"type": "any"})  # `any` with one tool: that tool
+    assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == FORCED_CALL
+    assert message.stop_reason == "tool_use"
+
+
+def test_required_among_several_tools_is_a_400(base_url):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+    tools = [{"type": "function", "function": {"name": n, "parameters": PARAMETERS}}
+             for n in ("get_weather", "get_time")]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="gpt-oss", tools=tools, tool_choice="required",
+                                       messages=[{"role": "user", "content": GREETING}])
+    assert error.value.body["param"] == "tool_choice"

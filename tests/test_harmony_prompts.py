@@ -227,8 +227,9 @@ def test_control_tokens_in_client_text_stay_text(encoding, reference):
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ({"tools": TOOLS + [{"type": "function", "function": {"name": "get_time"}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_tme"}}},
      "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
@@ -247,3 +248,18 @@ def test_a_result_for_an_unknown_call_is_a_400(encoding):
     ])  # fmt: skip
     with pytest.raises(APIError, match="call_9"):
         harmony_prompt_ids(encoding, request, TODAY)
+
+
+def test_a_forced_call_ends_the_prompt_with_the_call_header_harmony_renders(tokenizer,
+                                                                           encoding):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    request = chat(messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+                   tool_choice=choice)
+    prepared = prepare_chat(tokenizer, request, None)
+    call = (Message.from_role_and_content(Role.ASSISTANT, "{}").with_channel("commentary")
+            .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"))
+    rendered = encoding.render(call)  # <|start|>assistant<header><|message|>{}<|call|>
+    header = rendered[:-2]  # up to <|message|>
+    assert prepared.ids[-len(header):] == header
+    assert encoding.decode(header).endswith("<|message|>")
+    assert json.loads(prepared.structured.json_schema) == WEATHER

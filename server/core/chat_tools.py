@@ -118,7 +118,7 @@ def plan_tools(body: ChatCompletionRequest, template: str, parser_name: str | No
         raise APIError(f"tool_choice {_choice_name(choice)} needs tools.", param="tool_choice")
     if choice == "none":
         return ToolPlan(native, [], [], None)
-    forced = _forced(tools, choice)
+    forced = forced_functions(tools, choice)
     if forced and body.response_format is not None and body.response_format.type != "text":
         raise APIError(
             "response_format cannot be combined with a required or named tool_choice: the "
@@ -140,7 +140,9 @@ def _check_roles(messages: list[ChatMessage]) -> None:
             )
 
 
-def _forced(tools: list[Tool], choice: Any) -> list[FunctionDefinition]:
+def forced_functions(tools: list[Tool], choice: Any) -> list[FunctionDefinition]:
+    """The functions one of which `choice` makes the model call (none for auto); a 400 for
+    a name that is not in `tools`."""
     if choice == "auto":
         return []
     if choice == "required":

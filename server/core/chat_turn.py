@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from scheduler.sampling_params import StructuredOutput
 from server.core.harmony_encoding import harmony_encoding, speaks_harmony
 from server.core.harmony_parsing import HarmonyTurnParser
-from server.core.harmony_prompts import harmony_prompt_ids
+from server.core.harmony_prompts import call_header_ids, forced_call, harmony_prompt_ids
 from server.core.prompts import prompt_of
 from server.core.reasoning import ReasoningStream, opens_reasoning
 from server.core.tool_call_stream import ToolCallStream
@@ -24,7 +26,6 @@ from server.openai.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
-    from scheduler.sampling_params import StructuredOutput
     from server.sampling_defaults import SamplingDefaults
 
 
@@ -81,4 +82,11 @@ def _harmony_chat(tokenizer: Any, chat: ChatCompletionRequest) -> PreparedChat:
     ids = harmony_prompt_ids(encoding, chat, datetime.date.today().isoformat())
     # <|return|> ends the answer, <|call|> a tool call for the client to run.
     stops = tuple(encoding.stop_tokens_for_assistant_actions())
-    return PreparedChat(ids, None, stops, lambda: HarmonyTurnParser(encoding))
+    forced = forced_call(chat)
+    if forced is None:
+        return PreparedChat(ids, None, stops, lambda: HarmonyTurnParser(encoding))
+    # The prompt opens the call; the model writes its arguments under the function's schema.
+    header = call_header_ids(encoding, forced.name)
+    structured = StructuredOutput(json.dumps(forced.parameters_schema()))
+    return PreparedChat(ids + header, structured, stops,
+                        lambda: HarmonyTurnParser(encoding, opened=header))

@@ -27,7 +27,9 @@ FUNCTIONS = "functions."  # the namespace of a request's function tools
 class HarmonyTurnParser:
     """A `TurnParser` over the token ids the model generates after `<|start|>assistant`."""
 
-    def __init__(self, encoding: HarmonyEncoding) -> None:
+    def __init__(self, encoding: HarmonyEncoding, opened: list[int] | tuple[int, ...] = ()) -> None:
+        """`opened`: tokens the prompt already wrote of the turn (a forced call's header);
+        what they open comes out with the first output."""
         self.encoding = encoding
         self.parser = StreamableParser(encoding, role=Role.ASSISTANT)
         self.message_ends = frozenset(encoding.stop_tokens())  # <|end|>, <|call|>, <|return|>
@@ -35,9 +37,12 @@ class HarmonyTurnParser:
         self.num_calls = 0  # calls begun so far
         self.arguments: str | None = None  # the open call's arguments so far, if one is open
         self.broken = False  # the tokens left harmony's grammar: the rest is plain content
+        self._opened = _PieceBuilder()
+        for token in opened:
+            self._process(token, self._opened)
 
     def feed(self, output: RequestOutput) -> TurnPiece:
-        piece = _PieceBuilder()
+        piece, self._opened = self._opened, _PieceBuilder()
         for index, token in enumerate(output.new_token_ids):
             if self.broken:
                 piece.content += self.encoding.decode(output.new_token_ids[index:])

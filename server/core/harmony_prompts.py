@@ -30,10 +30,11 @@ from openai_harmony import (
     ToolDescription,
 )
 
+from server.core.chat_tools import forced_functions
 from server.core.harmony_parsing import FUNCTIONS
 from server.http.errors import APIError, clip
 from server.openai.protocol import ChatCompletionRequest, ChatMessage
-from server.openai.protocol_tools import Tool
+from server.openai.protocol_tools import FunctionDefinition, Tool
 
 # Harmony has three efforts; OpenAI's other names land on the nearest.
 _EFFORTS = {
@@ -78,13 +79,30 @@ def harmony_messages(chat: ChatCompletionRequest, today: str) -> list[Message]:
     return messages
 
 
-def _check_supported(chat: ChatCompletionRequest) -> None:
-    if chat.tool_choice not in (None, "auto", "none"):
+def forced_call(chat: ChatCompletionRequest) -> FunctionDefinition | None:
+    """The function a named tool_choice (or `required` with one tool) makes the model call.
+    Harmony can open that call in the prompt; `required` among several tools it cannot."""
+    if chat.tool_choice in (None, "auto", "none") or not chat.tools:
+        return None
+    forced = forced_functions(chat.tools, chat.tool_choice)
+    if len(forced) > 1:
         raise APIError(
-            "This model (GPT-OSS, harmony format) chooses its tool calls itself: send "
-            "tool_choice 'auto' or 'none'.",
+            "This model (GPT-OSS, harmony format) can be made to call one named function, not "
+            "one of several: send tool_choice 'auto', or name the function.",
             param="tool_choice",
         )
+    return forced[0]
+
+
+def call_header_ids(encoding: HarmonyEncoding, name: str) -> list[int]:
+    """What opens a call of `name` after `<|start|>assistant`, as the library renders a call
+    (a forced call's prompt ends with it, so the model writes only the arguments)."""
+    header = f" to={FUNCTIONS}{name}<|channel|>commentary {_CALL_CONTENT_TYPE}<|message|>"
+    return encoding.encode(header, allowed_special="all")
+
+
+def _check_supported(chat: ChatCompletionRequest) -> None:
+    forced_call(chat)  # a 400 for a choice harmony cannot force
     if chat.response_format is not None and chat.response_format.type != "text":
         raise APIError(
             "response_format is not supported for this model (GPT-OSS, harmony format): "

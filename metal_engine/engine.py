@@ -15,6 +15,7 @@ from metal_engine.config import (
 )
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
+from metal_engine.kv_disk_connector import KVDiskConnector
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
 from metal_engine.outputs import RequestOutput, TokenLogprobs
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
@@ -25,18 +26,18 @@ from scheduler.scheduler import RequestUpdate, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-# Blocks read from the pool per batch when spilling at shutdown (bounds the host copy).
-_SPILL_BATCH = 64
 
-
-def _disk_store(config: EngineConfig, cache: KVCache) -> KVDiskStore:
+def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector | None:
+    """The disk tier of the prefix cache, if `--kv-cache-dir` asks for one."""
+    if config.kv_cache_dir is None:
+        return None
     layout = BlockLayout(cache.shapes, cache.block_size,
                          str(cache.dtype).removeprefix("mlx.core."))
     store = KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout), layout,
                         config.kv_cache_dir_size)
     log.info("KV disk cache: %d blocks (%.1f MiB) in %s", store.num_blocks,
              store.used_bytes / 2**20, store.root)
-    return store
+    return KVDiskConnector(store, cache)
 
 
 class LLMEngine:
@@ -56,10 +57,10 @@ class LLMEngine:
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, model_name: str,
-                 async_scheduling: bool = False, block_store: KVDiskStore | None = None):
-        """`block_store` must be the store the scheduler was given."""
+                 async_scheduling: bool = False, kv_connector: KVDiskConnector | None = None):
+        """`kv_connector` must be the connector the scheduler was given."""
         self.runner = runner
-        self.block_store = block_store
+        self.kv_connector = kv_connector
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -89,7 +90,7 @@ class LLMEngine:
             num_blocks * per_block / 2**20, max_model_len, mc.trained_context_len,
         )  # fmt: skip
         cache = KVCache.for_model(mc, num_blocks, config.block_size, dtype)
-        store = _disk_store(config, cache) if config.kv_cache_dir is not None else None
+        connector = _kv_disk_connector(config, cache)
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -99,13 +100,14 @@ class LLMEngine:
             max_model_len=max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
-        ), store)
+        ), connector)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         async_scheduling = (
             mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
         )
         name = config.model_name or config.model_dir.name
-        return cls(ModelRunner(model, cache), scheduler, tokenizer, name, async_scheduling, store)
+        return cls(ModelRunner(model, cache), scheduler, tokenizer, name, async_scheduling,
+                   connector)
 
     @property
     def max_model_len(self) -> int:
@@ -149,7 +151,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         self.runner.release(scheduled.finished_ids)
-        self._move_blocks(scheduled)
+        if self.kv_connector is not None:
+            self.kv_connector.before_step(scheduled.kv_plan)
         previous, launched = self._in_flight, None
         if previous is not None and self._samples_behind_pending_history(scheduled):
             outputs += self._resolve(previous)  # `previous` still supplies the pending inputs
@@ -157,6 +160,8 @@ class LLMEngine:
         if not scheduled.is_empty:
             launched = self.runner.launch(scheduled, previous, self._sampling_context(scheduled))
             self.scheduler.advance(scheduled)
+        if self.kv_connector is not None:  # reads overlap the step just launched
+            self.kv_connector.after_launch(scheduled.kv_plan)
         finished, self._in_flight = self._in_flight, launched
         if not self.async_scheduling:
             finished, self._in_flight = launched, None
@@ -164,33 +169,13 @@ class LLMEngine:
             outputs += self._resolve(finished)
         return outputs
 
-    def _move_blocks(self, scheduled: SchedulerOutput) -> None:
-        """Spill evicted blocks to the store before the step overwrites them; load hits."""
-        if scheduled.blocks_to_save:
-            block_ids, hashes = zip(*scheduled.blocks_to_save, strict=True)
-            for block_hash, payload in zip(
-                hashes, self.runner.cache.read_blocks(list(block_ids)), strict=True
-            ):
-                self.block_store.save(block_hash, payload)
-        if scheduled.blocks_to_load:
-            block_ids, payloads = zip(*scheduled.blocks_to_load, strict=True)
-            self.runner.cache.write_blocks(list(block_ids), list(payloads))
-
     def close(self) -> None:
-        """Spill every cached block in the pool to the store (if any), for the next start."""
-        if self.block_store is None:
+        """Save every cached block in the pool to the disk tier (if any), for the next start."""
+        if self.kv_connector is None:
             return
         if self._in_flight is not None:
             self._in_flight.sampled()  # its K/V writes must land first
-        cached = [(b, h) for b, h in self.scheduler.pool.cached_blocks()
-                  if h not in self.block_store]
-        for start in range(0, len(cached), _SPILL_BATCH):
-            batch = cached[start : start + _SPILL_BATCH]
-            payloads = self.runner.cache.read_blocks([b for b, _ in batch])
-            for (_, block_hash), payload in zip(batch, payloads, strict=True):
-                self.block_store.save(block_hash, payload)
-        log.info("KV disk cache: saved %d blocks, %d on disk in %s", len(cached),
-                 self.block_store.num_blocks, self.block_store.root)
+        self.kv_connector.close(self.scheduler.pool.cached_blocks())
 
     def _samples_behind_pending_history(self, scheduled: SchedulerOutput) -> bool:
         """Whether a request that reads its earlier tokens on the host to sample (penalties, a

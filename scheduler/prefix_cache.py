@@ -1,36 +1,20 @@
 """Automatic prefix caching: reuse the K/V of full blocks whose token prefix was seen before.
 
 Two tiers: blocks in the KV pool (free ones keep their contents until evicted), and, when a
-`BlockStore` is given, blocks the engine spilled to it (e.g. on disk), which are loaded back
-into fresh pool blocks at admission. Requests share blocks only under the same `cache_salt`
+connector is given, blocks its tier holds (e.g. on disk), loaded back into fresh pool blocks at
+admission (see scheduler.kv_connector). Requests share blocks only under the same `cache_salt`
 (e.g. one per API key): the salt roots the hash chain, so the tiers need not know of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from scheduler.block_pool import BlockPool
+from scheduler.kv_connector import KVConnectorScheduler, TierLookup
 from scheduler.prefix_hash import BlockHash, extend_block_hashes
 from scheduler.request import Request
-
-
-class BlockStore(Protocol):
-    """Block contents kept outside the pool, keyed by hash. Payloads are opaque bytes."""
-
-    def __contains__(self, block_hash: BlockHash) -> bool: ...
-
-    def load(self, block_hash: BlockHash) -> bytes | None:
-        """The payload, or None if it is gone or unreadable."""
-
-
-@dataclass(frozen=True)
-class StoredPrefix:
-    """Blocks of a request's prefix found in the store, right after its pool hits."""
-
-    hashes: list[BlockHash]
-    payloads: list[bytes]
 
 
 @dataclass
@@ -60,7 +44,8 @@ class PrefixCache:
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enabled: bool,
-                 store: BlockStore | None = None) -> None:
+                 store: KVConnectorScheduler | None = None) -> None:
+        """`store`: the scheduler side of the tier past the pool (its connector), if any."""
         self.pool = pool
         self.block_size = block_size
         self.enabled = enabled
@@ -85,40 +70,24 @@ class PrefixCache:
             hits.append(block_id)
         return hits
 
-    def stored_after(self, request: Request, num_hits: int) -> list[BlockHash]:
-        """Hashes of the blocks right after the first `num_hits` that the store holds (no
-        read yet). Call after `match`."""
+    def lookup_stored(self, request: Request, num_hits: int) -> TierLookup:
+        """The tier's blocks right after the first `num_hits` (see `KVConnectorScheduler.lookup`).
+        Call after `match`."""
         if self.store is None:
-            return []
-        found = []
-        for block_hash in request.block_hashes[num_hits : self._max_blocks(request)]:
-            if block_hash not in self.store:
-                break
-            found.append(block_hash)
-        return found
+            return TierLookup([], [])
+        return self.store.lookup(request.block_hashes[num_hits : self._max_blocks(request)])
 
-    def load_stored(self, hashes: list[BlockHash]) -> StoredPrefix:
-        """Read the blocks, stopping at the first one the store cannot give back."""
-        payloads = []
-        for block_hash in hashes:
-            payload = self.store.load(block_hash) if self.store is not None else None
-            if payload is None:
-                break
-            payloads.append(payload)
-        return StoredPrefix(hashes[: len(payloads)], payloads)
-
-    def take(self, request: Request, hits: list[int],
-             stored: StoredPrefix | None = None) -> list[tuple[int, bytes]]:
+    def take(self, request: Request, hits: list[int], stored: Sequence[BlockHash] = ()) -> None:
         """Give a request with no blocks the `hits` blocks, then fresh blocks for the `stored`
-        prefix after them, and count all their tokens as computed.
+        (ready) blocks after them, and count all their tokens as computed.
 
-        Stored blocks are registered at once; the returned (block id, payload) pairs must be
-        written into the pool before the step runs. The caller checked that the pool has room.
-        Mutates the pool, the request's block table and counters, and the stats.
+        Stored blocks are registered at once and queued with the tier to be loaded before the
+        step runs. The caller checked that the pool has room. Mutates the pool, the request's
+        block table and counters, and the stats.
         """
         assert not request.block_ids and request.num_computed_tokens == 0
         self.pool.take_cached(hits)
-        loads = self._allocate_stored(stored) if stored is not None else []
+        loads = self._allocate_stored(stored)
         request.start_block_table(hits + [block_id for block_id, _ in loads])
         num_cached_tokens = len(request.block_ids) * self.block_size
         request.num_computed_tokens = num_cached_tokens
@@ -129,7 +98,6 @@ class PrefixCache:
             request.num_cached_tokens = num_cached_tokens
             if self.enabled:
                 self._count(request.num_tokens, len(hits), len(loads))
-        return loads
 
     def _count(self, num_tokens: int, num_pool_hits: int, num_stored_hits: int) -> None:
         stats, block_size = self.stats, self.block_size
@@ -139,12 +107,16 @@ class PrefixCache:
             stats.stored_queried_tokens += num_tokens - num_pool_hits * block_size
             stats.stored_hit_tokens += num_stored_hits * block_size
 
-    def _allocate_stored(self, stored: StoredPrefix) -> list[tuple[int, bytes]]:
-        blocks = self.pool.allocate(len(stored.payloads))
-        assert blocks is not None, "the caller checked the pool has room"
-        for block_id, block_hash in zip(blocks, stored.hashes, strict=True):
+    def _allocate_stored(self, stored: Sequence[BlockHash]) -> list[tuple[int, BlockHash]]:
+        if not stored:
+            return []
+        blocks = self.pool.allocate(len(stored))
+        assert blocks is not None and self.store is not None, "the caller checked"
+        loads = list(zip(blocks, stored, strict=True))
+        for block_id, block_hash in loads:
             self.pool.cache(block_id, block_hash)
-        return list(zip(blocks, stored.payloads, strict=True))
+        self.store.load(loads)
+        return loads
 
     def _hash(self, request: Request, num_blocks: int) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,

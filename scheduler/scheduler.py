@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
-from scheduler.prefix_cache import BlockStore, PrefixCache, StoredPrefix
+from scheduler.kv_connector import KVConnectorScheduler, KVTransferPlan
+from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -42,10 +43,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
-    # Before the step runs: save these evicted blocks to the store (their contents are about
-    # to be overwritten), then write these stored payloads into freshly allocated blocks.
-    blocks_to_save: list[tuple[int, BlockHash]] = field(default_factory=list)
-    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
+    # Moves between the pool and the KV tier past it, for the connector's runner side.
+    kv_plan: KVTransferPlan = field(default_factory=KVTransferPlan)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -73,15 +72,16 @@ def cdiv(a: int, b: int) -> int:
 class Scheduler:
     """Owns request state and the block pool. Not thread-safe: one engine thread calls it."""
 
-    def __init__(self, config: SchedulerConfig, store: BlockStore | None = None) -> None:
-        """`store` (optional) keeps cached blocks evicted from the pool, for later hits."""
+    def __init__(self, config: SchedulerConfig,
+                 connector: KVConnectorScheduler | None = None) -> None:
+        """`connector` (optional): the scheduler side of a KV tier past the pool (the disk),
+        which keeps cached blocks the pool evicts, for later hits."""
         self.config = config
-        self._evicted: list[tuple[int, BlockHash]] = []
-        self.pool = BlockPool(
-            config.num_blocks, on_evict=self._on_evict if store is not None else None
-        )
+        self.connector = connector if config.enable_prefix_caching else None
+        on_evict = self.connector.block_evicted if self.connector is not None else None
+        self.pool = BlockPool(config.num_blocks, on_evict=on_evict)
         self.prefix_cache = PrefixCache(
-            self.pool, config.block_size, config.enable_prefix_caching, store
+            self.pool, config.block_size, config.enable_prefix_caching, self.connector
         )
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -151,12 +151,9 @@ class Scheduler:
         budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:  # the pool is short: whatever joins now would be preempted next
             self._schedule_waiting(out, budget)
-        out.blocks_to_save, self._evicted = self._evicted, []
+        if self.connector is not None:
+            out.kv_plan = self.connector.take_plan()
         return out
-
-    def _on_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        if block_hash not in self.prefix_cache.store:
-            self._evicted.append((block_id, block_hash))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Give each running request its next tokens; return the budget left and whether a
@@ -187,8 +184,10 @@ class Scheduler:
         """Admit waiting requests in policy order, each starting after its longest cached prefix.
 
         A request whose next uncached block a running request is computing is passed over: it
-        shares that block once it is cached instead of computing it twice. Requests behind it
-        may be admitted meanwhile; the first that does not fit the pool ends admission.
+        shares that block once it is cached instead of computing it twice. So is one whose
+        stored blocks are still on disk: they are read after this step launches, and it is
+        admitted over them next step. Requests behind it may be admitted meanwhile; the first
+        that does not fit the pool ends admission.
         """
         in_flight = self._blocks_in_flight()
         for request in list(self.waiting):
@@ -199,16 +198,14 @@ class Scheduler:
             hits = self.prefix_cache.match(request)
             if self._next_block_in_flight(request, hits, in_flight):
                 continue
-            stored = self.prefix_cache.stored_after(request, len(hits))
-            if not self._can_admit(request, hits, len(stored), budget):
+            stored = self.prefix_cache.lookup_stored(request, len(hits))
+            if not self._can_admit(request, hits, len(stored.ready) + len(stored.unread), budget):
                 return
-            loaded = self.prefix_cache.load_stored(stored)  # reads only once it fits
-            if len(loaded.hashes) < len(stored) and not self._can_admit(
-                request, hits, len(loaded.hashes), budget
-            ):
-                return  # a stored block could not be read, and computing it does not fit
-            num_new = self._num_new(request, len(hits) + len(loaded.hashes), budget)
-            self._admit(request, hits, loaded, num_new, out)
+            if stored.unread:  # read only once it fits; a block that fails to read is computed
+                self.connector.read_ahead(stored.unread)
+                continue
+            num_new = self._num_new(request, len(hits) + len(stored.ready), budget)
+            self._admit(request, hits, stored.ready, num_new, out)
             in_flight.update(request.block_hashes[request.num_hashed_blocks :])
             budget -= num_new
 
@@ -224,9 +221,9 @@ class Scheduler:
         hashes = request.block_hashes
         return len(hits) < len(hashes) and hashes[len(hits)] in in_flight
 
-    def _admit(self, request: Request, hits: list[int], stored: StoredPrefix, num_new: int,
+    def _admit(self, request: Request, hits: list[int], stored: list[BlockHash], num_new: int,
                out: SchedulerOutput) -> None:
-        out.blocks_to_load += self.prefix_cache.take(request, hits, stored)
+        self.prefix_cache.take(request, hits, stored)
         reserved = self._reserve_blocks(request, num_new)
         assert reserved, "_can_admit counted the blocks"
         self.waiting.remove(request)

@@ -15,6 +15,7 @@ import numpy as np
 from engine_helpers import make_runner_and_scheduler
 
 from metal_engine.engine import LLMEngine
+from metal_engine.kv_disk_connector import KVDiskConnector
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
@@ -101,12 +102,12 @@ def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
     runner, _ = make_runner_and_scheduler(model_dir, num_blocks=1024, block_size=BLOCK)
     cache = runner.cache
     layout = BlockLayout(cache.shapes, BLOCK, "float32")
-    store = KVDiskStore(kv_dir, "tiny-agents", layout, 1 << 30)
+    connector = KVDiskConnector(KVDiskStore(kv_dir, "tiny-agents", layout, 1 << 30), cache)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS, max_num_batched_tokens=2048,
         max_model_len=2048,
-    ), store)  # fmt: skip
-    return LLMEngine(runner, scheduler, tokenizer, "tiny", block_store=store)
+    ), connector)  # fmt: skip
+    return LLMEngine(runner, scheduler, tokenizer, "tiny", kv_connector=connector)
 
 
 def run_turns(engine: LLMEngine, agents: Agents, prompts: dict[str, list[int]]

@@ -403,15 +403,12 @@ def test_identical_prompts_with_different_salts_arriving_together_are_both_compu
 
 
 def test_a_salted_block_loaded_back_from_the_store_hits_only_its_salt():
-    from test_scheduler_block_store import MemoryStore, evict_everything
-    from test_scheduler_block_store import make as make_with_store
-    from test_scheduler_block_store import run as run_one
+    from test_scheduler_block_store import Tier, loads
 
-    store = MemoryStore()
-    s = make_with_store(store)
-    run_one(s, salted("a", "x"))
-    evict_everything(s, store)
-    assert len(store.blocks) >= 3
-    assert run_one(s, salted("other", "y")).blocks_to_load == []
-    assert run_one(s, salted("unsalted", None)).blocks_to_load == []
-    assert len(run_one(s, salted("again", "x")).blocks_to_load) == 3
+    tier = Tier()
+    tier.run(salted("a", "x"))
+    tier.evict_everything()
+    assert len(tier.store.blocks) >= 3
+    assert loads(tier.run(salted("other", "y"))) == []
+    assert loads(tier.run(salted("unsalted", None))) == []
+    assert len(loads(tier.run(salted("again", "x")))) == 3

@@ -1,0 +1,65 @@
+"""What the scheduler asks of a KV tier outside the pool (the disk), and the plan it hands on.
+
+The scheduler side of a connector works on hashes and block ids only, and never touches the
+tier's storage: it answers from an index and queues work. Each step's queued work leaves
+`schedule()` as a `KVTransferPlan` on the `SchedulerOutput`, which the runner side of the same
+connector carries out around the step:
+
+    before the step:  save   pool block -> tier     (an evicted block is about to be reused)
+                      load   staged payload -> pool (a request admitted over it)
+    after launching:  read   tier -> staging        (a waiting request needs it next step)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.prefix_hash import BlockHash
+
+
+@dataclass
+class KVTransferPlan:
+    """One step's moves between the pool and the tier. Plain data."""
+
+    saves: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash)
+    loads: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash)
+    reads: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.saves or self.loads or self.reads)
+
+
+@dataclass(frozen=True)
+class TierLookup:
+    """A request's blocks right after its pool hits, as the tier has them.
+
+    `ready`: read into memory, loadable into the pool this step. `unread`: the stored blocks
+    after those, still on disk; the request waits for them rather than compute them.
+    """
+
+    ready: list[BlockHash]
+    unread: list[BlockHash]
+
+
+class KVConnectorScheduler(Protocol):
+    """The scheduler side. Single-threaded; called only from `Scheduler`. Reads no storage."""
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> TierLookup:
+        """Of `hashes` (a request's uncached prefix, in chain order), the leading run the tier
+        holds. Marks the ready ones as wanted this step; changes nothing else."""
+
+    def read_ahead(self, hashes: Sequence[BlockHash]) -> None:
+        """Queue `hashes` to be read into memory after this step launches."""
+
+    def load(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Queue ready blocks to be written into these freshly allocated pool block ids."""
+
+    def block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        """The pool is reusing a cached block: queue it to be saved unless the tier has it."""
+
+    def take_plan(self) -> KVTransferPlan:
+        """This step's queued moves; the queues start empty again. Drops staged payloads that
+        no request wanted this step (they are read again if wanted later)."""

@@ -4,17 +4,22 @@ and the whole layer, in one call and split into prefill chunks and decode rows."
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3_5TextConfig
+from mlx.utils import tree_flatten
+from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from metal_engine.models.gated_delta import (
     GatedDeltaNet,
     GatedDeltaNetConfig,
     causal_conv1d,
+    unfuse_qwen3_next,
 )
 from metal_engine.models.gated_delta_rule import (
     chunked_gated_delta_rule,
@@ -102,7 +107,9 @@ def test_packed_batch_equals_each_request_alone():
     lens = [1, 37, 1, 0, 130, 64, 1]
     cu = np.concatenate([[0], np.cumsum(lens)])
     rows, state = _rule_inputs(np.random.default_rng(4), cu[-1], len(lens))
-    packed = gated_delta_rule(*_mlx(rows), cu, mx.array(state))
+    initial = mx.array(state)
+    packed = gated_delta_rule(*_mlx(rows), cu, initial)
+    np.testing.assert_array_equal(np.array(initial), state)  # the caller's states stay theirs
     for r, (start, end) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if start == end:
             _close(packed.state[r], state[r])
@@ -159,19 +166,26 @@ TINY = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
             num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
 
 
+def _randomize(layer: torch.nn.Module) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.1 if name == "norm.weight" else 0.5))
+        layer.norm.weight += 1.0
+    return layer.eval()
+
+
+def _weights(layer: torch.nn.Module) -> dict[str, mx.array]:
+    return {name: mx.array(p.detach().numpy()) for name, p in layer.state_dict().items()}
+
+
 @pytest.fixture(scope="module")
 def layers():
     """(transformers' Qwen3_5GatedDeltaNet with random weights, ours with the same weights)."""
-    torch.manual_seed(0)
     config = Qwen3_5TextConfig(**TINY)
-    theirs = hf.Qwen3_5GatedDeltaNet(config, layer_idx=0).eval()
-    with torch.no_grad():
-        for name, param in theirs.named_parameters():
-            param.copy_(torch.randn_like(param) * (0.1 if name == "norm.weight" else 0.5))
-        theirs.norm.weight += 1.0
+    theirs = _randomize(hf.Qwen3_5GatedDeltaNet(config, layer_idx=0))
     ours = GatedDeltaNet(GatedDeltaNetConfig.from_hf(config.to_dict()))
-    ours.load_weights([(name, mx.array(p.detach().numpy()))
-                       for name, p in theirs.state_dict().items()])
+    ours.load_weights(list(_weights(theirs).items()))
     return theirs, ours
 
 
@@ -210,3 +224,32 @@ def test_layer_split_into_chunks_and_batched_carries_state(layers):
     assert done == [80, 71]
     for r in range(2):
         _close(np.concatenate(outs[r]), expected[r])
+
+
+def test_layer_in_bfloat16_is_as_close_to_float32_as_transformers(layers):
+    theirs, ours = layers
+    x = _hidden(np.random.default_rng(10), 69)
+    with torch.no_grad():
+        expected = theirs(torch.from_numpy(x)[None])[0].numpy()
+        low_theirs = copy.deepcopy(theirs).to(torch.bfloat16)
+        their_low = low_theirs(torch.from_numpy(x)[None].bfloat16())[0].float().numpy()
+    low = GatedDeltaNet(ours.cfg)
+    low.load_weights([(n, p.astype(mx.bfloat16)) for n, p in tree_flatten(ours.parameters())])
+    step = low(mx.array(x).astype(mx.bfloat16), [0, 69], *low.zero_states(1, mx.bfloat16))
+    assert step.out.dtype == step.conv_state.dtype == mx.bfloat16
+    assert step.recurrent_state.dtype == mx.float32
+    ours_error = np.abs(np.array(step.out.astype(mx.float32)) - expected).mean()
+    assert ours_error < 1.2 * np.abs(their_low - expected).mean()
+
+
+def test_qwen3_next_layer_with_unfused_projections_matches_transformers():
+    config = Qwen3NextConfig(**TINY)
+    theirs = _randomize(Qwen3NextGatedDeltaNet(config, layer_idx=0))
+    cfg = GatedDeltaNetConfig.from_hf(config.to_dict())
+    ours = GatedDeltaNet(cfg)
+    ours.load_weights(list(unfuse_qwen3_next(_weights(theirs), cfg).items()))
+    x = _hidden(np.random.default_rng(9), 20)
+    with torch.no_grad():
+        expected = theirs(torch.from_numpy(x)[None])[0].numpy()
+    out, _, _ = ours(mx.array(x), [0, 20], *ours.zero_states(1))
+    _close(out, expected)

@@ -9,12 +9,11 @@ scaled by `Dk ** -0.5` (each key head serves `Hv // Hk` consecutive value heads)
 
 Decode rows (one per request) take that step directly, all of them batched; longer runs take
 the chunked form, which solves 64 rows at a time with matmuls and carries S between chunks.
-Each form pads its requests' rows to one length; a padding row (k = v = g = beta = 0) leaves
-S unchanged and its output is dropped.
+Both walk the requests' rows (or chunks) step by step, all requests together; a request's
+last chunk is padded with rows (k = v = g = beta = 0) that leave S unchanged.
 
     rows:        | req0: 5 rows | req1: 1 row | req2: 3 rows |
     cu_seqlens:  0              5             6              9
-    chunked:     [[r0 r0 r0 r0 r0], [r2 r2 r2 -- --]]     recurrent: [[r1]]
 """
 
 from __future__ import annotations
@@ -39,28 +38,6 @@ def l2_normalize(x: mx.array, eps: float = L2NORM_EPS) -> mx.array:
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
-class PaddedRows:
-    """Gathers packed rows of requests into `[num_seqs, length, ...]` and back."""
-
-    def __init__(self, cu_seqlens, multiple: int = 1) -> None:
-        cu = np.asarray(cu_seqlens, dtype=np.int64)
-        lens = np.diff(cu)
-        self.num_seqs, self.total = len(lens), int(cu[-1])
-        self.length = max(1, -(-int(lens.max(initial=0)) // multiple)) * multiple
-        offsets = np.arange(self.length)
-        valid = offsets < lens[:, None]
-        # Padding points at one zero row appended after the packed rows.
-        self._gather = mx.array(np.where(valid, cu[:-1, None] + offsets, self.total))
-        self._valid = mx.array(np.flatnonzero(valid.ravel()))
-
-    def pad(self, x: mx.array) -> mx.array:
-        zero_row = mx.zeros((1, *x.shape[1:]), dtype=x.dtype)
-        return mx.concatenate([x, zero_row])[self._gather]
-
-    def unpad(self, y: mx.array) -> mx.array:
-        return y.reshape(-1, *y.shape[2:])[self._valid]
-
-
 def _prepare_qk(q: mx.array, k: mx.array, num_v_heads: int, normalize_qk: bool):
     q, k = q.astype(mx.float32), k.astype(mx.float32)
     if normalize_qk:
@@ -72,25 +49,76 @@ def _prepare_qk(q: mx.array, k: mx.array, num_v_heads: int, normalize_qk: bool):
     return q, k
 
 
-def _padded_inputs(q, k, v, g, beta, rows: PaddedRows, normalize_qk: bool):
-    """All five inputs float32, heads grouped, padded to `[num_seqs, length, Hv, ...]`."""
+class ChunkLayout:
+    """Each request's rows cut into chunks of `chunk_size` (its last one padded), ordered
+    step by step, requests with more chunks first: the requests still scanning at step j
+    are then a prefix of the (sorted) states, and no request scans padding chunks.
+
+        req0: 3 chunks, req1: 1, req2: 2      chunks:  | a0 c0 b0 | a1 c1 | a2 |
+        order = [0, 2, 1]                     step:      0          1       2
+    """
+
+    def __init__(self, cu_seqlens, chunk_size: int) -> None:
+        cu = np.asarray(cu_seqlens, dtype=np.int64)
+        lens, total = np.diff(cu), int(cu[-1])
+        num_chunks = -(-lens // chunk_size)
+        self.order = np.argsort(-num_chunks, kind="stable")
+        self.rank = np.argsort(self.order)
+        self.active = (num_chunks[:, None] > np.arange(num_chunks.max(initial=0))).sum(0)
+        self.offsets = np.concatenate([[0], np.cumsum(self.active)])
+        step = np.repeat(np.arange(len(self.active)), self.active)
+        request = self.order[np.arange(self.offsets[-1]) - self.offsets[step]]
+        local = step[:, None] * chunk_size + np.arange(chunk_size)
+        valid = local < lens[request, None]
+        # Padding points at one zero row appended after the packed rows.
+        self._gather = mx.array(np.where(valid, cu[request, None] + local, total))
+        row_request = np.repeat(np.arange(len(lens)), lens)
+        row_local = np.arange(total) - cu[row_request]
+        row_chunk = self.offsets[row_local // chunk_size] + self.rank[row_request]
+        self._scatter = mx.array(row_chunk * chunk_size + row_local % chunk_size)
+
+    def steps(self):
+        """(the chunks of each step, how many requests still scan), in order."""
+        for step, num_active in enumerate(self.active.tolist()):
+            start = int(self.offsets[step])
+            yield slice(start, start + num_active), num_active
+
+    def chunk(self, x: mx.array) -> mx.array:
+        """`[total_q, H, ...]` -> `[num_chunks, H, chunk_size, ...]`."""
+        zero_row = mx.zeros((1, *x.shape[1:]), dtype=x.dtype)
+        return mx.concatenate([x, zero_row])[self._gather].swapaxes(1, 2)
+
+    def unchunk(self, y: mx.array) -> mx.array:
+        return y.swapaxes(1, 2).reshape(-1, *y.shape[1:2], *y.shape[3:])[self._scatter]
+
+
+def _chunked_inputs(q, k, v, g, beta, layout: ChunkLayout, normalize_qk: bool):
+    """All five inputs float32, heads grouped, as `[num_chunks, Hv, chunk_size, ...]`."""
     q, k = _prepare_qk(q, k, v.shape[-2], normalize_qk)
     others = (x.astype(mx.float32) for x in (v, g, beta))
-    return [rows.pad(x) for x in (q, k, *others)]
+    return [layout.chunk(x) for x in (q, k, *others)]
+
+
+def _carry(state: mx.array, running: mx.array) -> mx.array:
+    """The sorted states with the still-running prefix replaced."""
+    if len(running) == len(state):
+        return running
+    return mx.concatenate([running, state[len(running):]])
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state: mx.array,
                                normalize_qk: bool = True) -> DeltaRuleResult:
     """The rule row by row: `q, k [total_q, Hk, Dk]`, `v [total_q, Hv, Dv]`, `g` (log decay,
     <= 0) and `beta [total_q, Hv]`, `initial_state [num_seqs, Hv, Dk, Dv]`."""
-    rows, dtype = PaddedRows(cu_seqlens), v.dtype
-    q, k, v, g, beta = _padded_inputs(q, k, v, g, beta, rows, normalize_qk)
-    state, outs = initial_state.astype(mx.float32), []
-    for t in range(rows.length):
-        out, state = _recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
-        outs.append(out)
-    out = rows.unpad(mx.stack(outs, axis=1))
-    return DeltaRuleResult(out.astype(dtype), state)
+    layout, dtype = ChunkLayout(cu_seqlens, 1), v.dtype
+    rows = [x[:, :, 0] for x in _chunked_inputs(q, k, v, g, beta, layout, normalize_qk)]
+    state, outs = initial_state.astype(mx.float32)[mx.array(layout.order)], []
+    for step, num_active in layout.steps():
+        out, running = _recurrent_step(*(x[step] for x in rows), state[:num_active])
+        outs.append(out[:, :, None])
+        state = _carry(state, running)
+    out = mx.concatenate(outs) if outs else rows[2][:, :, None]
+    return DeltaRuleResult(layout.unchunk(out).astype(dtype), state[mx.array(layout.rank)])
 
 
 def _recurrent_step(q, k, v, g, beta, state):
@@ -102,6 +130,17 @@ def _recurrent_step(q, k, v, g, beta, state):
     return (q[..., None, :] @ state)[..., 0, :], state
 
 
+class ChunkTerms(NamedTuple):
+    """What each chunk contributes, all computed at once; the scan then only carries S."""
+
+    fresh_values: mx.array  # [F, H, C, Dv] values written when the chunk starts from S = 0
+    state_keys: mx.array  # [F, H, C, Dk] how the incoming S corrects those values
+    scores: mx.array  # [F, H, C, C] decayed causal q.k within the chunk
+    q_decayed: mx.array  # [F, H, C, Dk] q reading the incoming S, decayed to its row
+    k_to_end: mx.array  # [F, H, C, Dk] k decayed to the chunk's end
+    chunk_decay: mx.array  # [F, H, 1, 1] decay across the whole chunk
+
+
 def chunked_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state: mx.array,
                              normalize_qk: bool = True,
                              chunk_size: int = CHUNK_SIZE) -> DeltaRuleResult:
@@ -110,22 +149,15 @@ def chunked_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state: mx.arr
     Chunks start at each request's first row given: a prefill chunk of any length continues
     from `initial_state`.
     """
-    rows, dtype = PaddedRows(cu_seqlens, chunk_size), v.dtype
-    q, k, v, g, beta = _padded_inputs(q, k, v, g, beta, rows, normalize_qk)
-    num_seqs, length, heads, _ = v.shape
-    chunks = length // chunk_size
-
-    def split(x):  # [B, L, H, ...] -> [B, H, chunks, C, ...]
-        x = x.reshape(num_seqs, chunks, chunk_size, heads, *x.shape[3:])
-        return x.transpose(0, 3, 1, 2, *range(4, x.ndim))
-
-    out, state = _chunked_scan(*map(split, (q, k, v, g, beta)), initial_state)
-    out = out.transpose(0, 2, 3, 1, 4).reshape(num_seqs, length, heads, -1)
-    return DeltaRuleResult(rows.unpad(out).astype(dtype), state)
+    layout, dtype = ChunkLayout(cu_seqlens, chunk_size), v.dtype
+    terms = _chunk_terms(*_chunked_inputs(q, k, v, g, beta, layout, normalize_qk))
+    state = initial_state.astype(mx.float32)[mx.array(layout.order)]
+    out, state = _scan(terms, state, layout)
+    return DeltaRuleResult(layout.unchunk(out).astype(dtype), state[mx.array(layout.rank)])
 
 
-def _chunked_scan(q, k, v, g, beta, state):
-    """`q, k [B, H, N, C, Dk]`, `v [B, H, N, C, Dv]`, `g, beta [B, H, N, C]`."""
+def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
+    """`q, k [F, H, C, Dk]`, `v [F, H, C, Dv]`, `g, beta [F, H, C]`."""
     chunk_size, value_dim = q.shape[-2], v.shape[-1]
     decay = mx.cumsum(g, axis=-1)  # log decay from the chunk's start through each row
     causal = mx.tril(mx.ones((chunk_size, chunk_size), dtype=mx.bool_))
@@ -137,18 +169,24 @@ def _chunked_scan(q, k, v, g, beta, state):
     system = mx.where(earlier, writes, 0.0) + mx.eye(chunk_size)
     rhs = mx.concatenate([v * beta[..., None], k_beta * mx.exp(decay)[..., None]], axis=-1)
     solved = mx.linalg.solve_triangular(system, rhs, upper=False, stream=mx.cpu)
-    # Values written from a zero state, and the keys through which the real state corrects them.
-    fresh_values, state_keys = solved[..., :value_dim], solved[..., value_dim:]
-    scores = (q @ k.swapaxes(-1, -2)) * pairwise
-    q_decayed = q * mx.exp(decay)[..., None]
-    k_to_end = k * mx.exp(decay[..., -1:] - decay)[..., None]
-    chunk_decay = mx.exp(decay[..., -1])[..., None, None]
+    return ChunkTerms(
+        fresh_values=solved[..., :value_dim], state_keys=solved[..., value_dim:],
+        scores=(q @ k.swapaxes(-1, -2)) * pairwise,
+        q_decayed=q * mx.exp(decay)[..., None],
+        k_to_end=k * mx.exp(decay[..., -1:] - decay)[..., None],
+        chunk_decay=mx.exp(decay[..., -1])[..., None, None])
+
+
+def _scan(terms: ChunkTerms, state: mx.array, layout: ChunkLayout):
+    """Carry the sorted states through the chunks, step by step; `[F, H, C, Dv]` out."""
     outs = []
-    for i in range(q.shape[2]):
-        values = fresh_values[:, :, i] - state_keys[:, :, i] @ state
-        outs.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ values)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].swapaxes(-1, -2) @ values
-    return mx.stack(outs, axis=2), state
+    for c, num_active in layout.steps():
+        running = state[:num_active]
+        values = terms.fresh_values[c] - terms.state_keys[c] @ running
+        outs.append(terms.q_decayed[c] @ running + terms.scores[c] @ values)
+        state = _carry(state, running * terms.chunk_decay[c]
+                       + terms.k_to_end[c].swapaxes(-1, -2) @ values)
+    return (mx.concatenate(outs) if outs else terms.fresh_values), state
 
 
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state: mx.array,

@@ -53,8 +53,10 @@ def causal_conv1d(x: mx.array, weight: mx.array, cu_seqlens,
     windows, new_state = _conv_indices(cu_seqlens, kernel_size)
     source = mx.concatenate([x, state.astype(x.dtype).reshape(-1, channels)])
     taps = weight.reshape(channels, kernel_size).T.astype(mx.float32)  # [K, C]
-    # Summed in float32: each tap rounded to bfloat16 would add up to visible error.
-    out = (source[mx.array(windows)].astype(mx.float32) * taps).sum(axis=1)
+    # One tap at a time keeps the temporaries at [total_q, C]; summed in float32, since
+    # taps rounded to bfloat16 add up to visible error.
+    out = sum(source[mx.array(windows[:, j])].astype(mx.float32) * taps[j]
+              for j in range(kernel_size))
     return silu(out).astype(x.dtype), source[mx.array(new_state)]
 
 

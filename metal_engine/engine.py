@@ -18,6 +18,7 @@ from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_mem
 from metal_engine.kv_disk_connector import KVDiskConnector
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
 from metal_engine.outputs import RequestOutput, TokenLogprobs
+from metal_engine.recurrent_states import RecurrentStates
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
@@ -80,7 +81,15 @@ class LLMEngine:
         mc = model.config
         per_block = bytes_per_block(mc.kv_pool_shapes(), config.block_size, dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
-        num_blocks = budget // per_block
+        prefix_caching = config.enable_prefix_caching
+        if mc.linear_attention is not None:  # their state slots come out of the same budget
+            budget -= config.max_num_seqs * RecurrentStates.bytes_per_slot(
+                mc.linear_attention, len(mc.state_layers()), dtype)
+            if prefix_caching:
+                log.info("prefix caching is off for this model: its linear-attention layers "
+                         "keep no state checkpoints to resume a cached prefix from")
+                prefix_caching = False
+        num_blocks = max(budget, 0) // per_block
         kv_tokens = num_blocks * config.block_size
         check_kv_cache_blocks(num_blocks, budget)
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
@@ -89,7 +98,8 @@ class LLMEngine:
             "(trained: %d)", kv_tokens, num_blocks, config.block_size,
             num_blocks * per_block / 2**20, max_model_len, mc.trained_context_len,
         )  # fmt: skip
-        cache = KVCache.for_model(mc, num_blocks, config.block_size, dtype)
+        cache = KVCache.for_model(mc, num_blocks, config.block_size, dtype,
+                                  num_slots=config.max_num_seqs)
         connector = _kv_disk_connector(config, cache)
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
@@ -98,7 +108,7 @@ class LLMEngine:
             max_num_batched_tokens=(config.max_num_batched_tokens
                                     or default_token_budget(mx.metal.is_available())),
             max_model_len=max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             scheduling_policy=config.scheduling_policy,
         ), connector)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))

@@ -18,6 +18,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from metal_engine.model_config import ModelConfig
+    from metal_engine.recurrent_states import RecurrentStates
 
 PoolShape = tuple[int, int]  # (kv_heads, head_dim)
 
@@ -48,10 +49,20 @@ class KVCache:
                                          for shape in self.shapes]
         mx.eval(self.k, self.v)
 
+    states: RecurrentStates | None = None  # linear-attention layers' (see recurrent_states)
+
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
-                  dtype: mx.Dtype) -> KVCache:
-        return cls(cfg.kv_pool_shapes(), num_blocks, block_size, dtype)
+                  dtype: mx.Dtype, num_slots: int = 1) -> KVCache:
+        """The pools `cfg`'s layers need; `num_slots`: requests whose linear-attention state
+        is kept at once (grown when more are live)."""
+        cache = cls(cfg.kv_pool_shapes(), num_blocks, block_size, dtype)
+        if cfg.linear_attention is not None:
+            from metal_engine.recurrent_states import RecurrentStates
+
+            cache.states = RecurrentStates(cfg.linear_attention, len(cfg.state_layers()),
+                                           num_slots, dtype)
+        return cache
 
     def peek(self, layer: int) -> tuple[mx.array, mx.array]:
         """A pool pair to read without writing (a layer reading another layer's K/V)."""
@@ -71,7 +82,8 @@ class KVCache:
         self.k[layer], self.v[layer] = k, v
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in self.k + self.v if a is not None]
+        arrays = [a for a in self.k + self.v if a is not None]
+        return arrays if self.states is None else arrays + self.states.arrays()
 
     @property
     def dtype(self) -> mx.Dtype:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from metal_engine.models import gemma4_config
 from metal_engine.models.gemma4_config import Gemma4Options, read_gemma4
+from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.moe_config import MoeConfig, read_moe
 from metal_engine.models.rope_parameters import RopeParameters, read_rope, read_rope_theta
 
@@ -31,10 +32,12 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-LayerType = Literal["full_attention", "sliding_attention"]
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text")  # a rope dict per layer type
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
@@ -52,6 +55,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"partial_rotary_factor": 0.5},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
     "gemma4_text": gemma4_config.DEFAULTS,
+    "qwen3_5_text": {"partial_rotary_factor": 0.25},
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
@@ -90,6 +94,8 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each head of q and k where the family makes it optional
     moe: MoeConfig | None = None  # None: every layer has a dense MLP
     gemma4: Gemma4Options | None = None
+    # Linear-attention layers' shape (Qwen3.5); None: the model has none.
+    linear_attention: GatedDeltaNetConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -145,17 +151,35 @@ class ModelConfig:
         return self.num_key_value_heads, self.head_dim
 
     def kv_pool(self, layer: int) -> int:
-        """The KV pool layer `layer` attends over: its own, or for a layer sharing K/V the
-        pool of the last layer of its type before the sharing ones (transformers' rule)."""
+        """The KV pool attention layer `layer` attends over: its own, or for a layer sharing
+        K/V the pool of the last layer of its type before the sharing ones (transformers'
+        rule). Pools are numbered over the layers that own one."""
         first_shared = self.num_hidden_layers - self.kv_shared_layers
-        if layer < first_shared:
-            return layer
-        kind = self.layer_type(layer)
-        return max(i for i in range(first_shared) if self.layer_type(i) == kind)
+        source = layer
+        if layer >= first_shared:
+            kind = self.layer_type(layer)
+            source = max(i for i in range(first_shared) if self.layer_type(i) == kind)
+        return self._kv_owners().index(source)
 
     def kv_pool_shapes(self) -> list[tuple[int, int]]:
         """(kv_heads, head_dim) of each KV pool, in pool order."""
-        return [self.kv_shape(i) for i in range(self.num_hidden_layers - self.kv_shared_layers)]
+        return [self.kv_shape(i) for i in self._kv_owners()]
+
+    def state_layers(self) -> list[int]:
+        """The linear-attention layers: each keeps a recurrent state per request."""
+        return [i for i in range(self.num_hidden_layers)
+                if self.layer_type(i) == "linear_attention"]
+
+    def cache_index(self, layer: int) -> int:
+        """Where layer `layer` keeps its cache: its KV pool, or for a linear-attention layer
+        its place among the state layers."""
+        if self.layer_type(layer) == "linear_attention":
+            return self.state_layers().index(layer)
+        return self.kv_pool(layer)
+
+    def _kv_owners(self) -> list[int]:
+        first_shared = self.num_hidden_layers - self.kv_shared_layers
+        return [i for i in range(first_shared) if self.layer_type(i) != "linear_attention"]
 
     def rope_for(self, layer_type: LayerType) -> RopeParameters:
         if layer_type == "sliding_attention" and self.local_rope is not None:
@@ -204,6 +228,8 @@ class ModelConfig:
             layer_kv_shapes=gemma4_config.layer_kv_shapes(cfg, layer_types) if gemma4 else (),
             kv_shared_layers=cfg.get("num_kv_shared_layers") or 0,
             gemma4=read_gemma4(cfg) if gemma4 else None,
+            linear_attention=(GatedDeltaNetConfig.from_hf(cfg)
+                              if "linear_attention" in layer_types else None),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if model_type in GEMMA else None,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
@@ -239,7 +265,9 @@ class ModelConfig:
             config["use_qk_norm"] = self.qk_norm
         if self.moe is not None:
             config.update(self.moe.to_hf(self.model_type))
-        if self.model_type in (*QWEN, *GEMMA, "gpt_oss"):  # the others: from the window
+        if self.linear_attention is not None:
+            config.update(self.linear_attention.to_hf())
+        if self.model_type in (*QWEN, *GEMMA, "gpt_oss", "qwen3_5_text"):  # others: the window
             config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
         if self.model_type in (*QWEN, "qwen3_moe"):
             config["use_sliding_window"] = self.sliding_window is not None
@@ -288,24 +316,24 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
         return None  # transformers' Llama has no window, whatever the config says
     if model_type in (*QWEN, "qwen3_moe") and not cfg.get("use_sliding_window"):
         return None
-    if model_type == "glm4_moe":
-        return None  # transformers' GLM-4.5 has no window
+    if model_type in ("glm4_moe", "qwen3_5_text"):
+        return None  # their transformers classes have no window
     return cfg.get("sliding_window")
 
 
 def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ...]:
     """Which layers slide. ALL_LAYERS_SLIDE families slide on every layer once a window is set."""
     n, model_type = cfg["num_hidden_layers"], cfg["model_type"]
+    if model_type == "qwen3_5_text":
+        return _listed_layer_types(cfg) or tuple(
+            "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+            else "linear_attention" for i in range(n))
     if window is None and model_type not in GEMMA:
         return ()
     if model_type in ALL_LAYERS_SLIDE:
         return ("sliding_attention",) * n
     if cfg.get("layer_types"):
-        types = tuple(cfg["layer_types"])
-        unknown = set(types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ValueError(f"layer types {sorted(unknown)} are not supported")
-        return types
+        return _listed_layer_types(cfg)
     if model_type == "gpt_oss":  # alternates, sliding first
         return tuple("full_attention" if i % 2 else "sliding_attention" for i in range(n))
     if model_type in GEMMA:
@@ -318,6 +346,16 @@ def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ..
         return tuple(types)
     first = cfg.get("max_window_layers", 28)  # Qwen: layers from this one on slide
     return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+
+
+def _listed_layer_types(cfg: dict[str, Any]) -> tuple[LayerType, ...]:
+    types = tuple(cfg.get("layer_types") or ())
+    linear_ok = cfg["model_type"] == "qwen3_5_text"
+    allowed = set(LAYER_TYPES) - (set() if linear_ok else {"linear_attention"})
+    unknown = set(types) - allowed
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported")
+    return types
 
 
 def _ropes(cfg: dict[str, Any]) -> tuple[RopeParameters, RopeParameters | None]:

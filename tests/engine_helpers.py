@@ -15,7 +15,9 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
                               enable_prefix_caching=True):
     model = load_model(model_dir, mx.float32)
     cfg = model.config
-    cache = KVCache.for_model(cfg, num_blocks, block_size, mx.float32)
+    cache = KVCache.for_model(cfg, num_blocks, block_size, mx.float32, num_slots=max_num_seqs)
+    # A prefix-cache hit would skip rows a linear-attention state needs (no checkpoints yet).
+    enable_prefix_caching = enable_prefix_caching and cfg.linear_attention is None
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

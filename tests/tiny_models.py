@@ -84,6 +84,12 @@ TINY_MODELS = {
         rope_parameters={"full_attention": dict(rope_type="proportional", rope_theta=1e6,
                                                 partial_rotary_factor=0.25),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    # Linear-attention (Gated DeltaNet) layers around gated full attention.
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "full_attention"])),
 }
 
 

@@ -32,7 +32,7 @@ class DecoderModel(nn.Module):
         self.norm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self._embed_scale = embed_scale  # Gemma: sqrt(hidden_size)
         self._ropes = LayerRopes(cfg)
-        self._pools = [cfg.kv_pool(i) for i in range(cfg.num_hidden_layers)]
+        self._pools = [cfg.cache_index(i) for i in range(cfg.num_hidden_layers)]
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
                  cache: KVCache) -> mx.array:

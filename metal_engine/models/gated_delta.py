@@ -8,7 +8,6 @@ Parameter names and shapes are Hugging Face's qwen3_5 ones (`conv1d.weight [conv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -18,6 +17,7 @@ import numpy as np
 from kernels_metal.cpu_math import exp
 from metal_engine.models.gated_delta_rule import gated_delta_rule
 from metal_engine.models.layers import Linear
+from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 
 
 def silu(x: mx.array) -> mx.array:
@@ -80,47 +80,6 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         normed = mx.fast.rms_norm(x, self.weight, self.eps).astype(mx.float32)
         return (normed * silu(gate.astype(mx.float32))).astype(x.dtype)
-
-
-@dataclass(frozen=True)
-class GatedDeltaNetConfig:
-    hidden_size: int
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel_size: int = 4
-    rms_norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.num_value_heads % self.num_key_heads:
-            raise ValueError(
-                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
-                f"linear_num_key_heads ({self.num_key_heads})")
-        if self.conv_kernel_size < 1:
-            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.conv_kernel_size}")
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> GatedDeltaNetConfig:
-        """From a Hugging Face text config (qwen3_5 / qwen3_next `linear_*` fields)."""
-        return cls(hidden_size=hf["hidden_size"], num_key_heads=hf["linear_num_key_heads"],
-                   num_value_heads=hf["linear_num_value_heads"],
-                   key_head_dim=hf["linear_key_head_dim"],
-                   value_head_dim=hf["linear_value_head_dim"],
-                   conv_kernel_size=hf.get("linear_conv_kernel_dim", 4),
-                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6))
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
-
-    @property
-    def conv_dim(self) -> int:  # q, k and v go through the conv together
-        return 2 * self.key_dim + self.value_dim
 
 
 class DeltaNetStep(NamedTuple):

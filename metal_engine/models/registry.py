@@ -15,6 +15,7 @@ from metal_engine.models import (
     phi3,
     qwen2,
     qwen3,
+    qwen3_5,
     qwen3_moe,
 )
 from metal_engine.models.decoder import CausalLM
@@ -32,6 +33,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "glm4_moe": glm4_moe.Model,
     "gpt_oss": gpt_oss.Model,
     "gemma4_text": gemma4.Model,
+    "qwen3_5_text": qwen3_5.Model,
 }
 
 

@@ -1,0 +1,88 @@
+"""Qwen3.5 (text): Gated DeltaNet layers (linear attention with a per-request recurrent state,
+see gated_delta.py) interleaved with gated full-attention layers: q and a per-feature output
+gate come from one projection, q and k are RMS-normed per head, a quarter of each head
+rotates, and the output is scaled by sigmoid(gate). Every norm scales by `1 + w`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
+from metal_engine.kv_cache import KVCache
+from metal_engine.model_config import ModelConfig
+from metal_engine.models.decoder import CausalLM
+from metal_engine.models.gated_delta import GatedDeltaNet
+from metal_engine.models.layers import MLP, Linear, OffsetRMSNorm
+from metal_engine.models.rope import apply_rope
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, bias = cfg.head_dim, cfg.attention_bias
+        hidden, q_out = cfg.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = Linear(hidden, 2 * q_out, bias=bias)  # q and the gate, per head
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(q_out, hidden, bias=bias)
+        self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
+                 cache: KVCache, pool: int) -> mx.array:
+        total = x.shape[0]
+        q, gate = mx.split(self.q_proj(x).reshape(total, self.num_heads, 2 * self.head_dim), 2,
+                           axis=-1)
+        q = apply_rope(self.q_norm(q), *rope)
+        k = self.k_norm(self.k_proj(x).reshape(total, self.num_kv_heads, self.head_dim))
+        k = apply_rope(k, *rope)
+        v = self.v_proj(x).reshape(total, self.num_kv_heads, self.head_dim)
+        k_pool, v_pool = cache.take(pool)
+        k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
+        cache.put(pool, k_pool, v_pool)
+        out = paged_attention(q, k_pool, v_pool, meta, self.head_dim**-0.5)
+        return self.o_proj((out * mx.sigmoid(gate)).reshape(total, -1))
+
+
+def linear_attention(net: GatedDeltaNet, x: mx.array, meta: AttentionMetadata, cache: KVCache,
+                     index: int) -> mx.array:
+    """`net` over the step's rows, its states read from and written back to the requests'
+    slots of state pool `index` (see metal_engine.recurrent_states)."""
+    states = cache.states
+    conv, recurrent = states.take(index)
+    slots, keep = states.step_slots, states.step_keep
+    step = net(x, meta.cu_seqlens_q, conv[slots] * keep[:, None, None],
+               recurrent[slots] * keep[:, None, None, None])
+    conv[slots] = step.conv_state.astype(conv.dtype)
+    recurrent[slots] = step.recurrent_state
+    states.put(index, conv, recurrent)
+    return step.out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        if cfg.layer_type(layer) == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg.linear_attention)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def __call__(self, x, rope, meta, cache, pool):
+        h = self.input_layernorm(x)
+        if "linear_attn" in self:
+            h = linear_attention(self.linear_attn, h, meta, cache, pool)
+        else:
+            h = self.self_attn(h, rope, meta, cache, pool)
+        h = x + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers, norm=OffsetRMSNorm)

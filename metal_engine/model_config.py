@@ -41,7 +41,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text")  # a rope dict per layer type
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
-TEXT_PARTS = {"gemma4": "gemma4_text"}
+TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
 QWEN = ("qwen2", "qwen3")
 # Families whose every layer slides once a window is set.
 ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")

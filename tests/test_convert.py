@@ -502,3 +502,28 @@ def test_a_multimodal_gemma4_checkpoint_converts_to_its_text_model(tmp_path: Pat
         expected = model(torch.tensor([ids])).logits[0].numpy()
     got = prompt_logits(load_model(out, mx.float32), ids)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_multimodal_qwen3_5_checkpoint_converts_to_its_text_model(tmp_path: Path) -> None:
+    import transformers
+
+    _, _, overrides = TINY_MODELS["qwen3_5_text"]
+    text = transformers.Qwen3_5TextConfig(**{**COMMON, **overrides})
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64,
+                                              num_heads=2, out_hidden_size=64)
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(),
+                                        vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    vocab = {f"w{i}": i for i in range(tiny_models.VOCAB)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "hf" / "tokenizer.json"))
+    out = convert_model(tmp_path / "hf", tmp_path / "out", progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "qwen3_5_text" and "vision_config" not in written
+    assert not any("visual" in name for name in _hf_tensors(out))
+    ids = [5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    got = prompt_logits(load_model(out, mx.float32), ids)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)

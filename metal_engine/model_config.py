@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -41,7 +42,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text")  # a rope dict per layer type
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
-TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
+TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
+              "qwen3_5_moe": "qwen3_5_moe_text"}
+# Families with linear-attention layers beside full attention.
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
 QWEN = ("qwen2", "qwen3")
 # Families whose every layer slides once a window is set.
 ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")
@@ -56,6 +60,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
     "gemma4_text": gemma4_config.DEFAULTS,
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
+    "qwen3_5_moe_text": {"partial_rotary_factor": 0.25},
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
@@ -267,7 +272,7 @@ class ModelConfig:
             config.update(self.moe.to_hf(self.model_type))
         if self.linear_attention is not None:
             config.update(self.linear_attention.to_hf())
-        if self.model_type in (*QWEN, *GEMMA, "gpt_oss", "qwen3_5_text"):  # others: the window
+        if self.model_type in (*QWEN, *GEMMA, *HYBRID, "gpt_oss"):  # others: from the window
             config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
         if self.model_type in (*QWEN, "qwen3_moe"):
             config["use_sliding_window"] = self.sliding_window is not None
@@ -316,7 +321,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
         return None  # transformers' Llama has no window, whatever the config says
     if model_type in (*QWEN, "qwen3_moe") and not cfg.get("use_sliding_window"):
         return None
-    if model_type in ("glm4_moe", "qwen3_5_text"):
+    if model_type in ("glm4_moe", *HYBRID):
         return None  # their transformers classes have no window
     return cfg.get("sliding_window")
 
@@ -324,7 +329,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
 def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ...]:
     """Which layers slide. ALL_LAYERS_SLIDE families slide on every layer once a window is set."""
     n, model_type = cfg["num_hidden_layers"], cfg["model_type"]
-    if model_type == "qwen3_5_text":
+    if model_type in HYBRID:
         return _listed_layer_types(cfg) or tuple(
             "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
             else "linear_attention" for i in range(n))
@@ -350,7 +355,7 @@ def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ..
 
 def _listed_layer_types(cfg: dict[str, Any]) -> tuple[LayerType, ...]:
     types = tuple(cfg.get("layer_types") or ())
-    linear_ok = cfg["model_type"] == "qwen3_5_text"
+    linear_ok = cfg["model_type"] in HYBRID
     allowed = set(LAYER_TYPES) - (set() if linear_ok else {"linear_attention"})
     unknown = set(types) - allowed
     if unknown:

@@ -90,6 +90,11 @@ TINY_MODELS = {
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention", "linear_attention",
                      "full_attention"])),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_hidden_layers=3, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
 }
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Scoring = Literal["softmax", "sigmoid"]
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma4_text")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma4_text",
+                   "qwen3_5_moe_text")
 # config field -> the values this engine routes as the family's reference code does.
 _ROUTER_FIELDS = {
     "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
@@ -20,6 +21,7 @@ _ROUTER_FIELDS = {
     "mixtral": {"scoring_func": ("softmax",)},
     "gpt_oss": {"scoring_func": ("softmax",)},
     "gemma4_text": {},
+    "qwen3_5_moe_text": {},
 }
 
 
@@ -44,6 +46,7 @@ class MoeConfig:
     groups_per_token: int = 1
     score_correction_bias: bool = False  # GLM: a learned bias added for the choice only
     shared_intermediate_size: int = 0  # width of the always-on shared expert; 0: none
+    shared_expert_gate: bool = False  # Qwen: the shared expert's output times a sigmoid gate
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
     # GPT-OSS's clamped SwiGLU: `(clip(up, ±limit) + 1) * g * sigmoid(alpha * g)`,
     # g = min(gate, limit). None: the config's hidden_act.
@@ -71,6 +74,10 @@ class MoeConfig:
 
     def to_hf(self, model_type: str) -> dict[str, Any]:
         """The family's own config.json keys for these settings."""
+        if model_type == "qwen3_5_moe_text":
+            return {"num_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token,
+                    "moe_intermediate_size": self.expert_intermediate_size,
+                    "shared_expert_intermediate_size": self.shared_intermediate_size}
         if model_type == "gemma4_text":
             return {"enable_moe_block": True, "num_experts": self.num_experts,
                     "top_k_experts": self.experts_per_token,
@@ -103,6 +110,15 @@ def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
         return None
     _check_router(cfg)
     layers = cfg["num_hidden_layers"]
+    if model_type == "qwen3_5_moe_text":  # every layer; top-k renormalized; a gated shared
+        return MoeConfig(
+            num_experts=_required(cfg, "num_experts"),
+            experts_per_token=_experts_per_token(cfg),
+            expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
+            normalize_top_k=True,
+            shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            shared_expert_gate=True,
+        )
     if model_type == "gemma4_text":  # experts beside every layer's MLP, when enabled
         if not cfg.get("enable_moe_block"):
             return None

@@ -1,7 +1,8 @@
-"""Qwen3.5 (text): Gated DeltaNet layers (linear attention with a per-request recurrent state,
-see gated_delta.py) interleaved with gated full-attention layers: q and a per-feature output
-gate come from one projection, q and k are RMS-normed per head, a quarter of each head
-rotates, and the output is scaled by sigmoid(gate). Every norm scales by `1 + w`."""
+"""Qwen3.5 (text) and Qwen3.5-MoE: Gated DeltaNet layers (linear attention with a per-request
+recurrent state, see gated_delta.py) interleaved with gated full-attention layers: q and a
+per-feature output gate come from one projection, q and k are RMS-normed per head, a quarter
+of each head rotates, and the output is scaled by sigmoid(gate). Every norm scales by `1 + w`.
+The MoE variant's MLPs are experts plus a shared expert scaled by its own sigmoid gate."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gated_delta import GatedDeltaNet
-from metal_engine.models.layers import MLP, Linear, OffsetRMSNorm
+from metal_engine.models.layers import GATED_ACTIVATIONS, MLP, Linear, OffsetRMSNorm
+from metal_engine.models.moe import SparseMoeBlock, SwitchGLU, route
 from metal_engine.models.rope import apply_rope
 
 
@@ -61,6 +63,26 @@ def linear_attention(net: GatedDeltaNet, x: mx.array, meta: AttentionMetadata, c
     return step.out
 
 
+class GatedSharedMoe(SparseMoeBlock):
+    """Experts (softmax top-k, renormalized) plus a shared expert scaled by
+    sigmoid(shared_expert_gate(x)), under Qwen's names."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super(SparseMoeBlock, self).__init__()
+        moe, hidden = cfg.moe, cfg.hidden_size
+        self.gate = Linear(hidden, moe.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(hidden, moe.expert_intermediate_size, moe.num_experts,
+                                    GATED_ACTIVATIONS[cfg.hidden_act])
+        self.shared_expert = MLP(cfg, inner=moe.shared_intermediate_size)
+        self.shared_expert_gate = Linear(hidden, 1, bias=False)
+        self._moe = moe
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weights, experts = route(self.gate(x), self._moe)
+        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.switch_mlp.mix(x, weights, experts) + shared
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -68,7 +90,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg.linear_attention)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedSharedMoe(cfg) if cfg.moe is not None else MLP(cfg)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -34,6 +34,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "gpt_oss": gpt_oss.Model,
     "gemma4_text": gemma4.Model,
     "qwen3_5_text": qwen3_5.Model,
+    "qwen3_5_moe_text": qwen3_5.Model,
 }
 
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 from safetensors import safe_open
 
 from convert.expert_stacking import stack_experts, stacked_shapes
+from convert.fused_projections import unfuse, unfused_shapes
 from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, stored_shapes
 from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
 from convert.source import ModelSource
@@ -46,8 +47,8 @@ def open_hf_dir(path: Path) -> ModelSource:
     found = {target: shape for names in names_by_file.values()
              for target, shape in names.values()}
     quantized = packed_modules(list(found))
-    check_tensors(stacked_shapes(model_config, relaid_shapes(found)),
-                  stored_shapes(model_config, quantized))
+    laid_out = stacked_shapes(model_config, relaid_shapes(found))
+    check_tensors(unfused_shapes(model_config, laid_out), stored_shapes(model_config, quantized))
     base_config = dict(text_part_config(config))  # a multimodal config's text model
     base_config.pop("quantization_config", None)  # how the source stored it, not the output
     return ModelSource(
@@ -55,8 +56,8 @@ def open_hf_dir(path: Path) -> ModelSource:
         path=path,
         config=model_config,
         base_config=base_config,
-        tensors=lambda: stack_experts(model_config,
-                                      relay_tensors(_read_tensors(names_by_file))),
+        tensors=lambda: unfuse(model_config, stack_experts(
+            model_config, relay_tensors(_read_tensors(names_by_file)))),
         write_tokenizer=partial(copy_hf_tokenizer, path),
         files=(config_path, *files),
         quantized=quantized,

@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "gemma4_text": "Gemma4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -45,7 +46,7 @@ ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text")  # a rope dict per layer ty
 TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
               "qwen3_5_moe": "qwen3_5_moe_text"}
 # Families with linear-attention layers beside full attention.
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QWEN = ("qwen2", "qwen3")
 # Families whose every layer slides once a window is set.
 ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")
@@ -61,6 +62,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4_text": gemma4_config.DEFAULTS,
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
     "qwen3_5_moe_text": {"partial_rotary_factor": 0.25},
+    "qwen3_next": {"partial_rotary_factor": 0.25},
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},

@@ -189,7 +189,10 @@ def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Pa
     model = build_tiny_model(model_type, source)
     out = convert_model(source, tmp_path / "out", progress=False)
 
-    expected, got = _stacked_experts(_hf_tensors(source), model_type), _hf_tensors(out)
+    expected = _stacked_experts(_hf_tensors(source), model_type)
+    if model_type == "qwen3_next":
+        expected = _unfused(expected, json.loads((source / "config.json").read_text()))
+    got = _hf_tensors(out)
     assert set(got) == set(expected)
     for name, tensor in expected.items():
         np.testing.assert_array_equal(got[name], tensor, err_msg=name)
@@ -233,6 +236,30 @@ def _stacked_experts(tensors: dict[str, np.ndarray], model_type: str) -> dict[st
         experts.setdefault(stacked, {})[int(match[2])] = tensor
     for name, by_index in experts.items():
         out[name] = np.stack([by_index[i] for i in range(len(by_index))])
+    return out
+
+
+def _unfused(tensors: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """Qwen3-Next's fused projections as Qwen3.5's: per key head its q, k, then its value
+    heads' v and z rows (b then a in in_proj_ba)."""
+    heads, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    dv = config["linear_num_value_heads"] // heads * config["linear_value_head_dim"]
+    out = {}
+    for name, tensor in tensors.items():
+        prefix = name.removesuffix("in_proj_qkvz.weight").removesuffix("in_proj_ba.weight")
+        if name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+            grouped = tensor.reshape(heads, -1, tensor.shape[-1])
+        if name.endswith("in_proj_qkvz.weight"):
+            q, k, v, z = np.split(grouped, [dk, 2 * dk, 2 * dk + dv], axis=1)
+            rows = [x.reshape(-1, tensor.shape[-1]) for x in (q, k, v, z)]
+            out[prefix + "in_proj_qkv.weight"] = np.concatenate(rows[:3])
+            out[prefix + "in_proj_z.weight"] = rows[3]
+        elif name.endswith("in_proj_ba.weight"):
+            b, a = np.split(grouped, 2, axis=1)
+            out[prefix + "in_proj_b.weight"] = b.reshape(-1, tensor.shape[-1])
+            out[prefix + "in_proj_a.weight"] = a.reshape(-1, tensor.shape[-1])
+        else:
+            out[name] = tensor
     return out
 
 

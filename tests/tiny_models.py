@@ -95,6 +95,12 @@ TINY_MODELS = {
         linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48,
         layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # Qwen3.5-MoE's layout with fused linear-attention projections and a dense MLP layer.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_hidden_layers=3, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2],
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
 }
 
 

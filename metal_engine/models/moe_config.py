@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 Scoring = Literal["softmax", "sigmoid"]
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma4_text",
-                   "qwen3_5_moe_text")
+                   "qwen3_5_moe_text", "qwen3_next")
 # config field -> the values this engine routes as the family's reference code does.
 _ROUTER_FIELDS = {
     "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
@@ -22,6 +22,7 @@ _ROUTER_FIELDS = {
     "gpt_oss": {"scoring_func": ("softmax",)},
     "gemma4_text": {},
     "qwen3_5_moe_text": {},
+    "qwen3_next": {},
 }
 
 
@@ -74,10 +75,12 @@ class MoeConfig:
 
     def to_hf(self, model_type: str) -> dict[str, Any]:
         """The family's own config.json keys for these settings."""
-        if model_type == "qwen3_5_moe_text":
+        if model_type in ("qwen3_5_moe_text", "qwen3_next"):
             return {"num_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token,
                     "moe_intermediate_size": self.expert_intermediate_size,
-                    "shared_expert_intermediate_size": self.shared_intermediate_size}
+                    "shared_expert_intermediate_size": self.shared_intermediate_size,
+                    "norm_topk_prob": self.normalize_top_k, "decoder_sparse_step": 1,
+                    "mlp_only_layers": list(self.dense_layers)}  # fmt: skip
         if model_type == "gemma4_text":
             return {"enable_moe_block": True, "num_experts": self.num_experts,
                     "top_k_experts": self.experts_per_token,
@@ -110,14 +113,15 @@ def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
         return None
     _check_router(cfg)
     layers = cfg["num_hidden_layers"]
-    if model_type == "qwen3_5_moe_text":  # every layer; top-k renormalized; a gated shared
+    if model_type in ("qwen3_5_moe_text", "qwen3_next"):  # top-k renormalized; gated shared
         return MoeConfig(
             num_experts=_required(cfg, "num_experts"),
             experts_per_token=_experts_per_token(cfg),
             expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
-            normalize_top_k=True,
+            normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
             shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             shared_expert_gate=True,
+            dense_layers=_qwen_dense_layers(cfg, layers),
         )
     if model_type == "gemma4_text":  # experts beside every layer's MLP, when enabled
         if not cfg.get("enable_moe_block"):
@@ -145,15 +149,12 @@ def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         )
     if model_type == "qwen3_moe":
-        step = cfg.get("decoder_sparse_step") or 1
-        dense = set(cfg.get("mlp_only_layers") or ()) | {
-            i for i in range(layers) if (i + 1) % step}
         return MoeConfig(
             num_experts=cfg.get("num_experts") or _required(cfg, "num_local_experts"),
             experts_per_token=_experts_per_token(cfg),
             expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
             normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
-            dense_layers=tuple(sorted(dense)),
+            dense_layers=_qwen_dense_layers(cfg, layers),
         )
     expert_size = _required(cfg, "moe_intermediate_size")
     return MoeConfig(
@@ -169,6 +170,13 @@ def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
         shared_intermediate_size=expert_size * cfg.get("n_shared_experts", 1),
         dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), layers))),
     )
+
+
+def _qwen_dense_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """Qwen's layers without experts: `mlp_only_layers`, and those off `decoder_sparse_step`."""
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
+    return tuple(sorted(dense))
 
 
 def _check_router(cfg: dict[str, Any]) -> None:

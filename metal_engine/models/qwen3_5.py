@@ -1,8 +1,9 @@
-"""Qwen3.5 (text) and Qwen3.5-MoE: Gated DeltaNet layers (linear attention with a per-request
-recurrent state, see gated_delta.py) interleaved with gated full-attention layers: q and a
-per-feature output gate come from one projection, q and k are RMS-normed per head, a quarter
-of each head rotates, and the output is scaled by sigmoid(gate). Every norm scales by `1 + w`.
-The MoE variant's MLPs are experts plus a shared expert scaled by its own sigmoid gate."""
+"""Qwen3.5 (text), Qwen3.5-MoE and Qwen3-Next: Gated DeltaNet layers (linear attention with a
+per-request recurrent state, see gated_delta.py) interleaved with gated full-attention layers:
+q and a per-feature output gate come from one projection, q and k are RMS-normed per head, a
+quarter of each head rotates, and the output is scaled by sigmoid(gate). Every norm scales by
+`1 + w`. The MoE variants' MLPs are experts plus a shared expert scaled by its own sigmoid
+gate (Qwen3-Next may keep dense MLPs in some layers)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg.linear_attention)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = GatedSharedMoe(cfg) if cfg.moe is not None else MLP(cfg)
+        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer)
+        self.mlp = GatedSharedMoe(cfg) if moe else MLP(cfg)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -35,6 +35,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "gemma4_text": gemma4.Model,
     "qwen3_5_text": qwen3_5.Model,
     "qwen3_5_moe_text": qwen3_5.Model,
+    "qwen3_next": qwen3_5.Model,  # its fused projections are split at conversion
 }
 
 

@@ -8,11 +8,12 @@ Weights follow mlx-lm's layout: `mlp.router`, `mlp.experts.{gate,up,down}_proj` 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import Attention, Linear, PreNormDecoderLayer
-from metal_engine.models.moe import Activation, SparseMoeBlock, SwitchGLU, route
+from metal_engine.models.moe import Activation, SwitchGLU, route
 from metal_engine.models.moe_config import MoeConfig
 
 
@@ -24,11 +25,11 @@ def clamped_swiglu(alpha: float, limit: float) -> Activation:
     return act
 
 
-class GptOssMoe(SparseMoeBlock):
+class GptOssMoe(nn.Module):
     """The MoE block under GPT-OSS's names: `router` (with bias) and `experts`."""
 
     def __init__(self, hidden: int, moe: MoeConfig) -> None:
-        super(SparseMoeBlock, self).__init__()
+        super().__init__()
         self.router = Linear(hidden, moe.num_experts, bias=True)
         self.experts = SwitchGLU(hidden, moe.expert_intermediate_size, moe.num_experts,
                                  clamped_swiglu(moe.swiglu_alpha, moe.swiglu_limit), bias=True)

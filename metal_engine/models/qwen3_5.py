@@ -16,7 +16,7 @@ from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gated_delta import GatedDeltaNet
 from metal_engine.models.layers import GATED_ACTIVATIONS, MLP, Linear, OffsetRMSNorm
-from metal_engine.models.moe import SparseMoeBlock, SwitchGLU, route
+from metal_engine.models.moe import SwitchGLU, route
 from metal_engine.models.rope import apply_rope
 
 
@@ -64,12 +64,12 @@ def linear_attention(net: GatedDeltaNet, x: mx.array, meta: AttentionMetadata, c
     return step.out
 
 
-class GatedSharedMoe(SparseMoeBlock):
+class GatedSharedMoe(nn.Module):
     """Experts (softmax top-k, renormalized) plus a shared expert scaled by
     sigmoid(shared_expert_gate(x)), under Qwen's names."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super(SparseMoeBlock, self).__init__()
+        super().__init__()
         moe, hidden = cfg.moe, cfg.hidden_size
         self.gate = Linear(hidden, moe.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(hidden, moe.expert_intermediate_size, moe.num_experts,

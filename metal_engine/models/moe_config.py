@@ -8,12 +8,11 @@ is never served with the wrong routing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 Scoring = Literal["softmax", "sigmoid"]
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma4_text",
-                   "qwen3_5_moe_text", "qwen3_next")
 # config field -> the values this engine routes as the family's reference code does.
 _ROUTER_FIELDS = {
     "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
@@ -108,54 +107,57 @@ class MoeConfig:
 
 def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
     """The MoE settings of a config.json (None for a dense family)."""
-    model_type = cfg["model_type"]
-    if model_type not in MOE_MODEL_TYPES:
+    reader = _READERS.get(cfg["model_type"])
+    if reader is None:
         return None
     _check_router(cfg)
-    layers = cfg["num_hidden_layers"]
-    if model_type in ("qwen3_5_moe_text", "qwen3_next"):  # top-k renormalized; gated shared
-        return MoeConfig(
-            num_experts=_required(cfg, "num_experts"),
-            experts_per_token=_experts_per_token(cfg),
-            expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
-            normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
-            shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
-            shared_expert_gate=True,
-            dense_layers=_qwen_dense_layers(cfg, layers),
-        )
-    if model_type == "gemma4_text":  # experts beside every layer's MLP, when enabled
-        if not cfg.get("enable_moe_block"):
-            return None
-        return MoeConfig(
-            num_experts=_required(cfg, "num_experts"),
-            experts_per_token=_required(cfg, "top_k_experts"),
-            expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
-            normalize_top_k=True,
-        )
-    if model_type == "mixtral":
-        return MoeConfig(
-            num_experts=_required(cfg, "num_local_experts"),
-            experts_per_token=_experts_per_token(cfg),
-            expert_intermediate_size=cfg["intermediate_size"],
-            normalize_top_k=True,
-        )
-    if model_type == "gpt_oss":
-        return MoeConfig(
-            num_experts=_required(cfg, "num_local_experts"),
-            experts_per_token=_experts_per_token(cfg),
-            expert_intermediate_size=cfg["intermediate_size"],
-            normalize_top_k=True,  # its softmax over the top-k logits is the same thing
-            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-        )
-    if model_type == "qwen3_moe":
-        return MoeConfig(
-            num_experts=cfg.get("num_experts") or _required(cfg, "num_local_experts"),
-            experts_per_token=_experts_per_token(cfg),
-            expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
-            normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
-            dense_layers=_qwen_dense_layers(cfg, layers),
-        )
+    return reader(cfg)
+
+
+def _mixtral(cfg: dict[str, Any]) -> MoeConfig:
+    return MoeConfig(
+        num_experts=_required(cfg, "num_local_experts"),
+        experts_per_token=_experts_per_token(cfg),
+        expert_intermediate_size=cfg["intermediate_size"],
+        normalize_top_k=True,
+    )
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> MoeConfig:
+    return MoeConfig(
+        num_experts=_required(cfg, "num_local_experts"),
+        experts_per_token=_experts_per_token(cfg),
+        expert_intermediate_size=cfg["intermediate_size"],
+        normalize_top_k=True,  # its softmax over the top-k logits is the same thing
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+    )
+
+
+def _qwen3_moe(cfg: dict[str, Any]) -> MoeConfig:
+    return MoeConfig(
+        num_experts=cfg.get("num_experts") or _required(cfg, "num_local_experts"),
+        experts_per_token=_experts_per_token(cfg),
+        expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
+        normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=_qwen_dense_layers(cfg, cfg["num_hidden_layers"]),
+    )
+
+
+def _qwen_hybrid(cfg: dict[str, Any]) -> MoeConfig:
+    """Qwen3.5-MoE and Qwen3-Next: top-k renormalized, a sigmoid-gated shared expert."""
+    return MoeConfig(
+        num_experts=_required(cfg, "num_experts"),
+        experts_per_token=_experts_per_token(cfg),
+        expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
+        normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
+        shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+        shared_expert_gate=True,
+        dense_layers=_qwen_dense_layers(cfg, cfg["num_hidden_layers"]),
+    )
+
+
+def _glm4_moe(cfg: dict[str, Any]) -> MoeConfig:
     expert_size = _required(cfg, "moe_intermediate_size")
     return MoeConfig(
         num_experts=cfg.get("n_routed_experts") or _required(cfg, "num_local_experts"),
@@ -168,8 +170,27 @@ def read_moe(cfg: dict[str, Any]) -> MoeConfig | None:
         groups_per_token=cfg.get("topk_group", 1),
         score_correction_bias=True,
         shared_intermediate_size=expert_size * cfg.get("n_shared_experts", 1),
-        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), layers))),
+        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1),
+                                     cfg["num_hidden_layers"]))),
     )
+
+
+def _gemma4(cfg: dict[str, Any]) -> MoeConfig | None:
+    """Experts beside every layer's MLP, when the config enables them."""
+    if not cfg.get("enable_moe_block"):
+        return None
+    return MoeConfig(
+        num_experts=_required(cfg, "num_experts"),
+        experts_per_token=_required(cfg, "top_k_experts"),
+        expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
+        normalize_top_k=True,
+    )
+
+
+_READERS: dict[str, Callable[[dict[str, Any]], MoeConfig | None]] = {
+    "mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
+    "gemma4_text": _gemma4, "qwen3_5_moe_text": _qwen_hybrid, "qwen3_next": _qwen_hybrid,
+}  # fmt: skip
 
 
 def _qwen_dense_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.sampling_params import StructuredOutput
 from server.core.harmony_encoding import harmony_encoding, speaks_harmony
 from server.core.harmony_parsing import HarmonyTurnParser
-from server.core.harmony_prompts import call_header_ids, forced_call, harmony_prompt_ids
+from server.core.harmony_prompts import harmony_prompt
 from server.core.prompts import prompt_of
 from server.core.reasoning import ReasoningStream, opens_reasoning
 from server.core.tool_call_stream import ToolCallStream
@@ -79,14 +79,11 @@ def _harmony_chat(tokenizer: Any, chat: ChatCompletionRequest) -> PreparedChat:
         encoding = harmony_encoding(tokenizer)
     except ValueError as exc:  # the server's model, not the request, is at fault
         raise APIError(str(exc), status_code=500) from exc
-    ids = harmony_prompt_ids(encoding, chat, datetime.date.today().isoformat())
+    prompt = harmony_prompt(encoding, chat, datetime.date.today().isoformat())
     # <|return|> ends the answer, <|call|> a tool call for the client to run.
     stops = tuple(encoding.stop_tokens_for_assistant_actions())
-    forced = forced_call(chat)
-    if forced is None:
-        return PreparedChat(ids, None, stops, lambda: HarmonyTurnParser(encoding))
-    # The prompt opens the call; the model writes its arguments under the function's schema.
-    header = call_header_ids(encoding, forced.name)
-    structured = StructuredOutput(json.dumps(forced.parameters_schema()))
-    return PreparedChat(ids + header, structured, stops,
-                        lambda: HarmonyTurnParser(encoding, opened=header))
+    # A forced call is opened by the prompt: its arguments are sampled under its schema.
+    structured = (None if prompt.forced is None
+                  else StructuredOutput(json.dumps(prompt.forced.parameters_schema())))
+    return PreparedChat(prompt.ids, structured, stops,
+                        lambda: HarmonyTurnParser(encoding, opened=prompt.opened))

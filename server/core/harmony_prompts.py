@@ -17,6 +17,7 @@ open or end a message.
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from openai_harmony import (
     Author,
@@ -46,13 +47,21 @@ _INSTRUCTION_ROLES = ("system", "developer")
 _CALL_CONTENT_TYPE = "<|constrain|>json"  # what GPT-OSS writes before a call's JSON
 
 
-def harmony_prompt_ids(
-    encoding: HarmonyEncoding, chat: ChatCompletionRequest, today: str
-) -> list[int]:
-    """The prompt's token ids, ending with the opened assistant turn; a 400 for what harmony
-    prompts cannot carry. `today` (YYYY-MM-DD) is the conversation's start date."""
+class HarmonyPrompt(NamedTuple):
+    ids: list[int]  # ending with the opened assistant turn (and a forced call's header)
+    forced: FunctionDefinition | None  # the function a tool_choice makes the model call
+    opened: list[int]  # the ids of the turn the prompt already wrote (the call's header)
+
+
+def harmony_prompt(encoding: HarmonyEncoding, chat: ChatCompletionRequest,
+                   today: str) -> HarmonyPrompt:
+    """The prompt; a 400 for what harmony prompts cannot carry. `today` (YYYY-MM-DD) is the
+    conversation's start date."""
+    forced = forced_call(chat)
     conversation = Conversation.from_messages(harmony_messages(chat, today))
-    return list(encoding.render_conversation_for_completion(conversation, Role.ASSISTANT))
+    ids = list(encoding.render_conversation_for_completion(conversation, Role.ASSISTANT))
+    opened = call_header_ids(encoding, forced.name) if forced is not None else []
+    return HarmonyPrompt(ids + opened, forced, opened)
 
 
 def harmony_messages(chat: ChatCompletionRequest, today: str) -> list[Message]:
@@ -102,7 +111,6 @@ def call_header_ids(encoding: HarmonyEncoding, name: str) -> list[int]:
 
 
 def _check_supported(chat: ChatCompletionRequest) -> None:
-    forced_call(chat)  # a 400 for a choice harmony cannot force
     if chat.response_format is not None and chat.response_format.type != "text":
         raise APIError(
             "response_format is not supported for this model (GPT-OSS, harmony format): "

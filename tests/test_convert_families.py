@@ -1,0 +1,177 @@
+"""Every supported family through `convert`: its Hugging Face tensors come out under this
+layout's names (MoE experts stacked, fused projections split, both rope keys written), and a
+multimodal checkpoint converts to its text model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny_models
+import torch
+import transformers
+from safetensors.numpy import load_file
+from tiny_models import COMMON, TINY_MODELS, build_tiny_model
+from tokenizers import Tokenizer, models
+
+from convert import convert_model
+from convert.validate import prompt_logits
+from metal_engine.model_config import ModelConfig
+from metal_engine.weights import load_model
+
+
+def _hf_tensors(path: Path) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.mark.parametrize("model_type", list(TINY_MODELS))
+def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "hf"
+    model = build_tiny_model(model_type, source)
+    out = convert_model(source, tmp_path / "out", progress=False)
+
+    expected = _stacked_experts(_hf_tensors(source), model_type)
+    if model_type == "qwen3_next":
+        expected = _unfused(expected, json.loads((source / "config.json").read_text()))
+    got = _hf_tensors(out)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    source_config = json.loads((source / "config.json").read_text())
+    assert "rope_theta" not in source_config and "rope_parameters" in config
+    if model_type in ("gemma3_text", "gemma4_text"):  # a rope per layer type
+        assert config["rope_theta"] == config["rope_parameters"]["full_attention"]["rope_theta"]
+        assert (config["rope_local_base_freq"]
+                == config["rope_parameters"]["sliding_attention"]["rope_theta"])
+    else:
+        assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+        kind = source_config["rope_parameters"]["rope_type"]
+        assert (config.get("rope_scaling") or {"rope_type": "default"})["rope_type"] == kind
+    assert ModelConfig.from_dict(config) == ModelConfig.from_dict(source_config)
+    if expected.keys() != _hf_tensors(source).keys():
+        return  # stacked experts are mlx-lm's layout, which transformers does not read
+    ids = torch.tensor([[5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6]])
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def _stacked_experts(tensors: dict[str, np.ndarray], model_type: str) -> dict[str, np.ndarray]:
+    """Per-expert tensors (`...experts.E.w1.weight`, `...experts.E.gate_proj.weight`) stacked
+    into `...switch_mlp.gate_proj.weight [experts, out, in]`; the rest as they are."""
+    names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.+)\.experts\.(\d+)\.(\w+)\.weight", name)
+        fused = re.fullmatch(r"(.+)\.experts\.(gate_up_proj|down_proj)(_bias)?", name)
+        if fused is not None:
+            split = _split_gpt_oss if model_type == "gpt_oss" else _split_gemma4
+            out.update(split(fused[1], fused[2], fused[3] is not None, tensor))
+            continue
+        if match is None:
+            out[name] = tensor
+            continue
+        stacked = f"{match[1]}.switch_mlp.{names.get(match[3], match[3])}.weight"
+        experts.setdefault(stacked, {})[int(match[2])] = tensor
+    for name, by_index in experts.items():
+        out[name] = np.stack([by_index[i] for i in range(len(by_index))])
+    return out
+
+
+def _unfused(tensors: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """Qwen3-Next's fused projections as Qwen3.5's: per key head its q, k, then its value
+    heads' v and z rows (b then a in in_proj_ba)."""
+    heads, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    dv = config["linear_num_value_heads"] // heads * config["linear_value_head_dim"]
+    out = {}
+    for name, tensor in tensors.items():
+        prefix = name.removesuffix("in_proj_qkvz.weight").removesuffix("in_proj_ba.weight")
+        if name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+            grouped = tensor.reshape(heads, -1, tensor.shape[-1])
+        if name.endswith("in_proj_qkvz.weight"):
+            q, k, v, z = np.split(grouped, [dk, 2 * dk, 2 * dk + dv], axis=1)
+            rows = [x.reshape(-1, tensor.shape[-1]) for x in (q, k, v, z)]
+            out[prefix + "in_proj_qkv.weight"] = np.concatenate(rows[:3])
+            out[prefix + "in_proj_z.weight"] = rows[3]
+        elif name.endswith("in_proj_ba.weight"):
+            b, a = np.split(grouped, 2, axis=1)
+            out[prefix + "in_proj_b.weight"] = b.reshape(-1, tensor.shape[-1])
+            out[prefix + "in_proj_a.weight"] = a.reshape(-1, tensor.shape[-1])
+        else:
+            out[name] = tensor
+    return out
+
+
+def _split_gemma4(block: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
+    """Gemma 4: [experts, out, in], gate rows then up rows; no biases."""
+    if kind == "down_proj":
+        return {f"{block}.experts.down_proj.weight": tensor}
+    gate, up = np.split(tensor, 2, axis=1)
+    return {f"{block}.experts.gate_proj.weight": gate, f"{block}.experts.up_proj.weight": up}
+
+
+def _split_gpt_oss(block: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
+    """GPT-OSS: [experts, in, out], gate and up columns interleaved."""
+    prefix = f"{block}.experts"
+    if kind == "down_proj":
+        return {f"{prefix}.down_proj.bias": tensor} if bias else {
+            f"{prefix}.down_proj.weight": tensor.transpose(0, 2, 1)}
+    if bias:
+        return {f"{prefix}.gate_proj.bias": tensor[:, 0::2],
+                f"{prefix}.up_proj.bias": tensor[:, 1::2]}
+    return {f"{prefix}.gate_proj.weight": tensor[:, :, 0::2].transpose(0, 2, 1),
+            f"{prefix}.up_proj.weight": tensor[:, :, 1::2].transpose(0, 2, 1)}
+
+
+def _gemma4_multimodal():
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=16)
+    text = transformers.Gemma4TextConfig(**{**COMMON, **TINY_MODELS["gemma4_text"][2]})
+    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       audio_config=None)
+    return transformers.Gemma4ForConditionalGeneration(config)
+
+
+def _qwen3_5_multimodal():
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64,
+                                              num_heads=2, out_hidden_size=64)
+    text = transformers.Qwen3_5TextConfig(**{**COMMON, **TINY_MODELS["qwen3_5_text"][2]})
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(),
+                                        vision_config=vision.to_dict())
+    return transformers.Qwen3_5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize(("build", "text_type"), [(_gemma4_multimodal, "gemma4_text"),
+                                                  (_qwen3_5_multimodal, "qwen3_5_text")])
+def test_a_multimodal_checkpoint_converts_to_its_text_model(build, text_type,
+                                                            tmp_path: Path) -> None:
+    """Gemma 4's and Qwen3.5's published checkpoints are multimodal: the text model's
+    weights sit under `model.language_model.`, beside vision towers the conversion leaves
+    out."""
+    torch.manual_seed(0)
+    model = build().eval()
+    model.save_pretrained(tmp_path / "hf")
+    vocab = {f"w{i}": i for i in range(tiny_models.VOCAB)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "hf" / "tokenizer.json"))
+    out = convert_model(tmp_path / "hf", tmp_path / "out", progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == text_type and "vision_config" not in written
+    assert all(name.startswith(("model.layers.", "model.embed", "model.norm", "model.per_layer",
+                                "lm_head.")) for name in _hf_tensors(out))  # fmt: skip
+    ids = [5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    got = prompt_logits(load_model(out, mx.float32), ids)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)

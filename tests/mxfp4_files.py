@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_dirs import save_mlx_dir
 from safetensors.numpy import load_file, save_file
 
 FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -79,12 +80,7 @@ def write_mlx_community_mxfp4(openai_dir: Path, out: Path,
         packed = mx.quantize(tensors[name], entries[module]["group_size"],
                              entries[module]["bits"])
         tensors[name], tensors[f"{module}.scales"], tensors[f"{module}.biases"] = packed
-    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
-    config = json.loads((openai_dir / "config.json").read_text())
-    config["quantization"] = config["quantization_config"] = entries
-    (out / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True))
-    shutil.copy(openai_dir / "tokenizer.json", out / "tokenizer.json")
-    return out
+    return save_mlx_dir(out, openai_dir, tensors, entries)
 
 
 def _mlx_lm_sanitized(name: str, tensor: mx.array) -> dict[str, mx.array]:

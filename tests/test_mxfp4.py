@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from mlx_dirs import assert_same_checkpoint
 from mxfp4_files import write_mlx_community_mxfp4, write_openai_mxfp4
 from safetensors.numpy import load_file
 from tiny_models import VOCAB, build_tiny_model
@@ -108,15 +109,7 @@ def test_mlx_community_dir_loads_and_equals_ours(openai_dir, tmp_path, quantize)
             else convert_model(openai_dir, tmp_path / "ours", quantize=quantize[1],
                                group_size=quantize[0], progress=False))
 
-    their_tensors, our_tensors = (mx.load(str(d / "model.safetensors")) for d in (theirs, ours))
-    assert set(our_tensors) == set(their_tensors)
-    for name, tensor in their_tensors.items():
-        assert our_tensors[name].dtype == tensor.dtype, name
-        assert mx.array_equal(our_tensors[name], tensor), name
-    their_config, our_config = (json.loads((d / "config.json").read_text())
-                                for d in (theirs, ours))
-    assert our_config["quantization"] == their_config["quantization"]
-    assert our_config["quantization_config"] == their_config["quantization_config"]
+    assert_same_checkpoint(theirs, ours)
 
     their_logits = prompt_logits(load_model(theirs, mx.float32), IDS)
     np.testing.assert_array_equal(prompt_logits(load_model(ours, mx.float32), IDS), their_logits)

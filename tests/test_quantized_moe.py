@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_dirs import assert_same_checkpoint, save_mlx_dir
 from tiny_models import build_tiny_model
 
 from convert import convert_model
@@ -106,12 +106,7 @@ def write_mlx_lm_layout(model_type: str, source: Path, out: Path, group_size: in
             entries[module] = params
         packed, scales, biases = mx.quantize(tensor, params["group_size"], params["bits"])
         tensors.update({name: packed, f"{module}.scales": scales, f"{module}.biases": biases})
-    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
-    config = json.loads((source / "config.json").read_text())
-    config["quantization"] = config["quantization_config"] = entries
-    (out / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True))
-    shutil.copy(source / "tokenizer.json", out / "tokenizer.json")
-    return out
+    return save_mlx_dir(out, source, tensors, entries)
 
 
 @pytest.mark.parametrize("group_size", [64, 32])
@@ -122,15 +117,7 @@ def test_mlx_community_moe_checkpoint_loads_and_equals_our_quantize(moe_source, 
     ours = convert_model(source, tmp_path / "ours", quantize=4, group_size=group_size,
                          progress=False)
 
-    their_tensors, our_tensors = (mx.load(str(d / "model.safetensors")) for d in (theirs, ours))
-    assert set(our_tensors) == set(their_tensors)
-    for name, tensor in their_tensors.items():
-        assert our_tensors[name].dtype == tensor.dtype, name
-        assert mx.array_equal(our_tensors[name], tensor), name
-    their_config, our_config = (json.loads((d / "config.json").read_text())
-                                for d in (theirs, ours))
-    for key in ("quantization", "quantization_config"):
-        assert our_config[key] == their_config[key], key
+    their_tensors = assert_same_checkpoint(theirs, ours)
     assert any(n.endswith(".scales") and t.ndim == 3 for n, t in their_tensors.items())
 
     ids = probe_ids(128) * 5  # 40 tokens: the gathered matmuls sort by expert

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from metal_engine.model_config import ModelConfig
-from metal_engine.weights import stacked_expert_name
+from metal_engine.weights import expert_sets, stacked_expert_name
 
 
 @dataclass(frozen=True)
@@ -84,25 +84,13 @@ def stacked_shapes(config: ModelConfig,
     if fused is not None:
         return {new: shape for name, old in shapes.items()
                 for new, shape in (fused.split_shapes(name, old) or [(name, old)])}
-    stacked: dict[str, tuple[int, ...]] = {}
-    experts: dict[str, dict[int, tuple[int, ...]]] = {}
-    for name, shape in shapes.items():
-        target = stacked_expert_name(name)
-        if target is None:
-            stacked[name] = shape
-        else:
-            experts.setdefault(target[0], {})[target[1]] = shape
-    if not experts:
-        return stacked
-    count = config.moe.num_experts
-    for name, by_expert in experts.items():
-        missing = sorted(set(range(count)) - set(by_expert))
-        if missing or len(by_expert) != count:
-            raise ValueError(f"{name}: the checkpoint holds experts {sorted(by_expert)[:4]}..., "
-                             f"the config says {count} (missing {missing[:4]})")
-        if len(set(by_expert.values())) != 1:
+    if config.moe is None:
+        return shapes
+    stacked, sets = expert_sets(shapes, config.moe.num_experts)
+    for name, by_expert in sets.items():
+        if len(set(by_expert)) != 1:
             raise ValueError(f"{name}: the experts' tensors differ in shape")
-        stacked[name] = (count, *by_expert[0])
+        stacked[name] = (len(by_expert), *by_expert[0])
     return stacked
 
 

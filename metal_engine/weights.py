@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +19,7 @@ from metal_engine.quantization import QuantizationConfig, dequantize_weights
 
 log = logging.getLogger("metal_serve")
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
+T = TypeVar("T")
 _PER_EXPERT = re.compile(
     r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|scales|biases)$")
 # Mixtral's projection names -> the stacked layout's.
@@ -89,20 +91,27 @@ def stack_per_expert(weights: dict[str, mx.array], num_experts: int) -> dict[str
     the models name them. Early mlx-community MoE checkpoints (Mixtral's, written before mlx-lm
     stacked experts) store them so, quantized with each expert's scales and biases; stacking
     those equals quantizing the stack."""
-    stacked: dict[str, mx.array] = {}
-    sets: dict[str, dict[int, mx.array]] = {}
-    for name, value in weights.items():
+    others, sets = expert_sets(weights, num_experts)
+    return {**others, **{name: mx.stack(values) for name, values in sets.items()}}
+
+
+def expert_sets(items: dict[str, T], num_experts: int) -> tuple[dict[str, T], dict[str, list[T]]]:
+    """(the items that are no expert's, per stacked name its experts' items in expert order);
+    a set without exactly experts 0..num_experts-1 is an error naming it."""
+    others: dict[str, T] = {}
+    sets: dict[str, dict[int, T]] = {}
+    for name, value in items.items():
         target = stacked_expert_name(name)
         if target is None:
-            stacked[name] = value
+            others[name] = value
         else:
             sets.setdefault(target[0], {})[target[1]] = value
     for name, by_expert in sets.items():
         if sorted(by_expert) != list(range(num_experts)):
-            raise ValueError(f"{name}: the checkpoint holds {len(by_expert)} experts' tensors, "
-                             f"its config.json says {num_experts} experts")
-        stacked[name] = mx.stack([by_expert[e] for e in range(num_experts)])
-    return stacked
+            missing = sorted(set(range(num_experts)) - set(by_expert))
+            raise ValueError(f"{name}: the checkpoint holds {len(by_expert)} experts' tensors "
+                             f"(missing {missing[:4]}), its config.json says {num_experts}")
+    return others, {name: [s[e] for e in range(num_experts)] for name, s in sets.items()}
 
 
 def stacked_expert_name(name: str) -> tuple[str, int] | None:

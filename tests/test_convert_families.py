@@ -175,3 +175,14 @@ def test_a_multimodal_checkpoint_converts_to_its_text_model(build, text_type,
         expected = model(torch.tensor([ids])).logits[0].numpy()
     got = prompt_logits(load_model(out, mx.float32), ids)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_by_name(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    build_tiny_model("qwen3_moe", tmp_path / "hf")
+    tensors = _hf_tensors(tmp_path / "hf")
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.switch_mlp\.up_proj.*missing \[3\]"):
+        convert_model(tmp_path / "hf", tmp_path / "out", progress=False)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+from tiny_models import build_tiny_model
+
+from convert import convert_model
+from metal_engine.models.moe import SwitchGLU
 from server.bench import engine_bench
 
 
@@ -37,3 +42,24 @@ def test_bench_throughput_counts_every_output_token(default_model_dir, tmp_path)
     assert result["num_prompts"] == 3
     elapsed = result["elapsed_s"]
     assert abs(result["output_tokens_per_s"] * elapsed - 15) < 1e-6
+
+
+@pytest.mark.parametrize("dispatch", ["gather", "grouped"])
+def test_bench_throughput_runs_a_moe_model_s_experts_the_way_asked(dispatch, default_tokenizer,
+                                                                    tmp_path, monkeypatch):
+    build_tiny_model("qwen3_moe", tmp_path / "hf")
+    model_dir = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
+    default_tokenizer.save_pretrained(model_dir)
+    grouped_calls = []
+    original = SwitchGLU.grouped
+    monkeypatch.setattr(SwitchGLU, "grouped",
+                        lambda self, *a: grouped_calls.append(1) or original(self, *a))
+    out = tmp_path / "throughput.json"
+    args = parse(engine_bench.add_throughput_arguments, [
+        str(model_dir), "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+        "--kv-cache-memory", str(16 << 20), "--moe-dispatch", dispatch,
+        "--result-json", str(out),
+    ])
+    assert engine_bench.run_throughput(args) == 0
+    assert json.loads(out.read_text())["moe_dispatch"] == dispatch
+    assert bool(grouped_calls) == (dispatch == "grouped")

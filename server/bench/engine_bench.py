@@ -67,7 +67,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 def _run_to_completion(engine: LLMEngine, num: int, input_len: int, output_len: int) -> int:
     rng = np.random.default_rng(0)
-    vocab = len(engine.tokenizer)
+    # Ids the model can embed and the tokenizer can decode.
+    vocab = min(len(engine.tokenizer), engine.runner.model.config.vocab_size)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i in range(num):
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}",

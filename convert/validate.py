@@ -70,11 +70,12 @@ def prompt_logits(model: CausalLM, ids: list[int]) -> np.ndarray:
     """`[len(ids), vocab]` logits of one prompt, through the engine's packed forward."""
     cfg = model.config
     num_blocks = len(ids) // BLOCK_SIZE + 2
-    cache = KVCache.for_model(cfg, num_blocks, BLOCK_SIZE, mx.float32)
+    num_state_slots = 1 if cfg.linear_attention is not None else 0
+    cache = KVCache.for_model(cfg, num_blocks, BLOCK_SIZE, mx.float32, num_state_slots)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=1,
         max_num_batched_tokens=len(ids), max_model_len=len(ids) + 1,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, num_state_slots=num_state_slots,
     ))
     scheduler.add_request(Request("probe", ids, SamplingParams(max_tokens=1, temperature=0.0)))
     return np.array(ModelRunner(model, cache).forward_logits(scheduler.schedule()))

@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kernels_metal.cpu_math import exp
-from metal_engine.models.gated_delta_rule import gated_delta_rule
+from kernels_metal.gated_delta import gated_delta_rule  # the Metal kernel, else the reference
 from metal_engine.models.layers import Linear
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 

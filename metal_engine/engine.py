@@ -18,7 +18,7 @@ from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_mem
 from metal_engine.kv_disk_connector import KVDiskConnector
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
 from metal_engine.outputs import RequestOutput, TokenLogprobs
-from metal_engine.recurrent_states import RecurrentStates
+from metal_engine.recurrent_states import RecurrentStates, plan_state_slots
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
@@ -81,14 +81,14 @@ class LLMEngine:
         mc = model.config
         per_block = bytes_per_block(mc.kv_pool_shapes(), config.block_size, dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
-        prefix_caching = config.enable_prefix_caching
+        num_state_slots = 0
         if mc.linear_attention is not None:  # their state slots come out of the same budget
-            budget -= config.max_num_seqs * RecurrentStates.bytes_per_slot(
-                mc.linear_attention, len(mc.state_layers()), dtype)
-            if prefix_caching:
-                log.info("prefix caching is off for this model: its linear-attention layers "
-                         "keep no state checkpoints to resume a cached prefix from")
-                prefix_caching = False
+            slot_bytes = RecurrentStates.bytes_per_slot(mc.linear_attention,
+                                                        len(mc.state_layers()), dtype)
+            num_state_slots, budget = plan_state_slots(budget, slot_bytes, config.max_num_seqs,
+                                                       config.enable_prefix_caching)
+            log.info("recurrent state: %d slots of %.1f MiB (%d for checkpoints)",
+                     num_state_slots, slot_bytes / 2**20, num_state_slots - config.max_num_seqs)
         num_blocks = max(budget, 0) // per_block
         kv_tokens = num_blocks * config.block_size
         check_kv_cache_blocks(num_blocks, budget)
@@ -99,7 +99,7 @@ class LLMEngine:
             num_blocks * per_block / 2**20, max_model_len, mc.trained_context_len,
         )  # fmt: skip
         cache = KVCache.for_model(mc, num_blocks, config.block_size, dtype,
-                                  num_slots=config.max_num_seqs)
+                                  num_slots=num_state_slots)
         connector = _kv_disk_connector(config, cache)
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
@@ -108,8 +108,9 @@ class LLMEngine:
             max_num_batched_tokens=(config.max_num_batched_tokens
                                     or default_token_budget(mx.metal.is_available())),
             max_model_len=max_model_len,
-            enable_prefix_caching=prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
+            num_state_slots=num_state_slots,
         ), connector)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         async_scheduling = (

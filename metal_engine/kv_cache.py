@@ -54,8 +54,8 @@ class KVCache:
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
                   dtype: mx.Dtype, num_slots: int = 1) -> KVCache:
-        """The pools `cfg`'s layers need; `num_slots`: requests whose linear-attention state
-        is kept at once (grown when more are live)."""
+        """The pools `cfg`'s layers need; `num_slots`: linear-attention state slots (live
+        ones and checkpoints; see scheduler.state_cache)."""
         cache = cls(cfg.kv_pool_shapes(), num_blocks, block_size, dtype)
         if cfg.linear_attention is not None:
             from metal_engine.recurrent_states import RecurrentStates

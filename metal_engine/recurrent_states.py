@@ -1,11 +1,12 @@
-"""Linear-attention layers' per-request state, in slots: per layer a conv state
+"""Linear-attention layers' state, in slots: per layer a conv state
 `[slots, kernel - 1, conv_dim]` and a recurrent state `[slots, Hv, Dk, Dv]` (float32).
 
-The runner gives each live request a slot (`bind`, every step) and frees it when the request
-finishes (`release`). A request fed from position 0 starts from zeros, so a preempted
-request that is recomputed starts over; nothing here survives a prefix-cache hit, which is
-why hybrid models serve without prefix caching for now. Like the KV pools, a layer `take`s
-its pair and `put`s it back, so the scatter can write in place.
+The scheduler hands out the slots (scheduler.state_cache): each running request computes in
+its live slot, and checkpoints are copies of a live slot at a block boundary. The runner
+`bind`s the step's rows to their requests' slots and `copy`s slots as the step's state plan
+says. A request fed from position 0 starts from zeros (a recomputed request starts over).
+Like the KV pools, a layer `take`s its pair and `put`s it back, so the scatter can write in
+place.
 """
 
 from __future__ import annotations
@@ -16,6 +17,23 @@ import mlx.core as mx
 import numpy as np
 
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
+
+# Checkpoints for prefix hits take at most this share of the cache budget, and at most two
+# per request that can run at once (a conversation's end and its prompt's).
+CHECKPOINT_SHARE = 0.25
+CHECKPOINTS_PER_SEQ = 2
+
+
+def plan_state_slots(budget: int, slot_bytes: int, max_num_seqs: int,
+                     checkpoints: bool) -> tuple[int, int]:
+    """(state slots, bytes left for KV blocks) out of a cache `budget`: a live slot for each
+    request that can run at once, plus checkpoint slots if prefix caching is on."""
+    num_checkpoints = 0
+    if checkpoints:
+        num_checkpoints = min(CHECKPOINTS_PER_SEQ * max_num_seqs,
+                              int(budget * CHECKPOINT_SHARE) // slot_bytes)
+    num_slots = max_num_seqs + num_checkpoints
+    return num_slots, budget - num_slots * slot_bytes
 
 
 class RecurrentStates:
@@ -29,8 +47,6 @@ class RecurrentStates:
             self.conv.append(conv)
             self.recurrent.append(recurrent)
         self.num_slots = num_slots
-        self._slot_of: dict[str, int] = {}
-        self._free = list(range(num_slots))
         self.step_slots = mx.zeros((0,), mx.int32)  # the step's requests' slots, in order
         self.step_keep = mx.zeros((0,), mx.float32)  # 0 for a request fed from position 0
         mx.eval(self.conv, self.recurrent)
@@ -41,17 +57,22 @@ class RecurrentStates:
         recurrent = cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim * 4
         return num_layers * (conv + recurrent)
 
-    def bind(self, request_ids: Sequence[str], start_positions: Sequence[int]) -> None:
-        """The step's requests, in row order: each gets (or keeps) a slot."""
-        slots = [self._slot(r) for r in request_ids]
+    def bind(self, slots: Sequence[int], start_positions: Sequence[int]) -> None:
+        """The step's requests' slots and start positions, in row order."""
         self.step_slots = mx.array(np.array(slots, np.int32))
         self.step_keep = mx.array(np.array([p > 0 for p in start_positions], np.float32))
 
-    def release(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            slot = self._slot_of.pop(request_id, None)
-            if slot is not None:
-                self._free.append(slot)
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy slot `source` into slot `target` of every layer, for each (source, target)."""
+        if not pairs:
+            return
+        pairs = np.array(pairs, np.int32)
+        source, target = mx.array(pairs[:, 0]), mx.array(pairs[:, 1])
+        for index in range(len(self.conv)):
+            conv, recurrent = self.take(index)
+            conv[target] = conv[source]
+            recurrent[target] = recurrent[source]
+            self.put(index, conv, recurrent)
 
     def take(self, index: int) -> tuple[mx.array, mx.array]:
         conv, recurrent = self.conv[index], self.recurrent[index]
@@ -65,24 +86,6 @@ class RecurrentStates:
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.conv + self.recurrent if a is not None]
-
-    def _slot(self, request_id: str) -> int:
-        slot = self._slot_of.get(request_id)
-        if slot is None:
-            if not self._free:
-                self._grow()
-            slot = self._free.pop(0)
-            self._slot_of[request_id] = slot
-        return slot
-
-    def _grow(self) -> None:
-        """More requests are live than slots (preempted ones keep theirs): double them."""
-        extra = max(self.num_slots, 1)
-        conv, recurrent = self._zeros(extra)
-        self.conv = [mx.concatenate([c, conv]) for c in self.conv]
-        self.recurrent = [mx.concatenate([r, recurrent]) for r in self.recurrent]
-        self._free.extend(range(self.num_slots, self.num_slots + extra))
-        self.num_slots += extra
 
     def _zeros(self, slots: int) -> tuple[mx.array, mx.array]:
         cfg = self.cfg

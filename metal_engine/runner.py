@@ -79,14 +79,19 @@ class ModelRunner:
     def release(self, request_ids: list[str]) -> None:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
         self.block_tables.release(request_ids)
-        if self.cache.states is not None:
-            self.cache.states.release(request_ids)
 
-    def _bind_states(self, out: SchedulerOutput) -> None:
-        """Tell the linear-attention state which requests the step's rows belong to."""
-        if self.cache.states is not None:
-            self.cache.states.bind([s.request_id for s in out.scheduled],
-                                   [s.start_position for s in out.scheduled])
+    def _forward(self, out: SchedulerOutput, input_ids: mx.array, step: StepInputs) -> mx.array:
+        """The model over the step's rows; for a hybrid model, its state slots restored from
+        checkpoints before and saved to checkpoints after, as the scheduler planned."""
+        states = self.cache.states
+        if states is not None:
+            states.copy(out.state_plan.restores)
+            states.bind([s.state_slot for s in out.scheduled],
+                        [s.start_position for s in out.scheduled])
+        hidden = self.model(input_ids, mx.array(step.positions), step.attention, self.cache)
+        if states is not None:
+            states.copy(out.state_plan.saves)
+        return hidden
 
     def execute(self, out: SchedulerOutput,
                 context: SamplingContext | None = None) -> dict[str, int]:
@@ -106,9 +111,7 @@ class ModelRunner:
         step = build_step_inputs(out, self.cache.block_size, self.block_tables)
         if cpu_math.on_cpu():  # the numpy fast paths evaluate the forward as it is built
             self._wait_for_device()
-        input_ids = _with_pending_tokens(step, previous)
-        self._bind_states(out)
-        hidden = self.model(input_ids, mx.array(step.positions), step.attention, self.cache)
+        hidden = self._forward(out, _with_pending_tokens(step, previous), step)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V
             return self._queue(LaunchedStep(out, [], None))
         logits = self.model.logits(hidden[mx.array(step.sample_rows)])
@@ -135,10 +138,7 @@ class ModelRunner:
         """Logits of every packed row (for tests and diagnostics, not the serving path)."""
         step = build_step_inputs(out, self.cache.block_size)
         self._wait_for_device()
-        self._bind_states(out)
-        hidden = self.model(
-            _with_pending_tokens(step, None), mx.array(step.positions), step.attention, self.cache
-        )
+        hidden = self._forward(out, _with_pending_tokens(step, None), step)
         logits = self.model.logits(hidden)
         mx.eval(logits, self.cache.arrays())
         return logits

@@ -96,6 +96,15 @@ class BlockPool:
         self._hash_of[block_id] = block_hash
         return True
 
+    def forget(self, block_hash: BlockHash) -> None:
+        """Drop a free block's hash (nothing if no block has it): it is reused first."""
+        block_id = self._block_of.get(block_hash)
+        if block_id is None:
+            return
+        assert self._refcounts[block_id] == 0, f"block {block_id} is in use"
+        del self._block_of[block_hash], self._hash_of[block_id]
+        self._free.move_to_end(block_id, last=False)
+
     def free(self, block_ids: list[int]) -> None:
         """Drop one holder from each block; a block left with none joins the free list.
 

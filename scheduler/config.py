@@ -18,11 +18,22 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # fcfs: arrival order. priority: lower `Request.priority` first, arrival order among equals.
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # Hybrid models (recurrent state per request): state slots, for running requests and
+    # prefix-cache checkpoints together (0: the model keeps no such state), and the blocks
+    # between a long prompt's checkpoints.
+    num_state_slots: int = 0
+    state_checkpoint_interval: int = 32
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_state_slots and self.num_state_slots < self.max_num_seqs:
+            raise ValueError(f"num_state_slots must be at least max_num_seqs "
+                             f"({self.max_num_seqs}), got {self.num_state_slots}")
+        if self.state_checkpoint_interval < 1:
+            raise ValueError("state_checkpoint_interval must be at least 1, got "
+                             f"{self.state_checkpoint_interval}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.scheduling_policy not in ("fcfs", "priority"):

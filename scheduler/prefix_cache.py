@@ -1,5 +1,9 @@
 """Automatic prefix caching: reuse the K/V of full blocks whose token prefix was seen before.
 
+A hybrid model's request also needs its recurrent state at the end of the prefix: there a
+hit reaches only as far as the last block boundary with a state checkpoint (see
+scheduler.state_cache), so blocks and state hit together or not at all.
+
 Two tiers: blocks in the KV pool (free ones keep their contents until evicted), and, when a
 connector is given, blocks its tier holds (e.g. on disk), loaded back into fresh pool blocks at
 admission (see scheduler.kv_connector). Requests share blocks only under the same `cache_salt`
@@ -15,6 +19,7 @@ from scheduler.block_pool import BlockPool
 from scheduler.kv_connector import KVConnectorScheduler, TierLookup
 from scheduler.prefix_hash import BlockHash, extend_block_hashes
 from scheduler.request import Request
+from scheduler.state_cache import StateCache
 
 
 @dataclass
@@ -44,12 +49,15 @@ class PrefixCache:
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enabled: bool,
-                 store: KVConnectorScheduler | None = None) -> None:
-        """`store`: the scheduler side of the tier past the pool (its connector), if any."""
+                 store: KVConnectorScheduler | None = None,
+                 states: StateCache | None = None) -> None:
+        """`store`: the scheduler side of the tier past the pool (its connector), if any;
+        `states`: the state checkpoints of a hybrid model."""
         self.pool = pool
         self.block_size = block_size
         self.enabled = enabled
         self.store = store if enabled else None
+        self.states = states
         self.stats = PrefixCacheStats()
 
     def match(self, request: Request) -> list[int]:
@@ -68,12 +76,21 @@ class PrefixCache:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.states is not None:
+            hits = hits[: self._last_checkpoint(request, len(hits))]
         return hits
+
+    def _last_checkpoint(self, request: Request, num_blocks: int) -> int:
+        """The most leading blocks, up to `num_blocks`, whose end has a state checkpoint."""
+        for count in range(num_blocks, 0, -1):
+            if self.states.has(request.block_hashes[count - 1]):
+                return count
+        return 0
 
     def lookup_stored(self, request: Request, num_hits: int) -> TierLookup:
         """The tier's blocks right after the first `num_hits` (see `KVConnectorScheduler.lookup`).
         Call after `match`."""
-        if self.store is None:
+        if self.store is None or self.states is not None:  # no checkpoints on disk yet
             return TierLookup([], [])
         return self.store.lookup(request.block_hashes[num_hits : self._max_blocks(request)])
 

@@ -7,6 +7,7 @@ import itertools
 from typing import Literal
 
 from scheduler.sampling_params import SamplingParams
+from scheduler.state_cache import PendingSave
 
 # "error": the request failed on its own (its grammar broke while generating); the others ran on.
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -64,6 +65,11 @@ class Request:
         self.num_hashed_blocks = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0  # times the scheduler took its blocks back
+        # Hybrid models: the live state slot while running, checkpoints its steps in flight
+        # are writing, and its newest committed decode checkpoint (replaced by the next).
+        self.state_slot: int | None = None
+        self.pending_saves: list[PendingSave] = []
+        self.decode_checkpoint: bytes | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,7 @@ from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
+from scheduler.state_cache import StateCache, StatePlan
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -37,6 +38,7 @@ class ScheduledRequest:
     samples: bool
     params: SamplingParams
     num_output_tokens: int
+    state_slot: int | None = None  # hybrid models: the slot of its recurrent state
 
 
 @dataclass
@@ -45,6 +47,8 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     # Moves between the pool and the KV tier past it, for the connector's runner side.
     kv_plan: KVTransferPlan = field(default_factory=KVTransferPlan)
+    # Copies between recurrent-state slots around the step (hybrid models).
+    state_plan: StatePlan = field(default_factory=StatePlan)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -78,11 +82,14 @@ class Scheduler:
         which keeps cached blocks the pool evicts, for later hits."""
         self.config = config
         self.connector = connector if config.enable_prefix_caching else None
-        on_evict = self.connector.block_evicted if self.connector is not None else None
-        self.pool = BlockPool(config.num_blocks, on_evict=on_evict)
-        self.prefix_cache = PrefixCache(
-            self.pool, config.block_size, config.enable_prefix_caching, self.connector
-        )
+        self.states = None
+        if config.num_state_slots:
+            interval = config.state_checkpoint_interval if config.enable_prefix_caching else None
+            self.states = StateCache(config.num_state_slots, config.block_size, interval)
+        self.pool = BlockPool(config.num_blocks, on_evict=self._block_evicted)
+        self.prefix_cache = PrefixCache(self.pool, config.block_size,
+                                        config.enable_prefix_caching, self.connector,
+                                        self.states)  # fmt: skip
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -128,6 +135,14 @@ class Scheduler:
                 "--scheduling-policy priority"
             )
 
+    def _block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        """A cached block is being reused: its state checkpoint goes with it, and the disk
+        tier may keep its contents."""
+        if self.states is not None:
+            self.states.forget(block_hash)
+        if self.connector is not None:
+            self.connector.block_evicted(block_id, block_hash)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -153,6 +168,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if self.connector is not None:
             out.kv_plan = self.connector.take_plan()
+        if self.states is not None:
+            out.state_plan = self.states.take_plan()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -167,6 +184,7 @@ class Scheduler:
             if request.reached_length(self.config.max_model_len):
                 continue  # its last token is still being sampled; nothing more to compute
             num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = self._cut(request, request.num_computed_tokens, num_new)
             while not self._reserve_blocks(request, num_new):
                 # The one the policy would admit last: fcfs, the newest; priority, the lowest.
                 victim = max(self.running, key=self.waiting.key)
@@ -226,6 +244,8 @@ class Scheduler:
         self.prefix_cache.take(request, hits, stored)
         reserved = self._reserve_blocks(request, num_new)
         assert reserved, "_can_admit counted the blocks"
+        if self.states is not None:
+            self.states.start(request, len(hits) + len(stored))
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -233,7 +253,12 @@ class Scheduler:
 
     def _num_new(self, request: Request, num_cached_blocks: int, budget: int) -> int:
         """Tokens the request computes in its first step after `num_cached_blocks` blocks."""
-        return min(request.num_tokens - num_cached_blocks * self.config.block_size, budget)
+        num_cached = num_cached_blocks * self.config.block_size
+        return self._cut(request, num_cached, min(request.num_tokens - num_cached, budget))
+
+    def _cut(self, request: Request, start: int, num_new: int) -> int:
+        """A hybrid model's chunk ends at a state checkpoint inside it (see state_cache)."""
+        return num_new if self.states is None else self.states.cut(request, start, num_new)
 
     def _can_admit(self, request: Request, hits: list[int], num_stored: int,
                    budget: int) -> bool:
@@ -244,6 +269,8 @@ class Scheduler:
         needed = cdiv((len(hits) + num_stored) * block_size + num_new, block_size)
         # A cached block that is free leaves the free list when taken.
         free_hits = sum(1 for block_id in hits if self.pool.refcount(block_id) == 0)
+        if self.states is not None and self.states.num_free_slots < 1:
+            return False
         return needed - len(hits) <= self.pool.num_free_blocks - free_hits
 
     def _reserve_blocks(self, request: Request, num_new: int) -> bool:
@@ -275,11 +302,15 @@ class Scheduler:
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_hashed_blocks = 0
+        if self.states is not None:
+            self.states.stop(request)
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        if self.states is not None:
+            self.states.scheduled(request, num_new)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
@@ -289,6 +320,7 @@ class Scheduler:
             samples=start + num_new == request.num_tokens,
             params=request.params,
             num_output_tokens=request.num_output_tokens,
+            state_slot=request.state_slot,
         )
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
@@ -322,7 +354,10 @@ class Scheduler:
             if request is None:
                 continue  # finished while the step ran
             if request.status == RequestStatus.RUNNING:
-                self.prefix_cache.register(request, item.start_position + len(item.token_ids))
+                num_computed = item.start_position + len(item.token_ids)
+                self.prefix_cache.register(request, num_computed)
+                if self.states is not None:
+                    self.states.resolved(request, num_computed)
             if not item.samples:
                 continue
             index = item.num_output_tokens
@@ -339,6 +374,8 @@ class Scheduler:
         request.drop_pending_outputs()
         self.pool.free(request.block_ids)
         request.block_ids = []
+        if self.states is not None:
+            self.states.stop(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_since_last_step.append(request.request_id)

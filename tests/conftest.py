@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama checkpoints and the default model."""
+"""Shared fixtures: tiny random Llama and Qwen3.5 checkpoints and the default model."""
 
 from __future__ import annotations
 
@@ -35,6 +35,20 @@ def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path, safe_serialization=True)
     return model, path
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory):
+    """(torch model, converted model dir) of a tiny Qwen3.5: Gated DeltaNet layers beside
+    full attention."""
+    from tiny_models import build_tiny_model
+
+    from convert import convert_model
+
+    source = tmp_path_factory.mktemp("qwen3_5-hf")
+    model = build_tiny_model("qwen3_5_text", source)
+    return model, convert_model(source, tmp_path_factory.mktemp("qwen3_5") / "model",
+                                progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,18 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_seqs=16,
                               max_num_batched_tokens=512, max_model_len=512,
-                              enable_prefix_caching=True):
+                              enable_prefix_caching=True, state_checkpoint_interval=32):
     model = load_model(model_dir, mx.float32)
     cfg = model.config
-    cache = KVCache.for_model(cfg, num_blocks, block_size, mx.float32, num_slots=max_num_seqs)
-    # A prefix-cache hit would skip rows a linear-attention state needs (no checkpoints yet).
-    enable_prefix_caching = enable_prefix_caching and cfg.linear_attention is None
+    # Hybrid models: a live state slot per request that can run, two checkpoints for each.
+    num_state_slots = 3 * max_num_seqs if cfg.linear_attention is not None else 0
+    cache = KVCache.for_model(cfg, num_blocks, block_size, mx.float32,
+                              num_slots=num_state_slots)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=enable_prefix_caching, num_state_slots=num_state_slots,
+        state_checkpoint_interval=state_checkpoint_interval,
     ))
     return ModelRunner(model, cache), scheduler
 

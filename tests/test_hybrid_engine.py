@@ -1,7 +1,7 @@
 """A hybrid model (Qwen3.5: Gated DeltaNet layers beside full attention) through the scheduler
-and the engine: linear-attention state lives in per-request slots, freed when a request ends
-and reset when a preempted request starts over, so every request's greedy tokens equal
-`transformers.generate` of its prompt alone."""
+and the engine: linear-attention state lives in slots the scheduler hands out, freed when a
+request ends or is preempted (it then resumes from a checkpoint or starts over), so every
+request's greedy tokens equal `transformers.generate` of its prompt alone."""
 
 from __future__ import annotations
 
@@ -9,26 +9,15 @@ import logging
 import shutil
 
 import numpy as np
-import pytest
 import torch
 from engine_helpers import make_runner_and_scheduler
-from tiny_models import VOCAB, build_tiny_model
+from tiny_models import VOCAB
 
-from convert import convert_model
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from scheduler import Request, SamplingParams
 
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """(torch model, converted model dir) of a tiny Qwen3.5."""
-    source = tmp_path_factory.mktemp("qwen3_5-hf")
-    model = build_tiny_model("qwen3_5_text", source)
-    return model, convert_model(source, tmp_path_factory.mktemp("qwen3_5") / "model",
-                                progress=False)
 
 
 def prompts(count: int) -> dict[str, list[int]]:
@@ -44,8 +33,8 @@ def hf_greedy(model, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_preempted_and_finished_requests_leave_their_slots_right(hybrid):
-    model, path = hybrid
+def test_preempted_and_finished_requests_leave_their_slots_right(tiny_hybrid):
+    model, path = tiny_hybrid
     asked = prompts(6)
     # Each request needs up to 5 blocks of 8; together they need ~28 and the pool has 12, and
     # 6 requests share 4 state slots.
@@ -65,26 +54,30 @@ def test_preempted_and_finished_requests_leave_their_slots_right(hybrid):
     assert preemptions > 0
     for request in requests:
         assert request.output_token_ids == hf_greedy(model, asked[request.request_id])
-    assert runner.cache.states.num_slots == 4  # released slots were reused, none added
+    assert scheduler.states.num_free_slots == scheduler.config.num_state_slots
 
 
-def test_the_engine_serves_a_hybrid_model_without_prefix_caching(hybrid, default_tokenizer,
-                                                                 tmp_path, caplog):
-    model, path = hybrid
+def test_the_engine_serves_a_hybrid_model_with_prefix_caching(tiny_hybrid, default_tokenizer,
+                                                              tmp_path, caplog):
+    model, path = tiny_hybrid
     served = tmp_path / "model"
     shutil.copytree(path, served)
     default_tokenizer.save_pretrained(served)
     with caplog.at_level(logging.INFO, logger="metal_engine.engine"):
         engine = LLMEngine.from_config(EngineConfig(model_dir=served, dtype="float32",
                                                     max_num_seqs=4, kv_cache_memory=1 << 22))
-    assert not engine.scheduler.config.enable_prefix_caching
-    assert "prefix caching is off" in caplog.text
+    assert engine.scheduler.config.enable_prefix_caching
+    assert "recurrent state: 12 slots" in caplog.text  # 4 live, 8 for checkpoints
     asked = prompts(3)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    for rid, ids in asked.items():
-        engine.add_request(rid, ids, params)
-    got: dict[str, list[int]] = {rid: [] for rid in asked}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            got[output.request_id] += output.new_token_ids
-    assert got == {rid: hf_greedy(model, ids) for rid, ids in asked.items()}
+    got: dict[str, list[int]] = {}
+    for rounds in range(2):  # the second round resumes from the first's checkpoints
+        for rid, ids in asked.items():
+            engine.add_request(f"{rid}-{rounds}", ids, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                got.setdefault(output.request_id, []).extend(output.new_token_ids)
+                if output.finished and rounds:
+                    assert output.num_cached_tokens > 0
+    assert got == {f"{rid}-{rounds}": hf_greedy(model, ids)
+                   for rounds in range(2) for rid, ids in asked.items()}

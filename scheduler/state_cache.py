@@ -1,0 +1,181 @@
+"""Slots of recurrent state (linear-attention layers' conv window + state), in plain ints.
+
+A hybrid model's request carries a fixed-size state besides its KV blocks. Each state slot
+(the runner holds the tensors) is either
+
+    live        one running request's state, advanced by every step it is scheduled in
+    checkpoint  a copy of some request's state at a block boundary, keyed by the hash of the
+                block that ends there, so a later prompt with that prefix resumes from it
+
+The slot ids live in a BlockPool of their own: a live slot is a held id, a checkpoint a free
+id that keeps its hash (so the least recently used is reused first). A checkpoint is saved in
+the step that brings its request to the boundary and committed when that step resolves.
+
+Which boundaries are saved (`checkpoint_at`): the last one a re-sent prompt can hit (the end
+of its last full block before its final token), every `interval` blocks of a prompt (shared
+prefixes such as an agent's system prompt), and while decoding each block boundary the
+request reaches, keeping only the newest of those (the next turn of a conversation resumes
+from its end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler.block_pool import BlockPool
+from scheduler.prefix_hash import BlockHash
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
+
+
+@dataclass
+class StatePlan:
+    """One step's copies between state slots, for the runner. Plain data.
+
+    `restores` run before the step's forward (checkpoint -> a request's live slot),
+    `saves` after it (live slot -> checkpoint), each as (source slot, target slot).
+    """
+
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.restores or self.saves)
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint a step in flight is writing: its slot, the boundary (in tokens) and
+    whether it is a decode checkpoint (superseded by the request's next one). Its block hash
+    is known once the step resolves: the last token before the boundary may be pending."""
+
+    slot: int
+    boundary: int
+    decode: bool
+
+
+class StateCache:
+    """Live slots for running requests and checkpoints for prefix hits, over one id pool.
+
+    Invariant: every id is live (held by one request), pending (being written by a step in
+    flight) or free; a free id may keep a checkpoint's hash. Single-threaded (the scheduler).
+    """
+
+    def __init__(self, num_slots: int, block_size: int, interval: int | None) -> None:
+        """`interval`: blocks between the checkpoints of a long prompt; None saves none (no
+        prefix caching)."""
+        if interval is not None and interval < 1:
+            raise ValueError(f"the state checkpoint interval must be at least 1, got {interval}")
+        self.pool = BlockPool(num_slots)
+        self.block_size, self.interval = block_size, interval
+        self.plan = StatePlan()
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.pool.num_free_blocks
+
+    def has(self, block_hash: BlockHash) -> bool:
+        return self.pool.lookup(block_hash) is not None
+
+    # -- a request's slots ---------------------------------------------------------------------
+
+    def start(self, request: Request, num_cached_blocks: int) -> None:
+        """Give an admitted request a live slot, restored before the step from the checkpoint
+        at the end of its `num_cached_blocks` cached blocks (the prefix cache matched it).
+        The caller checked that a slot is free."""
+        source = None
+        if num_cached_blocks:
+            source = self.pool.lookup(request.block_hashes[num_cached_blocks - 1])
+            assert source is not None, "the prefix cache matched this checkpoint"
+            self.pool.take_cached([source])  # most recently used: allocated last
+            self.pool.free([source])
+        slots = self.pool.allocate(1)
+        assert slots is not None, "the caller checked num_free_slots"
+        request.state_slot = slots[0]
+        if source is not None:  # the slot may be the checkpoint's own: copying is then a no-op
+            self.plan.restores.append((source, slots[0]))
+
+    def cut(self, request: Request, start: int, num_new: int) -> int:
+        """The tokens of a chunk from `start` cut to end at the first prompt checkpoint
+        inside it."""
+        if self.interval is None:
+            return num_new
+        boundary = next_prompt_checkpoint(start, start + num_new, request.num_prompt_tokens,
+                                          self.block_size, self.interval)  # fmt: skip
+        return num_new if boundary is None else boundary - start
+
+    def scheduled(self, request: Request, num_new: int) -> None:
+        """Queue a checkpoint if the step brings the request to a boundary that saves one:
+        a copy of its live slot after the step, committed when the step resolves. Skipped
+        when every slot is live or pending (a checkpoint only saves work)."""
+        end = request.num_computed_tokens + num_new
+        if self.interval is None or end % self.block_size:
+            return
+        kind = checkpoint_at(end, request.num_prompt_tokens, self.block_size, self.interval)
+        if kind is None:
+            return
+        slots = self.pool.allocate(1)
+        if slots is not None:
+            self.plan.saves.append((request.state_slot, slots[0]))
+            request.pending_saves.append(PendingSave(slots[0], end, kind == "decode"))
+
+    def resolved(self, request: Request, num_computed: int) -> None:
+        """Commit the request's checkpoints up to `num_computed` tokens, whose step has run
+        (their block hashes are known). A checkpoint an equal one beat is freed; a new decode
+        checkpoint replaces the request's previous one."""
+        while request.pending_saves and request.pending_saves[0].boundary <= num_computed:
+            pending = request.pending_saves.pop(0)
+            block_hash = request.block_hashes[pending.boundary // self.block_size - 1]
+            cached = self.pool.cache(pending.slot, block_hash)
+            self.pool.free([pending.slot])
+            if cached and pending.decode:
+                if request.decode_checkpoint is not None:
+                    self.pool.forget(request.decode_checkpoint)
+                request.decode_checkpoint = block_hash
+
+    def stop(self, request: Request) -> None:
+        """The request leaves the running batch (finished or preempted): its live slot and
+        the checkpoints still being written are free (a write in flight lands in a free slot,
+        which whoever takes it next overwrites first)."""
+        slots = [p.slot for p in request.pending_saves]
+        if request.state_slot is not None:
+            slots.append(request.state_slot)
+        self.pool.free(slots)
+        request.state_slot, request.pending_saves = None, []
+
+    def forget(self, block_hash: BlockHash) -> None:
+        """Drop the checkpoint of `block_hash`, if any (its block left the KV pool)."""
+        self.pool.forget(block_hash)
+
+    def take_plan(self) -> StatePlan:
+        plan, self.plan = self.plan, StatePlan()
+        return plan
+
+
+def checkpoint_at(boundary: int, num_prompt_tokens: int, block_size: int,
+                  interval: int) -> str | None:
+    """Whether a request whose computed tokens reach `boundary` (a multiple of `block_size`)
+    saves its state there: "prompt" (the last boundary a re-sent prompt can hit, or every
+    `interval` blocks of the prompt), "decode" (past the prompt), else None."""
+    if boundary == 0:
+        return None
+    if boundary >= num_prompt_tokens:
+        return "decode"
+    last_hit = (num_prompt_tokens - 1) // block_size * block_size
+    if boundary == last_hit or (boundary // block_size) % interval == 0:
+        return "prompt"
+    return None
+
+
+def next_prompt_checkpoint(start: int, end: int, num_prompt_tokens: int, block_size: int,
+                           interval: int) -> int | None:
+    """The first prompt checkpoint boundary strictly inside `(start, end)`: a chunk that
+    spans one is cut there, so the state after the chunk is the boundary's."""
+    every = interval * block_size
+    last_hit = (num_prompt_tokens - 1) // block_size * block_size
+    candidates = ((start // every + 1) * every, last_hit)
+    inside = [b for b in candidates if start < b < min(end, num_prompt_tokens)]
+    return min(inside, default=None)

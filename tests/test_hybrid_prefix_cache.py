@@ -1,0 +1,85 @@
+"""Prefix caching for a hybrid model (Qwen3.5: Gated DeltaNet beside full attention): a hit
+resumes from a state checkpoint at a block boundary, with the attention blocks before it.
+
+Agent sessions must reuse their previous turn: each turn after the first finds at least 90%
+of the conversation it resends cached, and every output equals a run with the cache off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, Agents
+from engine_helpers import make_runner_and_scheduler
+
+from scheduler import Request, SamplingParams
+
+MIN_TURN_REUSE = 0.9
+
+
+def run_agents(model_dir, enable_prefix_caching: bool):
+    """Every turn's output ids and cached prompt tokens, and each turn's previous
+    conversation length (the tokens a turn may reuse), by request id."""
+    runner, scheduler = make_runner_and_scheduler(
+        model_dir, num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS,
+        max_num_batched_tokens=512, max_model_len=2048,
+        enable_prefix_caching=enable_prefix_caching,
+    )  # fmt: skip
+    previous: dict[str, int] = {}
+
+    def add(request_id: str, prompt: list[int]) -> None:
+        scheduler.add_request(Request(request_id, prompt, PARAMS, eos_token_ids=(2,)))
+
+    agents = Agents(add, np.random.default_rng(5))
+    agents.start(agents.tokens(SYSTEM_LEN))
+    outputs, cached = {}, {}
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        for update in scheduler.update(out, runner.execute(out)):
+            request = update.request
+            if update.finish_reason is None:
+                continue
+            rid = request.request_id
+            outputs[rid], cached[rid] = request.output_token_ids, request.num_cached_tokens
+            session, turn = rid.split("-")
+            previous[f"{session}-t{int(turn[1:]) + 1}"] = request.num_tokens
+            agents.next_turn(rid, request.all_token_ids)
+    assert scheduler.states.num_free_slots == scheduler.config.num_state_slots
+    assert scheduler.pool.num_free_blocks == scheduler.pool.num_blocks
+    return outputs, cached, previous
+
+
+def test_agent_turns_resume_from_checkpoints_and_answer_as_without_the_cache(tiny_hybrid):
+    path = tiny_hybrid[1]
+    outputs, cached, previous = run_agents(path, enable_prefix_caching=True)
+    reuse = {rid: cached[rid] / previous[rid] for rid in outputs if rid in previous}
+    print(f"\nhybrid agents: each turn reuses {min(reuse.values()):.1%} or more of the "
+          f"conversation before it ({sum(cached.values())} prompt tokens cached)")
+    assert len(reuse) == SESSIONS * 3
+    assert min(reuse.values()) >= MIN_TURN_REUSE
+    uncached, none_cached, _ = run_agents(path, enable_prefix_caching=False)
+    assert not any(none_cached.values())
+    assert outputs == uncached
+
+
+def test_a_resent_prompt_resumes_at_its_last_full_block(tiny_hybrid):
+    """The second of two equal prompts (a retry, or `n > 1`) starts from the first's
+    checkpoint at the end of its last full block, and writes the same tokens."""
+    runner, scheduler = make_runner_and_scheduler(tiny_hybrid[1], num_blocks=64,
+                                                  block_size=BLOCK, max_num_seqs=2)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 128, size=5 * BLOCK + 3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first, second = (Request(rid, prompt, params) for rid in ("a", "b"))
+
+    def run(request: Request) -> list[tuple[int, int]]:
+        scheduler.add_request(request)
+        restores = []
+        while scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            restores += out.state_plan.restores
+            scheduler.update(out, runner.execute(out))
+        return restores
+
+    assert run(first) == []
+    assert len(run(second)) == 1
+    assert second.num_cached_tokens == 5 * BLOCK
+    assert second.output_token_ids == first.output_token_ids

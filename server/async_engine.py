@@ -37,7 +37,15 @@ log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    """The engine failed while running a request, or stopped; the request cannot finish."""
+    """The engine failed while running a request, or stopped; the request cannot finish.
+
+    `public` is what the client is told; `str()` adds the cause's repr, for the server's own
+    use. A cause's text may quote the prompt, so no client sees it (the log has it).
+    """
+
+    def __init__(self, public: str, cause: BaseException | None = None) -> None:
+        super().__init__(public if cause is None else f"{public}: {cause!r}")
+        self.public = public if cause is None else f"{public}; the server log has the details."
 
 
 class QueueFull(RuntimeError):
@@ -317,7 +325,7 @@ class AsyncEngine:
                 self._iterate(adds, aborts, abort_everything)
             except Exception as exc:  # a bug outside any one request: fail the live ones
                 log.exception("the engine loop failed; failing %d requests", len(self._streams))
-                self._fail_all(EngineError(f"The engine failed: {exc!r}"))
+                self._fail_all(EngineError("The engine failed", exc))
         self._fail_all(EngineError("The server is shutting down; retry on a running server."))
         try:
             self.engine.close()
@@ -364,7 +372,7 @@ class AsyncEngine:
         except Exception as exc:
             log.exception("engine.add_request failed for %s", add.request_id,
                           extra={"request_id": add.stream.log_id})  # fmt: skip
-            add.stream.put(EngineError(f"The engine could not add the request: {exc!r}"))
+            add.stream.put(EngineError("The engine could not add the request", exc))
             return
         self._streams[add.request_id] = add.stream
         self._stalled = False
@@ -374,7 +382,7 @@ class AsyncEngine:
             return self.engine.step()
         except Exception as exc:
             log.exception("engine step failed; failing its %d requests", len(self._streams))
-            self._fail_all(EngineError(f"The engine failed while generating: {exc!r}"))
+            self._fail_all(EngineError("The engine failed while generating", exc))
             self._stalled = True
             return []
 
@@ -392,7 +400,7 @@ class AsyncEngine:
                           extra={"request_id": stream.log_id})  # fmt: skip
             self._streams.pop(output.request_id, None)
             self._abort_in_engine(output.request_id, stream)
-            stream.put(EngineError(f"The server could not deliver the output: {exc!r}"))
+            stream.put(EngineError("The server could not deliver the output", exc))
 
     def _abort_live(self) -> None:
         streams, self._streams = self._streams, {}

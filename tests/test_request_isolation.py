@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from fake_engine import CharTokenizer, ScriptedEngine
 from server_helpers import running_app, running_server, small_engine
 from victim import GAP_BOUND_S, Victim
@@ -79,18 +80,64 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(default_model_dir):
     assert after.status_code == 200
 
 
+SECRET = "my secret PIN 1234"
+
+
 class _LeakyTokenizer(CharTokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise RuntimeError(f"cannot encode {text!r}")
+
+
+class _LeakyAddEngine(ScriptedEngine):
+    """Refuses every request with an error that quotes its prompt."""
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
+        raise RuntimeError(f"cannot take {self.tokenizer.decode(prompt_token_ids)!r}")
+
+
+class _LeakyStepEngine(ScriptedEngine):
+    """Says its first piece, then fails the step with an error that quotes the prompt."""
+
+    def step(self):
+        if any(sent for _, sent in self.live.values()):
+            raise RuntimeError(f"the step broke on {list(self.prompts.values())!r}")
+        return super().step()
+
+
+# Each API's request and where its body's error message is, one stream-less, one streamed.
+LEAK_REQUESTS = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SECRET}]}),
+    ("/v1/completions", {"prompt": SECRET}),
+    ("/v1/responses", {"input": SECRET}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": SECRET}]}),
+]
 
 
 def test_a_500_body_says_nothing_of_the_request():
     engine = ScriptedEngine(["Hi"], _LeakyTokenizer())
     with running_server(engine) as url:
         answer = httpx.post(f"{url}/v1/completions", timeout=30,
-                            json={"model": "m", "prompt": "my secret PIN 1234"})  # fmt: skip
+                            json={"model": "m", "prompt": SECRET})  # fmt: skip
     assert answer.status_code == 500
     assert "1234" not in answer.text and "server log" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("engine_class", [_LeakyAddEngine, _LeakyStepEngine])
+def test_an_engine_failure_tells_no_client_its_prompt(engine_class):
+    """The engine's error (which may quote the prompt) reaches the log, not the client: a
+    generic 500 in each API's shape, or a generic error event once a stream began."""
+    with running_server(engine_class(["Hello", " there"])) as url:
+        for path, fields in LEAK_REQUESTS:
+            body = {"model": "m", "max_tokens": 8, **fields}
+            whole = httpx.post(f"{url}{path}", json=body, timeout=30)
+            assert whole.status_code == 500, (path, whole.text)
+            assert "1234" not in whole.text, (path, whole.text)
+            error = whole.json()["error"]
+            assert "server log has the details" in error["message"], (path, error)
+            assert error["type"] == ("api_error" if path == "/v1/messages" else "server_error")
+            streamed = httpx.post(f"{url}{path}", json={**body, "stream": True}, timeout=30)
+            assert "1234" not in streamed.text, (path, streamed.text)
+            assert "server log has the details" in streamed.text, (path, streamed.text)
 
 
 def test_logit_bias_floods_are_refused_and_full_ones_spare_the_others(default_model_dir):

@@ -179,4 +179,4 @@ async def consume(turn: Turn, on_event: Callable[[TurnEvent], object]) -> None:
             async for event in turn.events:
                 on_event(event)
     except EngineError as exc:
-        raise APIError(str(exc), status_code=500) from exc
+        raise generation.engine_failure(exc) from exc

@@ -96,7 +96,7 @@ async def start_prompts(
         if isinstance(exc, ValueError):
             raise APIError(str(exc)) from exc
         if isinstance(exc, EngineError):
-            raise APIError(str(exc), status_code=500) from exc
+            raise engine_failure(exc) from exc
         raise
     return _merge([
         _prepend(first.result(), s) for first, s in zip(firsts, streams, strict=True)
@@ -142,6 +142,12 @@ async def _merge(streams: list[Outputs]) -> Choices:
         await _close(nexts, streams)
 
 
+def engine_failure(exc: EngineError) -> APIError:
+    """The 500 for a request the engine failed: the error's public text only, since its
+    cause's text may quote the prompt (the server log has it)."""
+    return APIError(exc.public, status_code=500)
+
+
 def request_failure(error: str | None = None) -> APIError:
     """The 400 for a request that failed on its own (finish_reason "error"): its grammar
     broke while generating, which the schema it came from decides. `error` says how."""
@@ -164,7 +170,7 @@ async def collect(choices: Choices, count: int) -> list[list[RequestOutput]]:
                     raise request_failure(output.error)
                 outputs[index].append(output)
     except EngineError as exc:
-        raise APIError(str(exc), status_code=500) from exc
+        raise engine_failure(exc) from exc
     return outputs
 
 
@@ -198,7 +204,7 @@ async def sse_stream(
         if usage_chunk is not None and lasts:
             yield sse(usage_chunk(usage_of([lasts[i] for i in sorted(lasts)], n)))
     except EngineError as exc:
-        yield sse(APIError(str(exc), status_code=500).body())
+        yield sse(engine_failure(exc).body())
     yield DONE
 
 

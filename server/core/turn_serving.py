@@ -76,7 +76,7 @@ async def _stream(turn: Turn, builder: OutputBuilder) -> AsyncIterator[str]:
                 for event in builder.add(turn_event):
                     yield sse(event, event["type"])
     except EngineError as exc:
-        for event in builder.fail(str(exc)):
+        for event in builder.fail(generation.engine_failure(exc).message):
             yield sse(event, event["type"])
 
 

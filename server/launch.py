@@ -37,7 +37,7 @@ _QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
-    configure_logging(args.log_level, args.log_format)
+    configure_logging(args.log_level, args.log_format, args.log_prompts)
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)  # before anything imports transformers
     try:

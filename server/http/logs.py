@@ -5,6 +5,10 @@ response's `X-Request-Id`, and is stamped on every record logged while the reque
 (uvicorn's access line included). The engine thread logs with `extra={"request_id": ...}`.
 No two requests in flight share an id: a client's id already in use gets a random suffix,
 so one client cannot pass its log lines off as another's.
+
+Without `--log-prompts` a logged exception keeps its type and its frames but not its message
+(`WithholdExceptionText`): the message of an error raised while handling a request may quote
+what the client sent.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import traceback
 import uuid
 from contextvars import ContextVar
-from typing import Literal
+from typing import IO, Literal
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -50,18 +55,79 @@ class JsonFormatter(logging.Formatter):
             "request_id": getattr(record, "request_id", "-"),
             "message": record.getMessage(),
         }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            entry["exception"] = record.exc_text
         return json.dumps(entry)
 
 
-def configure_logging(level: str, log_format: LogFormat = "text") -> None:
-    """Route every logger (uvicorn's too, which must then run with `log_config=None`) to one
-    stderr handler that stamps request ids."""
-    handler = logging.StreamHandler()
+_WITHHELD = "(message withheld: it may quote a request; --log-prompts logs it)"
+
+
+class WithholdExceptionText(logging.Filter):
+    """Log an exception's type and frames, not its message, nor those of its causes: one
+    raised while serving a request (a tokenizer's, the engine's) may quote the prompt. The
+    record keeps the text in `exc_text`, which formatters print in place of `exc_info`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            record.exc_text = withheld_traceback(record.exc_info[1]).rstrip("\n")
+            record.exc_info = None
+        return True
+
+
+def withheld_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback as Python prints it, causes first, with each message withheld."""
+    lines: list[str] = []
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        frames = traceback.format_list(traceback.extract_tb(chain.__traceback__))
+        head = ["Traceback (most recent call last):\n"] if frames else []
+        lines[:0] = [*head, *frames, f"{_type_name(chain)}: {_WITHHELD}\n"]
+        if chain.__cause__ is not None:
+            chain = chain.__cause__
+            lines.insert(0, f"\n{_CAUSE}\n\n")
+        elif chain.__context__ is not None and not chain.__suppress_context__:
+            chain = chain.__context__
+            lines.insert(0, f"\n{_CONTEXT}\n\n")
+        else:
+            chain = None
+    return "".join(lines).lstrip("\n")
+
+
+def _type_name(exc: BaseException) -> str:
+    kind = type(exc)
+    module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    return module + kind.__qualname__
+
+
+_CAUSE = "The above exception was the direct cause of the following exception:"
+_CONTEXT = "During handling of the above exception, another exception occurred:"
+
+
+def log_handler(
+    log_format: LogFormat = "text", log_prompts: bool = False, stream: IO[str] | None = None
+) -> logging.Handler:
+    """The server's handler: stamps request ids, formats as asked, and withholds exception
+    messages unless the operator asked for prompts in the log. `stream`: stderr if None."""
+    handler = logging.StreamHandler(stream)
     handler.addFilter(RequestIdFilter())
+    if not log_prompts:
+        handler.addFilter(WithholdExceptionText())
     formatter = JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)
     handler.setFormatter(formatter)
+    return handler
+
+
+def configure_logging(
+    level: str, log_format: LogFormat = "text", log_prompts: bool = False
+) -> None:
+    """Route every logger (uvicorn's too, which must then run with `log_config=None`) to one
+    stderr handler (`log_handler`)."""
+    handler = log_handler(log_format, log_prompts)
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 

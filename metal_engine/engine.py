@@ -29,16 +29,31 @@ log = logging.getLogger(__name__)
 
 
 def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector | None:
-    """The disk tier of the prefix cache, if `--kv-cache-dir` asks for one."""
+    """The disk tier of the prefix cache, if `--kv-cache-dir` asks for one: blocks and, for a
+    hybrid model, its state checkpoints (within the same size, in proportion)."""
     if config.kv_cache_dir is None:
         return None
-    layout = BlockLayout(cache.shapes, cache.block_size,
-                         str(cache.dtype).removeprefix("mlx.core."))
-    store = KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout), layout,
-                        config.kv_cache_dir_size)
+    dtype = str(cache.dtype).removeprefix("mlx.core.")
+    layout = BlockLayout(cache.shapes, cache.block_size, dtype)
+    size, state_store = config.kv_cache_dir_size, None
+    if cache.states is not None:
+        state_layout = cache.states.layout()
+        state_size = int(size * STATE_DISK_SHARE)
+        state_store = _disk_store(config, state_layout, max(state_size, state_layout.file_bytes))
+        size -= state_size
+    store = _disk_store(config, layout, size)
     log.info("KV disk cache: %d blocks (%.1f MiB) in %s", store.num_blocks,
              store.used_bytes / 2**20, store.root)
-    return KVDiskConnector(store, cache)
+    return KVDiskConnector(store, cache, state_store, cache.states)
+
+
+# The share of --kv-cache-dir-size that a hybrid model's state checkpoints may fill.
+STATE_DISK_SHARE = 0.25
+
+
+def _disk_store(config: EngineConfig, layout, size: int) -> KVDiskStore:
+    return KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout), layout,
+                       size)
 
 
 class LLMEngine:
@@ -186,7 +201,9 @@ class LLMEngine:
             return
         if self._in_flight is not None:
             self._in_flight.sampled()  # its K/V writes must land first
-        self.kv_connector.close(self.scheduler.pool.cached_blocks())
+        states = self.scheduler.states
+        self.kv_connector.close(self.scheduler.pool.cached_blocks(),
+                                states.checkpoints() if states is not None else ())
 
     def _samples_behind_pending_history(self, scheduled: SchedulerOutput) -> bool:
         """Whether a request that reads its earlier tokens on the host to sample (penalties, a

@@ -95,13 +95,13 @@ class KVCache:
         # [n, features of every pool]; bit-cast so numpy takes any dtype
         blocks = mx.concatenate([pool[index].reshape(len(block_ids), -1)
                                  for pool in self.k + self.v], axis=1)
-        raw = np.asarray(blocks.view(_BITS[self.dtype.size][0]))
+        raw = np.asarray(blocks.view(RAW_BITS[self.dtype.size][0]))
         return [raw[i].tobytes() for i in range(len(block_ids))]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
         n = len(block_ids)
-        raw = np.frombuffer(b"".join(payloads), _BITS[self.dtype.size][1]).reshape(n, -1)
+        raw = np.frombuffer(b"".join(payloads), RAW_BITS[self.dtype.size][1]).reshape(n, -1)
         blocks = mx.array(raw).view(self.dtype)
         sizes = [self.block_size * heads * dim for heads, dim in self.shapes] * 2
         parts = mx.split(blocks, list(itertools.accumulate(sizes))[:-1], axis=1)
@@ -114,7 +114,7 @@ class KVCache:
 
 
 # Unsigned ints of each element size (MLX, numpy): blocks travel as raw bits.
-_BITS = {4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16)}
+RAW_BITS = {4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16)}
 
 
 def bytes_per_block(shapes: Sequence[PoolShape], block_size: int, dtype: mx.Dtype) -> int:

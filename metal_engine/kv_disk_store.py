@@ -1,11 +1,13 @@
-"""Full KV blocks on disk, keyed by block hash, so a restarted server can reload them.
+"""Full KV blocks on disk, keyed by block hash, so a restarted server can reload them; and,
+for hybrid models, recurrent-state checkpoints keyed the same way, in a namespace of their own.
 
     directory/<identity>/<hash[:2]>/<hash>.kvb      one file per block: header, then payload
 
     header (little-endian, HEADER.size bytes, every field checked on load):
-        magic | format version | dtype code | num_pools | block_size | features per slot
+        magic | format version | dtype code | three sizes from the layout
         | payload length | blake2b(block hash + payload)
-    payload: K and V of every pool, as the caller packed them (payload_bytes long)
+    payload: K and V of every pool, as the caller packed them (payload_bytes long); for a
+        checkpoint, each layer's conv state then recurrent state
 
 The identity names the model, weights and layout, so a changed model never sees another's K/V.
 A file that fails any check is deleted and reported as a miss: the cache is an optimization,
@@ -73,8 +75,43 @@ class BlockLayout:
     def file_bytes(self) -> int:
         return HEADER.size + self.payload_bytes
 
+    def header_sizes(self) -> tuple[int, int, int]:
+        return len(self.pools), self.block_size, self.slot_features
 
-def model_identity(model_dir: Path, layout: BlockLayout) -> str:
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What one recurrent-state checkpoint's payload holds: per layer a conv state of
+    `conv_values` values in `dtype`, then a float32 recurrent state of `recurrent_values`."""
+
+    num_layers: int
+    conv_values: int
+    recurrent_values: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(
+                f"state dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPE_CODES)}"
+            )
+
+    @property
+    def payload_bytes(self) -> int:
+        layer = self.conv_values * DTYPE_SIZES[self.dtype] + self.recurrent_values * 4
+        return self.num_layers * layer
+
+    @property
+    def file_bytes(self) -> int:
+        return HEADER.size + self.payload_bytes
+
+    def header_sizes(self) -> tuple[int, int, int]:
+        return self.num_layers, self.conv_values, self.recurrent_values
+
+
+Layout = BlockLayout | StateLayout
+
+
+def model_identity(model_dir: Path, layout: Layout) -> str:
     """Hex digest naming the cache namespace of this model, its weights and the block layout.
 
     Weights count by name, size and mtime (hashing GBs would slow startup): a reconverted model
@@ -83,7 +120,7 @@ def model_identity(model_dir: Path, layout: BlockLayout) -> str:
     model_dir = Path(model_dir)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"metal-serve kv cache v{FORMAT_VERSION}\0".encode())
-    h.update(repr(sorted(asdict(layout).items())).encode())
+    h.update(repr(sorted(asdict(layout).items())).encode())  # the two layouts' keys differ
     h.update((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.glob("*.safetensors")):
         stat = path.stat()
@@ -100,7 +137,7 @@ class KVDiskStore:
     adds after startup are not seen.
     """
 
-    def __init__(self, directory: Path, identity: str, layout: BlockLayout,
+    def __init__(self, directory: Path, identity: str, layout: Layout,
                  max_bytes: int) -> None:
         if max_bytes < layout.file_bytes:
             raise ValueError(
@@ -173,9 +210,8 @@ class KVDiskStore:
     def _header(self, block_hash: bytes, payload: memoryview) -> bytes:
         layout = self.layout
         return HEADER.pack(
-            MAGIC, FORMAT_VERSION, DTYPE_CODES[layout.dtype], len(layout.pools),
-            layout.block_size, layout.slot_features, layout.payload_bytes,
-            _checksum(block_hash, payload),
+            MAGIC, FORMAT_VERSION, DTYPE_CODES[layout.dtype], *layout.header_sizes(),
+            layout.payload_bytes, _checksum(block_hash, payload),
         )
 
     def _write(self, block_hash: bytes, payload: memoryview) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from metal_engine.kv_cache import RAW_BITS
+from metal_engine.kv_disk_store import StateLayout
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 
 # Checkpoints for prefix hits take at most this share of the cache budget, and at most two
@@ -73,6 +75,41 @@ class RecurrentStates:
             conv[target] = conv[source]
             recurrent[target] = recurrent[source]
             self.put(index, conv, recurrent)
+
+    def layout(self) -> StateLayout:
+        """What `read_slots` gives per slot, as the disk tier describes it."""
+        cfg = self.cfg
+        return StateLayout(len(self.conv), (cfg.conv_kernel_size - 1) * cfg.conv_dim,
+                           cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim,
+                           str(self.dtype).removeprefix("mlx.core."))
+
+    def read_slots(self, slots: list[int]) -> list[bytes]:
+        """Each slot's conv then recurrent state of every layer, as raw bytes (waits for
+        pending writes); the disk tier's checkpoint payloads."""
+        index = mx.array(slots)
+        parts = [np.asarray(pool[index].reshape(len(slots), -1).view(RAW_BITS[pool.dtype.size][0]))
+                 .view(np.uint8) for layer in zip(self.conv, self.recurrent, strict=True)
+                 for pool in layer]  # fmt: skip
+        raw = np.concatenate(parts, axis=1)
+        return [raw[i].tobytes() for i in range(len(slots))]
+
+    def write_slots(self, slots: list[int], payloads: list[bytes]) -> None:
+        """Overwrite slots with contents `read_slots` gave, in place, with the next step."""
+        n, cfg = len(slots), self.cfg
+        raw = np.frombuffer(b"".join(payloads), np.uint8).reshape(n, -1)
+        shapes = ((cfg.conv_kernel_size - 1, cfg.conv_dim),
+                  (cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim))
+        index, offset = mx.array(slots), 0
+        for layer in range(len(self.conv)):
+            conv, recurrent = self.take(layer)
+            pools = []
+            for pool, shape in zip((conv, recurrent), shapes, strict=True):
+                size = int(np.prod(shape)) * pool.dtype.size
+                bits = raw[:, offset : offset + size].copy().view(RAW_BITS[pool.dtype.size][1])
+                pool[index] = mx.array(bits.reshape(n, *shape)).view(pool.dtype)
+                pools.append(pool)
+                offset += size
+            self.put(layer, *pools)
 
     def take(self, index: int) -> tuple[mx.array, mx.array]:
         conv, recurrent = self.conv[index], self.recurrent[index]

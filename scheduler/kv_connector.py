@@ -8,6 +8,9 @@ connector carries out around the step:
     before the step:  save   pool block -> tier     (an evicted block is about to be reused)
                       load   staged payload -> pool (a request admitted over it)
     after launching:  read   tier -> staging        (a waiting request needs it next step)
+
+Hybrid models' recurrent-state checkpoints (scheduler.state_cache) move the same way, between
+state slots and the tier, keyed by the hash of the block they end at.
 """
 
 from __future__ import annotations
@@ -26,10 +29,14 @@ class KVTransferPlan:
     saves: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash)
     loads: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash)
     reads: list[BlockHash] = field(default_factory=list)
+    state_saves: list[tuple[int, BlockHash]] = field(default_factory=list)  # (slot, hash)
+    state_loads: list[tuple[int, BlockHash]] = field(default_factory=list)  # (slot, hash)
+    state_reads: list[BlockHash] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads or self.reads)
+        return not (self.saves or self.loads or self.reads or self.state_saves
+                    or self.state_loads or self.state_reads)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,15 @@ class TierLookup:
 
     ready: list[BlockHash]
     unread: list[BlockHash]
+    # Hybrid models: the hash of the block whose state checkpoint the request resumes from,
+    # when the tier holds it (None: the pool does, or no checkpoint is needed), and whether it
+    # is still on disk.
+    checkpoint: BlockHash | None = None
+    checkpoint_unread: bool = False
+
+    @property
+    def is_ready(self) -> bool:
+        return not (self.unread or self.checkpoint_unread)
 
 
 class KVConnectorScheduler(Protocol):
@@ -51,14 +67,25 @@ class KVConnectorScheduler(Protocol):
         """Of `hashes` (a request's uncached prefix, in chain order), the leading run the tier
         holds. Marks the ready ones as wanted this step; changes nothing else."""
 
-    def read_ahead(self, hashes: Sequence[BlockHash]) -> None:
-        """Queue `hashes` to be read into memory after this step launches."""
+    def find_checkpoint(self, block_hash: BlockHash) -> str | None:
+        """Whether the tier holds the state checkpoint of `block_hash`: "ready" (read into
+        memory: marked as wanted this step), "unread", or None."""
+
+    def read_ahead(self, lookup: TierLookup) -> None:
+        """Queue what `lookup` found unread to be read into memory after this step launches."""
 
     def load(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
         """Queue ready blocks to be written into these freshly allocated pool block ids."""
 
+    def load_checkpoint(self, slot: int, block_hash: BlockHash) -> None:
+        """Queue a ready checkpoint to be written into this state slot."""
+
     def block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         """The pool is reusing a cached block: queue it to be saved unless the tier has it."""
+
+    def checkpoint_evicted(self, slot: int, block_hash: BlockHash) -> None:
+        """A state checkpoint is being dropped or its slot reused: queue it to be saved
+        unless the tier has it."""
 
     def take_plan(self) -> KVTransferPlan:
         """This step's queued moves; the queues start empty again. Drops staged payloads that

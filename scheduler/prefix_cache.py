@@ -76,23 +76,36 @@ class PrefixCache:
             if block_id is None:
                 break
             hits.append(block_id)
-        if self.states is not None:
-            hits = hits[: self._last_checkpoint(request, len(hits))]
         return hits
 
-    def _last_checkpoint(self, request: Request, num_blocks: int) -> int:
-        """The most leading blocks, up to `num_blocks`, whose end has a state checkpoint."""
-        for count in range(num_blocks, 0, -1):
-            if self.states.has(request.block_hashes[count - 1]):
-                return count
-        return 0
+    def lookup_stored(self, request: Request,
+                      hits: list[int]) -> tuple[list[int], TierLookup]:
+        """The pool `hits` (from `match`) and the tier's blocks right after them (see
+        `KVConnectorScheduler.lookup`); for a hybrid model both cut to end at the last block
+        with a state checkpoint, in the pool or the tier."""
+        stored = TierLookup([], [])
+        if self.store is not None:
+            stored = self.store.lookup(request.block_hashes[len(hits) : self._max_blocks(request)])
+        if self.states is None:
+            return hits, stored
+        return self._cut_to_checkpoint(request, hits, stored)
 
-    def lookup_stored(self, request: Request, num_hits: int) -> TierLookup:
-        """The tier's blocks right after the first `num_hits` (see `KVConnectorScheduler.lookup`).
-        Call after `match`."""
-        if self.store is None or self.states is not None:  # no checkpoints on disk yet
-            return TierLookup([], [])
-        return self.store.lookup(request.block_hashes[num_hits : self._max_blocks(request)])
+    def _cut_to_checkpoint(self, request: Request, hits: list[int],
+                           stored: TierLookup) -> tuple[list[int], TierLookup]:
+        found = len(hits) + len(stored.ready) + len(stored.unread)
+        for count in range(found, 0, -1):
+            block_hash = request.block_hashes[count - 1]
+            in_tier = None
+            if not self.states.has(block_hash):
+                in_tier = self.store.find_checkpoint(block_hash) if self.store else None
+                if in_tier is None:
+                    continue
+            num_stored = max(count - len(hits), 0)
+            ready = stored.ready[:num_stored]
+            unread = stored.unread[: num_stored - len(ready)]
+            return hits[:count], TierLookup(ready, unread, block_hash if in_tier else None,
+                                            in_tier == "unread")  # fmt: skip
+        return [], TierLookup([], [])
 
     def take(self, request: Request, hits: list[int], stored: Sequence[BlockHash] = ()) -> None:
         """Give a request with no blocks the `hits` blocks, then fresh blocks for the `stored`

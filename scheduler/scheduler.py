@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
-from scheduler.kv_connector import KVConnectorScheduler, KVTransferPlan
+from scheduler.kv_connector import KVConnectorScheduler, KVTransferPlan, TierLookup
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
@@ -85,7 +85,8 @@ class Scheduler:
         self.states = None
         if config.num_state_slots:
             interval = config.state_checkpoint_interval if config.enable_prefix_caching else None
-            self.states = StateCache(config.num_state_slots, config.block_size, interval)
+            self.states = StateCache(config.num_state_slots, config.block_size, interval,
+                                     self.connector)
         self.pool = BlockPool(config.num_blocks, on_evict=self._block_evicted)
         self.prefix_cache = PrefixCache(self.pool, config.block_size,
                                         config.enable_prefix_caching, self.connector,
@@ -216,14 +217,14 @@ class Scheduler:
             hits = self.prefix_cache.match(request)
             if self._next_block_in_flight(request, hits, in_flight):
                 continue
-            stored = self.prefix_cache.lookup_stored(request, len(hits))
+            hits, stored = self.prefix_cache.lookup_stored(request, hits)
             if not self._can_admit(request, hits, len(stored.ready) + len(stored.unread), budget):
                 return
-            if stored.unread:  # read only once it fits; a block that fails to read is computed
-                self.connector.read_ahead(stored.unread)
+            if not stored.is_ready:  # read once it fits; a block that fails to read is computed
+                self.connector.read_ahead(stored)
                 continue
             num_new = self._num_new(request, len(hits) + len(stored.ready), budget)
-            self._admit(request, hits, stored.ready, num_new, out)
+            self._admit(request, hits, stored, num_new, out)
             in_flight.update(request.block_hashes[request.num_hashed_blocks :])
             budget -= num_new
 
@@ -239,13 +240,14 @@ class Scheduler:
         hashes = request.block_hashes
         return len(hits) < len(hashes) and hashes[len(hits)] in in_flight
 
-    def _admit(self, request: Request, hits: list[int], stored: list[BlockHash], num_new: int,
+    def _admit(self, request: Request, hits: list[int], stored: TierLookup, num_new: int,
                out: SchedulerOutput) -> None:
-        self.prefix_cache.take(request, hits, stored)
+        self.prefix_cache.take(request, hits, stored.ready)
         reserved = self._reserve_blocks(request, num_new)
         assert reserved, "_can_admit counted the blocks"
         if self.states is not None:
-            self.states.start(request, len(hits) + len(stored))
+            self.states.start(request, len(hits) + len(stored.ready),
+                              from_tier=stored.checkpoint is not None)
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

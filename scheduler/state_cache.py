@@ -27,6 +27,7 @@ from scheduler.block_pool import BlockPool
 from scheduler.prefix_hash import BlockHash
 
 if TYPE_CHECKING:
+    from scheduler.kv_connector import KVConnectorScheduler
     from scheduler.request import Request
 
 
@@ -64,12 +65,14 @@ class StateCache:
     flight) or free; a free id may keep a checkpoint's hash. Single-threaded (the scheduler).
     """
 
-    def __init__(self, num_slots: int, block_size: int, interval: int | None) -> None:
+    def __init__(self, num_slots: int, block_size: int, interval: int | None,
+                 tier: KVConnectorScheduler | None = None) -> None:
         """`interval`: blocks between the checkpoints of a long prompt; None saves none (no
-        prefix caching)."""
+        prefix caching). `tier`: the KV tier past memory, which keeps dropped checkpoints."""
         if interval is not None and interval < 1:
             raise ValueError(f"the state checkpoint interval must be at least 1, got {interval}")
-        self.pool = BlockPool(num_slots)
+        self.tier = tier
+        self.pool = BlockPool(num_slots, on_evict=tier.checkpoint_evicted if tier else None)
         self.block_size, self.interval = block_size, interval
         self.plan = StatePlan()
 
@@ -82,14 +85,17 @@ class StateCache:
 
     # -- a request's slots ---------------------------------------------------------------------
 
-    def start(self, request: Request, num_cached_blocks: int) -> None:
+    def start(self, request: Request, num_cached_blocks: int, from_tier: bool = False) -> None:
         """Give an admitted request a live slot, restored before the step from the checkpoint
-        at the end of its `num_cached_blocks` cached blocks (the prefix cache matched it).
-        The caller checked that a slot is free."""
-        source = None
-        if num_cached_blocks:
-            source = self.pool.lookup(request.block_hashes[num_cached_blocks - 1])
-            assert source is not None, "the prefix cache matched this checkpoint"
+        at the end of its `num_cached_blocks` cached blocks, which the prefix cache matched in
+        the pool or, `from_tier`, in the tier: that one is loaded into a checkpoint slot of
+        its own first, so requests admitted after it find it in the pool. The caller checked
+        that a slot is free."""
+        block_hash = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+        if from_tier:
+            self._load(block_hash)
+        source = None if block_hash is None else self.pool.lookup(block_hash)
+        if source is not None:
             self.pool.take_cached([source])  # most recently used: allocated last
             self.pool.free([source])
         slots = self.pool.allocate(1)
@@ -97,6 +103,15 @@ class StateCache:
         request.state_slot = slots[0]
         if source is not None:  # the slot may be the checkpoint's own: copying is then a no-op
             self.plan.restores.append((source, slots[0]))
+        elif from_tier:  # no slot was free for the checkpoint: straight into the live one
+            self.tier.load_checkpoint(slots[0], block_hash)
+
+    def _load(self, block_hash: BlockHash) -> None:
+        slots = self.pool.allocate(1)
+        if slots is not None:
+            self.pool.cache(slots[0], block_hash)
+            self.pool.free(slots)
+            self.tier.load_checkpoint(slots[0], block_hash)
 
     def cut(self, request: Request, start: int, num_new: int) -> int:
         """The tokens of a chunk from `start` cut to end at the first prompt checkpoint
@@ -147,8 +162,18 @@ class StateCache:
         request.state_slot, request.pending_saves = None, []
 
     def forget(self, block_hash: BlockHash) -> None:
-        """Drop the checkpoint of `block_hash`, if any (its block left the KV pool)."""
+        """Drop the checkpoint of `block_hash`, if any: its block left the KV pool (for the
+        tier, if there is one, as the checkpoint does)."""
+        slot = self.pool.lookup(block_hash)
+        if slot is None:
+            return
+        if self.tier is not None:
+            self.tier.checkpoint_evicted(slot, block_hash)
         self.pool.forget(block_hash)
+
+    def checkpoints(self) -> list[tuple[int, BlockHash]]:
+        """Every checkpoint held: (slot, hash)."""
+        return self.pool.cached_blocks()
 
     def take_plan(self) -> StatePlan:
         plan, self.plan = self.plan, StatePlan()

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from metal_engine.engine import LLMEngine
 from scheduler import SamplingParams
 
 BLOCK = 16
@@ -52,3 +53,17 @@ class Agents:
             return
         reusable = (len(history) - 1) // BLOCK * BLOCK
         self.submit(session, turn + 1, history + self.tokens(TOOL_RESULT_LEN), reusable)
+
+
+def run_turns(engine: LLMEngine, agents: Agents, prompts: dict[str, list[int]]
+              ) -> dict[str, list[int]]:
+    """Step until every submitted turn (and the turns they lead to) has finished; return
+    each turn's conversation: its prompt and answer."""
+    histories: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            rid = output.request_id
+            histories[rid] = histories.get(rid, prompts[rid]) + output.new_token_ids
+            if output.finished:
+                agents.next_turn(rid, histories[rid])
+    return histories

@@ -10,7 +10,7 @@ test restarts the engine halfway with an on-disk prefix cache and keeps the hits
 from __future__ import annotations
 
 import numpy as np
-from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, TURNS, Agents
+from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, TURNS, Agents, run_turns
 from engine_helpers import make_runner_and_scheduler
 
 from metal_engine.engine import LLMEngine
@@ -64,20 +64,6 @@ def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
         max_model_len=2048,
     ), connector)  # fmt: skip
     return LLMEngine(runner, scheduler, tokenizer, "tiny", kv_connector=connector)
-
-
-def run_turns(engine: LLMEngine, agents: Agents, prompts: dict[str, list[int]]
-              ) -> dict[str, list[int]]:
-    """Step until every submitted turn (and the turns they lead to) has finished; return
-    each turn's conversation: its prompt and answer."""
-    histories: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            rid = output.request_id
-            histories[rid] = histories.get(rid, prompts[rid]) + output.new_token_ids
-            if output.finished:
-                agents.next_turn(rid, histories[rid])
-    return histories
 
 
 def test_agent_sessions_keep_their_hits_across_a_restart_with_a_kv_cache_dir(

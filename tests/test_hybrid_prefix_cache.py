@@ -2,15 +2,20 @@
 resumes from a state checkpoint at a block boundary, with the attention blocks before it.
 
 Agent sessions must reuse their previous turn: each turn after the first finds at least 90%
-of the conversation it resends cached, and every output equals a run with the cache off.
+of the conversation it resends cached, and every output equals a run with the cache off; the
+same after a restart, from the blocks and checkpoints the first server left on disk.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, Agents
 from engine_helpers import make_runner_and_scheduler
 
+from metal_engine.config import EngineConfig
+from metal_engine.engine import LLMEngine
 from scheduler import Request, SamplingParams
 
 MIN_TURN_REUSE = 0.9
@@ -83,3 +88,65 @@ def test_a_resent_prompt_resumes_at_its_last_full_block(tiny_hybrid):
     assert len(run(second)) == 1
     assert second.num_cached_tokens == 5 * BLOCK
     assert second.output_token_ids == first.output_token_ids
+
+
+def hybrid_engine(model_dir, kv_dir, enable_prefix_caching: bool = True) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(
+        model_dir=model_dir, dtype="float32", max_num_seqs=SESSIONS, kv_cache_memory=64 << 20,
+        max_num_batched_tokens=512, max_model_len=2048, allow_long_max_model_len=True,
+        kv_cache_dir=kv_dir,
+        enable_prefix_caching=enable_prefix_caching,
+    ))  # fmt: skip
+
+
+def serve_turns(engine: LLMEngine, prompts: dict[str, list[int]], agents: Agents | None = None):
+    """Step until every submitted turn (and those they lead to, with `agents`) has finished;
+    return each turn's conversation (prompt and answer) and its cached prompt tokens."""
+    histories, cached = {}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            rid = output.request_id
+            histories[rid] = histories.get(rid, prompts[rid]) + output.new_token_ids
+            if output.finished:
+                cached[rid] = output.num_cached_tokens
+                if agents is not None:
+                    agents.next_turn(rid, histories[rid])
+    return histories, cached
+
+
+def test_a_restart_with_a_kv_cache_dir_resumes_conversations_from_disk(
+    tiny_hybrid, default_tokenizer, tmp_path
+):
+    served = tmp_path / "model"
+    shutil.copytree(tiny_hybrid[1], served)
+    default_tokenizer.save_pretrained(served)
+    prompts: dict[str, list[int]] = {}
+    engine = hybrid_engine(served, tmp_path / "kv")
+
+    def add(request_id: str, prompt: list[int]) -> None:
+        prompts[request_id] = prompt
+        engine.add_request(request_id, prompt, PARAMS)
+
+    first_half = Agents(add, np.random.default_rng(5), turns=2)
+    first_half.start(first_half.tokens(SYSTEM_LEN))
+    histories, _ = serve_turns(engine, prompts, first_half)
+    engine.close()
+
+    engine = hybrid_engine(served, tmp_path / "kv")  # the restart: nothing in memory
+    second_half = Agents(add, np.random.default_rng(6))
+    for session in range(SESSIONS):  # each conversation goes on where it stopped
+        second_half.next_turn(f"s{session}-t1", histories[f"s{session}-t1"])
+    resumed, cached = serve_turns(engine, prompts, second_half)
+    stats = engine.scheduler.prefix_cache.stats
+    reuse = {rid: cached[rid] / len(histories[rid.replace("-t2", "-t1")])
+             for rid in cached if rid.endswith("-t2")}
+    print(f"\nafter a restart: each conversation resumes {min(reuse.values()):.1%} or more "
+          f"cached, {stats.stored_hit_tokens} tokens loaded from disk")
+    assert len(reuse) == SESSIONS and min(reuse.values()) >= MIN_TURN_REUSE
+    assert stats.stored_hit_tokens > 0
+
+    engine = hybrid_engine(served, None, enable_prefix_caching=False)
+    for rid in resumed:
+        engine.add_request(rid, prompts[rid], PARAMS)
+    uncached, _ = serve_turns(engine, prompts)
+    assert resumed == uncached

@@ -7,7 +7,8 @@ GPT-OSS's checkpoints are stacked already but fused and `[in, out]`: `experts.ga
 `experts.down_proj [experts, inner, hidden]`, biases beside them; they are split and
 transposed into `experts.{gate,up,down}_proj.{weight,bias}`. Gemma 4's are fused but `[out,
 in]`: `experts.gate_up_proj [experts, 2 * inner, hidden]` (gate rows first) and
-`experts.down_proj [experts, hidden, inner]`."""
+`experts.down_proj [experts, hidden, inner]`. Qwen3.5-MoE's published checkpoints are fused as
+Gemma 4's (transformers saves them one tensor per expert); both become `switch_mlp.*`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class FusedExperts:
 
     transposed: bool
     interleaved: bool
+    module: str = "experts"  # where the split projections go, beside `experts`' block
 
     def split_shapes(self, name: str,
                      shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]] | None:
@@ -36,7 +38,7 @@ class FusedExperts:
         if parts is None:
             return None
         block, kind, bias = parts
-        prefix = f"{block}.experts"
+        prefix = f"{block}.{self.module}"
         if bias:
             experts, width = shape
             if kind == "down_proj":
@@ -67,6 +69,7 @@ _GATE_UP = ("gate_proj", "up_proj")
 FUSED_LAYOUTS = {
     "gpt_oss": FusedExperts(transposed=True, interleaved=True),
     "gemma4_text": FusedExperts(transposed=False, interleaved=False),
+    "qwen3_5_moe_text": FusedExperts(transposed=False, interleaved=False, module="switch_mlp"),
 }
 
 
@@ -78,12 +81,13 @@ def _fused_parts(name: str) -> tuple[str, str, bool] | None:
 
 def stacked_shapes(config: ModelConfig,
                    shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """`shapes` with each complete set of per-expert tensors replaced by its stack. A set
-    missing experts, or whose shapes differ, is an error naming it."""
+    """`shapes` with each fused expert tensor replaced by its parts and each complete set of
+    per-expert tensors by its stack. A set missing experts, or whose shapes differ, is an
+    error naming it."""
     fused = FUSED_LAYOUTS.get(config.model_type)
     if fused is not None:
-        return {new: shape for name, old in shapes.items()
-                for new, shape in (fused.split_shapes(name, old) or [(name, old)])}
+        shapes = {new: shape for name, old in shapes.items()
+                  for new, shape in (fused.split_shapes(name, old) or [(name, old)])}
     if config.moe is None:
         return shapes
     stacked, sets = expert_sets(shapes, config.moe.num_experts)
@@ -96,13 +100,13 @@ def stacked_shapes(config: ModelConfig,
 
 def stack_experts(config: ModelConfig,
                   tensors: Iterator[tuple[str, mx.array]]) -> Iterator[tuple[str, mx.array]]:
-    """The tensor stream with per-expert tensors held until their set is complete, then yielded
-    stacked; everything else passes straight through."""
+    """The tensor stream with fused expert tensors split, per-expert ones held until their set
+    is complete, then yielded stacked; everything else passes straight through."""
     fused = FUSED_LAYOUTS.get(config.model_type)
     if fused is not None:
-        for name, tensor in tensors:
-            yield from (fused.split(name, tensor) if _fused_parts(name) else [(name, tensor)])
-        return
+        tensors = (part for name, tensor in tensors
+                   for part in (fused.split(name, tensor) if _fused_parts(name)
+                                else [(name, tensor)]))
     if config.moe is None:
         yield from tensors
         return

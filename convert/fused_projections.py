@@ -9,9 +9,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from metal_engine.model_config import ModelConfig
-from metal_engine.models.gated_delta import unfuse_qwen3_next
-
-FUSED_SUFFIXES = ("in_proj_qkvz.weight", "in_proj_ba.weight")
+from metal_engine.weights import split_fused
 
 
 def unfused_shapes(config: ModelConfig,
@@ -36,9 +34,8 @@ def unfused_shapes(config: ModelConfig,
 def unfuse(config: ModelConfig,
            tensors: Iterator[tuple[str, mx.array]]) -> Iterator[tuple[str, mx.array]]:
     """The tensor stream with each fused projection split as it passes."""
+    if config.linear_attention is None:
+        yield from tensors
+        return
     for name, tensor in tensors:
-        if config.model_type == "qwen3_next" and name.endswith(FUSED_SUFFIXES):
-            yield from unfuse_qwen3_next({name: mx.array(tensor)},
-                                         config.linear_attention).items()
-        else:
-            yield name, tensor
+        yield from split_fused(name, tensor, config.linear_attention)

@@ -3,17 +3,18 @@ describes, and what llama.cpp's own converter changed in the weights.
 
 Mistral GGUFs carry the `llama` architecture (llama.cpp writes them so); they convert to
 `model_type: llama`, which computes the same. The MoE architectures' parts are in
-convert.gguf_moe.
+convert.gguf_moe, the hybrid linear-attention ones' (Qwen3.5, Qwen3-Next) in convert.gguf_hybrid.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from convert.gguf_hybrid import LINEAR_ATTENTION_NAMES, SHARED_EXPERT_NAMES, hybrid_keys
 from convert.gguf_moe import (
     EXPERT_NAMES,
     GLM_EXPERT_NAMES,
@@ -46,6 +47,7 @@ SANDWICH_NAMES = {
 QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 GLM_NAMES = {**COMMON_BLOCK_NAMES, **QK_NORM_NAMES, **GLM_EXPERT_NAMES,
              "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+HYBRID_NAMES = {**COMMON_BLOCK_NAMES, **QK_NORM_NAMES, **LINEAR_ATTENTION_NAMES}
 # llama.cpp scales Gemma's queries by hidden/heads instead of head_dim for the 27B models,
 # which it recognises by their layer count; the Hugging Face configs agree.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -58,11 +60,15 @@ class GgufArch:
     permutes_qk: bool = False  # llama.cpp interleaved q/k rows for its rope kernel
     norm_offset: float = 0.0  # llama.cpp stored Gemma's `1 + w` norm weights with the 1 added
     partial_rotary: bool = False  # rope.dimension_count is the rotated part of a head (GLM)
+    # Linear-attention layers, and the order llama.cpp stored their value heads in.
+    value_heads: Literal["grouped", "tiled"] | None = None
 
     def config_keys(self, arch: str, meta: Metadata, names: Collection[str],
                     layers: int) -> dict[str, Any]:
         """Config keys beyond the shared ones (experts, soft-capping, windows, Gemma's query
         scale); `names` are the file's tensors by Hugging Face name."""
+        if self.value_heads is not None:
+            return hybrid_keys(self.model_type, meta, names, layers)
         if self.model_type == "mixtral":
             return mixtral_keys(meta, names, layers)
         if self.model_type == "qwen3_moe":
@@ -102,6 +108,11 @@ ARCHS = {
     "glm4moe": GgufArch("glm4_moe", GLM_NAMES, partial_rotary=True),
     "gpt-oss": GgufArch("gpt_oss", {**COMMON_BLOCK_NAMES, **GPT_OSS_NAMES,
                                     "post_attention_norm": "post_attention_layernorm"}),
+    "qwen35": GgufArch("qwen3_5_text", HYBRID_NAMES, partial_rotary=True, value_heads="tiled"),
+    "qwen35moe": GgufArch("qwen3_5_moe_text", {**HYBRID_NAMES, **SHARED_EXPERT_NAMES},
+                          partial_rotary=True, value_heads="tiled"),
+    "qwen3next": GgufArch("qwen3_next", {**HYBRID_NAMES, **SHARED_EXPERT_NAMES},
+                          partial_rotary=True, value_heads="grouped"),
 }
 
 

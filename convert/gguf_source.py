@@ -1,5 +1,6 @@
 """Open a llama.cpp GGUF file as a ModelSource: dequantize, rename, undo llama.cpp's changes.
-MXFP4 expert stacks (gpt-oss) stay quantized, re-laid as MLX's mxfp4 (convert.gguf_mxfp4)."""
+MXFP4 expert stacks (gpt-oss) stay quantized, re-laid as MLX's mxfp4 (convert.gguf_mxfp4).
+Multi-token-prediction blocks (GLM-4.5's, Qwen3.5's) are left out."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from convert.fused_projections import unfuse, unfused_shapes
 from convert.gguf_archs import (
     ARCHS,
     GgufArch,
@@ -22,6 +24,7 @@ from convert.gguf_archs import (
     llama3_rope_scaling,
     rope_scaling,
 )
+from convert.gguf_hybrid import restore_hybrid
 from convert.gguf_mxfp4 import mlx_mxfp4
 from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
@@ -41,7 +44,8 @@ GLOBAL_NAMES = {
 }
 # Llama 3.x rope scaling as llama.cpp stores it: one divisor per rotary frequency.
 ROPE_FREQS = "rope_freqs.weight"
-NAME_RE = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+# The suffix is absent where the Hugging Face name has none (Qwen3.5's `A_log` is `ssm_a`).
+NAME_RE = re.compile(r"(?:blk\.(\d+)\.)?(\w+?)(?:\.(weight|bias))?")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 
 
@@ -56,7 +60,10 @@ def open_gguf(path: Path) -> ModelSource:
     tensors = {hf_name(t.name, arch): t for t in reader.tensors
                if t.name != ROPE_FREQS and not _beyond_layers(t.name, layers)}
     config = _config_from_metadata(reader, arch_name, arch, tensors, rope_freqs)
-    check_tensors({n: _hf_shape(t) for n, t in tensors.items()}, tensor_shapes(config))
+    expected = tensor_shapes(config)
+    found = unfused_shapes(config, {n: _hf_shape(t) for n, t in tensors.items()})
+    check_tensors({n: _squeezed_as(shape, expected.get(n)) for n, shape in found.items()},
+                  expected)
     quantized = _mxfp4_expert_stacks(tensors)
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     return ModelSource(
@@ -80,7 +87,7 @@ def hf_name(gguf_name: str, arch: GgufArch) -> str:
         return prefix + table[f"{match[2]}.{match[3]}"]
     if match is None or match[2] not in table:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no {arch.model_type} equivalent")
-    return f"{prefix}{table[match[2]]}.{match[3]}"
+    return prefix + table[match[2]] + (f".{match[3]}" if match[3] else "")
 
 
 def undo_rope_permutation(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -155,7 +162,7 @@ def _config_from_metadata(reader: GGUFReader, arch_name: str, arch: GgufArch,
     keys = dict(
         model_type=arch.model_type,
         hidden_size=hidden,
-        intermediate_size=required("feed_forward_length"),
+        intermediate_size=meta("feed_forward_length"),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=meta("attention.head_count_kv") or heads,
@@ -172,13 +179,30 @@ def _config_from_metadata(reader: GGUFReader, arch_name: str, arch: GgufArch,
         mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors,
     )
     keys.update(arch.config_keys(arch_name, meta, tensors, layers))  # may refine shared ones
+    if keys["intermediate_size"] is None:
+        required("feed_forward_length")  # raises, naming it
     return ModelConfig.from_dict(keys)
+
+
+def _squeezed_as(shape: tuple[int, ...], expected: tuple[int, ...] | None) -> tuple[int, ...]:
+    """`expected` where `shape` is it less its 1-wide dims (llama.cpp squeezes Qwen3.5's conv
+    weights), else `shape`."""
+    if expected is not None and [d for d in shape if d != 1] == [d for d in expected if d != 1]:
+        return expected
+    return shape
 
 
 def _read_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arch: GgufArch,
                   quantized: dict[str, QuantParams]) -> Iterator[tuple[str, Any]]:
-    for name, shape in tensor_shapes(config).items():
-        tensor = tensors[name]
+    """Every tensor of the layout; Qwen3-Next's fused `in_proj_ba` is split on the way."""
+    return unfuse(config, _restored_tensors(tensors, config, arch, quantized))
+
+
+def _restored_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arch: GgufArch,
+                      quantized: dict[str, QuantParams]) -> Iterator[tuple[str, Any]]:
+    expected = tensor_shapes(config)
+    for name, tensor in tensors.items():
+        shape = expected.get(name) or _hf_shape(tensor)
         module = name.removesuffix(".weight")
         if module in quantized:
             weight, scales = mlx_mxfp4(tensor.data, shape)
@@ -192,6 +216,8 @@ def _read_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arch: G
             weights = undo_rope_permutation(weights, config.num_key_value_heads)
         elif arch.norm_offset and name.endswith("norm.weight"):
             weights = weights - np.float32(arch.norm_offset)
+        elif arch.value_heads is not None:
+            weights = restore_hybrid(name, weights, config, arch.value_heads == "tiled")
         yield name, weights
 
 

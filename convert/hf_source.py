@@ -1,8 +1,14 @@
 """Open a Hugging Face model dir (config.json + safetensors + tokenizer files) as a ModelSource.
 
 Tensors pass through unchanged (the model classes use the Hugging Face names and layouts),
-except MoE experts, which are stacked (see convert.expert_stacking), and GPT-OSS's MXFP4 ones,
-which stay packed (see convert.mxfp4_experts).
+except MoE experts, which are stacked (see convert.expert_stacking), GPT-OSS's MXFP4 ones,
+which stay packed (see convert.mxfp4_experts), Qwen3-Next's fused projections, which are split,
+and float dirs in mlx-lm's hybrid layout, which are read back into Hugging Face's
+(metal_engine.weights.to_this_layout).
+
+Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
+speculative decoding: under its own names, laid out as the decoder layers are (experts
+stacked), and never quantized, since no module here owns it yet.
 """
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
 from metal_engine.model_config import TEXT_PARTS, text_part_config
-from metal_engine.weights import safetensors_files
+from metal_engine.weights import (
+    MTP_PREFIX,
+    from_mlx_lm_hybrid,
+    is_mlx_lm_hybrid,
+    safetensors_files,
+    text_model_name,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-TEXT_MODEL_PREFIX = "model.language_model."
 
 
 def open_hf_dir(path: Path) -> ModelSource:
@@ -46,9 +57,13 @@ def open_hf_dir(path: Path) -> ModelSource:
                                   text_part=config.get("model_type") in TEXT_PARTS)
     found = {target: shape for names in names_by_file.values()
              for target, shape in names.values()}
+    mlx_lm = model_config.linear_attention is not None and is_mlx_lm_hybrid(found)
     quantized = packed_modules(list(found))
-    laid_out = stacked_shapes(model_config, relaid_shapes(found))
-    check_tensors(unfused_shapes(model_config, laid_out), stored_shapes(model_config, quantized))
+    laid_out = unfused_shapes(model_config, stacked_shapes(
+        model_config, relaid_shapes(_hf_shapes(found) if mlx_lm else found)))
+    extra = {n: shape for n, shape in laid_out.items() if n.startswith(MTP_PREFIX)}
+    check_tensors({n: shape for n, shape in laid_out.items() if n not in extra},
+                  stored_shapes(model_config, quantized))
     base_config = dict(text_part_config(config))  # a multimodal config's text model
     base_config.pop("quantization_config", None)  # how the source stored it, not the output
     return ModelSource(
@@ -57,10 +72,11 @@ def open_hf_dir(path: Path) -> ModelSource:
         config=model_config,
         base_config=base_config,
         tensors=lambda: unfuse(model_config, stack_experts(
-            model_config, relay_tensors(_read_tensors(names_by_file)))),
+            model_config, relay_tensors(_read_tensors(names_by_file, mlx_lm)))),
         write_tokenizer=partial(copy_hf_tokenizer, path),
         files=(config_path, *files),
         quantized=quantized,
+        extra_shapes=extra,
     )
 
 
@@ -87,7 +103,7 @@ def _tensor_names(files: list[Path], tied: bool, layers: int,
     for file in files:
         with safe_open(file, framework="numpy") as handle:
             shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
-        targets = {n: _text_model_name(n) if text_part else n for n in shapes}
+        targets = {n: text_model_name(n) if text_part else n for n in shapes}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
         names = {n: (t, shapes[n]) for n, t in targets.items()
                  if t is not None and not t.endswith(IGNORED_SUFFIXES)
@@ -100,12 +116,10 @@ def _tensor_names(files: list[Path], tied: bool, layers: int,
     return names_by_file
 
 
-def _text_model_name(name: str) -> str | None:
-    """A multimodal checkpoint's tensor name as the text model's, None if it is not one of
-    the text model's (vision and audio towers, their projections)."""
-    if name.startswith(TEXT_MODEL_PREFIX):
-        return "model." + name.removeprefix(TEXT_MODEL_PREFIX)
-    return name if name.startswith("lm_head.") else None
+def _hf_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """mlx-lm's hybrid shapes as Hugging Face's: its convs `[C, K, 1]` are `[C, 1, K]`."""
+    return {n: (s[0], s[2], s[1]) if n.endswith("conv1d.weight") else s
+            for n, s in shapes.items()}
 
 
 def _beyond_the_stack(name: str, layers: int) -> bool:
@@ -115,11 +129,10 @@ def _beyond_the_stack(name: str, layers: int) -> bool:
     return match is not None and int(match[1]) >= layers
 
 
-def _read_tensors(
-    names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]],
-) -> Iterator[tuple[str, mx.array]]:
+def _read_tensors(names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]],
+                  mlx_lm: bool) -> Iterator[tuple[str, mx.array]]:
     for file, names in names_by_file.items():
         # mx.load is lazy and reads bfloat16, which numpy cannot represent.
         weights = mx.load(str(file))
         for source, (target, _) in names.items():
-            yield target, weights[source]
+            yield target, from_mlx_lm_hybrid(target, weights[source]) if mlx_lm else weights[source]

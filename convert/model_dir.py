@@ -74,7 +74,7 @@ def write_weights(source: ModelSource, folder: Path, dtype: str, progress: bool,
     One shard is named model.safetensors; several get the Hugging Face names plus an index.
     """
     writer = _ShardWriter(folder, MAX_SHARD_BYTES)
-    total = len(stored_shapes(source.config, source.quantized))
+    total = len(stored_shapes(source.config, source.quantized)) + len(source.extra_shapes)
     for name, tensor in tqdm(source.tensors(), total=total, desc="converting", unit="tensor",
                              disable=not progress):
         array = mx.array(tensor)

@@ -23,7 +23,9 @@ class ModelSource:
 
     `tensors()` yields (Hugging Face name, tensor in [out, in] layout) for every name in
     `tensor_shapes(config)`, each exactly once, except that the modules in `quantized` come
-    already packed, as `stored_shapes(config, quantized)` names them (GPT-OSS's MXFP4 experts).
+    already packed, as `stored_shapes(config, quantized)` names them (GPT-OSS's MXFP4 experts),
+    and the `extra_shapes` tensors, which the model does not load but the dir keeps, in float
+    (Qwen3.5's multi-token-prediction head, for speculative decoding).
     `write_tokenizer(dir)` writes the tokenizer files into dir. `base_config` holds source
     config keys to keep (empty for GGUF); `files` are the source files the manifest
     fingerprints.
@@ -37,6 +39,7 @@ class ModelSource:
     write_tokenizer: Callable[[Path], None]
     files: tuple[Path, ...]
     quantized: dict[str, QuantParams] = field(default_factory=dict)
+    extra_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def fingerprint(files: tuple[Path, ...]) -> dict[str, dict[str, float]]:

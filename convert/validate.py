@@ -86,7 +86,8 @@ def _source_model(source: Path) -> CausalLM:
     (the ones it hands over quantized, dequantized)."""
     opened = open_source(source)
     model = model_class(opened.config.model_type)(opened.config)
-    weights = {name: mx.array(t) for name, t in opened.tensors()}
+    weights = {name: mx.array(t) for name, t in opened.tensors()
+               if name not in opened.extra_shapes}
     if opened.quantized:
         packed = QuantizationConfig(next(iter(opened.quantized.values())), opened.quantized)
         weights = dequantize_weights(weights, packed)

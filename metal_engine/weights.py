@@ -1,5 +1,6 @@
 """Build a model from a model dir: config.json + safetensors (sharded or not), in float or in
-MLX's quantized layout (see metal_engine.quantization)."""
+MLX's quantized layout (see metal_engine.quantization), with Hugging Face's tensor names or
+mlx-lm's (`to_this_layout`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from metal_engine.model_config import ModelConfig, read_config_json
+from metal_engine.model_config import TEXT_PARTS, ModelConfig, read_config_json
 from metal_engine.models.decoder import CausalLM
+from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.registry import model_class
-from metal_engine.quantization import QuantizationConfig, dequantize_weights
+from metal_engine.quantization import QuantizationConfig, QuantParams, dequantize_weights
 
 log = logging.getLogger("metal_serve")
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
@@ -24,6 +26,18 @@ _PER_EXPERT = re.compile(
     r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|scales|biases)$")
 # Mixtral's projection names -> the stacked layout's.
 _PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Qwen3.5's and Qwen3-Next's multi-token-prediction head: kept in model dirs for speculative
+# decoding, not run.
+MTP_PREFIX = "mtp."
+# Where a multimodal checkpoint keeps its text model: Hugging Face's prefix, mlx-lm's two.
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
+# The Qwen3.5 / Qwen3-Next norms that scale by `1 + w`: mlx-lm stores them with the 1 added.
+_MLX_LM_SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                         "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+# Qwen3-Next's fused projection -> the ones it splits into (see `split_fused`).
+FUSED_PROJECTIONS = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+                     "in_proj_ba": ("in_proj_b", "in_proj_a")}
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -67,6 +81,10 @@ def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
     weights: dict[str, mx.array] = {}
     for path in files:
         weights.update(mx.load(str(path)))
+    multimodal = raw_config.get("model_type") in TEXT_PARTS
+    weights = to_this_layout(weights, config, multimodal)
+    if quantization is not None:
+        quantization = this_layout_entries(quantization, multimodal)
     if config.moe is not None:
         weights = stack_per_expert(weights, config.moe.num_experts)
     weights = model.sanitize(weights)
@@ -84,6 +102,93 @@ def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def to_this_layout(weights: dict[str, mx.array], config: ModelConfig,
+                   multimodal: bool) -> dict[str, mx.array]:
+    """`weights` under the names and layouts the model classes load. What mlx-lm writes for the
+    hybrid families differs: a multimodal wrapper's text model sits under `language_model.`
+    beside its vision tower, conv1d weights are MLX's `[C, K, 1]`, some norms carry `1 + w`,
+    and Qwen3-Next's fused projections stay fused (also quantized). The multi-token-prediction
+    head (`mtp.*`) is set aside: nothing here runs it yet."""
+    if multimodal:
+        weights = {target: v for n, v in weights.items()
+                   if (target := text_model_name(n)) is not None}
+    weights = {n: v for n, v in weights.items() if not n.startswith(MTP_PREFIX)}
+    if config.linear_attention is None:
+        return weights
+    if is_mlx_lm_hybrid({n: tuple(v.shape) for n, v in weights.items()}):
+        weights = {n: from_mlx_lm_hybrid(n, v) for n, v in weights.items()}
+    return {new: part for n, v in weights.items()
+            for new, part in split_fused(n, v, config.linear_attention)}
+
+
+def text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as its text model's (`model.language_model.x`,
+    and mlx-lm's `language_model.model.x`, are `model.x`); `mtp.*` as it is; None for the
+    other parts' tensors (vision and audio towers, their projections)."""
+    if name.startswith(MTP_PREFIX):
+        return name
+    prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+    return None if prefix is None else _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
+
+
+def is_mlx_lm_hybrid(shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the checkpoint's conv1d weights are in MLX's `[C, K, 1]` layout, as mlx-lm
+    writes Qwen3.5 and Qwen3-Next (Hugging Face's are `[C, 1, K]`); its norms are then shifted
+    as mlx-lm's `sanitize` shifts them."""
+    return any(name.endswith("conv1d.weight") and len(shape) == 3 and shape[2] == 1
+               and shape[1] > 1 for name, shape in shapes.items())
+
+
+def from_mlx_lm_hybrid(name: str, tensor: mx.array) -> mx.array:
+    """One tensor of mlx-lm's hybrid layout in Hugging Face's: the conv as `[C, 1, K]`, the
+    `1 + w` norms without the 1 (subtracted in float32: exact for the float16 and bfloat16
+    sums mlx-lm stores)."""
+    if name.endswith("conv1d.weight"):
+        return tensor.swapaxes(1, 2)
+    if name.endswith(_MLX_LM_SHIFTED_NORMS) and tensor.ndim == 1:
+        return (tensor.astype(mx.float32) - 1).astype(tensor.dtype)
+    return tensor
+
+
+def split_fused(name: str, tensor: mx.array,
+                cfg: GatedDeltaNetConfig) -> list[tuple[str, mx.array]]:
+    """Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` tensor (weight, or quantized weight,
+    scales or biases) as Qwen3.5's projections' (`in_proj_qkv` + `in_proj_z`, `in_proj_b` +
+    `in_proj_a`); any other tensor as it is. The fused rows are grouped by key head: its q, k,
+    then the v and z of its `Hv // Hk` value heads (b then a). Rows split alone, so a
+    quantized tensor splits as its float one would quantize."""
+    module, _, kind = name.rpartition(".")
+    owner, _, projection = module.rpartition(".")
+    if projection not in FUSED_PROJECTIONS:
+        return [(name, tensor)]
+    first, second = (f"{owner}.{p}.{kind}" for p in FUSED_PROJECTIONS[projection])
+    per_key, width = cfg.num_value_heads // cfg.num_key_heads, tensor.shape[-1]
+    grouped = mx.array(tensor).reshape(cfg.num_key_heads, -1, width)  # GGUF's come as numpy
+    if projection == "in_proj_ba":
+        b, a = mx.split(grouped, 2, axis=1)
+        return [(first, b.reshape(-1, width)), (second, a.reshape(-1, width))]
+    dk, dv = cfg.key_head_dim, per_key * cfg.value_head_dim
+    q, k, v, z = (x.reshape(-1, width)
+                  for x in mx.split(grouped, [dk, 2 * dk, 2 * dk + dv], axis=1))
+    return [(first, mx.concatenate([q, k, v])), (second, z)]
+
+
+def this_layout_entries(quantization: QuantizationConfig,
+                        multimodal: bool) -> QuantizationConfig:
+    """The per-module quantization entries under the module paths `to_this_layout` gives:
+    mlx-lm lists a multimodal model's as `language_model.model.*`, and a fused projection's
+    params are its parts'."""
+    modules: dict[str, QuantParams | bool] = {}
+    for path, entry in quantization.modules.items():
+        target = text_model_name(f"{path}.weight") if multimodal else f"{path}.weight"
+        if target is None:
+            continue
+        owner, _, projection = target.removesuffix(".weight").rpartition(".")
+        parts = FUSED_PROJECTIONS.get(projection, (projection,))
+        modules.update({f"{owner}.{part}".lstrip("."): entry for part in parts})
+    return QuantizationConfig(quantization.default, modules)
 
 
 def stack_per_expert(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:

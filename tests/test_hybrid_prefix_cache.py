@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import torch
 from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, Agents
 from engine_helpers import make_runner_and_scheduler
 
@@ -88,6 +89,31 @@ def test_a_resent_prompt_resumes_at_its_last_full_block(tiny_hybrid):
     assert len(run(second)) == 1
     assert second.num_cached_tokens == 5 * BLOCK
     assert second.output_token_ids == first.output_token_ids
+
+
+def test_n_choices_fork_from_the_prompt_checkpoint(tiny_hybrid):
+    """Choices of one prompt sent together (`n > 1`): one computes the prompt, the others
+    wait for its blocks and copy its state at the prompt's last full block, and each writes
+    what transformers writes for the prompt alone."""
+    model, path = tiny_hybrid
+    runner, scheduler = make_runner_and_scheduler(path, num_blocks=64, block_size=BLOCK,
+                                                  max_num_seqs=4)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 128, size=3 * BLOCK + 5)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    choices = [Request(f"c{i}", prompt, params) for i in range(3)]
+    for request in choices:
+        scheduler.add_request(request)
+    restores = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        restores += out.state_plan.restores
+        scheduler.update(out, runner.execute(out))
+    assert [r.num_cached_tokens for r in choices] == [0, 3 * BLOCK, 3 * BLOCK]
+    assert len(restores) == 2
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    assert all(r.output_token_ids == expected for r in choices)
 
 
 def hybrid_engine(model_dir, kv_dir, enable_prefix_caching: bool = True) -> LLMEngine:

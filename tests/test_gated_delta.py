@@ -19,13 +19,13 @@ from metal_engine.models.gated_delta import (
     GatedDeltaNet,
     GatedDeltaNetConfig,
     causal_conv1d,
-    unfuse_qwen3_next,
 )
 from metal_engine.models.gated_delta_rule import (
     chunked_gated_delta_rule,
     gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from metal_engine.weights import split_fused
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 HK, HV, DK, DV = 2, 4, 16, 8  # two value heads per key head
@@ -247,7 +247,10 @@ def test_qwen3_next_layer_with_unfused_projections_matches_transformers():
     theirs = _randomize(Qwen3NextGatedDeltaNet(config, layer_idx=0))
     cfg = GatedDeltaNetConfig.from_hf(config.to_dict())
     ours = GatedDeltaNet(cfg)
-    ours.load_weights(list(unfuse_qwen3_next(_weights(theirs), cfg).items()))
+    # As conversion splits them, under a layer's path (the split names the owner module).
+    split = [part for name, tensor in _weights(theirs).items()
+             for part in split_fused(f"layer.{name}", tensor, cfg)]
+    ours.load_weights([(name.removeprefix("layer."), tensor) for name, tensor in split])
     x = _hidden(np.random.default_rng(9), 20)
     with torch.no_grad():
         expected = theirs(torch.from_numpy(x)[None])[0].numpy()

@@ -132,27 +132,3 @@ class GatedDeltaNet(nn.Module):
         a = self.in_proj_a(x).astype(mx.float32) + self.dt_bias.astype(mx.float32)
         return -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a)
 
-
-def unfuse_qwen3_next(weights: dict[str, mx.array],
-                      cfg: GatedDeltaNetConfig) -> dict[str, mx.array]:
-    """Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` as Qwen3.5's four projections.
-
-    Qwen3-Next groups its output rows by key head: per key head, its q, k, then the v and z
-    of its `Hv // Hk` value heads (and b then a in `in_proj_ba`).
-    """
-    out = dict(weights)
-    per_key = cfg.num_value_heads // cfg.num_key_heads
-    for name in [n for n in weights if n.endswith("in_proj_qkvz.weight")]:
-        prefix = name[: -len("in_proj_qkvz.weight")]
-        grouped = out.pop(name).reshape(cfg.num_key_heads, -1, cfg.hidden_size)
-        dk, dv = cfg.key_head_dim, per_key * cfg.value_head_dim
-        q, k, v, z = mx.split(grouped, [dk, 2 * dk, 2 * dk + dv], axis=1)
-        flat = [x.reshape(-1, cfg.hidden_size) for x in (q, k, v, z)]
-        out[prefix + "in_proj_qkv.weight"] = mx.concatenate(flat[:3])
-        out[prefix + "in_proj_z.weight"] = flat[3]
-    for name in [n for n in weights if n.endswith("in_proj_ba.weight")]:
-        prefix = name[: -len("in_proj_ba.weight")]
-        b, a = mx.split(out.pop(name).reshape(cfg.num_key_heads, 2 * per_key, -1), 2, axis=1)
-        out[prefix + "in_proj_b.weight"] = b.reshape(cfg.num_value_heads, -1)
-        out[prefix + "in_proj_a.weight"] = a.reshape(cfg.num_value_heads, -1)
-    return out

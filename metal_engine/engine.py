@@ -15,8 +15,8 @@ from metal_engine.config import (
 )
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
-from metal_engine.kv_disk_connector import KVDiskConnector
-from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
+from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
+from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
 from metal_engine.outputs import RequestOutput, TokenLogprobs
 from metal_engine.recurrent_states import RecurrentStates, plan_state_slots
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
@@ -34,24 +34,27 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
     if config.kv_cache_dir is None:
         return None
     dtype = str(cache.dtype).removeprefix("mlx.core.")
-    layout = BlockLayout(cache.shapes, cache.block_size, dtype)
-    size, state_store = config.kv_cache_dir_size, None
+    size, stores = config.kv_cache_dir_size, {}
     if cache.states is not None:
-        state_layout = cache.states.layout()
-        state_size = int(size * STATE_DISK_SHARE)
-        state_store = _disk_store(config, state_layout, max(state_size, state_layout.file_bytes))
+        layout = cache.states.layout()
+        state_size = max(int(size * STATE_DISK_SHARE), layout.file_bytes)
+        stores["states"] = TierStore(_disk_store(config, layout, state_size),
+                                     cache.states.read_slots, cache.states.write_slots)
         size -= state_size
-    store = _disk_store(config, layout, size)
-    log.info("KV disk cache: %d blocks (%.1f MiB) in %s", store.num_blocks,
-             store.used_bytes / 2**20, store.root)
-    return KVDiskConnector(store, cache, state_store, cache.states)
+    layout = BlockLayout(cache.shapes, cache.block_size, dtype)
+    stores["blocks"] = TierStore(_disk_store(config, layout, size), cache.read_blocks,
+                                 cache.write_blocks)
+    for kind, parts in stores.items():
+        log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
+                 parts.store.used_bytes / 2**20, parts.store.root)
+    return KVDiskConnector(stores)
 
 
 # The share of --kv-cache-dir-size that a hybrid model's state checkpoints may fill.
 STATE_DISK_SHARE = 0.25
 
 
-def _disk_store(config: EngineConfig, layout, size: int) -> KVDiskStore:
+def _disk_store(config: EngineConfig, layout: Layout, size: int) -> KVDiskStore:
     return KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout), layout,
                        size)
 
@@ -202,8 +205,10 @@ class LLMEngine:
         if self._in_flight is not None:
             self._in_flight.sampled()  # its K/V writes must land first
         states = self.scheduler.states
-        self.kv_connector.close(self.scheduler.pool.cached_blocks(),
-                                states.checkpoints() if states is not None else ())
+        self.kv_connector.close({
+            "blocks": self.scheduler.pool.cached_blocks(),
+            "states": states.checkpoints() if states is not None else [],
+        })
 
     def _samples_behind_pending_history(self, scheduled: SchedulerOutput) -> bool:
         """Whether a request that reads its earlier tokens on the host to sample (penalties, a

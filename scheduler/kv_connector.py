@@ -9,34 +9,50 @@ connector carries out around the step:
                       load   staged payload -> pool (a request admitted over it)
     after launching:  read   tier -> staging        (a waiting request needs it next step)
 
-Hybrid models' recurrent-state checkpoints (scheduler.state_cache) move the same way, between
-state slots and the tier, keyed by the hash of the block they end at.
+Each kind of cached data moves that way under its own `CacheKind`: KV blocks between pool block
+ids and the tier, and hybrid models' recurrent-state checkpoints (scheduler.state_cache)
+between state slots and the tier, keyed by the hash of the block they end at.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from scheduler.prefix_hash import BlockHash
+
+# What a tier holds, each in memory under its own ids: "blocks" (KV pool block ids) and
+# "states" (state slots holding checkpoints).
+CacheKind = Literal["blocks", "states"]
+
+
+@dataclass
+class TierMoves:
+    """One kind's moves in a step: (id in memory, hash) saved and loaded, hashes read."""
+
+    saves: list[tuple[int, BlockHash]] = field(default_factory=list)
+    loads: list[tuple[int, BlockHash]] = field(default_factory=list)
+    reads: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.saves or self.loads or self.reads)
 
 
 @dataclass
 class KVTransferPlan:
-    """One step's moves between the pool and the tier. Plain data."""
+    """One step's moves between memory and the tier, per cache kind. Plain data."""
 
-    saves: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash)
-    loads: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash)
-    reads: list[BlockHash] = field(default_factory=list)
-    state_saves: list[tuple[int, BlockHash]] = field(default_factory=list)  # (slot, hash)
-    state_loads: list[tuple[int, BlockHash]] = field(default_factory=list)  # (slot, hash)
-    state_reads: list[BlockHash] = field(default_factory=list)
+    blocks: TierMoves = field(default_factory=TierMoves)
+    states: TierMoves = field(default_factory=TierMoves)
+
+    def of(self, kind: CacheKind) -> TierMoves:
+        return self.blocks if kind == "blocks" else self.states
 
     @property
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads or self.reads or self.state_saves
-                    or self.state_loads or self.state_reads)
+        return self.blocks.is_empty and self.states.is_empty
 
 
 @dataclass(frozen=True)
@@ -64,28 +80,22 @@ class KVConnectorScheduler(Protocol):
     """The scheduler side. Single-threaded; called only from `Scheduler`. Reads no storage."""
 
     def lookup(self, hashes: Sequence[BlockHash]) -> TierLookup:
-        """Of `hashes` (a request's uncached prefix, in chain order), the leading run the tier
-        holds. Marks the ready ones as wanted this step; changes nothing else."""
+        """Of `hashes` (a request's uncached prefix, in chain order), the leading run of
+        blocks the tier holds. Marks the ready ones as wanted this step; changes nothing else."""
 
-    def find_checkpoint(self, block_hash: BlockHash) -> str | None:
-        """Whether the tier holds the state checkpoint of `block_hash`: "ready" (read into
-        memory: marked as wanted this step), "unread", or None."""
+    def find(self, kind: CacheKind, block_hash: BlockHash) -> str | None:
+        """Whether the tier holds `block_hash`'s data of `kind`: "ready" (read into memory:
+        marked as wanted this step), "unread", or None."""
 
     def read_ahead(self, lookup: TierLookup) -> None:
         """Queue what `lookup` found unread to be read into memory after this step launches."""
 
-    def load(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        """Queue ready blocks to be written into these freshly allocated pool block ids."""
+    def load(self, kind: CacheKind, items: Sequence[tuple[int, BlockHash]]) -> None:
+        """Queue ready data to be written into these freshly allocated ids of `kind`."""
 
-    def load_checkpoint(self, slot: int, block_hash: BlockHash) -> None:
-        """Queue a ready checkpoint to be written into this state slot."""
-
-    def block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
-        """The pool is reusing a cached block: queue it to be saved unless the tier has it."""
-
-    def checkpoint_evicted(self, slot: int, block_hash: BlockHash) -> None:
-        """A state checkpoint is being dropped or its slot reused: queue it to be saved
-        unless the tier has it."""
+    def evicted(self, kind: CacheKind, index: int, block_hash: BlockHash) -> None:
+        """Memory is dropping or reusing id `index` of `kind`, which holds `block_hash`'s data:
+        queue it to be saved unless the tier has it."""
 
     def take_plan(self) -> KVTransferPlan:
         """This step's queued moves; the queues start empty again. Drops staged payloads that

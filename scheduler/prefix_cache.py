@@ -97,7 +97,7 @@ class PrefixCache:
             block_hash = request.block_hashes[count - 1]
             in_tier = None
             if not self.states.has(block_hash):
-                in_tier = self.store.find_checkpoint(block_hash) if self.store else None
+                in_tier = self.store.find("states", block_hash) if self.store else None
                 if in_tier is None:
                     continue
             num_stored = max(count - len(hits), 0)
@@ -145,7 +145,7 @@ class PrefixCache:
         loads = list(zip(blocks, stored, strict=True))
         for block_id, block_hash in loads:
             self.pool.cache(block_id, block_hash)
-        self.store.load(loads)
+        self.store.load("blocks", loads)
         return loads
 
     def _hash(self, request: Request, num_blocks: int) -> None:

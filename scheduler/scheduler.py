@@ -142,7 +142,7 @@ class Scheduler:
         if self.states is not None:
             self.states.forget(block_hash)
         if self.connector is not None:
-            self.connector.block_evicted(block_id, block_hash)
+            self.connector.evicted("blocks", block_id, block_hash)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

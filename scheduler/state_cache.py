@@ -72,7 +72,7 @@ class StateCache:
         if interval is not None and interval < 1:
             raise ValueError(f"the state checkpoint interval must be at least 1, got {interval}")
         self.tier = tier
-        self.pool = BlockPool(num_slots, on_evict=tier.checkpoint_evicted if tier else None)
+        self.pool = BlockPool(num_slots, on_evict=self._evicted if tier else None)
         self.block_size, self.interval = block_size, interval
         self.plan = StatePlan()
 
@@ -104,14 +104,14 @@ class StateCache:
         if source is not None:  # the slot may be the checkpoint's own: copying is then a no-op
             self.plan.restores.append((source, slots[0]))
         elif from_tier:  # no slot was free for the checkpoint: straight into the live one
-            self.tier.load_checkpoint(slots[0], block_hash)
+            self.tier.load("states", [(slots[0], block_hash)])
 
     def _load(self, block_hash: BlockHash) -> None:
         slots = self.pool.allocate(1)
         if slots is not None:
             self.pool.cache(slots[0], block_hash)
             self.pool.free(slots)
-            self.tier.load_checkpoint(slots[0], block_hash)
+            self.tier.load("states", [(slots[0], block_hash)])
 
     def cut(self, request: Request, start: int, num_new: int) -> int:
         """The tokens of a chunk from `start` cut to end at the first prompt checkpoint
@@ -168,8 +168,11 @@ class StateCache:
         if slot is None:
             return
         if self.tier is not None:
-            self.tier.checkpoint_evicted(slot, block_hash)
+            self._evicted(slot, block_hash)
         self.pool.forget(block_hash)
+
+    def _evicted(self, slot: int, block_hash: BlockHash) -> None:
+        self.tier.evicted("states", slot, block_hash)
 
     def checkpoints(self) -> list[tuple[int, BlockHash]]:
         """Every checkpoint held: (slot, hash)."""

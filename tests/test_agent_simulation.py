@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, TURNS, Agents, run_turns
 from engine_helpers import make_runner_and_scheduler
+from test_scheduler_block_store import blocks_connector
 
 from metal_engine.engine import LLMEngine
-from metal_engine.kv_disk_connector import KVDiskConnector
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
 from scheduler import Request, Scheduler, SchedulerConfig
 
@@ -58,7 +58,7 @@ def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
     runner, _ = make_runner_and_scheduler(model_dir, num_blocks=1024, block_size=BLOCK)
     cache = runner.cache
     layout = BlockLayout(cache.shapes, BLOCK, "float32")
-    connector = KVDiskConnector(KVDiskStore(kv_dir, "tiny-agents", layout, 1 << 30), cache)
+    connector = blocks_connector(KVDiskStore(kv_dir, "tiny-agents", layout, 1 << 30), cache)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS, max_num_batched_tokens=2048,
         max_model_len=2048,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from test_scheduler_block_store import MemoryStore, PoolContents
+from test_scheduler_block_store import MemoryStore, PoolContents, blocks_connector
 
 from metal_engine.kv_cache import KVCache
 from metal_engine.kv_disk_connector import KVDiskConnector
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.kv_connector import KVTransferPlan
+from scheduler.kv_connector import KVTransferPlan, TierMoves
 from scheduler.prefix_hash import hash_block
 
 SHAPES = ((2, 8), (1, 16), (2, 8))  # pools may differ in shape
@@ -20,23 +20,23 @@ BLOCK = 4
 
 def test_an_evicted_block_is_saved_before_a_load_overwrites_it():
     store, pool = MemoryStore(), PoolContents()
-    connector = KVDiskConnector(store, pool)
+    connector = blocks_connector(store, pool)
     old, new = hash_block(None, [1]), hash_block(None, [2])
     store.blocks[new] = b"new contents"
     pool.blocks[0] = b"old contents"
-    connector.after_launch(KVTransferPlan(reads=[new]))
+    connector.after_launch(KVTransferPlan(TierMoves(reads=[new])))
     assert connector.lookup([new]).ready == [new]
-    connector.block_evicted(0, old)
-    connector.load([(0, new)])
+    connector.evicted("blocks", 0, old)
+    connector.load("blocks", [(0, new)])
     plan = connector.take_plan()
-    assert plan == KVTransferPlan(saves=[(0, old)], loads=[(0, new)])
+    assert plan == KVTransferPlan(TierMoves(saves=[(0, old)], loads=[(0, new)]))
     connector.before_step(plan)
     assert store.blocks[old] == b"old contents" and pool.blocks[0] == b"new contents"
 
 
 def test_lookup_reads_nothing_and_stops_at_the_first_block_the_tier_lacks():
     store = MemoryStore()
-    connector = KVDiskConnector(store, PoolContents())
+    connector = blocks_connector(store, PoolContents())
     a, b, c, d = (hash_block(None, [i]) for i in range(4))
     store.blocks.update({a: b"a", b: b"b", d: b"d"})
     store.scheduling = True  # any read fails the test
@@ -51,18 +51,18 @@ def test_close_saves_the_cached_blocks_the_store_lacks():
     for block_id in range(100):
         pool.compute(block_id)
     store.blocks[hashes[0]] = b"saved earlier"
-    KVDiskConnector(store, pool).close(list(enumerate(hashes)))
+    blocks_connector(store, pool).close({"blocks": list(enumerate(hashes))})
     assert store.blocks[hashes[0]] == b"saved earlier"
     assert all(store.blocks[hashes[i]] == f"block {i}".encode() for i in range(1, 100))
 
 
-def engine_parts(kv_dir) -> tuple[Scheduler, KVCache, KVDiskConnector]:
+def engine_parts(kv_dir) -> tuple[Scheduler, KVCache, KVDiskConnector, KVDiskStore]:
     cache = KVCache(SHAPES, 16, BLOCK, mx.float16)
     store = KVDiskStore(kv_dir, "test", BlockLayout(SHAPES, BLOCK, "float16"), 1 << 20)
-    connector = KVDiskConnector(store, cache)
+    connector = blocks_connector(store, cache)
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=BLOCK, max_num_seqs=2,
                                           max_num_batched_tokens=64, max_model_len=64), connector)
-    return scheduler, cache, connector
+    return scheduler, cache, connector, store
 
 
 def serve(scheduler: Scheduler, cache: KVCache, connector: KVDiskConnector, request: Request,
@@ -74,7 +74,7 @@ def serve(scheduler: Scheduler, cache: KVCache, connector: KVDiskConnector, requ
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         connector.before_step(out.kv_plan)
-        loaded += [block_id for block_id, _ in out.kv_plan.loads]
+        loaded += [block_id for block_id, _ in out.kv_plan.blocks.loads]
         for item in out.scheduled:
             end = item.start_position + len(item.token_ids)
             computed = item.block_ids[item.start_position // BLOCK : -(-end // BLOCK)]
@@ -88,15 +88,15 @@ def serve(scheduler: Scheduler, cache: KVCache, connector: KVDiskConnector, requ
 def test_a_restart_loads_the_blocks_the_last_run_saved_at_close(tmp_path):
     rng = np.random.default_rng(0)
     prompt = list(range(10, 24))  # 3 full blocks and 2 tokens
-    scheduler, cache, connector = engine_parts(tmp_path)
+    scheduler, cache, connector, _ = engine_parts(tmp_path)
     serve(scheduler, cache, connector, Request("a", prompt, SamplingParams(max_tokens=1)), rng)
     cached = scheduler.pool.cached_blocks()
     before = dict(zip((h for _, h in cached), cache.read_blocks([b for b, _ in cached]),
                       strict=True))  # fmt: skip
-    connector.close(cached)
+    connector.close({"blocks": cached})
 
-    scheduler, cache, connector = engine_parts(tmp_path)
-    assert connector.store.num_blocks == 3
+    scheduler, cache, connector, store = engine_parts(tmp_path)
+    assert store.num_blocks == 3
     loaded = serve(scheduler, cache, connector,
                    Request("b", prompt, SamplingParams(max_tokens=1)), rng)
     assert len(loaded) == 3 and scheduler.prefix_cache.stats.stored_hit_tokens == 3 * BLOCK

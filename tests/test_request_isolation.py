@@ -51,32 +51,60 @@ def test_a_huge_top_k_ends_well_and_spares_the_other_streams(default_model_dir):
     assert victim["finish"] == "length"
 
 
+def _asked(arguments: str) -> list[dict]:
+    """A conversation in which the assistant called f with these arguments."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # fmt: skip
+
+
+def _called(arguments: str) -> list[dict]:
+    """The same conversation as Responses input items."""
+    return [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]  # fmt: skip
+
+
+# (path, body, the param its 400 names). json.dumps writes each lone surrogate as the JSON
+# escape "\ud800" a client sends; '\\ud800' is that escape inside a tool call's JSON text.
 LONE_SURROGATE = [
-    ("/v1/chat/completions", '{"model": "m", "max_tokens": 4, "messages": '
-     '[{"role": "user", "content": "hi \\ud800 there"}]}', "messages"),
-    ("/v1/completions", '{"model": "m", "max_tokens": 4, "prompt": "\\udfff"}', "prompt"),
-    ("/v1/responses", '{"model": "m", "max_output_tokens": 4, "input": "hi \\ud800"}', "input"),
-    ("/v1/messages", '{"model": "m", "max_tokens": 4, "messages": '
-     '[{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800 there"}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "us\udc00er", "content": "hi"}]},
+     "messages[0].role"),
+    ("/v1/chat/completions", {"messages": _asked('{"a": "\ud800"}')},
+     "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", {"messages": _asked('{"a": "\\ud800"}')},
+     "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/completions", {"prompt": "\udfff"}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt[1]"),
+    ("/v1/responses", {"input": "hi \ud800"}, "input"),
+    ("/v1/responses", {"input": "hi", "instructions": "be \udfff brief"}, "instructions"),
+    ("/v1/responses", {"input": _called('{"a": "\\udbff"}')}, "input[0].arguments"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                 "text": "\ud800"}]}]}, None),
 ]  # fmt: skip
 
 
 def test_a_lone_surrogate_is_a_400_naming_the_field(default_model_dir):
     """JSON's \\ud800 escape decodes to text the tokenizer refuses; that was a 500 whose body
-    was the exception's repr."""
+    was the exception's repr. Escaped inside a tool call's arguments, it is the same text
+    once they are parsed for the template."""
     with running_server(small_engine(default_model_dir, 256)) as url:
         answers = [
-            httpx.post(f"{url}{path}", content=body, timeout=60,
-                       headers={"content-type": "application/json"})
-            for path, body, _ in LONE_SURROGATE
+            httpx.post(f"{url}{path}", timeout=60, headers={"content-type": "application/json"},
+                       content=json.dumps({"model": "m", "max_tokens": 4,
+                                           "max_output_tokens": 4, **fields}))
+            for path, fields, _ in LONE_SURROGATE
         ]  # fmt: skip
         after = httpx.post(f"{url}/v1/completions", timeout=60,
                            json={"model": "m", "prompt": "One,", "max_tokens": 2})  # fmt: skip
-    for answer, (_, _, param) in zip(answers, LONE_SURROGATE, strict=True):
-        assert answer.status_code == 400, answer.text
+    for answer, (path, _, param) in zip(answers, LONE_SURROGATE, strict=True):
+        assert answer.status_code == 400, (path, param, answer.text)
         error = answer.json()["error"]
-        assert "lone UTF-16 surrogate" in error["message"]
-        assert error.get("param", param) == param
+        assert "lone UTF-16 surrogate" in error["message"], (param, error)
+        assert error.get("param", param) == param, (param, error)
+        assert param is None or error["message"].startswith(f"Invalid request: {param}: ")
     assert after.status_code == 200
 
 

@@ -24,6 +24,7 @@ from scheduler import SamplingParams
 from scheduler.request import FinishReason
 from scheduler.sampling_params import MAX_REPETITION_PENALTY, StructuredOutput
 from server.http.errors import APIError, Problem, clip, invalid_at
+from server.http.unicode import lone_surrogate
 from server.openai.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
 from server.sampling_defaults import SAMPLING_KEYS, SamplingDefaults
 
@@ -146,6 +147,13 @@ class _GenerationRequest(BaseModel):
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
         default=None, max_length=16
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (refused := lone_surrogate(data)) is not None:
+            raise refused
+        return data
 
     @model_validator(mode="before")
     @classmethod

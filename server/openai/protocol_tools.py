@@ -11,12 +11,14 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
     model_validator,
 )
 
 from scheduler.sampling_params import StructuredOutput
 from server.http.errors import invalid_at
+from server.http.unicode import ESCAPED_SURROGATE, escapes_lone_surrogate
 
 MAX_TOOL_NAME_LENGTH = 64
 # A tool's name on every API, as the chat API's function names: what chat templates and tool
@@ -57,6 +59,13 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # JSON text, as the API sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _valid_unicode(cls, arguments: str) -> str:
+        if escapes_lone_surrogate(arguments):
+            raise ValueError(ESCAPED_SURROGATE)
+        return arguments
 
     def arguments_object(self) -> Any:
         """The arguments as a JSON value (chat templates expect objects, not JSON text)."""

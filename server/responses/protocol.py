@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.http.unicode import ESCAPED_SURROGATE, escapes_lone_surrogate, lone_surrogate
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -34,6 +36,13 @@ class InputItem(BaseModel):
     arguments: str | None = None  # function_call
     input: str | None = None  # custom_tool_call
     output: str | list[ContentPart] | None = None  # function_call_output, custom_tool_call_output
+
+    @field_validator("arguments")
+    @classmethod
+    def _valid_unicode(cls, arguments: str | None) -> str | None:
+        if arguments is not None and escapes_lone_surrogate(arguments):
+            raise ValueError(ESCAPED_SURROGATE)
+        return arguments
 
 
 class NamedFunction(BaseModel):
@@ -77,31 +86,6 @@ _STATE_HINT = "this server stores no responses; send the whole conversation in `
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-def _lone_surrogate_at(value: Any, path: str) -> str | None:
-    """Where in a parsed JSON value a string holds a lone UTF-16 surrogate (`"\\ud800"`
-    decodes to one), or None. The response echoes fields back, and such text cannot be
-    encoded: it must be refused before any work, not fail after the generation."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            name = key.encode("utf-8", "backslashreplace").decode()  # the message must encode
-            where = f"{path}.{name}" if path else name
-            found = _lone_surrogate_at(key, where) or _lone_surrogate_at(item, where)
-            if found:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _lone_surrogate_at(item, f"{path}[{index}]")
-            if found:
-                return found
-    return None
-
-
 class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[InputItem]
@@ -125,15 +109,14 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
 
-    @field_validator("*", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        path = _lone_surrogate_at(value, info.field_name or "")
-        if path is not None:
-            raise ValueError(
-                f"{path} holds a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode"
-            )
-        return value
+    def _valid_unicode(cls, data: Any) -> Any:
+        # The response echoes fields back (metadata, text.format), and such text cannot be
+        # encoded: it must be refused before any work, not fail after the generation.
+        if (refused := lone_surrogate(data)) is not None:
+            raise refused
+        return data
 
     @field_validator("metadata")
     @classmethod

@@ -19,6 +19,7 @@ _UNITS = {
 
 # Each choice is a request of its own in the scheduler; more would crowd out other clients.
 DEFAULT_MAX_N = 16
+MAX_N = 128  # OpenAI's limit on `n`, for chat and completions alike
 # Chat requests are small; 8 MiB leaves room for long agent transcripts.
 DEFAULT_MAX_REQUEST_BODY = 8 << 20
 # Requests waiting for their first token beyond this get a 429 with Retry-After.
@@ -57,6 +58,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _max_n(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_N:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_N} (the OpenAI API's limit on n), got {value}"
+        )
+    return value
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_and_http_arguments(parser)
     _add_engine_arguments(parser.add_argument_group("engine"))
@@ -92,9 +102,10 @@ def _add_model_and_http_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-n",
-        type=_positive_int,
+        type=_max_n,
         default=DEFAULT_MAX_N,
-        help=f"most choices (`n`) one request may ask for (default {DEFAULT_MAX_N})",
+        help=f"most choices (`n`) one request may ask for, 1 to {MAX_N} (default "
+        f"{DEFAULT_MAX_N})",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]

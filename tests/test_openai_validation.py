@@ -53,6 +53,7 @@ BAD_CHATS = [
     (chat(max_completion_tokens=INT64_MAX + 1), "max_completion_tokens", "less than"),
     (chat(top_k=INT64_MAX + 1), "top_k", "less than or equal to"),
     (chat(n=2**64), "n", "less than or equal to"),
+    (chat(n=129), "n", "less than or equal to 128"),  # OpenAI's limit, whatever --max-n
     (chat(min_tokens=INT64_MAX + 1), "min_tokens", "less than or equal to"),
     (chat(min_tokens=5, max_tokens=2), "min_tokens", "at most 2 tokens"),
     # options that need streaming
@@ -116,6 +117,14 @@ BAD_COMPLETIONS = [
     ({"logit_bias": {"x": 1, "y": 1}}, "logit_bias", "'x', 'y'"),
     # no shape of prompt fits: the param is prompt, the message says where each went wrong
     ({"prompt": [1, "a"]}, "prompt", "prompt[1]: Input should be a valid integer"),
+    ({"n": 129}, "n", "less than or equal to 128"),
+    # best_of: OpenAI's range, and only what this server serves (every candidate)
+    ({"best_of": 21}, "best_of", "less than or equal to 20"),
+    ({"best_of": 3}, "best_of", "not supported"),
+    ({"best_of": 2, "n": 3}, "best_of", "at least n"),
+    ({"best_of": 0}, "best_of", "at least n"),
+    # vLLM takes max_tokens 0 with echo for prompt logprobs, which this server has not
+    ({"max_tokens": 0, "echo": True}, "max_tokens", "greater than or equal to 1"),
 ]
 
 
@@ -176,6 +185,36 @@ def test_nulls_mean_the_defaults_on_completions(served):
     response = httpx.post(f"{url}/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert [c["text"] for c in response.json()["choices"]] == ["ok"]
+
+
+@pytest.mark.parametrize("fields", [{"best_of": 1}, {"best_of": None}, {"best_of": 2, "n": 2}])
+def test_best_of_equal_to_n_returns_every_candidate(served, fields):
+    _, url = served
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, **fields}
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert [c["text"] for c in response.json()["choices"]] == ["ok"] * fields.get("n", 1)
+
+
+def test_n_goes_up_to_openais_128_when_the_server_allows_it():
+    with running_app(build_app(AsyncEngine(ScriptedEngine(["ok"])), "m", max_n=128)) as url:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        most = httpx.post(f"{url}/v1/completions", json={**body, "n": 128})
+        assert most.status_code == 200 and len(most.json()["choices"]) == 128
+        more = openai_error(httpx.post(f"{url}/v1/completions", json={**body, "n": 129}))
+        assert more["param"] == "n" and "128" in more["message"]
+
+
+def test_max_n_past_openais_limit_is_refused_naming_the_flag(capsys):
+    from server.cli import main
+    from server.openai.serving import Serving
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--max-n", "129"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--max-n" in error and "at most 128" in error
+    with pytest.raises(ValueError, match="max_n"):
+        Serving(AsyncEngine(ScriptedEngine(["ok"])), "m", max_n=129)
 
 
 def test_json_schema_without_a_name_is_enforced(served):

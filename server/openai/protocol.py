@@ -27,6 +27,7 @@ from server.http.errors import APIError, Problem, clip, invalid_at
 from server.http.unicode import lone_surrogate
 from server.openai.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
 from server.sampling_defaults import SAMPLING_KEYS, SamplingDefaults
+from server.serve_args import MAX_N
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     logit_bias: dict[str, float] | None = None
     # OpenAI allows up to 128; `--max-n` caps it (lower) in serving.
-    n: int = Field(default=1, ge=1, le=INT64_MAX)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     # vLLM's extension: lower values are admitted first under `--scheduling-policy priority`.
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     # vLLM's extension: prompts with different salts never share prefix-cache blocks, so a
@@ -306,6 +307,8 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None  # alternatives per token, checked by server.http.limits
     echo: bool = False
     suffix: str | None = None  # fill-in-the-middle: refused unless empty
+    # OpenAI's range; candidates are not ranked here, so only best_of == n is served.
+    best_of: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt")
     @classmethod
@@ -315,6 +318,22 @@ class CompletionRequest(_GenerationRequest):
         if any(not 0 <= t <= MAX_TOKEN_ID for ids in _token_id_lists(prompt) for t in ids):
             raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
         return prompt
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        """best_of candidates, of which the n most likely return: with best_of == n that is
+        every candidate, in any order: all that this server serves."""
+        if self.best_of is None or self.best_of == self.n:
+            return self
+        if self.best_of < self.n:
+            refused = f"best_of ({self.best_of}) must be at least n ({self.n})"
+        else:
+            refused = (
+                f"best_of {self.best_of} with n {self.n} is not supported: the server does "
+                "not rank candidates; send n candidates (best_of equal to n or unset) with "
+                "logprobs and pick among them"
+            )
+        raise invalid_at((("best_of",), refused))
 
     @field_validator("suffix")
     @classmethod

@@ -32,6 +32,7 @@ from server.openai.protocol import (
     CompletionRequest,
     Usage,
 )
+from server.serve_args import MAX_N
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
@@ -67,6 +68,8 @@ class Serving:
     tool_call_parser: str | None = None  # overrides the one picked from the chat template
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n is {self.max_n}; it must be in [1, {MAX_N}] (OpenAI's n)")
         if self.tool_call_parser is not None:
             parser_named(self.tool_call_parser)  # a ValueError naming the known parsers
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from convert.api import open_source
 from convert.model_dir import read_manifest
+from metal_engine.cache_plan import CachePlan
 from metal_engine.kv_cache import KVCache
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.registry import model_class
@@ -71,7 +72,8 @@ def prompt_logits(model: CausalLM, ids: list[int]) -> np.ndarray:
     cfg = model.config
     num_blocks = len(ids) // BLOCK_SIZE + 2
     num_state_slots = 1 if cfg.linear_attention is not None else 0
-    cache = KVCache.for_model(cfg, num_blocks, BLOCK_SIZE, mx.float32, num_state_slots)
+    cache = KVCache.for_model(cfg, CachePlan(num_blocks, 0, num_state_slots=num_state_slots),
+                              BLOCK_SIZE, mx.float32)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=1,
         max_num_batched_tokens=len(ids), max_model_len=len(ids) + 1,

@@ -29,6 +29,13 @@ class AttentionMetadata:
     block_size: int
     # Per-step work a backend derives once and reuses in every layer, keyed by backend.
     backend_plans: dict = field(default_factory=dict, compare=False, repr=False)
+    # The same rows through the blocks of a sliding-window group, whose windowed layers keep
+    # pools of their own (metal_engine.cache_plan); None: every layer uses these blocks.
+    windowed: AttentionMetadata | None = field(default=None, compare=False, repr=False)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with this window attends through."""
+        return self.windowed if window is not None and self.windowed is not None else self
 
     @property
     def num_requests(self) -> int:

@@ -24,7 +24,12 @@ class _Row:
 
 
 class BlockTables:
-    def __init__(self, rows: int = 64, blocks_per_row: int = 64) -> None:
+    """`group`: whose table a request's rows hold: "main" (`block_ids`) or "window" (the
+    sliding-window group's `window_block_ids`, whose entries out of the window may be stale:
+    the window's rows never read them)."""
+
+    def __init__(self, rows: int = 64, blocks_per_row: int = 64, group: str = "main") -> None:
+        self.group = group
         self.table = np.zeros((rows, blocks_per_row), np.int32)
         self._rows: dict[str, _Row] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -37,21 +42,28 @@ class BlockTables:
                 self.table[row.index] = 0
                 self._free_rows.append(row.index)
 
+    def max_blocks(self, scheduled: list[ScheduledRequest]) -> int:
+        return max(len(self._ids(s)) for s in scheduled)
+
     def rows_for(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
         """Bring each scheduled request's row up to date; return the rows in that order."""
-        self._fit(max(len(s.block_ids) for s in scheduled))
+        self._fit(self.max_blocks(scheduled))
         return np.fromiter((self._update(s) for s in scheduled), np.int64, count=len(scheduled))
 
+    def _ids(self, s: ScheduledRequest) -> list[int]:
+        return s.window_block_ids if self.group == "window" else s.block_ids
+
     def _update(self, s: ScheduledRequest) -> int:
+        block_ids = self._ids(s)
         row = self._rows.get(s.request_id)
         if row is None:
             row = self._rows[s.request_id] = _Row(self._take_row(), s.block_table_epoch, 0)
         elif row.epoch != s.block_table_epoch:
             self.table[row.index] = 0
             row.epoch, row.num_blocks = s.block_table_epoch, 0
-        if len(s.block_ids) > row.num_blocks:
-            self.table[row.index, row.num_blocks : len(s.block_ids)] = s.block_ids[row.num_blocks :]
-            row.num_blocks = len(s.block_ids)
+        if len(block_ids) > row.num_blocks:
+            self.table[row.index, row.num_blocks : len(block_ids)] = block_ids[row.num_blocks :]
+            row.num_blocks = len(block_ids)
         return row.index
 
     def _take_row(self) -> int:

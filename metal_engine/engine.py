@@ -7,6 +7,7 @@ import logging
 import mlx.core as mx
 from transformers import AutoTokenizer
 
+from metal_engine.cache_plan import CachePlan, plan_cache
 from metal_engine.config import (
     EngineConfig,
     check_kv_cache_blocks,
@@ -14,11 +15,10 @@ from metal_engine.config import (
     resolve_max_model_len,
 )
 from metal_engine.detokenizer import IncrementalDetokenizer
-from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
+from metal_engine.kv_cache import KVCache, default_kv_cache_memory
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
 from metal_engine.outputs import RequestOutput, TokenLogprobs
-from metal_engine.recurrent_states import RecurrentStates, plan_state_slots
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
@@ -59,6 +59,19 @@ def _disk_store(config: EngineConfig, layout: Layout, size: int) -> KVDiskStore:
                        size)
 
 
+def _log_plan(plan: CachePlan, block_size: int, max_model_len: int, trained: int) -> None:
+    log.info("KV cache: %d tokens (%d blocks of %d, %.1f MiB); context length %d tokens "
+             "(trained: %d)", plan.num_blocks * block_size, plan.num_blocks, block_size,
+             plan.num_blocks * plan.bytes_per_block / 2**20, max_model_len, trained)
+    if plan.num_window_blocks:
+        log.info("sliding-window layers (window %d): %d blocks of their own (%.1f MiB)",
+                 plan.window, plan.num_window_blocks,
+                 plan.num_window_blocks * plan.bytes_per_window_block / 2**20)
+    if plan.num_state_slots:
+        log.info("recurrent state: %d slots of %.1f MiB", plan.num_state_slots,
+                 plan.bytes_per_state_slot / 2**20)
+
+
 class LLMEngine:
     """Single-threaded: one thread adds, aborts and steps.
 
@@ -97,38 +110,30 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype)
         model = load_model(config.model_dir, dtype)
         mc = model.config
-        per_block = bytes_per_block(mc.kv_pool_shapes(), config.block_size, dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
-        num_state_slots = 0
-        if mc.linear_attention is not None:  # their state slots come out of the same budget
-            slot_bytes = RecurrentStates.bytes_per_slot(mc.linear_attention,
-                                                        len(mc.state_layers()), dtype)
-            num_state_slots, budget = plan_state_slots(budget, slot_bytes, config.max_num_seqs,
-                                                       config.enable_prefix_caching)
-            log.info("recurrent state: %d slots of %.1f MiB (%d for checkpoints)",
-                     num_state_slots, slot_bytes / 2**20, num_state_slots - config.max_num_seqs)
-        num_blocks = max(budget, 0) // per_block
-        kv_tokens = num_blocks * config.block_size
-        check_kv_cache_blocks(num_blocks, budget)
+        token_budget = (config.max_num_batched_tokens
+                        or default_token_budget(mx.metal.is_available()))
+        # The disk tier stores a block of every pool under one id: no window group with it.
+        plan = plan_cache(mc, budget, dtype, config.block_size, config.max_num_seqs,
+                          token_budget, config.enable_prefix_caching,
+                          window_group=config.kv_cache_dir is None)
+        kv_tokens = plan.num_blocks * config.block_size
+        check_kv_cache_blocks(plan.num_blocks, budget)
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
-        log.info(
-            "KV cache: %d tokens (%d blocks of %d, %.1f MiB); context length %d tokens "
-            "(trained: %d)", kv_tokens, num_blocks, config.block_size,
-            num_blocks * per_block / 2**20, max_model_len, mc.trained_context_len,
-        )  # fmt: skip
-        cache = KVCache.for_model(mc, num_blocks, config.block_size, dtype,
-                                  num_slots=num_state_slots)
+        _log_plan(plan, config.block_size, max_model_len, mc.trained_context_len)
+        cache = KVCache.for_model(mc, plan, config.block_size, dtype)
         connector = _kv_disk_connector(config, cache)
         scheduler = Scheduler(SchedulerConfig(
-            num_blocks=num_blocks,
+            num_blocks=plan.num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=(config.max_num_batched_tokens
-                                    or default_token_budget(mx.metal.is_available())),
+            max_num_batched_tokens=token_budget,
             max_model_len=max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
-            num_state_slots=num_state_slots,
+            window=plan.window,
+            num_window_blocks=plan.num_window_blocks,
+            num_state_slots=plan.num_state_slots,
         ), connector)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         async_scheduling = (

@@ -25,11 +25,13 @@ class StepInputs:
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int,
-                      tables: BlockTables | None = None) -> StepInputs:
-    """Packed token ids, positions and paging metadata for every scheduled request.
+                      tables: BlockTables | None = None,
+                      window_tables: BlockTables | None = None) -> StepInputs:
+    """Packed token ids, positions and paging metadata for every scheduled request (and,
+    for a sliding-window group, through its blocks as `attention.windowed`).
 
-    `tables` carries block tables over from earlier steps (the serving path); without it
-    they are built from scratch.
+    `tables` and `window_tables` carry block tables over from earlier steps (the serving
+    path); without them they are built from scratch.
     """
     scheduled = out.scheduled
     q_lens = np.array([len(s.token_ids) for s in scheduled], np.int32)
@@ -43,13 +45,15 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
     positions = positions.astype(np.int32)
 
     tables = tables if tables is not None else BlockTables(len(scheduled))
-    max_blocks = max(len(s.block_ids) for s in scheduled)
-    rows = tables.rows_for(scheduled)  # may grow `tables.table`: read it after
-    block_tables = tables.table[rows, :max_blocks]
-    slots = (
-        block_tables[request_of_row, positions // block_size].astype(np.int64) * block_size
-        + positions % block_size
-    )
+    block_tables, slots = _paging(tables, scheduled, request_of_row, positions, block_size)
+    windowed = None
+    if scheduled[0].window_block_ids:
+        if window_tables is None:
+            window_tables = BlockTables(len(scheduled), group="window")
+        window_block_tables, window_slots = _paging(window_tables, scheduled, request_of_row,
+                                                    positions, block_size)  # fmt: skip
+        windowed = AttentionMetadata(cu_seqlens, starts + q_lens, window_block_tables,
+                                     window_slots, block_size)  # fmt: skip
 
     samples = np.array([s.samples for s in scheduled], bool)
     input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), np.int32, count=total)
@@ -63,9 +67,22 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
             block_tables=block_tables,
             slot_mapping=slots,
             block_size=block_size,
+            windowed=windowed,
         ),
         sample_rows=(cu_seqlens[1:] - 1)[samples].astype(np.int32),
         sample_request_ids=[s.request_id for s in scheduled if s.samples],
         pending_rows=pending_rows,
         pending_request_ids=[scheduled[i].request_id for i in request_of_row[pending_rows]],
     )
+
+
+def _paging(tables: BlockTables, scheduled, request_of_row: np.ndarray, positions: np.ndarray,
+            block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The step's block tables `[num_reqs, max_blocks]` and each row's KV slot."""
+    rows = tables.rows_for(scheduled)  # may grow `tables.table`: read it after
+    block_tables = tables.table[rows, : tables.max_blocks(scheduled)]
+    slots = (
+        block_tables[request_of_row, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    return block_tables, slots

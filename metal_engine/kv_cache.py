@@ -2,7 +2,8 @@
 
 A pool usually belongs to one layer; a model whose layers differ in KV heads or head size
 (Gemma 4's full and sliding layers) gives each pool its own shape, and one whose layers share
-K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool).
+K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool). The pools
+of a sliding-window group (metal_engine.cache_plan) have blocks of their own, fewer of them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 if TYPE_CHECKING:
+    from metal_engine.cache_plan import CachePlan
     from metal_engine.model_config import ModelConfig
     from metal_engine.recurrent_states import RecurrentStates
 
@@ -39,29 +41,32 @@ class KVCache:
     """
 
     def __init__(self, shapes: Sequence[PoolShape], num_blocks: int, block_size: int,
-                 dtype: mx.Dtype) -> None:
-        """`shapes`: (kv_heads, head_dim) of each pool."""
-        self.shapes = tuple(shapes)
+                 dtype: mx.Dtype, windowed: Sequence[int] = (), num_window_blocks: int = 0):
+        """`shapes`: (kv_heads, head_dim) of each pool; the `windowed` ones (a sliding-window
+        group) hold `num_window_blocks` blocks, the others `num_blocks`."""
+        self.shapes, self.windowed = tuple(shapes), tuple(windowed)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.k: list[mx.array | None] = [mx.zeros((num_blocks, block_size, *shape), dtype)
-                                         for shape in self.shapes]
-        self.v: list[mx.array | None] = [mx.zeros((num_blocks, block_size, *shape), dtype)
-                                         for shape in self.shapes]
+        sizes = [num_window_blocks if i in self.windowed else num_blocks
+                 for i in range(len(self.shapes))]
+        self.k: list[mx.array | None] = [mx.zeros((n, block_size, *shape), dtype)
+                                         for n, shape in zip(sizes, self.shapes, strict=True)]
+        self.v: list[mx.array | None] = [mx.zeros((n, block_size, *shape), dtype)
+                                         for n, shape in zip(sizes, self.shapes, strict=True)]
         mx.eval(self.k, self.v)
 
     states: RecurrentStates | None = None  # linear-attention layers' (see recurrent_states)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
-                  dtype: mx.Dtype, num_slots: int = 1) -> KVCache:
-        """The pools `cfg`'s layers need; `num_slots`: linear-attention state slots (live
-        ones and checkpoints; see scheduler.state_cache)."""
-        cache = cls(cfg.kv_pool_shapes(), num_blocks, block_size, dtype)
+    def for_model(cls, cfg: ModelConfig, plan: CachePlan, block_size: int,
+                  dtype: mx.Dtype) -> KVCache:
+        """The pools and state slots `cfg`'s layers need, sized as `plan` says."""
+        cache = cls(cfg.kv_pool_shapes(), plan.num_blocks, block_size, dtype,
+                    plan.windowed_pools, plan.num_window_blocks)
         if cfg.linear_attention is not None:
             from metal_engine.recurrent_states import RecurrentStates
 
             cache.states = RecurrentStates(cfg.linear_attention, len(cfg.state_layers()),
-                                           num_slots, dtype)
+                                           plan.num_state_slots, dtype)
         return cache
 
     def peek(self, layer: int) -> tuple[mx.array, mx.array]:
@@ -91,6 +96,7 @@ class KVCache:
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Each block's K then V of every pool, as raw bytes (waits for pending writes)."""
+        assert not self.windowed, "a sliding-window group's blocks have ids of their own"
         index = mx.array(block_ids)
         # [n, features of every pool]; bit-cast so numpy takes any dtype
         blocks = mx.concatenate([pool[index].reshape(len(block_ids), -1)

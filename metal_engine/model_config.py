@@ -172,6 +172,14 @@ class ModelConfig:
         """(kv_heads, head_dim) of each KV pool, in pool order."""
         return [self.kv_shape(i) for i in self._kv_owners()]
 
+    def windowed_pools(self) -> list[int]:
+        """The KV pools of sliding-window layers, if the model also has full-attention ones
+        (a group of their own: see metal_engine.cache_plan); else none."""
+        kinds = [self.layer_type(owner) for owner in self._kv_owners()]
+        if "full_attention" not in kinds or self.sliding_window is None:
+            return []
+        return [pool for pool, kind in enumerate(kinds) if kind == "sliding_attention"]
+
     def state_layers(self) -> list[int]:
         """The linear-attention layers: each keeps a recurrent state per request."""
         return [i for i in range(self.num_hidden_layers)

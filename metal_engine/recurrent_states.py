@@ -20,23 +20,6 @@ from metal_engine.kv_cache import RAW_BITS
 from metal_engine.kv_disk_store import StateLayout
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 
-# Checkpoints for prefix hits take at most this share of the cache budget, and at most two
-# per request that can run at once (a conversation's end and its prompt's).
-CHECKPOINT_SHARE = 0.25
-CHECKPOINTS_PER_SEQ = 2
-
-
-def plan_state_slots(budget: int, slot_bytes: int, max_num_seqs: int,
-                     checkpoints: bool) -> tuple[int, int]:
-    """(state slots, bytes left for KV blocks) out of a cache `budget`: a live slot for each
-    request that can run at once, plus checkpoint slots if prefix caching is on."""
-    num_checkpoints = 0
-    if checkpoints:
-        num_checkpoints = min(CHECKPOINTS_PER_SEQ * max_num_seqs,
-                              int(budget * CHECKPOINT_SHARE) // slot_bytes)
-    num_slots = max_num_seqs + num_checkpoints
-    return num_slots, budget - num_slots * slot_bytes
-
 
 class RecurrentStates:
     def __init__(self, cfg: GatedDeltaNetConfig, num_layers: int, num_slots: int,

@@ -74,11 +74,13 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.block_tables = BlockTables()
+        self.window_tables = BlockTables(group="window")
         self._queued = False  # work queued on the device and not waited for since
 
     def release(self, request_ids: list[str]) -> None:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
         self.block_tables.release(request_ids)
+        self.window_tables.release(request_ids)
 
     def _forward(self, out: SchedulerOutput, input_ids: mx.array, step: StepInputs) -> mx.array:
         """The model over the step's rows; for a hybrid model, its state slots restored from
@@ -108,7 +110,8 @@ class ModelRunner:
         Penalties and grammars need `context`; a request missing from it samples from its
         params alone (it finished since it was scheduled: its token is dropped).
         """
-        step = build_step_inputs(out, self.cache.block_size, self.block_tables)
+        step = build_step_inputs(out, self.cache.block_size, self.block_tables,
+                                 self.window_tables)
         if cpu_math.on_cpu():  # the numpy fast paths evaluate the forward as it is built
             self._wait_for_device()
         hidden = self._forward(out, _with_pending_tokens(step, previous), step)

@@ -23,6 +23,9 @@ class SchedulerConfig:
     # between a long prompt's checkpoints.
     num_state_slots: int = 0
     state_checkpoint_interval: int = 32
+    # Sliding-window layers beside full ones: their blocks (0: no such group) and window.
+    num_window_blocks: int = 0
+    window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -31,6 +34,9 @@ class SchedulerConfig:
         if self.num_state_slots and self.num_state_slots < self.max_num_seqs:
             raise ValueError(f"num_state_slots must be at least max_num_seqs "
                              f"({self.max_num_seqs}), got {self.num_state_slots}")
+        if self.num_window_blocks and (self.window is None or self.window < 1):
+            raise ValueError(f"a sliding-window group needs a window of at least 1, got "
+                             f"{self.window}")
         if self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be at least 1, got "
                              f"{self.state_checkpoint_interval}")

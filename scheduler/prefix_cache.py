@@ -1,5 +1,8 @@
 """Automatic prefix caching: reuse the K/V of full blocks whose token prefix was seen before.
 
+Windowed layers with blocks of their own (scheduler.window_blocks) need only the blocks the
+next row sees: a hit reaches as far as those are cached too.
+
 A hybrid model's request also needs its recurrent state at the end of the prefix: there a
 hit reaches only as far as the last block boundary with a state checkpoint (see
 scheduler.state_cache), so blocks and state hit together or not at all.
@@ -20,6 +23,7 @@ from scheduler.kv_connector import KVConnectorScheduler, TierLookup
 from scheduler.prefix_hash import BlockHash, extend_block_hashes
 from scheduler.request import Request
 from scheduler.state_cache import StateCache
+from scheduler.window_blocks import WindowBlocks
 
 
 @dataclass
@@ -50,14 +54,15 @@ class PrefixCache:
 
     def __init__(self, pool: BlockPool, block_size: int, enabled: bool,
                  store: KVConnectorScheduler | None = None,
-                 states: StateCache | None = None) -> None:
+                 states: StateCache | None = None, window: WindowBlocks | None = None):
         """`store`: the scheduler side of the tier past the pool (its connector), if any;
-        `states`: the state checkpoints of a hybrid model."""
+        `states`: the state checkpoints of a hybrid model; `window`: its sliding-window
+        group's blocks."""
         self.pool = pool
         self.block_size = block_size
         self.enabled = enabled
         self.store = store if enabled else None
-        self.states = states
+        self.states, self.window = states, window
         self.stats = PrefixCacheStats()
 
     def match(self, request: Request) -> list[int]:
@@ -76,6 +81,9 @@ class PrefixCache:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.window is not None:
+            while hits and self.window.hits(request, len(hits)) is None:
+                hits.pop()
         return hits
 
     def lookup_stored(self, request: Request,
@@ -119,6 +127,8 @@ class PrefixCache:
         self.pool.take_cached(hits)
         loads = self._allocate_stored(stored)
         request.start_block_table(hits + [block_id for block_id, _ in loads])
+        if self.window is not None:
+            self.window.take(request, len(hits))
         num_cached_tokens = len(request.block_ids) * self.block_size
         request.num_computed_tokens = num_cached_tokens
         request.num_hashed_blocks = len(request.block_ids)
@@ -164,4 +174,6 @@ class PrefixCache:
         self._hash(request, num_full)
         for i in range(request.num_hashed_blocks, num_full):
             self.pool.cache(request.block_ids[i], request.block_hashes[i])
+        if self.window is not None:
+            self.window.register(request, request.num_hashed_blocks, num_full)
         request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)

@@ -70,6 +70,9 @@ class Request:
         self.state_slot: int | None = None
         self.pending_saves: list[PendingSave] = []
         self.decode_checkpoint: bytes | None = None
+        # Sliding-window group: its block per block of the sequence (null once out of the
+        # window; see scheduler.window_blocks).
+        self.window_block_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

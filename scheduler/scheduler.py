@@ -20,6 +20,7 @@ from scheduler.request import PENDING_TOKEN, FinishReason, Request, RequestStatu
 from scheduler.sampling_params import SamplingParams
 from scheduler.state_cache import StateCache, StatePlan
 from scheduler.waiting_queue import WaitingQueue
+from scheduler.window_blocks import WindowBlocks
 
 
 @dataclass
@@ -39,6 +40,8 @@ class ScheduledRequest:
     params: SamplingParams
     num_output_tokens: int
     state_slot: int | None = None  # hybrid models: the slot of its recurrent state
+    # Sliding-window group: its block table (null entries out of the window).
+    window_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -87,10 +90,17 @@ class Scheduler:
             interval = config.state_checkpoint_interval if config.enable_prefix_caching else None
             self.states = StateCache(config.num_state_slots, config.block_size, interval,
                                      self.connector)
+        self.window = None
+        if config.num_window_blocks:
+            if self.states is not None or self.connector is not None:
+                raise ValueError("a sliding-window group serves without recurrent state and "
+                                 "without a KV tier past the pool")
+            self.window = WindowBlocks(config.num_window_blocks, config.block_size,
+                                       config.window)
         self.pool = BlockPool(config.num_blocks, on_evict=self._block_evicted)
         self.prefix_cache = PrefixCache(self.pool, config.block_size,
                                         config.enable_prefix_caching, self.connector,
-                                        self.states)  # fmt: skip
+                                        self.states, self.window)  # fmt: skip
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -273,18 +283,19 @@ class Scheduler:
         free_hits = sum(1 for block_id in hits if self.pool.refcount(block_id) == 0)
         if self.states is not None and self.states.num_free_slots < 1:
             return False
+        if self.window is not None and not self.window.can_take(request, len(hits), num_new):
+            return False
         return needed - len(hits) <= self.pool.num_free_blocks - free_hits
 
     def _reserve_blocks(self, request: Request, num_new: int) -> bool:
         needed = cdiv(request.num_computed_tokens + num_new, self.config.block_size)
         missing = needed - len(request.block_ids)
-        if missing <= 0:
-            return True
-        blocks = self.pool.allocate(missing)
-        if blocks is None:
-            return False
-        request.block_ids.extend(blocks)
-        return True
+        if missing > 0:
+            blocks = self.pool.allocate(missing)
+            if blocks is None:
+                return False
+            request.block_ids.extend(blocks)
+        return self.window is None or self.window.reserve(request, num_new)
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, request: Request) -> int:
@@ -304,8 +315,7 @@ class Scheduler:
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_hashed_blocks = 0
-        if self.states is not None:
-            self.states.stop(request)
+        self._release_groups(request)
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
@@ -323,6 +333,7 @@ class Scheduler:
             params=request.params,
             num_output_tokens=request.num_output_tokens,
             state_slot=request.state_slot,
+            window_block_ids=list(request.window_block_ids),
         )
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
@@ -372,12 +383,18 @@ class Scheduler:
             ))
         return updates
 
+    def _release_groups(self, request: Request) -> None:
+        """Give back what a request leaving the batch holds beside its KV blocks."""
+        if self.states is not None:
+            self.states.stop(request)
+        if self.window is not None:
+            self.window.release(request)
+
     def _release(self, request: Request, reason: FinishReason) -> None:
         request.drop_pending_outputs()
         self.pool.free(request.block_ids)
         request.block_ids = []
-        if self.states is not None:
-            self.states.stop(request)
+        self._release_groups(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_since_last_step.append(request.request_id)

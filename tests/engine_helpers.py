@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 
+from metal_engine.cache_plan import CachePlan, window_blocks
 from metal_engine.kv_cache import KVCache
 from metal_engine.runner import ModelRunner
 from metal_engine.weights import load_model
@@ -15,15 +18,20 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
                               enable_prefix_caching=True, state_checkpoint_interval=32):
     model = load_model(model_dir, mx.float32)
     cfg = model.config
-    # Hybrid models: a live state slot per request that can run, two checkpoints for each.
-    num_state_slots = 3 * max_num_seqs if cfg.linear_attention is not None else 0
-    cache = KVCache.for_model(cfg, num_blocks, block_size, mx.float32,
-                              num_slots=num_state_slots)
+    plan = CachePlan(num_blocks, 0)
+    if cfg.linear_attention is not None:  # a live state slot per request, two checkpoints each
+        plan = replace(plan, num_state_slots=3 * max_num_seqs)
+    if cfg.windowed_pools():  # windowed layers beside full ones: blocks of their own
+        plan = replace(plan, windowed_pools=tuple(cfg.windowed_pools()), window=cfg.sliding_window,
+                       num_window_blocks=window_blocks(cfg.sliding_window, block_size,
+                                                       max_num_seqs, max_num_batched_tokens))
+    cache = KVCache.for_model(cfg, plan, block_size, mx.float32)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching, num_state_slots=num_state_slots,
-        state_checkpoint_interval=state_checkpoint_interval,
+        enable_prefix_caching=enable_prefix_caching, num_state_slots=plan.num_state_slots,
+        state_checkpoint_interval=state_checkpoint_interval, window=plan.window,
+        num_window_blocks=plan.num_window_blocks,
     ))
     return ModelRunner(model, cache), scheduler
 

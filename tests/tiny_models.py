@@ -104,12 +104,12 @@ TINY_MODELS = {
 }
 
 
-def build_tiny_model(model_type: str, path: Path):
+def build_tiny_model(model_type: str, path: Path, **extra):
     """Save a tiny random `model_type` checkpoint (+ a word-level tokenizer) into `path` and
-    return the float32 PyTorch model."""
+    return the float32 PyTorch model. `extra`: config fields over the family's."""
     config_class, model_class, overrides = TINY_MODELS[model_type]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides, **extra})
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         # Move norms off 1 (or 0) and biases off 0, so a misread one cannot go unnoticed.

@@ -57,6 +57,7 @@ class Gemma4Attention(nn.Module):
         total = x.shape[0]
         q = self.q_norm(self.q_proj(x).reshape(total, self.num_heads, self.head_dim))
         q = apply_rope(q, *rope)
+        meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
         if self.reads_shared_kv:
             k_pool, v_pool = cache.peek(pool)
         else:

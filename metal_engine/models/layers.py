@@ -116,6 +116,7 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
         k_pool, v_pool = cache.take(pool)
         k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
         cache.put(pool, k_pool, v_pool)

@@ -1,0 +1,79 @@
+"""How the cache budget is split between the model's cache groups, once at startup.
+
+    full attention   KV pools of every block a request holds: the bulk of the budget
+    sliding window   KV pools of windowed layers beside full ones (Gemma 2/3/4, GPT-OSS): a
+                     request holds only the blocks its window still sees, so the group gets
+                     enough for every request that can run at once, and no more
+    recurrent state  state slots of linear-attention layers (Qwen3.5): one live slot per
+                     request that can run at once, plus checkpoints for the prefix cache
+
+Models whose every attention layer slides (Mistral's window) keep their whole context: there is
+no full group to give the memory to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from metal_engine.kv_cache import bytes_per_block
+from metal_engine.model_config import ModelConfig
+from metal_engine.recurrent_states import RecurrentStates
+
+# Checkpoints for prefix hits take at most this share of the cache budget, and at most two
+# per request that can run at once (a conversation's end and its prompt's).
+CHECKPOINT_SHARE = 0.25
+CHECKPOINTS_PER_SEQ = 2
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_blocks: int  # blocks of the full-attention pools (of every pool without a window group)
+    bytes_per_block: int
+    windowed_pools: tuple[int, ...] = ()  # pools of the sliding-window group
+    window: int | None = None
+    num_window_blocks: int = 0
+    bytes_per_window_block: int = 0
+    num_state_slots: int = 0
+    bytes_per_state_slot: int = 0
+
+
+def plan_cache(cfg: ModelConfig, budget: int, dtype: mx.Dtype, block_size: int,
+               max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
+               window_group: bool = True) -> CachePlan:
+    """Split `budget` bytes between the groups `cfg`'s layers need. `window_group`: give
+    windowed layers a group of their own when the model also has full-attention layers."""
+    shapes = cfg.kv_pool_shapes()
+    windowed = cfg.windowed_pools() if window_group else ()
+    state = {}
+    if cfg.linear_attention is not None:
+        slot_bytes = RecurrentStates.bytes_per_slot(cfg.linear_attention,
+                                                    len(cfg.state_layers()), dtype)
+        num_slots = max_num_seqs
+        if prefix_caching:
+            num_slots += min(CHECKPOINTS_PER_SEQ * max_num_seqs,
+                             int(budget * CHECKPOINT_SHARE) // slot_bytes)
+        state = dict(num_state_slots=num_slots, bytes_per_state_slot=slot_bytes)
+        budget -= num_slots * slot_bytes
+    all_bytes = bytes_per_block(shapes, block_size, dtype)
+    if windowed:
+        full = bytes_per_block([s for i, s in enumerate(shapes) if i not in windowed],
+                               block_size, dtype)  # fmt: skip
+        window_bytes = all_bytes - full
+        num_window = window_blocks(cfg.sliding_window, block_size, max_num_seqs,
+                                   max_num_batched_tokens)
+        if num_window < max(budget, 0) // all_bytes:  # else the split would save nothing
+            return CachePlan(max(budget - num_window * window_bytes, 0) // full, full,
+                             tuple(windowed), cfg.sliding_window, num_window, window_bytes,
+                             **state)  # fmt: skip
+    return CachePlan(max(budget, 0) // all_bytes, all_bytes, **state)
+
+
+def window_blocks(window: int, block_size: int, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> int:
+    """Blocks a sliding-window group needs at most: each running request's window (and the
+    block it is filling), plus the keys of a step's new tokens, plus the null block freed
+    entries point to."""
+    per_request = -(-(window - 1) // block_size) + 2
+    return max_num_seqs * per_request + -(-max_num_batched_tokens // block_size) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import mlx.core as mx
 from transformers import AutoTokenizer
@@ -29,8 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector | None:
-    """The disk tier of the prefix cache, if `--kv-cache-dir` asks for one: blocks and, for a
-    hybrid model, its state checkpoints (within the same size, in proportion)."""
+    """The disk tier of the prefix cache, if `--kv-cache-dir` asks for one: a store per cache
+    kind (blocks, a sliding-window group's blocks, a hybrid model's state checkpoints), each
+    with a share of the size."""
     if config.kv_cache_dir is None:
         return None
     dtype = str(cache.dtype).removeprefix("mlx.core.")
@@ -38,12 +40,19 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
     if cache.states is not None:
         layout = cache.states.layout()
         state_size = max(int(size * STATE_DISK_SHARE), layout.file_bytes)
-        stores["states"] = TierStore(_disk_store(config, layout, state_size),
+        stores["states"] = TierStore(_disk_store(config, "states", layout, state_size),
                                      cache.states.read_slots, cache.states.write_slots)
         size -= state_size
-    layout = BlockLayout(cache.shapes, cache.block_size, dtype)
-    stores["blocks"] = TierStore(_disk_store(config, layout, size), cache.read_blocks,
-                                 cache.write_blocks)
+    for kind, windowed in (("blocks", False), ("window", True)):
+        shapes = cache.group_shapes(windowed)
+        if not shapes:
+            continue
+        layout = BlockLayout(tuple(shapes), cache.block_size, dtype)
+        share = len(shapes) / len(cache.shapes)  # in proportion to the pools it holds
+        stores[kind] = TierStore(
+            _disk_store(config, kind, layout, max(int(size * share), layout.file_bytes)),
+            partial(cache.read_blocks, windowed=windowed),
+            partial(cache.write_blocks, windowed=windowed))
     for kind, parts in stores.items():
         log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
                  parts.store.used_bytes / 2**20, parts.store.root)
@@ -54,9 +63,9 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
 STATE_DISK_SHARE = 0.25
 
 
-def _disk_store(config: EngineConfig, layout: Layout, size: int) -> KVDiskStore:
-    return KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout), layout,
-                       size)
+def _disk_store(config: EngineConfig, kind: str, layout: Layout, size: int) -> KVDiskStore:
+    return KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout, kind),
+                       layout, size)
 
 
 def _log_plan(plan: CachePlan, block_size: int, max_model_len: int, trained: int) -> None:
@@ -113,10 +122,8 @@ class LLMEngine:
         budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
         token_budget = (config.max_num_batched_tokens
                         or default_token_budget(mx.metal.is_available()))
-        # The disk tier stores a block of every pool under one id: no window group with it.
         plan = plan_cache(mc, budget, dtype, config.block_size, config.max_num_seqs,
-                          token_budget, config.enable_prefix_caching,
-                          window_group=config.kv_cache_dir is None)
+                          token_budget, config.enable_prefix_caching)
         kv_tokens = plan.num_blocks * config.block_size
         check_kv_cache_blocks(plan.num_blocks, budget)
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
@@ -210,9 +217,11 @@ class LLMEngine:
         if self._in_flight is not None:
             self._in_flight.sampled()  # its K/V writes must land first
         states = self.scheduler.states
+        window = self.scheduler.window
         self.kv_connector.close({
             "blocks": self.scheduler.pool.cached_blocks(),
             "states": states.checkpoints() if states is not None else [],
+            "window": window.pool.cached_blocks() if window is not None else [],
         })
 
     def _samples_behind_pending_history(self, scheduled: SchedulerOutput) -> bool:

@@ -94,29 +94,39 @@ class KVCache:
     def dtype(self) -> mx.Dtype:
         return self.k[0].dtype
 
-    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Each block's K then V of every pool, as raw bytes (waits for pending writes)."""
-        assert not self.windowed, "a sliding-window group's blocks have ids of their own"
+    def read_blocks(self, block_ids: list[int], windowed: bool = False) -> list[bytes]:
+        """Each block's K then V of every pool of its group (the full pools, or `windowed`
+        the sliding-window group's), as raw bytes (waits for pending writes)."""
+        pools = self._group(windowed)
         index = mx.array(block_ids)
         # [n, features of every pool]; bit-cast so numpy takes any dtype
-        blocks = mx.concatenate([pool[index].reshape(len(block_ids), -1)
-                                 for pool in self.k + self.v], axis=1)
+        blocks = mx.concatenate([kv[i][index].reshape(len(block_ids), -1)
+                                 for kv in (self.k, self.v) for i in pools], axis=1)
         raw = np.asarray(blocks.view(RAW_BITS[self.dtype.size][0]))
         return [raw[i].tobytes() for i in range(len(block_ids))]
 
-    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes],
+                     windowed: bool = False) -> None:
         """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
-        n = len(block_ids)
+        pools, n = self._group(windowed), len(block_ids)
         raw = np.frombuffer(b"".join(payloads), RAW_BITS[self.dtype.size][1]).reshape(n, -1)
         blocks = mx.array(raw).view(self.dtype)
-        sizes = [self.block_size * heads * dim for heads, dim in self.shapes] * 2
+        sizes = [self.block_size * heads * dim for heads, dim in self.group_shapes(windowed)] * 2
         parts = mx.split(blocks, list(itertools.accumulate(sizes))[:-1], axis=1)
         index = mx.array(block_ids)
-        for layer, shape in enumerate(self.shapes):
-            k, v = self.take(layer)
-            k[index] = parts[layer].reshape(n, self.block_size, *shape)
-            v[index] = parts[len(self.shapes) + layer].reshape(n, self.block_size, *shape)
-            self.put(layer, k, v)
+        for part, pool in enumerate(pools):
+            shape = self.shapes[pool]
+            k, v = self.take(pool)
+            k[index] = parts[part].reshape(n, self.block_size, *shape)
+            v[index] = parts[len(pools) + part].reshape(n, self.block_size, *shape)
+            self.put(pool, k, v)
+
+    def group_shapes(self, windowed: bool = False) -> list[PoolShape]:
+        """(kv_heads, head_dim) of the pools of one group, in pool order."""
+        return [self.shapes[i] for i in self._group(windowed)]
+
+    def _group(self, windowed: bool) -> list[int]:
+        return [i for i in range(len(self.shapes)) if (i in self.windowed) == windowed]
 
 
 # Unsigned ints of each element size (MLX, numpy): blocks travel as raw bits.

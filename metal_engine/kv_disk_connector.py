@@ -116,6 +116,9 @@ class KVDiskConnector:
         state_reads = self._plan.states.reads
         if lookup.checkpoint_unread and lookup.checkpoint not in state_reads:
             state_reads.append(lookup.checkpoint)
+        window_reads = self._plan.window.reads
+        queued = set(window_reads)
+        window_reads += [h for h in lookup.window_unread if h not in queued]
 
     def load(self, kind: CacheKind, items: Sequence[tuple[int, BlockHash]]) -> None:
         self._plan.of(kind).loads += items

@@ -111,7 +111,7 @@ class StateLayout:
 Layout = BlockLayout | StateLayout
 
 
-def model_identity(model_dir: Path, layout: Layout) -> str:
+def model_identity(model_dir: Path, layout: Layout, kind: str = "blocks") -> str:
     """Hex digest naming the cache namespace of this model, its weights and the block layout.
 
     Weights count by name, size and mtime (hashing GBs would slow startup): a reconverted model
@@ -120,7 +120,9 @@ def model_identity(model_dir: Path, layout: Layout) -> str:
     model_dir = Path(model_dir)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"metal-serve kv cache v{FORMAT_VERSION}\0".encode())
-    h.update(repr(sorted(asdict(layout).items())).encode())  # the two layouts' keys differ
+    h.update(repr(sorted(asdict(layout).items())).encode())
+    if kind != "blocks":  # two groups' blocks may have one layout (Gemma's window and full)
+        h.update(f"\0{kind}".encode())
     h.update((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.glob("*.safetensors")):
         stat = path.stat()

@@ -22,9 +22,9 @@ from typing import Literal, Protocol
 
 from scheduler.prefix_hash import BlockHash
 
-# What a tier holds, each in memory under its own ids: "blocks" (KV pool block ids) and
-# "states" (state slots holding checkpoints).
-CacheKind = Literal["blocks", "states"]
+# What a tier holds, each in memory under its own ids: "blocks" (KV pool block ids),
+# "states" (state slots holding checkpoints), "window" (a sliding-window group's block ids).
+CacheKind = Literal["blocks", "states", "window"]
 
 
 @dataclass
@@ -46,13 +46,14 @@ class KVTransferPlan:
 
     blocks: TierMoves = field(default_factory=TierMoves)
     states: TierMoves = field(default_factory=TierMoves)
+    window: TierMoves = field(default_factory=TierMoves)
 
     def of(self, kind: CacheKind) -> TierMoves:
-        return self.blocks if kind == "blocks" else self.states
+        return getattr(self, kind)
 
     @property
     def is_empty(self) -> bool:
-        return self.blocks.is_empty and self.states.is_empty
+        return self.blocks.is_empty and self.states.is_empty and self.window.is_empty
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,13 @@ class TierLookup:
     # is still on disk.
     checkpoint: BlockHash | None = None
     checkpoint_unread: bool = False
+    # Sliding-window group: the blocks it needs that the tier holds, read or not.
+    window_ready: list[BlockHash] = field(default_factory=list)
+    window_unread: list[BlockHash] = field(default_factory=list)
 
     @property
     def is_ready(self) -> bool:
-        return not (self.unread or self.checkpoint_unread)
+        return not (self.unread or self.checkpoint_unread or self.window_unread)
 
 
 class KVConnectorScheduler(Protocol):

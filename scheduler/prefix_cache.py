@@ -81,39 +81,50 @@ class PrefixCache:
             if block_id is None:
                 break
             hits.append(block_id)
-        if self.window is not None:
-            while hits and self.window.hits(request, len(hits)) is None:
-                hits.pop()
         return hits
 
     def lookup_stored(self, request: Request,
                       hits: list[int]) -> tuple[list[int], TierLookup]:
         """The pool `hits` (from `match`) and the tier's blocks right after them (see
-        `KVConnectorScheduler.lookup`); for a hybrid model both cut to end at the last block
-        with a state checkpoint, in the pool or the tier."""
+        `KVConnectorScheduler.lookup`), both cut to end where every other group has what the
+        request needs there: a state checkpoint, the window's blocks (pool or tier)."""
         stored = TierLookup([], [])
         if self.store is not None:
             stored = self.store.lookup(request.block_hashes[len(hits) : self._max_blocks(request)])
-        if self.states is None:
+        if self.states is None and self.window is None:
             return hits, stored
-        return self._cut_to_checkpoint(request, hits, stored)
-
-    def _cut_to_checkpoint(self, request: Request, hits: list[int],
-                           stored: TierLookup) -> tuple[list[int], TierLookup]:
         found = len(hits) + len(stored.ready) + len(stored.unread)
         for count in range(found, 0, -1):
-            block_hash = request.block_hashes[count - 1]
-            in_tier = None
-            if not self.states.has(block_hash):
-                in_tier = self.store.find("states", block_hash) if self.store else None
-                if in_tier is None:
-                    continue
-            num_stored = max(count - len(hits), 0)
-            ready = stored.ready[:num_stored]
-            unread = stored.unread[: num_stored - len(ready)]
-            return hits[:count], TierLookup(ready, unread, block_hash if in_tier else None,
-                                            in_tier == "unread")  # fmt: skip
+            cut = self._resume_at(request, count, hits, stored)
+            if cut is not None:
+                return hits[:count], cut
         return [], TierLookup([], [])
+
+    def _resume_at(self, request: Request, count: int, hits: list[int],
+                   stored: TierLookup) -> TierLookup | None:
+        """The tier's share of a hit of `count` blocks, or None if a group lacks its part."""
+        checkpoint, state = None, None
+        if self.states is not None and not self.states.has(request.block_hashes[count - 1]):
+            checkpoint = request.block_hashes[count - 1]
+            state = self._in_tier("states", checkpoint)
+            if state is None:
+                return None
+        window_ready, window_unread = [], []
+        if self.window is not None:
+            for index, block_id in self.window.needed(request, count):
+                if block_id is None:
+                    where = self._in_tier("window", request.block_hashes[index])
+                    if where is None:
+                        return None
+                    (window_ready if where == "ready" else window_unread).append(
+                        request.block_hashes[index])
+        num_stored = max(count - len(hits), 0)
+        ready = stored.ready[:num_stored]
+        return TierLookup(ready, stored.unread[: num_stored - len(ready)], checkpoint,
+                          state == "unread", window_ready, window_unread)
+
+    def _in_tier(self, kind, block_hash: BlockHash) -> str | None:
+        return None if self.store is None else self.store.find(kind, block_hash)
 
     def take(self, request: Request, hits: list[int], stored: Sequence[BlockHash] = ()) -> None:
         """Give a request with no blocks the `hits` blocks, then fresh blocks for the `stored`
@@ -128,7 +139,7 @@ class PrefixCache:
         loads = self._allocate_stored(stored)
         request.start_block_table(hits + [block_id for block_id, _ in loads])
         if self.window is not None:
-            self.window.take(request, len(hits))
+            self.window.take(request, len(request.block_ids))
         num_cached_tokens = len(request.block_ids) * self.block_size
         request.num_computed_tokens = num_cached_tokens
         request.num_hashed_blocks = len(request.block_ids)

@@ -92,11 +92,8 @@ class Scheduler:
                                      self.connector)
         self.window = None
         if config.num_window_blocks:
-            if self.states is not None or self.connector is not None:
-                raise ValueError("a sliding-window group serves without recurrent state and "
-                                 "without a KV tier past the pool")
             self.window = WindowBlocks(config.num_window_blocks, config.block_size,
-                                       config.window)
+                                       config.window, self.connector)
         self.pool = BlockPool(config.num_blocks, on_evict=self._block_evicted)
         self.prefix_cache = PrefixCache(self.pool, config.block_size,
                                         config.enable_prefix_caching, self.connector,
@@ -283,7 +280,8 @@ class Scheduler:
         free_hits = sum(1 for block_id in hits if self.pool.refcount(block_id) == 0)
         if self.states is not None and self.states.num_free_slots < 1:
             return False
-        if self.window is not None and not self.window.can_take(request, len(hits), num_new):
+        if self.window is not None and not self.window.can_take(
+                request, len(hits) + num_stored, num_new):
             return False
         return needed - len(hits) <= self.pool.num_free_blocks - free_hits
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from scheduler.block_pool import BlockPool
 
 if TYPE_CHECKING:
+    from scheduler.kv_connector import KVConnectorScheduler
     from scheduler.request import Request
 
 # Freed entries of a window table point at this block, which no request is ever given.
@@ -34,10 +35,14 @@ class WindowBlocks:
     """The group's pool and each request's window table (`request.window_block_ids`).
     Single-threaded (the scheduler)."""
 
-    def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int,
+                 tier: KVConnectorScheduler | None = None) -> None:
+        """`tier`: the KV tier past memory, which keeps the group's evicted blocks too."""
         if num_blocks < 2:
             raise ValueError(f"a sliding-window group needs at least 2 blocks, got {num_blocks}")
-        self.pool = BlockPool(num_blocks)
+        self.tier = tier
+        on_evict = (lambda block_id, h: tier.evicted("window", block_id, h)) if tier else None
+        self.pool = BlockPool(num_blocks, on_evict=on_evict)
         assert self.pool.allocate(1) == [NULL_BLOCK]  # held for good
         self.block_size, self.window = block_size, window
 
@@ -49,32 +54,38 @@ class WindowBlocks:
         """The first block that a row at `position` (or after it) still sees."""
         return max(position - self.window + 1, 0) // self.block_size
 
-    def hits(self, request: Request, num_blocks: int) -> list[int] | None:
-        """The group's cached blocks a hit of `num_blocks` leading blocks needs (from the
-        first one its next row sees), or None if one is missing. Changes nothing."""
+    def needed(self, request: Request, num_blocks: int) -> list[tuple[int, int | None]]:
+        """What a hit of `num_blocks` leading blocks needs of the group: from the first block
+        its next row sees, (index, the pool's cached block or None). Changes nothing."""
         hashes = request.block_hashes
-        found = []
-        for index in range(self.first_seen(num_blocks * self.block_size), num_blocks):
-            block_id = self.pool.lookup(hashes[index])
-            if block_id is None:
-                return None
-            found.append(block_id)
-        return found
+        return [(index, self.pool.lookup(hashes[index]))
+                for index in range(self.first_seen(num_blocks * self.block_size), num_blocks)]
 
     def can_take(self, request: Request, num_blocks: int, num_new: int) -> bool:
-        """Whether the pool can back a request admitted over `num_blocks` cached blocks (the
-        group's hits for them exist) and its first `num_new` tokens. Changes nothing."""
-        hits = self.hits(request, num_blocks) or []
-        free_hits = sum(1 for block_id in hits if self.pool.refcount(block_id) == 0)
+        """Whether the pool can back a request admitted over `num_blocks` cached blocks and
+        its first `num_new` tokens. Changes nothing."""
+        needed = self.needed(request, num_blocks)
+        taken = sum(1 for _, b in needed if b is None or self.pool.refcount(b) == 0)
         new = cdiv(num_blocks * self.block_size + num_new, self.block_size) - num_blocks
-        return new + free_hits <= self.pool.num_free_blocks
+        return new + taken <= self.pool.num_free_blocks
 
     def take(self, request: Request, num_blocks: int) -> None:
-        """Start the window table of a request admitted over `num_blocks` cached blocks."""
-        hits = self.hits(request, num_blocks)
-        assert hits is not None, "the prefix cache matched these blocks"
-        self.pool.take_cached(hits)
-        request.window_block_ids = [NULL_BLOCK] * (num_blocks - len(hits)) + hits
+        """Start the window table of a request admitted over `num_blocks` cached blocks: the
+        pool's cached blocks it needs, and fresh ones for those the tier loads."""
+        needed = self.needed(request, num_blocks)
+        self.pool.take_cached([b for _, b in needed if b is not None])
+        table = [NULL_BLOCK] * (num_blocks - len(needed))
+        loads = []
+        for index, block_id in needed:
+            if block_id is None:
+                assert self.tier is not None, "the prefix cache found it in the tier"
+                [block_id] = self.pool.allocate(1)
+                self.pool.cache(block_id, request.block_hashes[index])
+                loads.append((block_id, request.block_hashes[index]))
+            table.append(block_id)
+        if loads:
+            self.tier.load("window", loads)
+        request.window_block_ids = table
 
     def reserve(self, request: Request, num_new: int) -> bool:
         """Free the blocks out of the request's window, then give it blocks for its next

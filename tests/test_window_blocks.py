@@ -3,7 +3,8 @@ once no row of its request can see it again (scheduler.window_blocks).
 
 Through the scheduler alone: every step a request holds the blocks its rows see, and no
 more; a prefix hit takes only the window's blocks. Through a Gemma-3-style model: 32 requests
-at 4x the window hold window-sized KV per windowed layer, and answer as transformers does.
+at 4x the window hold window-sized KV per windowed layer, and answer as transformers does;
+a restart with a KV cache dir finds both groups' blocks on disk.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from engine_helpers import make_runner_and_scheduler
 from tiny_models import VOCAB, build_tiny_model
 
 from convert import convert_model
+from metal_engine.config import EngineConfig
+from metal_engine.engine import LLMEngine
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.window_blocks import NULL_BLOCK, cdiv
 
@@ -114,3 +117,51 @@ def test_32_requests_at_4x_the_window_hold_window_sized_kv(tmp_path):
             ids = torch.tensor([prompts[request.request_id]])
             expected = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
             assert request.output_token_ids == expected[0, ids.shape[1]:].tolist()
+
+
+def window_engine(model_dir, kv_dir, enable_prefix_caching: bool = True) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(
+        model_dir=model_dir, dtype="float32", max_num_seqs=4, kv_cache_memory=8 << 20,
+        max_num_batched_tokens=64, kv_cache_dir=kv_dir,
+        enable_prefix_caching=enable_prefix_caching,
+    ))  # fmt: skip
+
+
+def serve(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dict, dict]:
+    """Each prompt's output ids and cached prompt tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    outputs, cached = {rid: [] for rid in prompts}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] += output.new_token_ids
+            if output.finished:
+                cached[output.request_id] = output.num_cached_tokens
+    return outputs, cached
+
+
+def test_a_restart_with_a_kv_cache_dir_keeps_the_window_groups_hits(
+    tmp_path, default_tokenizer
+):
+    window = 24
+    build_tiny_model("gemma3_text", tmp_path / "hf", sliding_window=window)
+    path = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
+    default_tokenizer.save_pretrained(path)
+    rng = np.random.default_rng(4)
+    first = {f"r{i}": [int(t) for t in rng.integers(3, VOCAB, size=100)] for i in range(4)}
+    engine = window_engine(path, tmp_path / "kv")
+    assert engine.scheduler.window is not None
+    answers, _ = serve(engine, first)
+    engine.close()
+    assert len(list((tmp_path / "kv").iterdir())) == 2  # the full and the window group's stores
+
+    follow_ups = {f"{rid}-2": ids + answers[rid] + [int(t) for t in rng.integers(3, VOCAB, 9)]
+                  for rid, ids in first.items()}  # fmt: skip
+    engine = window_engine(path, tmp_path / "kv")  # the restart: nothing in memory
+    resumed, cached = serve(engine, follow_ups)
+    stats = engine.scheduler.prefix_cache.stats
+    assert stats.stored_hit_tokens > 0
+    assert all(cached[rid] >= 96 for rid in follow_ups)  # its 100 prompt tokens, in blocks
+    uncached, _ = serve(window_engine(path, None, enable_prefix_caching=False), follow_ups)
+    assert resumed == uncached

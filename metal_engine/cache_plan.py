@@ -40,12 +40,11 @@ class CachePlan:
 
 
 def plan_cache(cfg: ModelConfig, budget: int, dtype: mx.Dtype, block_size: int,
-               max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
-               window_group: bool = True) -> CachePlan:
-    """Split `budget` bytes between the groups `cfg`'s layers need. `window_group`: give
-    windowed layers a group of their own when the model also has full-attention layers."""
+               max_num_seqs: int, max_num_batched_tokens: int,
+               prefix_caching: bool) -> CachePlan:
+    """Split `budget` bytes between the groups `cfg`'s layers need."""
     shapes = cfg.kv_pool_shapes()
-    windowed = cfg.windowed_pools() if window_group else ()
+    windowed = cfg.windowed_pools()
     state = {}
     if cfg.linear_attention is not None:
         slot_bytes = RecurrentStates.bytes_per_slot(cfg.linear_attention,

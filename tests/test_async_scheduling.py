@@ -45,6 +45,10 @@ def run(path, tokenizer, requests: dict[str, SamplingParams], async_scheduling: 
             results[o.request_id] = (ids + o.new_token_ids, text + o.new_text, o.finish_reason,
                                      o.num_output_tokens)
     assert scheduler.pool.num_free_blocks == num_blocks
+    if scheduler.states is not None:
+        assert scheduler.states.num_free_slots == scheduler.config.num_state_slots
+    if scheduler.window is not None:  # all back but the null block
+        assert scheduler.window.num_free_blocks == scheduler.config.num_window_blocks - 1
     return results, fed_pending, scheduler.num_preemptions
 
 
@@ -112,3 +116,29 @@ def test_an_abort_mid_pipeline_counts_only_the_tokens_delivered(tiny_llama, defa
         outputs += engine.step()
     assert [(o.finish_reason, o.num_output_tokens) for o in outputs] == [("abort", 3)]
     assert scheduler.pool.num_free_blocks == 64
+
+
+@pytest.fixture(scope="module")
+def tiny_windowed(tmp_path_factory):
+    """A tiny Gemma 3: windowed layers (window 8) beside a full one."""
+    from tiny_models import build_tiny_model
+
+    from convert import convert_model
+
+    source = tmp_path_factory.mktemp("gemma3-hf")
+    build_tiny_model("gemma3_text", source)
+    return convert_model(source, tmp_path_factory.mktemp("gemma3") / "model", progress=False)
+
+
+@pytest.mark.parametrize("model", ["tiny_hybrid", "tiny_windowed"])
+def test_async_steps_keep_every_cache_group_right(model, request, default_tokenizer):
+    """Recurrent-state slots and checkpoints, and window blocks freed behind each request,
+    under the pipeline and preemption: the synchronous tokens, exactly."""
+    path = request.getfixturevalue(model)
+    path = path[1] if isinstance(path, tuple) else path
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    requests = {rid: params for rid in PROMPTS}
+    sync, _, _ = run(path, default_tokenizer, requests, async_scheduling=False)
+    pipelined, fed_pending, preemptions = run(path, default_tokenizer, requests,
+                                              async_scheduling=True, num_blocks=12)
+    assert pipelined == sync and any(fed_pending) and preemptions > 0

@@ -1,0 +1,1 @@
+"""Speculative decoding, scheduler side: config, draft proposers, draft-length policy. No mlx."""

@@ -98,6 +98,15 @@ def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
     greedy = mx.argmax(logits, axis=-1)
     if batch.all_greedy:
         return greedy
+    logits = sampling_logits(logits, batch)
+    drawn = mx.argmax(logits + _gumbel_noise(logits.shape, batch.seeds), axis=-1)
+    return mx.where(mx.array(batch.temperature == 0), greedy, drawn)
+
+
+def sampling_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
+    """Processed logits -> the tempered, filtered logits a sampled row draws from: their
+    softmax is the row's sampling distribution (a greedy row's is taken at temperature 1 and
+    unused). Shared with the rejection sampler, which needs that distribution itself."""
     temperature = np.where(batch.temperature > 0, batch.temperature, 1.0)
     logits = logits / mx.array(temperature)[:, None]
     if (batch.log_min_p > -np.inf).any():
@@ -106,8 +115,7 @@ def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
         logits = mx.where(logits >= floor, logits, -mx.inf)
     if (batch.top_k > 0).any() or (batch.top_p < 1).any():
         logits = _filter_top_k_top_p(logits, batch.top_k, batch.top_p)
-    drawn = mx.argmax(logits + _gumbel_noise(logits.shape, batch.seeds), axis=-1)
-    return mx.where(mx.array(batch.temperature == 0), greedy, drawn)
+    return logits
 
 
 def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:

@@ -9,10 +9,10 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 from fake_engine import CharTokenizer, ScriptedEngine
 from server_helpers import running_app, running_server, small_engine
+from tiny_server import tiny_engine
 from victim import GAP_BOUND_S, Victim
 
 from server.app import HttpOptions, build_app
@@ -25,30 +25,25 @@ QUESTION = [{"role": "user", "content": "Count from one to twenty."}]
 
 
 def test_a_huge_top_k_ends_well_and_spares_the_other_streams(default_model_dir):
-    with running_server(small_engine(default_model_dir, 512)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        victim: dict = {}
-
-        def stream_victim() -> None:
-            chunks = client.chat.completions.create(
-                model="default", messages=QUESTION, max_tokens=48, temperature=0,
-                stream=True, extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            victim["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-
-        thread = threading.Thread(target=stream_victim)
-        thread.start()
+    """A top_k past int32 once raised on the engine thread and failed every request in the
+    step. Sent on each API while a victim streams (its first token already out), it ends
+    well, and the victim's gaps and /health stay under the bound."""
+    attacks = [
+        ("/v1/chat/completions", {"messages": QUESTION}),
+        ("/v1/completions", {"prompt": "One, two,"}),
+        ("/v1/messages", {"messages": QUESTION}),
+    ]
+    with running_server(small_engine(default_model_dir, 512)) as url, Victim(url) as victim:
         answers = [
-            httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-                "model": "m", "messages": QUESTION, "max_tokens": 4, "top_k": HUGE_TOP_K}),
-            httpx.post(f"{url}/v1/completions", timeout=120, json={
-                "model": "m", "prompt": "One, two,", "max_tokens": 4, "top_k": HUGE_TOP_K}),
-            httpx.post(f"{url}/v1/messages", timeout=120, json={
-                "model": "m", "messages": QUESTION, "max_tokens": 4, "top_k": HUGE_TOP_K}),
+            httpx.post(f"{url}{path}", timeout=120,
+                       json={"model": "m", "max_tokens": 4, "top_k": HUGE_TOP_K, **fields})
+            for path, fields in attacks
         ]  # fmt: skip
-        thread.join(120)
+        overlapped = victim.finish_reason is None  # still streaming once the attacks ended
     assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
-    assert victim["finish"] == "length"
+    assert overlapped, "the victim's stream ended before the attacks did"
+    assert victim.max_gap < GAP_BOUND_S and victim.max_health < GAP_BOUND_S, (
+        victim.max_gap, victim.max_health)
 
 
 def _asked(arguments: str) -> list[dict]:
@@ -212,6 +207,73 @@ def test_trickling_clients_spare_the_others(default_model_dir):
     assert not open_socks, f"{len(open_socks)} trickling connections were never cut off"
     assert victim.max_gap < GAP_BOUND_S and victim.max_health < GAP_BOUND_S, (
         victim.max_gap, victim.max_health)
+
+
+def _metric(url: str, name: str, label: str = "") -> float:
+    """The value of the series `name` (whose labels hold `label`) on the server's /metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {label} is not on /metrics")
+
+
+def _aborted(url: str) -> float:
+    return _metric(url, "vllm:request_success_total", 'finished_reason="abort"')
+
+
+# Choices of the stream nobody reads: ~10 MB of SSE, far past every buffer on the way, and
+# with the victim within the engine's 64 running sequences (all must start before the head).
+NUM_UNREAD = 32
+
+
+def test_a_stream_nobody_reads_is_aborted_and_frees_its_blocks(tmp_path):
+    """A client that asks for a big stream (32 choices, 20 logprobs a token) with a tiny
+    receive buffer and never reads it fills every buffer between it and the server; the
+    server's next write then waits. Within --client-timeout of that the server treats it as
+    gone: every choice is aborted (not run to its length) and its KV blocks freed, while a
+    victim stream on the same engine keeps its pace."""
+    app = build_app(AsyncEngine(tiny_engine(tmp_path)), "m", NUM_UNREAD,
+                    options=HttpOptions(client_timeout_s=1.0))  # fmt: skip
+    body = json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "w3 w4"}], "max_tokens": 200,
+        "ignore_eos": True, "n": NUM_UNREAD, "logprobs": True, "top_logprobs": 20,
+        "stream": True,
+    }).encode()  # fmt: skip
+    with running_app(app) as url:
+        with Victim(url, max_tokens=200) as victim:
+            sock = _unread_stream(url, body)
+            head = sock.recv(256)  # the status line; from here on nothing is read
+            stopped = time.monotonic()
+            deadline = stopped + 20
+            while _aborted(url) < NUM_UNREAD:
+                assert time.monotonic() < deadline, f"{_aborted(url)} choices aborted in 20 s"
+                time.sleep(0.1)
+            took = time.monotonic() - stopped
+            overlapped = victim.finish_reason is None
+        sock.close()
+        deadline = time.monotonic() + 10
+        while _metric(url, "vllm:kv_cache_usage_perc") != 0.0:  # the victim's ended too
+            assert time.monotonic() < deadline, "KV blocks are still held"
+            time.sleep(0.1)
+        lengths = _metric(url, "vllm:request_success_total", 'finished_reason="length"')
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert lengths == 1  # the victim's; no unread choice ran to its end
+    assert overlapped, "the victim's stream ended before the unread one was dropped"
+    assert took < 10, took  # filling the buffers, then the 1 s timeout, on a busy machine
+    assert victim.max_gap < GAP_BOUND_S and victim.max_health < GAP_BOUND_S, (
+        victim.max_gap, victim.max_health)
+
+
+def _unread_stream(url: str, body: bytes) -> socket.socket:
+    """A connection that posts `body` to chat completions with a 4 KiB receive buffer (set
+    before connecting: it sizes the window the server may fill)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    return sock
 
 
 def _in_parallel(count: int, call):

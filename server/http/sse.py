@@ -7,12 +7,14 @@ left before its answer was ready.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Send
 
 # nginx's "client closed request": it shows in the access log; the client is gone.
 CLIENT_CLOSED = 499
@@ -26,6 +28,20 @@ def sse(data: BaseModel | dict[str, Any], event: str | None = None) -> str:
     return f"event: {event}\ndata: {payload}\n\n" if event else f"data: {payload}\n\n"
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its events when the response ends, however it ends. Starlette leaves them
+    suspended when a write fails (a client timed out by `ResponseDeadline`, a reset socket),
+    and only a close runs their `finally`, which aborts the generation and frees its blocks."""
+
+    async def stream_response(self, send: Send) -> None:
+        events = self.body_iterator
+        closing = (contextlib.aclosing(events) if isinstance(events, AsyncGenerator)
+                   else contextlib.nullcontext())  # fmt: skip
+        async with closing:
+            await super().stream_response(send)
+
+
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    """The streaming response for `events`, unbuffered by proxies on the way."""
-    return StreamingResponse(events, media_type="text/event-stream", headers=_HEADERS)
+    """The streaming response for `events`, unbuffered by proxies on the way; the events are
+    closed when it ends."""
+    return _ClosingStreamingResponse(events, media_type="text/event-stream", headers=_HEADERS)

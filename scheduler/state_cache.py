@@ -154,8 +154,11 @@ class StateCache:
     def stop(self, request: Request) -> None:
         """The request leaves the running batch (finished or preempted): its live slot and
         the checkpoints still being written are free (a write in flight lands in a free slot,
-        which whoever takes it next overwrites first)."""
-        slots = [p.slot for p in request.pending_saves]
+        which whoever takes it next overwrites first). A save this step planned for it goes
+        from the plan: its slot may be taken again in the same step."""
+        pending = {p.slot for p in request.pending_saves}
+        self.plan.saves = [(s, target) for s, target in self.plan.saves if target not in pending]
+        slots = list(pending)
         if request.state_slot is not None:
             slots.append(request.state_slot)
         self.pool.free(slots)

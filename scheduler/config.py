@@ -34,9 +34,8 @@ class SchedulerConfig:
         if self.num_state_slots and self.num_state_slots < self.max_num_seqs:
             raise ValueError(f"num_state_slots must be at least max_num_seqs "
                              f"({self.max_num_seqs}), got {self.num_state_slots}")
-        if self.num_window_blocks and (self.window is None or self.window < 1):
-            raise ValueError(f"a sliding-window group needs a window of at least 1, got "
-                             f"{self.window}")
+        if self.num_window_blocks:
+            self._check_window_group()
         if self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be at least 1, got "
                              f"{self.state_checkpoint_interval}")
@@ -46,3 +45,16 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
+
+    def _check_window_group(self) -> None:
+        """The group must hold one request's window and a whole step's chunk after it, or
+        that request could never be scheduled."""
+        if self.window is None or self.window < 1:
+            raise ValueError(f"a sliding-window group needs a window of at least 1, got "
+                             f"{self.window}")
+        chunk = min(self.max_num_batched_tokens, self.max_model_len)
+        needed = -(-(self.window - 1 + chunk) // self.block_size) + 2  # + misalignment, null
+        if self.num_window_blocks < needed:
+            raise ValueError(f"a sliding-window group of {self.num_window_blocks} blocks cannot "
+                             f"hold a window of {self.window} and a {chunk}-token step "
+                             f"({needed} blocks): give it more blocks or a smaller token budget")

@@ -10,6 +10,7 @@ a restart with a KV cache dir finds both groups' blocks on disk.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from engine_helpers import make_runner_and_scheduler
 from tiny_models import VOCAB, build_tiny_model
@@ -75,7 +76,7 @@ def test_a_prefix_hit_takes_only_the_window_of_its_cached_blocks():
 
 
 def test_a_hit_stops_where_the_window_blocks_it_needs_were_reused():
-    scheduler = window_scheduler(num_window_blocks=9, budget=32)
+    scheduler = window_scheduler(num_window_blocks=13, budget=32)
     prompt = list(range(3, 33))
     run(scheduler, [Request("a", prompt, SamplingParams(max_tokens=1))])
     other = [int(t) for t in np.random.default_rng(0).integers(40, 90, size=30)]
@@ -165,3 +166,8 @@ def test_a_restart_with_a_kv_cache_dir_keeps_the_window_groups_hits(
     assert all(cached[rid] >= 96 for rid in follow_ups)  # its 100 prompt tokens, in blocks
     uncached, _ = serve(window_engine(path, None, enable_prefix_caching=False), follow_ups)
     assert resumed == uncached
+
+
+def test_a_window_group_too_small_for_one_request_is_refused():
+    with pytest.raises(ValueError, match="cannot hold a window of 10 and a 12-token step"):
+        window_scheduler(num_window_blocks=7)

@@ -353,7 +353,9 @@ def test_an_engine_failure_fails_the_response():
     ]
     failed = events[-1].response
     assert failed.status == "failed" and failed.error.code == "server_error"
-    assert "the device fell over" in failed.error.message
+    # Generic: the engine's own text may hold a prompt (docs/hardening.md, Errors).
+    assert failed.error.message.startswith("The engine failed")
+    assert "the device fell over" not in failed.error.message
 
 
 def test_a_client_that_leaves_aborts_its_request():

@@ -67,6 +67,18 @@ def test_agent_turns_resume_from_checkpoints_and_answer_as_without_the_cache(tin
     assert outputs == uncached
 
 
+def run_restoring(runner, scheduler, requests: list[Request]) -> list[tuple[int, int]]:
+    """Run the requests to the end; return the checkpoint restores the steps planned."""
+    for request in requests:
+        scheduler.add_request(request)
+    restores = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        restores += out.state_plan.restores
+        scheduler.update(out, runner.execute(out))
+    return restores
+
+
 def test_a_resent_prompt_resumes_at_its_last_full_block(tiny_hybrid):
     """The second of two equal prompts (a retry, or `n > 1`) starts from the first's
     checkpoint at the end of its last full block, and writes the same tokens."""
@@ -75,18 +87,8 @@ def test_a_resent_prompt_resumes_at_its_last_full_block(tiny_hybrid):
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, 128, size=5 * BLOCK + 3)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     first, second = (Request(rid, prompt, params) for rid in ("a", "b"))
-
-    def run(request: Request) -> list[tuple[int, int]]:
-        scheduler.add_request(request)
-        restores = []
-        while scheduler.has_unfinished_requests():
-            out = scheduler.schedule()
-            restores += out.state_plan.restores
-            scheduler.update(out, runner.execute(out))
-        return restores
-
-    assert run(first) == []
-    assert len(run(second)) == 1
+    assert run_restoring(runner, scheduler, [first]) == []
+    assert len(run_restoring(runner, scheduler, [second])) == 1
     assert second.num_cached_tokens == 5 * BLOCK
     assert second.output_token_ids == first.output_token_ids
 
@@ -101,13 +103,7 @@ def test_n_choices_fork_from_the_prompt_checkpoint(tiny_hybrid):
     prompt = [int(t) for t in np.random.default_rng(2).integers(3, 128, size=3 * BLOCK + 5)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     choices = [Request(f"c{i}", prompt, params) for i in range(3)]
-    for request in choices:
-        scheduler.add_request(request)
-    restores = []
-    while scheduler.has_unfinished_requests():
-        out = scheduler.schedule()
-        restores += out.state_plan.restores
-        scheduler.update(out, runner.execute(out))
+    restores = run_restoring(runner, scheduler, choices)
     assert [r.num_cached_tokens for r in choices] == [0, 3 * BLOCK, 3 * BLOCK]
     assert len(restores) == 2
     with torch.no_grad():

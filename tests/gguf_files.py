@@ -179,22 +179,28 @@ def _split_qkvz(name: str, tensor: np.ndarray, cfg: dict) -> dict[str, np.ndarra
             f"{prefix}in_proj_z.weight": flat[3]}
 
 
+def add_decoder_metadata(writer: GGUFWriter, cfg: dict, num_blocks: int) -> None:
+    """The keys every llama.cpp decoder's `set_gguf_parameters` writes from a transformers
+    config: sizes, heads, rope theta, norm epsilon, head dims."""
+    writer.add_block_count(num_blocks)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+
+
 def _add_hybrid_metadata(writer: GGUFWriter, cfg: dict, mtp_layers: int) -> None:
     """The keys llama.cpp's Qwen3Next / Qwen3.5 `set_gguf_parameters` write from this config."""
     types = cfg["layer_types"]
     interval = types.index("full_attention") + 1
     assert all((t == "full_attention") == ((i + 1) % interval == 0) for i, t in enumerate(types))
     head_dim, rope = cfg["head_dim"], cfg["rope_parameters"]
-    writer.add_block_count(cfg["num_hidden_layers"] + mtp_layers)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    add_decoder_metadata(writer, cfg, cfg["num_hidden_layers"] + mtp_layers)
     writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
     writer.add_ssm_state_size(cfg["linear_key_head_dim"])
     writer.add_ssm_group_count(cfg["linear_num_key_heads"])

@@ -21,7 +21,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, RopeScalingType
-from gguf_files import copy_tokenizer_metadata, finish
+from gguf_files import add_decoder_metadata, copy_tokenizer_metadata, finish
 from mxfp4_files import write_openai_mxfp4
 from safetensors.numpy import load_file
 from tiny_models import VOCAB, build_tiny_model
@@ -86,16 +86,7 @@ def gguf_tensors(openai: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, Q
 
 def add_metadata(writer: GGUFWriter, cfg: dict) -> None:
     rope = cfg["rope_parameters"]
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
+    add_decoder_metadata(writer, cfg, cfg["num_hidden_layers"])
     writer.add_expert_count(cfg["num_local_experts"])
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     writer.add_rope_scaling_type(RopeScalingType.YARN)

@@ -22,7 +22,7 @@ import torch
 from gguf import ExpertGatingFuncType, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from gguf_files import copy_tokenizer_metadata, finish, llama_cpp_permute
+from gguf_files import add_decoder_metadata, copy_tokenizer_metadata, finish, llama_cpp_permute
 from safetensors.numpy import load_file, save_file
 from tiny_models import VOCAB, build_tiny_model
 
@@ -85,16 +85,7 @@ def gguf_tensors(model_type: str, hf: dict[str, np.ndarray],
 def add_metadata(writer: GGUFWriter, model_type: str, cfg: dict) -> None:
     """The metadata keys llama.cpp's converter writes from this config."""
     nextn = 1 if model_type == "glm4_moe" else 0
-    writer.add_block_count(cfg["num_hidden_layers"] + nextn)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
+    add_decoder_metadata(writer, cfg, cfg["num_hidden_layers"] + nextn)
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     copy_tokenizer_metadata(writer, VOCAB)
     writer.add_token_scores([0.0] * VOCAB)  # the first 128 tokens hold no merges to copy

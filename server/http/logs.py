@@ -44,10 +44,39 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line, for log shippers."""
+class TextFormatter(logging.Formatter):
+    """The text line; with `withhold`, an exception's type and frames but not its message,
+    nor those of its causes: one raised while serving a request (a tokenizer's, the
+    engine's) may quote the prompt.
+
+    The exception text is made for this handler alone: logging caches it on the record, where
+    another handler (with other settings) would otherwise print this one's.
+    """
+
+    def __init__(self, fmt: str | None = None, withhold: bool = False) -> None:
+        super().__init__(fmt)
+        self.withhold = withhold
+
+    def formatException(self, ei) -> str:  # noqa: N802 (logging's name)
+        if self.withhold and ei and ei[1] is not None:
+            return withheld_traceback(ei[1]).rstrip("\n")
+        return super().formatException(ei)
 
     def format(self, record: logging.LogRecord) -> str:
+        cached, record.exc_text = record.exc_text, None
+        try:
+            return self._format(record)
+        finally:
+            record.exc_text = cached
+
+    def _format(self, record: logging.LogRecord) -> str:
+        return super().format(record)
+
+
+class JsonFormatter(TextFormatter):
+    """One JSON object per line, for log shippers."""
+
+    def _format(self, record: logging.LogRecord) -> str:
         entry = {
             "time": self.formatTime(record),
             "level": record.levelname,
@@ -55,26 +84,12 @@ class JsonFormatter(logging.Formatter):
             "request_id": getattr(record, "request_id", "-"),
             "message": record.getMessage(),
         }
-        if record.exc_info and not record.exc_text:
-            record.exc_text = self.formatException(record.exc_info)
-        if record.exc_text:
-            entry["exception"] = record.exc_text
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
 
 
 _WITHHELD = "(message withheld: it may quote a request; --log-prompts logs it)"
-
-
-class WithholdExceptionText(logging.Filter):
-    """Log an exception's type and frames, not its message, nor those of its causes: one
-    raised while serving a request (a tokenizer's, the engine's) may quote the prompt. The
-    record keeps the text in `exc_text`, which formatters print in place of `exc_info`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            record.exc_text = withheld_traceback(record.exc_info[1]).rstrip("\n")
-            record.exc_info = None
-        return True
 
 
 def withheld_traceback(exc: BaseException) -> str:
@@ -115,9 +130,9 @@ def log_handler(
     messages unless the operator asked for prompts in the log. `stream`: stderr if None."""
     handler = logging.StreamHandler(stream)
     handler.addFilter(RequestIdFilter())
-    if not log_prompts:
-        handler.addFilter(WithholdExceptionText())
-    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)
+    withhold = not log_prompts
+    formatter = (JsonFormatter(withhold=withhold) if log_format == "json"
+                 else TextFormatter(_TEXT_FORMAT, withhold=withhold))
     handler.setFormatter(formatter)
     return handler
 

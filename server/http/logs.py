@@ -7,8 +7,8 @@ No two requests in flight share an id: a client's id already in use gets a rando
 so one client cannot pass its log lines off as another's.
 
 Without `--log-prompts` a logged exception keeps its type and its frames but not its message
-(`WithholdExceptionText`): the message of an error raised while handling a request may quote
-what the client sent.
+(`TextFormatter`, `JsonFormatter`): the message of an error raised while handling a request
+may quote what the client sent.
 """
 
 from __future__ import annotations

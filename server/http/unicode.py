@@ -23,6 +23,14 @@ def lone_surrogate(data: Any) -> ValidationError | None:
     return invalid_at((path, "holds a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode"))
 
 
+def refuse_lone_surrogates(cls, data: Any) -> Any:
+    """A request model's before-validator: the body as it is, or the 400 of `lone_surrogate`
+    (use as `model_validator(mode="before")(refuse_lone_surrogates)`)."""
+    if (refused := lone_surrogate(data)) is not None:
+        raise refused
+    return data
+
+
 ESCAPED_SURROGATE = (
     "the JSON text escapes a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode"
 )

@@ -24,7 +24,7 @@ from scheduler import SamplingParams
 from scheduler.request import FinishReason
 from scheduler.sampling_params import MAX_REPETITION_PENALTY, StructuredOutput
 from server.http.errors import APIError, Problem, clip, invalid_at
-from server.http.unicode import lone_surrogate
+from server.http.unicode import refuse_lone_surrogates
 from server.openai.protocol_tools import ResponseFormat, Tool, ToolCall, ToolCallDelta, ToolChoice
 from server.sampling_defaults import SAMPLING_KEYS, SamplingDefaults
 from server.serve_args import MAX_N
@@ -149,12 +149,7 @@ class _GenerationRequest(BaseModel):
         default=None, max_length=16
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if (refused := lone_surrogate(data)) is not None:
-            raise refused
-        return data
+    _valid_unicode = model_validator(mode="before")(refuse_lone_surrogates)
 
     @model_validator(mode="before")
     @classmethod

@@ -14,7 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.http.unicode import ESCAPED_SURROGATE, escapes_lone_surrogate, lone_surrogate
+from server.http.unicode import (
+    ESCAPED_SURROGATE,
+    escapes_lone_surrogate,
+    refuse_lone_surrogates,
+)
 
 # ---- requests -------------------------------------------------------------------------------
 
@@ -109,14 +113,9 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        # The response echoes fields back (metadata, text.format), and such text cannot be
-        # encoded: it must be refused before any work, not fail after the generation.
-        if (refused := lone_surrogate(data)) is not None:
-            raise refused
-        return data
+    # The response echoes fields back (metadata, text.format), and such text cannot be
+    # encoded: it must be refused before any work, not fail after the generation.
+    _valid_unicode = model_validator(mode="before")(refuse_lone_surrogates)
 
     @field_validator("metadata")
     @classmethod

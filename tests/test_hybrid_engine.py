@@ -9,9 +9,8 @@ import logging
 import shutil
 
 import numpy as np
-import torch
 from engine_helpers import make_runner_and_scheduler
-from tiny_models import VOCAB
+from tiny_models import VOCAB, hf_greedy
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
@@ -24,13 +23,6 @@ def prompts(count: int) -> dict[str, list[int]]:
     rng = np.random.default_rng(5)
     return {f"r{i}": [int(t) for t in rng.integers(3, VOCAB, size=17 + 3 * i)]
             for i in range(count)}  # fmt: skip
-
-
-def hf_greedy(model, ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def test_preempted_and_finished_requests_leave_their_slots_right(tiny_hybrid):
@@ -53,7 +45,8 @@ def test_preempted_and_finished_requests_leave_their_slots_right(tiny_hybrid):
         runner.release(out.finished_ids)
     assert preemptions > 0
     for request in requests:
-        assert request.output_token_ids == hf_greedy(model, asked[request.request_id])
+        expected = hf_greedy(model, asked[request.request_id], MAX_TOKENS)
+        assert request.output_token_ids == expected
     assert scheduler.states.num_free_slots == scheduler.config.num_state_slots
 
 
@@ -79,5 +72,5 @@ def test_the_engine_serves_a_hybrid_model_with_prefix_caching(tiny_hybrid, defau
                 got.setdefault(output.request_id, []).extend(output.new_token_ids)
                 if output.finished and rounds:
                     assert output.num_cached_tokens > 0
-    assert got == {f"{rid}-{rounds}": hf_greedy(model, ids)
+    assert got == {f"{rid}-{rounds}": hf_greedy(model, ids, MAX_TOKENS)
                    for rounds in range(2) for rid, ids in asked.items()}

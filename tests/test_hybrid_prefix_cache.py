@@ -11,9 +11,9 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
-import torch
 from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, Agents
 from engine_helpers import make_runner_and_scheduler
+from tiny_models import hf_greedy
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
@@ -106,9 +106,7 @@ def test_n_choices_fork_from_the_prompt_checkpoint(tiny_hybrid):
     restores = run_restoring(runner, scheduler, choices)
     assert [r.num_cached_tokens for r in choices] == [0, 3 * BLOCK, 3 * BLOCK]
     assert len(restores) == 2
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
+    expected = hf_greedy(model, prompt, 8)
     assert all(r.output_token_ids == expected for r in choices)
 
 

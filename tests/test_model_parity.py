@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import generate_greedy, make_runner_and_scheduler
-from tiny_models import TINY_MODELS, VOCAB, build_tiny_model
+from tiny_models import TINY_MODELS, VOCAB, build_tiny_model, hf_greedy
 
 from convert import convert_model
 from scheduler import Request, SamplingParams
@@ -61,13 +61,6 @@ def test_logits_match_transformers(tiny_model, block_size, chunk):
     ids = random_ids(chunk, 45)  # crosses blocks, 5x the shortest window
     got = run_logits(runner, scheduler, "a", ids, chunk=chunk)
     np.testing.assert_allclose(got, torch_logits(model, ids), atol=TOL, rtol=TOL)
-
-
-def hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def test_mixed_batch_greedy_matches_transformers(tiny_model):

@@ -122,3 +122,11 @@ def build_tiny_model(model_type: str, path: Path, **extra):
     vocab = {f"w{i}": i for i in range(VOCAB)}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
     return model
+
+
+def hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
+    """transformers' greedy continuation of one prompt: the reference for served tokens."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()

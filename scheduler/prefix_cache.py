@@ -93,35 +93,37 @@ class PrefixCache:
             stored = self.store.lookup(request.block_hashes[len(hits) : self._max_blocks(request)])
         if self.states is None and self.window is None:
             return hits, stored
-        found = len(hits) + len(stored.ready) + len(stored.unread)
-        for count in range(found, 0, -1):
-            cut = self._resume_at(request, count, hits, stored)
+        count = len(hits) + len(stored.ready) + len(stored.unread)
+        while count > 0:
+            cut, count = self._resume_at(request, count, hits, stored)
             if cut is not None:
                 return hits[:count], cut
         return [], TierLookup([], [])
 
     def _resume_at(self, request: Request, count: int, hits: list[int],
-                   stored: TierLookup) -> TierLookup | None:
-        """The tier's share of a hit of `count` blocks, or None if a group lacks its part."""
+                   stored: TierLookup) -> tuple[TierLookup | None, int]:
+        """(the tier's share of a hit of `count` blocks, count), or (None, the next count
+        worth trying) if a group lacks its part: below a window block missing at index i,
+        every count above i needs it too."""
         checkpoint, state = None, None
         if self.states is not None and not self.states.has(request.block_hashes[count - 1]):
             checkpoint = request.block_hashes[count - 1]
             state = self._in_tier("states", checkpoint)
             if state is None:
-                return None
+                return None, count - 1
         window_ready, window_unread = [], []
         if self.window is not None:
-            for index, block_id in self.window.needed(request, count):
+            for index, block_id in reversed(self.window.needed(request, count)):
                 if block_id is None:
                     where = self._in_tier("window", request.block_hashes[index])
                     if where is None:
-                        return None
+                        return None, index
                     (window_ready if where == "ready" else window_unread).append(
                         request.block_hashes[index])
         num_stored = max(count - len(hits), 0)
         ready = stored.ready[:num_stored]
         return TierLookup(ready, stored.unread[: num_stored - len(ready)], checkpoint,
-                          state == "unread", window_ready, window_unread)
+                          state == "unread", window_ready[::-1], window_unread[::-1]), count
 
     def _in_tier(self, kind, block_hash: BlockHash) -> str | None:
         return None if self.store is None else self.store.find(kind, block_hash)

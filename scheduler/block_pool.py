@@ -8,6 +8,11 @@ from collections.abc import Callable, Iterable
 from scheduler.prefix_hash import BlockHash
 
 
+def cdiv(a: int, b: int) -> int:
+    """Blocks of `b` that `a` tokens fill, the last one partly."""
+    return -(-a // b)
+
+
 class BlockPool:
     """Refcounted allocator over block ids `0..num_blocks-1` that keeps freed blocks' contents.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.block_pool import BlockPool
+from scheduler.block_pool import BlockPool, cdiv
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnectorScheduler, KVTransferPlan, TierLookup
 from scheduler.prefix_cache import PrefixCache
@@ -70,10 +70,6 @@ class RequestUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     num_output_tokens: int  # the request's outputs up to and including these
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Scheduler:

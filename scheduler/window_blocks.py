@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.block_pool import BlockPool
+from scheduler.block_pool import BlockPool, cdiv
 
 if TYPE_CHECKING:
     from scheduler.kv_connector import KVConnectorScheduler
@@ -25,10 +25,6 @@ if TYPE_CHECKING:
 
 # Freed entries of a window table point at this block, which no request is ever given.
 NULL_BLOCK = 0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class WindowBlocks:

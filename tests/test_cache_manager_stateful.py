@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.scheduler import SchedulerOutput, cdiv
+from scheduler.block_pool import cdiv
+from scheduler.scheduler import SchedulerOutput
 from scheduler.window_blocks import NULL_BLOCK
 
 BLOCK_SIZE = 4

@@ -18,7 +18,8 @@ from convert import convert_model
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.window_blocks import NULL_BLOCK, cdiv
+from scheduler.block_pool import cdiv
+from scheduler.window_blocks import NULL_BLOCK
 
 BLOCK, WINDOW = 4, 10
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import random
+import re
 
 import pytest
 from server_helpers import running_server, small_engine
@@ -12,15 +14,17 @@ from server_helpers import running_server, small_engine
 from server.bench.client import CHAT, COMPLETIONS, Sampling, StreamResult, request_body
 from server.bench.metrics import RequestRecord, compute_metrics, parse_slos
 from server.bench.runner import run_sessions, send_requests
+from server.bench.serve_bench import ServeBenchConfig, build_workload
 from server.bench.sse import SSEDecoder, parse_event
 from server.bench.workloads import (
+    CODE_EDIT_SYSTEM,
     RequestSpec,
     TokenText,
     agent_sessions,
     random_requests,
     shared_prefix_requests,
 )
-from server.cli import main
+from server.cli import build_parser, main
 
 # ---- metrics -------------------------------------------------------------------------------
 
@@ -212,6 +216,70 @@ def test_a_failed_turn_ends_its_session(token_text):
     assert sorted((s.session, s.turn) for s in sent) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def code_edit_specs(tokenizer, seed=0, input_len=512, num_prompts=6) -> list[RequestSpec]:
+    config = ServeBenchConfig(
+        "http://127.0.0.1:1", "code-edit", num_prompts=num_prompts, input_len=input_len,
+        output_len=300, seed=seed,
+    )  # fmt: skip
+    requests, sessions = build_workload(config, tokenizer)
+    assert sessions == []
+    return requests
+
+
+def test_code_edit_is_deterministic_for_a_seed(default_tokenizer):
+    first = code_edit_specs(default_tokenizer, seed=5)
+    assert code_edit_specs(default_tokenizer, seed=5) == first
+    assert code_edit_specs(default_tokenizer, seed=6) != first
+    assert len({s.messages[1]["content"] for s in first}) == len(first)
+
+
+def test_code_edit_prompts_hold_a_file_and_an_instruction_on_it(default_tokenizer):
+    kinds, node_types = set(), set()
+    for spec in code_edit_specs(default_tokenizer, num_prompts=12):
+        system, user = spec.messages
+        assert system == {"role": "system", "content": CODE_EDIT_SYSTEM}
+        assert user["role"] == "user" and spec.output_len == 300
+        match = re.fullmatch(
+            r"Here is (\w+)\.py:\n\n```python\n(.*)```\n\n(.+)", user["content"], re.S
+        )
+        assert match, user["content"][:200]
+        module = ast.parse(match[2])  # real Python, not vocabulary soup
+        defs = [n for n in module.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+        assert defs and all(ast.get_docstring(n) for n in defs)
+        functions = {n.name for n in defs if isinstance(n, ast.FunctionDef)}
+        node_types |= {type(n) for n in ast.walk(module)}
+        instruction = match[3]
+        target = re.search(r"`(\w+)`", instruction)[1]
+        assert target in functions, instruction
+        if instruction.startswith("Rename"):
+            new_name = re.findall(r"`(\w+)`", instruction)[1]
+            assert new_name not in functions and new_name != target
+            kinds.add("rename")
+        elif "comment" in instruction:
+            old_comment = re.search(r"the comment `(# [^`]+)`", instruction)[1]
+            assert old_comment in match[2]
+            kinds.add("comment")
+        else:
+            assert instruction.startswith("Add a keyword parameter")
+            kinds.add("parameter")
+    assert kinds == {"rename", "comment", "parameter"}
+    assert {ast.For, ast.While, ast.Try, ast.ClassDef} <= node_types
+
+
+@pytest.mark.parametrize("input_len", [256, 1024, 4096])
+def test_code_edit_user_message_is_near_the_input_length(default_tokenizer, input_len):
+    for spec in code_edit_specs(default_tokenizer, input_len=input_len, num_prompts=4):
+        ids = default_tokenizer.encode(spec.messages[1]["content"], add_special_tokens=False)
+        assert abs(len(ids) - input_len) <= max(16, input_len // 20), len(ids)
+
+
+def test_cli_accepts_the_code_edit_workload():
+    argv = ["bench", "serve", "--base-url", "http://x", "--workload", "code-edit"]
+    assert build_parser(argv).parse_args(argv).workload == "code-edit"
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args([*argv[:-1], "code-golf"])
+
+
 def test_send_requests_respects_max_concurrency():
     in_flight = peak = 0
 
@@ -284,3 +352,11 @@ def test_bench_shared_prefix_completions_against_our_server(base_url, default_mo
     # Re-tokenizing can merge what the model produced as separate tokens ("\n" "\n" -> "\n\n").
     assert all(r["server_output_tokens"] == 4 for r in run["records"])
     assert all(2 <= r["output_tokens"] <= 4 for r in run["records"])
+
+
+@pytest.mark.slow
+def test_bench_code_edit_against_our_server(base_url, default_model_dir, tmp_path):
+    options = "--workload code-edit --num-prompts 2 --input-len 200 --num-warmups 0"
+    (run,) = bench(base_url, default_model_dir, tmp_path, options)["runs"]
+    assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 0)
+    assert all(r["input_tokens"] > 200 and r["server_output_tokens"] == 4 for r in run["records"])

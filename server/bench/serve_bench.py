@@ -18,6 +18,7 @@ from server.bench.workloads import (
     TokenText,
     Workload,
     agent_sessions,
+    code_edit_requests,
     random_requests,
     shared_prefix_requests,
 )
@@ -26,7 +27,8 @@ from server.bench.workloads import (
 @dataclass(frozen=True)
 class ServeBenchConfig:
     """Everything one `bench serve` invocation runs. `input_len` is the unique part of each
-    prompt: the whole prompt (random), the suffix (shared-prefix), the task (agents)."""
+    prompt: the whole prompt (random), the suffix (shared-prefix), the task (agents), the
+    file and instruction (code-edit)."""
 
     base_url: str
     workload: Workload = "random"
@@ -109,6 +111,11 @@ def build_workload(
             config.prefix_len,
             config.input_len,
             config.output_len,
+        )
+        return requests, []
+    if config.workload == "code-edit":
+        requests = code_edit_requests(
+            text, rng, config.num_prompts, config.input_len, config.output_len
         )
         return requests, []
     sessions = agent_sessions(

@@ -57,12 +57,13 @@ def _add_target_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _add_workload_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--workload", default="random", choices=WORKLOADS)
-    group.add_argument("--num-prompts", type=int, default=32, help="random: requests to send")
+    group.add_argument("--num-prompts", type=int, default=32, help="random, code-edit: requests")
     group.add_argument(
         "--input-len",
         type=int,
         default=128,
-        help="tokens of each prompt's unique part (shared-prefix: the suffix; agents: the task)",
+        help="tokens of each prompt's unique part (shared-prefix: the suffix; agents: the task; "
+        "code-edit: the file and instruction)",
     )
     group.add_argument("--output-len", type=int, default=64, help="tokens to generate")
     group.add_argument(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from scheduler.config import SchedulingPolicy
+from scheduler.spec_decode.config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -44,6 +45,8 @@ class EngineConfig:
     # blocks at shutdown) are kept here, keyed by model identity, up to this many bytes.
     kv_cache_dir: Path | None = None
     kv_cache_dir_size: int = 8 << 30
+    # Speculative decoding (`--speculative-config`): drafts that each decode step verifies.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

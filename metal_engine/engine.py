@@ -141,6 +141,7 @@ class LLMEngine:
             window=plan.window,
             num_window_blocks=plan.num_window_blocks,
             num_state_slots=plan.num_state_slots,
+            speculative=config.speculative_config,
         ), connector)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         async_scheduling = (
@@ -245,21 +246,30 @@ class LLMEngine:
         updates = self.scheduler.resolve(launched.out, sampled)
         return [self._process(u, logprobs.get(u.request.request_id)) for u in updates]
 
-    def _process(self, update: RequestUpdate, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _process(self, update: RequestUpdate,
+                 logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        """Detokenize a request's new tokens and check its stop strings and grammar after
+        each; the first that ends it drops the tokens after it (accepted drafts)."""
         request, reason = update.request, update.finish_reason
-        request_id, token_id = request.request_id, update.new_token_ids[-1]
+        request_id, tokens = request.request_id, update.new_token_ids
         detok = self._detokenizers[request_id]
-        grammar_complete = (
-            request_id in self.structured and self.structured.accept(request_id, token_id)
-        )
-        error = self.structured.failure(request_id)
-        stop_string = detok.add_token(token_id)
+        grammar_complete, error, stop_string, count = False, None, None, 0
+        for token_id in tokens:
+            count += 1
+            grammar_complete = (
+                request_id in self.structured and self.structured.accept(request_id, token_id)
+            )
+            error = self.structured.failure(request_id)
+            stop_string = detok.add_token(token_id)
+            if error is not None or stop_string or grammar_complete:
+                break
+        ended_early = count < len(tokens)  # before a token that the scheduler judged
         if error is not None:  # the output left its grammar: it fails, whatever else ended it
             log.warning("request %s: its grammar failed while generating; ending it", request_id)
-            if reason is None:
+            if reason is None or ended_early:
                 self.scheduler.finish_request(request_id, "error")
             reason, stop_string = "error", None
-        elif (stop_string or grammar_complete) and reason is None:
+        elif (stop_string or grammar_complete) and (reason is None or ended_early):
             reason = "stop"
             self.scheduler.finish_request(request_id, reason)
         else:
@@ -267,8 +277,9 @@ class LLMEngine:
         text = detok.take_delta(final=reason is not None)
         if reason is not None:
             self._forget(request_id)
-        return self._output(request, update.new_token_ids, text, reason,
-                            update.num_output_tokens, [logprobs] if logprobs is not None else [],
+        return self._output(request, tokens[:count], text, reason,
+                            update.num_output_tokens - (len(tokens) - count),
+                            logprobs[:count] if logprobs is not None else [],
                             stop_string, error)
 
     def _forget(self, request_id: str) -> None:
@@ -293,4 +304,6 @@ class LLMEngine:
             logprobs=(logprobs or []) if request.params.logprobs is not None else None,
             stop_string=stop_string,
             error=error,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )

@@ -17,11 +17,14 @@ class StepInputs:
     input_ids: np.ndarray  # [total_q] int32
     positions: np.ndarray  # [total_q] int32
     attention: AttentionMetadata
-    sample_rows: np.ndarray  # [num_sampling] int32: last row of each request that samples
+    # The rows each request that samples draws from: its last row, or the last k + 1 where
+    # it verifies k drafts; in request order.
+    sample_rows: np.ndarray  # [num_sampling + num_drafts] int32
     sample_request_ids: list[str]
     # Rows that feed a token still being sampled by the step in flight, and their requests.
     pending_rows: np.ndarray  # [num_pending] int32
     pending_request_ids: list[str]
+    has_drafts: bool = False
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int,
@@ -56,6 +59,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
                                      window_slots, block_size)  # fmt: skip
 
     samples = np.array([s.samples for s in scheduled], bool)
+    num_drafts = np.array([len(s.draft_token_ids) for s in scheduled], np.int32)
     input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), np.int32, count=total)
     pending_rows = np.flatnonzero(input_ids == PENDING_TOKEN).astype(np.int32)
     return StepInputs(
@@ -69,11 +73,23 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
             block_size=block_size,
             windowed=windowed,
         ),
-        sample_rows=(cu_seqlens[1:] - 1)[samples].astype(np.int32),
+        sample_rows=_sample_rows(cu_seqlens, samples, num_drafts),
         sample_request_ids=[s.request_id for s in scheduled if s.samples],
         pending_rows=pending_rows,
         pending_request_ids=[scheduled[i].request_id for i in request_of_row[pending_rows]],
+        has_drafts=bool(num_drafts.any()),
     )
+
+
+def _sample_rows(cu_seqlens: np.ndarray, samples: np.ndarray,
+                 num_drafts: np.ndarray) -> np.ndarray:
+    """Each sampling request's last `1 + drafts` rows, in order."""
+    ends = cu_seqlens[1:][samples]
+    counts = num_drafts[samples] + 1
+    if not num_drafts.any():
+        return (ends - 1).astype(np.int32)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return (np.repeat(ends - counts, counts) + offsets).astype(np.int32)
 
 
 def _paging(tables: BlockTables, scheduled, request_of_row: np.ndarray, positions: np.ndarray,

@@ -31,7 +31,8 @@ class RequestOutput:
     naming the request's stop string that ended it, if one did, and `error` saying why it
     failed when the reason is "error" (a message for the client, quoting nothing it sent).
     `logprobs` has one entry per `new_token_ids` entry, or is None when the request did not
-    ask for logprobs.
+    ask for logprobs. With speculative decoding, `num_draft_tokens` counts the request's
+    drafts verified so far and `num_accepted_tokens` those accepted.
     """
 
     request_id: str
@@ -44,6 +45,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     stop_string: str | None = None
     error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

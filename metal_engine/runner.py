@@ -15,6 +15,12 @@ from metal_engine.kv_cache import KVCache
 from metal_engine.logprobs import LogprobArrays, compute_logprobs
 from metal_engine.models.decoder import CausalLM
 from metal_engine.outputs import TokenLogprobs
+from metal_engine.rejection_sampler import (
+    AcceptedTokens,
+    DraftBatch,
+    VerifiedTokens,
+    rejection_sample,
+)
 from metal_engine.sampler import SamplingBatch, SamplingRow, sample
 from scheduler.request import Request
 from scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -35,31 +41,55 @@ class SamplingContext:
 
 @dataclass
 class LaunchedStep:
-    """A step whose work is queued on the device; `sampled()` waits for its tokens."""
+    """A step whose work is queued on the device; `sampled()` waits for its tokens.
+
+    `token_ids` holds each sampling request's last token: the one it sampled or, where it
+    verified drafts, the one it samples after all of them (what the next step feeds if they
+    are all accepted). `verified` holds the whole verification, when the step had drafts.
+    """
 
     out: SchedulerOutput
     sample_request_ids: list[str]
     token_ids: mx.array | None  # [len(sample_request_ids)], being computed
     logprobs: LogprobArrays | None = None
+    verified: VerifiedTokens | None = None
+    _accepted_on_host: list[AcceptedTokens] | None = field(default=None, init=False, repr=False)
 
     def arrays(self) -> list[mx.array]:
         """What the step computes for the host (the K/V writes aside)."""
         if self.token_ids is None:
             return []
+        if self.verified is not None:
+            return [self.token_ids, *self.verified.arrays()]
         return [self.token_ids, *(self.logprobs.arrays() if self.logprobs else ())]
 
-    def sampled(self) -> dict[str, int]:
-        """The sampled id per sampling request (blocks until the device has them)."""
+    def sampled(self) -> dict[str, list[int]]:
+        """The new tokens per sampling request (blocks until the device has them): its
+        sampled one, or its accepted drafts and the one sampled after them."""
         if self.token_ids is None:
             return {}
-        return dict(zip(self.sample_request_ids, self.token_ids.tolist(), strict=True))
+        if self.verified is not None:
+            return {r: accepted.token_ids for r, accepted in
+                    zip(self.sample_request_ids, self._accepted(), strict=True)}
+        return {r: [t] for r, t in zip(self.sample_request_ids, self.token_ids.tolist(),
+                                       strict=True)}
 
-    def sampled_logprobs(self) -> dict[str, TokenLogprobs]:
-        """Logprobs per sampling request that asked for them (blocks like `sampled()`)."""
+    def sampled_logprobs(self) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of each new token per sampling request that asked for them (blocks like
+        `sampled()`)."""
+        if self.verified is not None:
+            return {r: accepted.logprobs for r, accepted in
+                    zip(self.sample_request_ids, self._accepted(), strict=True)
+                    if accepted.logprobs is not None}
         if self.logprobs is None:
             return {}
         by_row = self.logprobs.to_host(self.token_ids.tolist())
-        return {self.sample_request_ids[row]: lp for row, lp in by_row.items()}
+        return {self.sample_request_ids[row]: [lp] for row, lp in by_row.items()}
+
+    def _accepted(self) -> list[AcceptedTokens]:
+        if self._accepted_on_host is None:
+            self._accepted_on_host = self.verified.to_host()
+        return self._accepted_on_host
 
 
 class ModelRunner:
@@ -120,6 +150,13 @@ class ModelRunner:
         logits = self.model.logits(hidden[mx.array(step.sample_rows)])
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]
+        if step.has_drafts:
+            drafts = [by_id[r].draft_token_ids for r in step.sample_request_ids]
+            batch = DraftBatch.build(rows, drafts)
+            verified = rejection_sample(logits, batch)
+            last = verified.row_token_ids[mx.array(batch.row_starts + batch.num_draft_tokens)]
+            return self._queue(LaunchedStep(out, step.sample_request_ids, last,
+                                            verified=verified))
         token_ids = sample(logits, SamplingBatch.build(rows))
         logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
         return self._queue(LaunchedStep(out, step.sample_request_ids, token_ids, logprobs))

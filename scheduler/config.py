@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler.spec_decode.config import SpeculativeConfig
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -26,6 +28,8 @@ class SchedulerConfig:
     # Sliding-window layers beside full ones: their blocks (0: no such group) and window.
     num_window_blocks: int = 0
     window: int | None = None
+    # Speculative decoding: how decoding requests draft tokens that the step verifies.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -73,6 +73,14 @@ class Request:
         # Sliding-window group: its block per block of the sequence (null once out of the
         # window; see scheduler.window_blocks).
         self.window_block_ids: list[int] = []
+        # Outputs a step in flight has yet to settle, always the last ones: tokens it is
+        # sampling (PENDING_TOKEN) and drafts it verifies (taken as accepted until it says
+        # otherwise). `token_epoch` changes whenever such drafts are dropped: a step scheduled
+        # before then fed tokens that are no longer this request's, and its share is ignored.
+        self.num_unknown_outputs = 0
+        self.token_epoch = 0
+        self.num_draft_tokens = 0  # drafted and verified so far
+        self.num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,17 +111,58 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def append_pending(self, draft_token_ids: list[int] = ()) -> None:
+        """A step was launched that samples this request's next token, after verifying
+        `draft_token_ids`: they become outputs, taken as accepted, then a pending token."""
+        for token_id in (*draft_token_ids, PENDING_TOKEN):
+            self.append_output(token_id)
+        self.num_unknown_outputs += len(draft_token_ids) + 1
+
     def resolve_output(self, index: int, token_id: int) -> None:
         """Replace the pending output token at `index` by the sampled one."""
         assert self.output_token_ids[index] == PENDING_TOKEN, "output already resolved"
         self.output_token_ids[index] = token_id
         self.all_token_ids[self.num_prompt_tokens + index] = token_id
+        self.num_unknown_outputs -= 1
 
     def drop_pending_outputs(self) -> None:
-        """Forget trailing outputs still being sampled: the request ends before them."""
-        while self.has_pending_output:
-            self.output_token_ids.pop()
-            self.all_token_ids.pop()
+        """Forget trailing outputs still being sampled or verified: the request ends before
+        them."""
+        self.truncate_outputs(self.num_output_tokens - self.num_unknown_outputs)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and outputs up to the first one a step in flight has yet to settle."""
+        return self.num_tokens - self.num_unknown_outputs
+
+    def truncate_outputs(self, num_outputs: int) -> None:
+        """Keep the first `num_outputs` outputs (the rest were rejected drafts or came after
+        the request's end)."""
+        before = self.num_output_tokens
+        del self.output_token_ids[num_outputs:]
+        del self.all_token_ids[self.num_prompt_tokens + num_outputs :]
+        self.num_unknown_outputs = max(0, self.num_unknown_outputs - (before - num_outputs))
+
+    def verify_outputs(self, index: int, token_ids: list[int], num_drafts: int) -> bool:
+        """A step verified the `num_drafts` drafts taken as outputs `index ..` and emitted
+        `token_ids` (the accepted drafts, then its own token) there. Return whether drafts
+        were rejected: the outputs after them are dropped and the epoch moves on."""
+        num_accepted = len(token_ids) - 1
+        assert self.output_token_ids[index : index + num_accepted] == token_ids[:-1], (
+            "accepted tokens must be the drafts")
+        end = index + num_accepted
+        rejected = num_accepted < num_drafts
+        if rejected:
+            self.truncate_outputs(end)
+            self.num_unknown_outputs = 0  # the accepted drafts are settled
+            self.append_output(token_ids[-1])
+            self.token_epoch += 1
+        else:
+            self.num_unknown_outputs -= num_drafts
+            self.resolve_output(end, token_ids[-1])
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        return rejected
 
     def reached_length(self, max_model_len: int) -> bool:
         """Whether the outputs so far (pending ones too) leave no room for another token."""

@@ -9,6 +9,7 @@ request that policy ranks last is preempted and recomputed later.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockPool, cdiv
@@ -16,8 +17,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnectorScheduler, KVTransferPlan, TierLookup
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
-from scheduler.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
+from scheduler.spec_decode.drafter import Drafter
 from scheduler.state_cache import StateCache, StatePlan
 from scheduler.waiting_queue import WaitingQueue
 from scheduler.window_blocks import WindowBlocks
@@ -28,7 +30,9 @@ class ScheduledRequest:
     """One request's share of a step.
 
     The step feeds `token_ids` at positions `start_position ..` and writes their K/V into
-    the slots of `block_ids`; it samples the next token iff `samples`.
+    the slots of `block_ids`; it samples the next token iff `samples`. The last
+    `len(draft_token_ids)` of `token_ids` are drafts: the step verifies them and samples
+    after the ones it accepts.
     """
 
     request_id: str
@@ -42,6 +46,8 @@ class ScheduledRequest:
     state_slot: int | None = None  # hybrid models: the slot of its recurrent state
     # Sliding-window group: its block table (null entries out of the window).
     window_block_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+    token_epoch: int = 0  # the request's when scheduled (see Request.token_epoch)
 
 
 @dataclass
@@ -70,6 +76,7 @@ class RequestUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     num_output_tokens: int  # the request's outputs up to and including these
+    num_draft_tokens: int = 0  # drafts the step verified (len(new_token_ids) - 1 accepted)
 
 
 class Scheduler:
@@ -94,6 +101,9 @@ class Scheduler:
         self.prefix_cache = PrefixCache(self.pool, config.block_size,
                                         config.enable_prefix_caching, self.connector,
                                         self.states, self.window)  # fmt: skip
+        self.drafter = None
+        if config.speculative is not None:
+            self.drafter = Drafter(config.speculative, config.max_num_batched_tokens)
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -169,7 +179,9 @@ class Scheduler:
         self._finished_since_last_step = []
         budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:  # the pool is short: whatever joins now would be preempted next
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+        if self.drafter is not None:
+            self._add_drafts(out, budget)
         if self.connector is not None:
             out.kv_plan = self.connector.take_plan()
         if self.states is not None:
@@ -202,19 +214,19 @@ class Scheduler:
                 budget -= num_new
         return budget, preempted
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in policy order, each starting after its longest cached prefix.
 
         A request whose next uncached block a running request is computing is passed over: it
         shares that block once it is cached instead of computing it twice. So is one whose
         stored blocks are still on disk: they are read after this step launches, and it is
         admitted over them next step. Requests behind it may be admitted meanwhile; the first
-        that does not fit the pool ends admission.
+        that does not fit the pool ends admission. Returns the budget left.
         """
         in_flight = self._blocks_in_flight()
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                return
+                break
             if request.has_pending_output:
                 continue  # preempted while its last token was being sampled: wait for it
             hits = self.prefix_cache.match(request)
@@ -222,7 +234,7 @@ class Scheduler:
                 continue
             hits, stored = self.prefix_cache.lookup_stored(request, hits)
             if not self._can_admit(request, hits, len(stored.ready) + len(stored.unread), budget):
-                return
+                break
             if not stored.is_ready:  # read once it fits; a block that fails to read is computed
                 self.connector.read_ahead(stored)
                 continue
@@ -230,6 +242,45 @@ class Scheduler:
             self._admit(request, hits, stored, num_new, out)
             in_flight.update(request.block_hashes[request.num_hashed_blocks :])
             budget -= num_new
+        return budget
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give the requests that decode this step draft tokens from the budget left, as many
+        as the drafter chooses for the step's load and the pool can back without taking
+        blocks from anyone (drafts never preempt)."""
+        drafting = [(item, request) for item in out.scheduled
+                    if (request := self.requests[item.request_id]) is not None
+                    and self._may_draft(item, request)]
+        num_rows = out.num_batched_tokens
+        for item, request in drafting:
+            k = min(self.drafter.num_tokens(request, num_rows=num_rows,
+                                            num_drafting=len(drafting)),
+                    budget, self._room(request))
+            drafts = self.drafter.propose(request, k) if k > 0 else []
+            if not drafts or not self._reserve_blocks(request, 1 + len(drafts)):
+                continue
+            item.token_ids = [*item.token_ids, *drafts]
+            item.draft_token_ids = drafts
+            item.block_ids = list(request.block_ids)
+            item.window_block_ids = list(request.window_block_ids)
+            budget -= len(drafts)
+
+    def _may_draft(self, item: ScheduledRequest, request: Request) -> bool:
+        """Decoding, and (as hybrid models' recurrent state cannot be rolled back yet) only
+        where every layer is attention. A request that reads its history to sample drafts
+        only with that history known; one with a grammar does not draft yet."""
+        if not item.samples or len(item.token_ids) != 1 or self.states is not None:
+            return False
+        params = request.params
+        if params.structured is not None:
+            return False
+        return not (params.needs_token_history and request.num_unknown_outputs)
+
+    def _room(self, request: Request) -> int:
+        """Drafts that fit before max_tokens and the context length: a step with k drafts
+        may add k + 1 outputs."""
+        return min(request.params.max_tokens - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens) - 1
 
     def _blocks_in_flight(self) -> set[BlockHash]:
         """Hashes of the full blocks that running requests have yet to compute and cache."""
@@ -328,6 +379,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             state_slot=request.state_slot,
             window_block_ids=list(request.window_block_ids),
+            token_epoch=request.token_epoch,
         )
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
@@ -340,42 +392,68 @@ class Scheduler:
         are known: each sampling request gets a pending output token, which the next step
         may already feed (the runner takes its value from this step's device array)."""
         for item in out.scheduled:
-            request = self.requests.get(item.request_id)
+            request = self._request_of(item)
             if request is None:
-                continue  # finished since it was scheduled
+                continue  # finished since it was scheduled, or its drafts were rejected
             request.num_computed_tokens += len(item.token_ids)
             if item.samples:
-                request.append_output(PENDING_TOKEN)
+                request.append_pending(item.draft_token_ids)
 
-    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+    def resolve(self, out: SchedulerOutput,
+                sampled: Mapping[str, int | list[int]]) -> list[RequestUpdate]:
         """Fill in a launched step's sampled tokens; finish requests that stop on them.
+
+        `sampled` maps each scheduled request that sampled to its token or, for one that
+        verified drafts, to its accepted drafts and the token after them. Drafts it rejected
+        are dropped with whatever a later step scheduled after them.
 
         Blocks that became full in the step are registered in the prefix cache now, so a
         request admitted next step can share them even while this one still runs.
-
-        `sampled` maps request id -> token id for the scheduled requests that sampled.
         """
         updates = []
         for item in out.scheduled:
-            request = self.requests.get(item.request_id)
+            request = self._request_of(item)
             if request is None:
-                continue  # finished while the step ran
+                continue  # finished while the step ran, or its drafts were rejected
+            tokens = sampled[item.request_id] if item.samples else []
+            tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            num_drafts = len(item.draft_token_ids)
+            index = item.num_output_tokens
+            rejected = item.samples and request.verify_outputs(index, tokens, num_drafts)
+            num_computed = item.start_position + len(item.token_ids) - num_drafts + len(tokens) - 1
             if request.status == RequestStatus.RUNNING:
-                num_computed = item.start_position + len(item.token_ids)
+                if rejected:
+                    request.num_computed_tokens = num_computed
                 self.prefix_cache.register(request, num_computed)
                 if self.states is not None:
                     self.states.resolved(request, num_computed)
             if not item.samples:
                 continue
-            index = item.num_output_tokens
-            request.resolve_output(index, sampled[item.request_id])
-            reason = request.check_stop(index, self.config.max_model_len)
-            if reason is not None:
-                self.finish_request(request.request_id, reason)
-            updates.append(RequestUpdate(
-                request, [request.output_token_ids[index]], reason, num_output_tokens=index + 1
-            ))
+            if self.drafter is not None:
+                self.drafter.record(request, num_drafts, len(tokens) - 1)
+            updates.append(self._stop_check(request, index, tokens, num_drafts))
         return updates
+
+    def _stop_check(self, request: Request, index: int, tokens: list[int],
+                    num_drafts: int) -> RequestUpdate:
+        """Judge the new outputs `index ..` in order; the first that stops the request ends
+        it, and the ones after it are dropped."""
+        for offset in range(len(tokens)):
+            reason = request.check_stop(index + offset, self.config.max_model_len)
+            if reason is not None:
+                request.truncate_outputs(index + offset + 1)
+                self.finish_request(request.request_id, reason)
+                return RequestUpdate(request, tokens[: offset + 1], reason, index + offset + 1,
+                                     num_drafts)
+        return RequestUpdate(request, tokens, None, index + len(tokens), num_drafts)
+
+    def _request_of(self, item: ScheduledRequest) -> Request | None:
+        """The request a step's share belongs to, unless it has finished or dropped the
+        tokens that share fed (rejected drafts)."""
+        request = self.requests.get(item.request_id)
+        if request is None or request.token_epoch != item.token_epoch:
+            return None
+        return request
 
     def _release_groups(self, request: Request) -> None:
         """Give back what a request leaving the batch holds beside its KV blocks."""
@@ -386,6 +464,8 @@ class Scheduler:
 
     def _release(self, request: Request, reason: FinishReason) -> None:
         request.drop_pending_outputs()
+        if self.drafter is not None:
+            self.drafter.finish(request)
         self.pool.free(request.block_ids)
         request.block_ids = []
         self._release_groups(request)

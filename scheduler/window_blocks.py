@@ -102,7 +102,9 @@ class WindowBlocks:
         step in flight still reads is overwritten only by a later step, which the runner
         queues once that one is done."""
         table = request.window_block_ids
-        end = min(self.first_seen(request.num_computed_tokens), len(table))
+        # Rejected drafts of a step in flight move the request back to its known tokens.
+        start = min(request.num_computed_tokens, request.num_known_tokens)
+        end = min(self.first_seen(start), len(table))
         freed = [b for b in table[:end] if b != NULL_BLOCK]
         if freed:
             self.pool.free(freed)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
+from scheduler.spec_decode.config import SpeculativeConfig
 from server.core.tool_parser_choice import PARSERS
 from server.sampling_defaults import FROM_MODEL, parse_override
 
@@ -147,6 +148,19 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         help="fcfs (default): first come, first served; priority: requests with a lower "
         "`priority` field go first, and are preempted last",
     )
+    group.add_argument(
+        "--speculative-config", type=_speculative_config, metavar="JSON",
+        help='speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (methods: ngram, suffix); '
+        "drafts are verified inside the batch, with the same outputs as without",
+    )
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _override(text: str) -> dict:

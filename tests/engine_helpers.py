@@ -15,7 +15,8 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_seqs=16,
                               max_num_batched_tokens=512, max_model_len=512,
-                              enable_prefix_caching=True, state_checkpoint_interval=32):
+                              enable_prefix_caching=True, state_checkpoint_interval=32,
+                              speculative=None):
     model = load_model(model_dir, mx.float32)
     cfg = model.config
     plan = CachePlan(num_blocks, 0)
@@ -31,7 +32,7 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching, num_state_slots=plan.num_state_slots,
         state_checkpoint_interval=state_checkpoint_interval, window=plan.window,
-        num_window_blocks=plan.num_window_blocks,
+        num_window_blocks=plan.num_window_blocks, speculative=speculative,
     ))
     return ModelRunner(model, cache), scheduler
 

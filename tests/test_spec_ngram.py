@@ -14,8 +14,10 @@ from scheduler.spec_decode.draft_length import DraftLength
 from scheduler.spec_decode.ngram import NO_DRAFT, Draft, NgramProposer, SuffixIndex, pick_draft
 
 
-def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> Draft:
-    """The rule by brute force: longest n first, then the latest earlier occurrence."""
+def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int,
+                    own: bool = True) -> Draft:
+    """The rule by brute force: longest n first, then the latest earlier occurrence; in the
+    request's own history (`own`) the copy goes on past the end, token by token."""
     if k < 1:
         return NO_DRAFT
     for n in range(max_n, min_n - 1, -1):
@@ -24,7 +26,12 @@ def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> Draft:
         tail = tokens[-n:]
         for end in range(len(tokens) - 1, n - 1, -1):
             if tokens[end - n:end] == tail:
-                return Draft(tokens[end:end + k], n)
+                if not own:
+                    return Draft(tokens[end:end + k], n)
+                grown = list(tokens)
+                for i in range(k):
+                    grown.append(grown[end + i])
+                return Draft(grown[len(tokens):], n)
     return NO_DRAFT
 
 
@@ -141,7 +148,7 @@ def test_no_match_drafts_nothing():
 def test_the_tail_is_never_its_own_match():
     # the only occurrence of (1, 2, 3) is the tail itself
     assert NgramProposer(3, 3).propose([1, 2, 3], 4) == NO_DRAFT
-    assert NgramProposer(1, 1).propose([1, 1], 4) == Draft([1], 1)
+    assert NgramProposer(1, 1).propose([1, 1], 4) == Draft([1, 1, 1, 1], 1)
 
 
 def test_longest_n_wins_over_a_more_recent_shorter_match():
@@ -161,14 +168,14 @@ def test_most_recent_occurrence_wins():
     assert NgramProposer(2, 2).propose(tokens, 3) == Draft([8, 1, 2], 2)
 
 
-def test_k_caps_the_draft_and_the_history_end_caps_it_further():
+def test_k_caps_the_draft_and_a_match_near_the_end_repeats_as_a_loop():
     tokens = list(range(20)) + [0, 1]
     proposer = NgramProposer(2, 2)
     assert proposer.propose(tokens, 3) == Draft([2, 3, 4], 2)
     assert proposer.propose(tokens, 0) == NO_DRAFT
-    # the continuation stops where the history does: nothing past it is invented
-    assert NgramProposer(2, 2).propose([1, 2, 3, 1, 2], 10) == Draft([3, 1, 2], 2)
-    assert NgramProposer(2, 2).propose([4, 4, 4], 5) == Draft([4], 2)
+    # past the history's end the copy goes on over itself: period = how far back the match is
+    assert NgramProposer(2, 2).propose([1, 2, 3, 1, 2], 7) == Draft([3, 1, 2, 3, 1, 2, 3], 2)
+    assert NgramProposer(2, 2).propose([4, 4, 4], 5) == Draft([4, 4, 4, 4, 4], 2)
 
 
 def test_index_takes_only_growing_sampled_tokens():
@@ -194,10 +201,9 @@ def test_incremental_index_equals_a_scan_from_scratch(tokens, cuts, min_n, extra
     for cut in cuts + [len(tokens)]:
         size = min(len(tokens), size + cut)
         prefix = tokens[:size]
-        expected = reference_draft(prefix, min_n, max_n, k)
-        assert proposer.propose(prefix, k) == expected
-        shared.update("only", prefix)  # one request's outputs: the same rule
-        assert shared.propose(prefix, k) == expected
+        assert proposer.propose(prefix, k) == reference_draft(prefix, min_n, max_n, k)
+        shared.update("only", prefix)  # one request's outputs: the same match, cut at the end
+        assert shared.propose(prefix, k) == reference_draft(prefix, min_n, max_n, k, own=False)
     assert NgramProposer(min_n, max_n).propose(tokens, k) == proposer.propose(tokens, k)
 
 

@@ -11,8 +11,9 @@ what the model says next. Two indexes, one rule:
 The rule (vLLM's `ngram` method, except that the latest occurrence wins where vLLM takes the
 earliest: recent context is the better guess in an edit loop): for n from `max_n` down to
 `min_n`, look for an earlier occurrence of the last n tokens; at the first n that has one,
-propose the up to k tokens that followed its latest occurrence. Drafts are copied from the
-history, never past its end, so a match near the end drafts fewer than k.
+propose the up to k tokens that followed its latest occurrence. A request's own match P tokens
+back copies on past the history's end over what it has just copied, i.e. repeats with period
+P (a loop drafts k tokens, not P); a match in another request's outputs stops at their end.
 
     tokens  a b c d x a b c          n = 3: "a b c" ends at 3, the tail "a b c" at 8
     index   ... ("a","b","c") -> 3   draft = tokens[3 : 3 + k] = "d x a b c"[:k]
@@ -98,8 +99,17 @@ class NgramProposer:
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             end = self._last_end.get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
-                return Draft(tokens[end:end + k], n)
+                return Draft(_copy_on(tokens, end, k), n)
         return NO_DRAFT
+
+
+def _copy_on(tokens: list[int], end: int, k: int) -> list[int]:
+    """`tokens[end : end + k]`, continued past the end as a repeat of period len - end."""
+    draft = tokens[end:end + k]
+    period = len(tokens) - end
+    while len(draft) < k:
+        draft.append(draft[len(draft) - period])
+    return draft
 
 
 class SuffixIndex:

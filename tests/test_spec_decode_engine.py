@@ -1,0 +1,224 @@
+"""Speculative decoding through the engine: the same outputs as without it, only faster.
+
+Drafts are more query rows of the packed step; a rejected one drops whatever came after it. So
+every request must come out exactly as without speculation — tokens, text, finish reason,
+counts and logprobs — for greedy and seeded sampling, in mixed batches with chunked prefills,
+under async scheduling (steps queued behind drafts whose fate is unknown), preemption, stop
+strings met inside accepted drafts, and every attention family. Each test also checks that
+drafts were accepted, so none passes by never drafting.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import make_runner_and_scheduler
+from tiny_models import build_tiny_model
+
+from metal_engine.engine import LLMEngine
+from scheduler import SamplingParams
+from scheduler.request import PENDING_TOKEN
+from scheduler.spec_decode.config import SpeculativeConfig
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                          prompt_lookup_max=3)
+SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=6)
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], params: dict[str, SamplingParams],
+        last: dict | None = None) -> dict[str, tuple]:
+    """Every request's (token ids, text, finish reason, output count, logprobs); its last
+    output goes into `last`, if given."""
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params[rid])
+    results = {rid: ([], "", None, 0, []) for rid in prompts}
+    last = {} if last is None else last
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            last[o.request_id] = o
+            ids, text, _, _, logprobs = results[o.request_id]
+            results[o.request_id] = (ids + o.new_token_ids, text + o.new_text, o.finish_reason,
+                                     o.num_output_tokens, logprobs + (o.logprobs or []))
+    scheduler = engine.scheduler
+    assert scheduler.pool.num_free_blocks == scheduler.config.num_blocks
+    if scheduler.window is not None:  # all back but the null block
+        assert scheduler.window.num_free_blocks == scheduler.config.num_window_blocks - 1
+    return results
+
+
+def tiny_engine(path, tokenizer, speculative=None, async_scheduling=False, num_blocks=64,
+                max_num_batched_tokens=24) -> LLMEngine:
+    runner, scheduler = make_runner_and_scheduler(
+        path, num_blocks=num_blocks, block_size=8,
+        max_num_batched_tokens=max_num_batched_tokens, speculative=speculative)
+    return LLMEngine(runner, scheduler, tokenizer, "tiny", async_scheduling=async_scheduling)
+
+
+def accepted(engine: LLMEngine) -> int:
+    return engine.scheduler.drafter.stats.num_accepted_tokens
+
+
+# Tiny random models fall into loops within a few tokens: n-gram drafts then hit often.
+LOOPY = [5, 9, 17, 5, 9, 17, 5, 9]
+TINY_PROMPTS = {"loop": LOOPY, "long": [int(t) for t in range(3, 60)], "short": [7, 8],
+                "mid": [40, 41, 42, 43, 40, 41, 42]}
+
+
+def mixed_params(max_tokens=20, **fields) -> dict[str, SamplingParams]:
+    """Each tiny prompt's params: greedy, or as `fields` say, with a stop token on one."""
+    base = dict(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **fields})
+    return {rid: SamplingParams(**base, stop_token_ids=[17] if rid == "short" else [])
+            for rid in TINY_PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def tiny_plain(tiny_llama, default_tokenizer):
+    return run(tiny_engine(tiny_llama[1], default_tokenizer), TINY_PROMPTS, mixed_params())
+
+
+@pytest.mark.parametrize("speculative", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_outputs_equal_those_without_speculation(tiny_llama, default_tokenizer,
+                                                        tiny_plain, speculative,
+                                                        async_scheduling):
+    engine = tiny_engine(tiny_llama[1], default_tokenizer, speculative, async_scheduling)
+    assert run(engine, TINY_PROMPTS, mixed_params()) == tiny_plain
+    assert accepted(engine) > 10
+
+
+def test_async_steps_queue_behind_drafts_whose_fate_is_unknown(tiny_llama, default_tokenizer,
+                                                               tiny_plain):
+    """Some step fed a pending token together with new drafts (so it was queued before the
+    drafts in flight were verified), and some such step was dropped for a rejection."""
+    engine = tiny_engine(tiny_llama[1], default_tokenizer, NGRAM, async_scheduling=True)
+    behind_drafts, launch = [], engine.runner.launch
+
+    def spy(out, previous=None, context=None):
+        behind_drafts.extend(s.request_id for s in out.scheduled
+                             if s.draft_token_ids and s.token_ids[0] == PENDING_TOKEN)
+        return launch(out, previous, context)
+
+    engine.runner.launch = spy
+    epochs = {}
+    add = engine.scheduler.add_request
+
+    def keep(request):
+        epochs[request.request_id] = request
+        add(request)
+
+    engine.scheduler.add_request = keep
+    assert run(engine, TINY_PROMPTS, mixed_params()) == tiny_plain
+    assert behind_drafts
+    assert any(r.token_epoch > 0 for r in epochs.values())  # rejected drafts were dropped
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text", "qwen3_moe", "glm4_moe"])
+def test_every_attention_family_gives_the_same_greedy_tokens(family, default_tokenizer,
+                                                             tmp_path):
+    """Sliding windows (mistral, gemma3) and MoE routers (qwen3_moe, glm4_moe)."""
+    build_tiny_model(family, tmp_path)
+    plain = run(tiny_engine(tmp_path, default_tokenizer), TINY_PROMPTS, mixed_params())
+    for async_scheduling in (False, True):
+        engine = tiny_engine(tmp_path, default_tokenizer, NGRAM, async_scheduling)
+        assert run(engine, TINY_PROMPTS, mixed_params()) == plain, async_scheduling
+        assert accepted(engine) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(tiny_llama, default_tokenizer,
+                                                                  async_scheduling):
+    """A point-mass draft is accepted iff the sampler's own seeded draw equals it, so seeded
+    requests write the same tokens; logprobs are reported for each accepted token. (A tiny
+    random model's logits are nearly flat: low temperatures make its drafts likely.)"""
+    params = mixed_params(temperature=0.05, top_p=0.9, seed=11, logprobs=2,
+                          repetition_penalty=1.1)
+    params["loop"] = SamplingParams(max_tokens=20, temperature=0.02, seed=3, logprobs=0,
+                                    ignore_eos=True)  # no penalty: drafts behind pending
+    plain = run(tiny_engine(tiny_llama[1], default_tokenizer), TINY_PROMPTS, params)
+    engine = tiny_engine(tiny_llama[1], default_tokenizer, NGRAM, async_scheduling)
+    speculated = run(engine, TINY_PROMPTS, params)
+    assert accepted(engine) > 0
+    for rid, (ids, text, reason, count, logprobs) in plain.items():
+        s_ids, s_text, s_reason, s_count, s_logprobs = speculated[rid]
+        assert (s_ids, s_text, s_reason, s_count) == (ids, text, reason, count), rid
+        assert len(s_logprobs) == len(ids)
+        for a, b in zip(logprobs, s_logprobs, strict=True):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_preemption_with_drafts_in_flight(tiny_llama, default_tokenizer):
+    """A pool too small for everyone: requests are preempted and recomputed, drafts too."""
+    prompts = {f"p{i}": [*LOOPY, 20 + i] * 3 for i in range(5)}
+    params = {rid: SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+              for rid in prompts}
+    plain = run(tiny_engine(tiny_llama[1], default_tokenizer, num_blocks=14), prompts, params)
+    for async_scheduling in (False, True):
+        engine = tiny_engine(tiny_llama[1], default_tokenizer, NGRAM, async_scheduling,
+                             num_blocks=14)
+        assert run(engine, prompts, params) == plain
+        assert engine.scheduler.num_preemptions > 0
+        assert accepted(engine) > 0
+
+
+# ---- the default model: an agent asking for a file back --------------------------------------
+
+FILE = '''def fetch_remote_nodes(client, limit=10):
+    """Return up to `limit` nodes from the remote index."""
+    nodes = []
+    for page in client.pages():
+        for node in page.nodes:
+            if len(nodes) >= limit:
+                return nodes
+            nodes.append(node)
+    return nodes
+'''
+
+
+@pytest.fixture(scope="module")
+def default_engine_parts(default_model_dir, default_tokenizer):
+    def chat(text):
+        messages = [{"role": "user", "content": text}]
+        return default_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+
+    prompts = {
+        "echo": chat(f"Repeat this file exactly, in a code block:\n\n{FILE}"),
+        "rename": chat(f"Rename fetch_remote_nodes to list_nodes in:\n\n{FILE}"),
+        "question": chat("What is the capital of France?"),
+    }
+    params = {rid: SamplingParams(max_tokens=48, temperature=0.0) for rid in prompts}
+    # A stop string that the echo meets inside a run of accepted drafts.
+    params["echo"] = SamplingParams(max_tokens=64, temperature=0.0, stop=["nodes.append"])
+    return default_model_dir, prompts, params
+
+
+def default_engine(model_dir, speculative=None, async_scheduling=False) -> LLMEngine:
+    from metal_engine.config import EngineConfig
+
+    return LLMEngine.from_config(EngineConfig(
+        model_dir, kv_cache_memory=32 << 20, max_num_batched_tokens=64,
+        speculative_config=speculative, async_scheduling=async_scheduling))
+
+
+@pytest.fixture(scope="module")
+def default_plain(default_engine_parts):
+    model_dir, prompts, params = default_engine_parts
+    return run(default_engine(model_dir), prompts, params)
+
+
+@pytest.mark.parametrize(("speculative", "async_scheduling"),
+                         [(NGRAM, False), (SUFFIX, True)], ids=["ngram-sync", "suffix-async"])
+def test_the_default_model_echoes_a_file_the_same_with_most_drafts_accepted(
+        default_engine_parts, default_plain, speculative, async_scheduling):
+    model_dir, prompts, params = default_engine_parts
+    engine = default_engine(model_dir, speculative, async_scheduling)
+    last = {}
+    results = run(engine, prompts, params, last)
+    assert results == default_plain
+    echo_text, reason = results["echo"][1], results["echo"][2]
+    assert reason == "stop" and "nodes.append" not in echo_text and "for node in" in echo_text
+    echo = last["echo"]
+    assert echo.num_accepted_tokens > 0.5 * echo.num_draft_tokens > 0
+    stats = engine.scheduler.drafter.stats
+    assert stats.num_draft_tokens == sum(o.num_draft_tokens for o in last.values())

@@ -425,7 +425,12 @@ def _log_finish(request_id: str, outcome: str, last: RequestOutput | None, secon
     if last is None:
         log.info("%s ended (%s) before any output, after %.2fs", request_id, outcome, seconds)
         return
+    drafts = ""
+    if last.num_draft_tokens:
+        drafts = (f", {last.num_accepted_tokens} of {last.num_draft_tokens} draft tokens "
+                  "accepted")
     log.info(
-        "%s ended (%s): %d prompt tokens (%d cached), %d generated, %.2fs", request_id, outcome,
-        last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens, seconds,
+        "%s ended (%s): %d prompt tokens (%d cached), %d generated%s, %.2fs", request_id,
+        outcome, last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens, drafts,
+        seconds,
     )  # fmt: skip

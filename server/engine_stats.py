@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from scheduler.spec_decode.drafter import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class EngineStats:
     kv_disk_queried_tokens: int = 0
     kv_disk_hit_tokens: int = 0
     num_preemptions: int = 0
+    spec_decode: SpecDecodeStats | None = None  # None: no speculative decoding
 
     @property
     def kv_cache_usage(self) -> float:
@@ -53,4 +56,9 @@ def read_engine_stats(engine: Any) -> EngineStats:
         kv_disk_queried_tokens=cache_stats.stored_queried_tokens,
         kv_disk_hit_tokens=cache_stats.stored_hit_tokens,
         num_preemptions=scheduler.num_preemptions,
+        spec_decode=_copy(drafter.stats) if (drafter := scheduler.drafter) else None,
     )
+
+
+def _copy(stats: SpecDecodeStats) -> SpecDecodeStats:
+    return replace(stats, accepted_per_position=list(stats.accepted_per_position))

@@ -164,3 +164,39 @@ def test_refused_requests_are_counted_as_rejected(served):
     body = {"prompt": "hi", "max_tokens": 2, "priority": 3}  # needs the priority policy
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
     assert scrape(url)[1][name] - before == 1  # the token-id check never reached the engine
+
+
+def test_speculative_decoding_reports_vllm_counters_and_the_acceptance(model_dir, caplog):
+    from scheduler.spec_decode.config import SpeculativeConfig
+
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                    prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = make_engine(model_dir, speculative_config=speculative)
+    caplog.set_level("INFO", logger="server.async_engine")
+    with running_app(build_app(AsyncEngine(engine), MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        client.completions.create(model=MODEL, prompt=[5, 9, 17] * 4, max_tokens=24,
+                                  temperature=0)
+        types, samples = scrape(url)
+    stats = engine.scheduler.drafter.stats
+    assert stats.num_accepted_tokens > 0  # a tiny random model loops: its drafts hit
+    assert types["vllm:spec_decode_num_drafts"] == "counter"
+    assert samples["vllm:spec_decode_num_drafts_total"] == stats.num_drafts
+    assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert samples["vllm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+    per_position = [samples[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"]
+                    for i in range(len(stats.accepted_per_position))]
+    assert sum(per_position) == stats.num_accepted_tokens
+    assert per_position == sorted(per_position, reverse=True)  # j is accepted only after j - 1
+    assert samples["metal_serve:spec_decode_draft_acceptance_rate"] == pytest.approx(
+        stats.num_accepted_tokens / stats.num_draft_tokens)
+    assert samples["metal_serve:spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + stats.num_accepted_tokens / stats.num_drafts)
+    ended = [r.getMessage() for r in caplog.records if " ended (" in r.getMessage()]
+    assert ended and f"{stats.num_accepted_tokens} of {stats.num_draft_tokens} draft tokens " \
+        "accepted" in ended[-1]
+
+
+def test_no_spec_decode_series_without_speculation(served):
+    types, _ = scrape(served[1])
+    assert not [name for name in types if "spec_decode" in name]

@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from metal_engine.outputs import RequestOutput
+from scheduler.spec_decode.drafter import SpecDecodeStats
 from server.engine_stats import EngineStats
 
 LABEL_NAMES = ("model_name", "engine")
@@ -141,6 +142,31 @@ class _EngineCollector(Collector):
                           "number of cached tokens.", s.kv_disk_hit_tokens)  # fmt: skip
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the "
                       "engine.", s.num_preemptions)  # fmt: skip
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's counters; the acceptance rate and mean acceptance length that vLLM's log
+        derives from them, as gauges of their own."""
+        counter, gauge = self._counter, self._gauge
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                      spec.num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                      spec.num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      spec.num_accepted_tokens)
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels=(*LABEL_NAMES, "position"))
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric((*self._labels, str(position)), count)
+        yield per_position
+        rate = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+        yield gauge("metal_serve:spec_decode_draft_acceptance_rate", "Accepted draft tokens "
+                    "per draft token, since start.", rate)  # fmt: skip
+        yield gauge("metal_serve:spec_decode_mean_acceptance_length", "Tokens a drafting "
+                    "request gets per step: 1 + accepted tokens per draft, since start.",
+                    spec.mean_accepted_length)  # fmt: skip
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=LABEL_NAMES)

@@ -237,8 +237,11 @@ class LLMEngine:
         )
 
     def _sampling_context(self, scheduled: SchedulerOutput) -> SamplingContext:
-        sampling_ids = [s.request_id for s in scheduled.scheduled if s.samples]
-        return SamplingContext(self.scheduler.requests, self.structured.bitmasks(sampling_ids))
+        sampling = [s for s in scheduled.scheduled if s.samples]
+        drafted = {s.request_id: self.structured.draft_bitmasks(s.request_id, s.draft_token_ids)
+                   for s in sampling if s.draft_token_ids and s.request_id in self.structured}
+        plain = [s.request_id for s in sampling if s.request_id not in drafted]
+        return SamplingContext(self.scheduler.requests, self.structured.bitmasks(plain), drafted)
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""

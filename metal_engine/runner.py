@@ -32,11 +32,13 @@ class SamplingContext:
 
     `requests` gives token histories (penalties) and EOS ids (min_tokens); a request that
     samples with penalties or a grammar must have no output still pending. `allowed_tokens`
-    holds the grammar bitmask of each structured request that samples this step.
+    holds the grammar bitmask of each structured request that samples this step, and
+    `draft_allowed_tokens` those of one that verifies drafts: a bitmask per verified row.
     """
 
     requests: Mapping[str, Request]
     allowed_tokens: Mapping[str, np.ndarray] = field(default_factory=dict)
+    draft_allowed_tokens: Mapping[str, list[np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,7 +154,9 @@ class ModelRunner:
         rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]
         if step.has_drafts:
             drafts = [by_id[r].draft_token_ids for r in step.sample_request_ids]
-            batch = DraftBatch.build(rows, drafts)
+            masks = [_row_masks(row, r, len(d), context)
+                     for row, r, d in zip(rows, step.sample_request_ids, drafts, strict=True)]
+            batch = DraftBatch.build(rows, drafts, masks)
             verified = rejection_sample(logits, batch)
             last = verified.row_token_ids[mx.array(batch.row_starts + batch.num_draft_tokens)]
             return self._queue(LaunchedStep(out, step.sample_request_ids, last,
@@ -207,6 +211,14 @@ def _sampling_row(item: ScheduledRequest, context: SamplingContext | None) -> Sa
         params, item.num_output_tokens, request.prompt_token_ids, request.output_token_ids,
         request.eos_token_ids, context.allowed_tokens.get(item.request_id),
     )
+
+
+def _row_masks(row: SamplingRow, request_id: str, num_drafts: int,
+               context: SamplingContext | None) -> list[np.ndarray] | None:
+    """The grammar bitmask of each row verifying a request's drafts (None: no grammar)."""
+    if context is not None and request_id in context.draft_allowed_tokens:
+        return context.draft_allowed_tokens[request_id]
+    return None if row.allowed_tokens is None else [row.allowed_tokens] * (num_drafts + 1)
 
 
 def _with_pending_tokens(step: StepInputs, previous: LaunchedStep | None) -> mx.array:

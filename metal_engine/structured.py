@@ -160,6 +160,22 @@ class StructuredOutputs:
             return None
         return short(matcher.get_error())
 
+    def draft_bitmasks(self, request_id: str, draft_token_ids: list[int]) -> list[np.ndarray]:
+        """The bitmasks of the k + 1 rows verifying k drafts: the grammar's now, then after
+        each draft in turn. Rows past the first draft the grammar refuses are never reached
+        (that draft is never accepted): they repeat the last mask. The matcher ends as it
+        began."""
+        matcher = self._matchers[request_id]
+        num_valid = matcher.validate_tokens(draft_token_ids)
+        masks = []
+        for token_id in draft_token_ids[:num_valid]:
+            masks.append(np.frombuffer(matcher.compute_bitmask(), np.int32))
+            matcher.consume_token(token_id)
+        masks.append(np.frombuffer(matcher.compute_bitmask(), np.int32))
+        if num_valid:
+            matcher.rollback(num_valid)
+        return masks + [masks[-1]] * (len(draft_token_ids) - num_valid)
+
     def bitmasks(self, request_ids: list[str]) -> dict[str, np.ndarray]:
         """The allowed-token bitmask (int32 words) of each of `request_ids` that has a grammar,
         all computed in one parallel llguidance call."""

@@ -69,6 +69,7 @@ class Request:
         # are writing, and its newest committed decode checkpoint (replaced by the next).
         self.state_slot: int | None = None
         self.pending_saves: list[PendingSave] = []
+        self.state_snapshot: int | None = None  # its state before drafts a step verifies
         self.decode_checkpoint: bytes | None = None
         # Sliding-window group: its block per block of the sequence (null once out of the
         # window; see scheduler.window_blocks).

@@ -199,6 +199,8 @@ class Scheduler:
                 continue  # preempted this step to make room for another
             if request.reached_length(self.config.max_model_len):
                 continue  # its last token is still being sampled; nothing more to compute
+            if request.state_snapshot is not None:
+                continue  # its recurrent state may go back to before the drafts in flight
             num_new = min(request.num_uncomputed_tokens, budget)
             num_new = self._cut(request, request.num_computed_tokens, num_new)
             while not self._reserve_blocks(request, num_new):
@@ -256,8 +258,12 @@ class Scheduler:
             k = min(self.drafter.num_tokens(request, num_rows=num_rows,
                                             num_drafting=len(drafting)),
                     budget, self._room(request))
+            if self.states is not None:
+                k = min(k, self.states.draft_room(item.start_position))
             drafts = self.drafter.propose(request, k) if k > 0 else []
             if not drafts or not self._reserve_blocks(request, 1 + len(drafts)):
+                continue
+            if self.states is not None and not self.states.snapshot(request):
                 continue
             item.token_ids = [*item.token_ids, *drafts]
             item.draft_token_ids = drafts
@@ -265,16 +271,13 @@ class Scheduler:
             item.window_block_ids = list(request.window_block_ids)
             budget -= len(drafts)
 
-    def _may_draft(self, item: ScheduledRequest, request: Request) -> bool:
-        """Decoding, and (as hybrid models' recurrent state cannot be rolled back yet) only
-        where every layer is attention. A request that reads its history to sample drafts
-        only with that history known; one with a grammar does not draft yet."""
-        if not item.samples or len(item.token_ids) != 1 or self.states is not None:
+    @staticmethod
+    def _may_draft(item: ScheduledRequest, request: Request) -> bool:
+        """Decoding. A request that reads its history to sample (penalties, a grammar) drafts
+        only with that history known."""
+        if not item.samples or len(item.token_ids) != 1:
             return False
-        params = request.params
-        if params.structured is not None:
-            return False
-        return not (params.needs_token_history and request.num_unknown_outputs)
+        return not (request.params.needs_token_history and request.num_unknown_outputs)
 
     def _room(self, request: Request) -> int:
         """Drafts that fit before max_tokens and the context length: a step with k drafts
@@ -420,7 +423,12 @@ class Scheduler:
             num_drafts = len(item.draft_token_ids)
             index = item.num_output_tokens
             rejected = item.samples and request.verify_outputs(index, tokens, num_drafts)
-            num_computed = item.start_position + len(item.token_ids) - num_drafts + len(tokens) - 1
+            num_computed = item.start_position + len(item.token_ids) - num_drafts
+            if item.samples:
+                num_computed += len(tokens) - 1  # the accepted drafts' K/V are the drafts'
+            if num_drafts and request.state_snapshot is not None:  # hybrid: recompute them
+                self.states.settle(request, rejected)
+                num_computed = item.start_position if rejected else num_computed
             if request.status == RequestStatus.RUNNING:
                 if rejected:
                     request.num_computed_tokens = num_computed

@@ -11,6 +11,13 @@ The slot ids live in a BlockPool of their own: a live slot is a held id, a check
 id that keeps its hash (so the least recently used is reused first). A checkpoint is saved in
 the step that brings its request to the boundary and committed when that step resolves.
 
+A step that verifies drafts advances the live state over all of them. Its request first
+copies the state into a snapshot slot; if drafts are rejected, the snapshot is copied back and
+the request recomputes from its last known token (the accepted drafts with it). Recomputing
+costs those few rows in the next step; keeping a state per draft position would cost a state
+(megabytes) per position and a kernel that writes them. A drafting step never reaches a block
+boundary, so a checkpoint never holds a rejected draft.
+
 Which boundaries are saved (`checkpoint_at`): the last one a re-sent prompt can hit (the end
 of its last full block before its final token), every `interval` blocks of a prompt (shared
 prefixes such as an agent's system prompt), and while decoding each block boundary the
@@ -20,6 +27,7 @@ from its end).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -152,17 +160,48 @@ class StateCache:
                 request.decode_checkpoint = block_hash
 
     def stop(self, request: Request) -> None:
-        """The request leaves the running batch (finished or preempted): its live slot and
-        the checkpoints still being written are free (a write in flight lands in a free slot,
-        which whoever takes it next overwrites first). A save this step planned for it goes
-        from the plan: its slot may be taken again in the same step."""
+        """The request leaves the running batch (finished or preempted): its live slot, its
+        snapshot and the checkpoints still being written are free (a write in flight lands in
+        a free slot, which whoever takes it next overwrites first). Copies the plan holds into
+        its slots go from the plan: they may be taken again in the same step."""
         pending = {p.slot for p in request.pending_saves}
         self.plan.saves = [(s, target) for s, target in self.plan.saves if target not in pending]
+        self.plan.restores = [(s, target) for s, target in self.plan.restores
+                              if target not in (request.state_slot, request.state_snapshot)]
         slots = list(pending)
-        if request.state_slot is not None:
-            slots.append(request.state_slot)
+        for slot in (request.state_slot, request.state_snapshot):
+            if slot is not None:
+                slots.append(slot)
         self.pool.free(slots)
-        request.state_slot, request.pending_saves = None, []
+        request.state_slot, request.state_snapshot, request.pending_saves = None, None, []
+
+    # -- drafts --------------------------------------------------------------------------------
+
+    def draft_room(self, start: int) -> int:
+        """The most drafts a step from `start` may verify without reaching a block boundary
+        (where a checkpoint may be saved)."""
+        if self.interval is None:
+            return sys.maxsize  # no checkpoints: no bound
+        into_block = (start + 1) % self.block_size
+        return 0 if into_block == 0 else self.block_size - into_block - 1
+
+    def snapshot(self, request: Request) -> bool:
+        """Copy the live state into a slot of its own before the step that verifies the
+        request's drafts; False (nothing changed) if no slot is free."""
+        slots = self.pool.allocate(1)
+        if slots is None:
+            return False
+        self.plan.restores.append((request.state_slot, slots[0]))
+        request.state_snapshot = slots[0]
+        return True
+
+    def settle(self, request: Request, rejected: bool) -> None:
+        """The drafts' step resolved: after a rejection the live state is put back (before
+        the next step, which recomputes from there); the snapshot's slot is free."""
+        if rejected:
+            self.plan.restores.append((request.state_snapshot, request.state_slot))
+        self.pool.free([request.state_snapshot])
+        request.state_snapshot = None
 
     def forget(self, block_hash: BlockHash) -> None:
         """Drop the checkpoint of `block_hash`, if any: its block left the KV pool (for the

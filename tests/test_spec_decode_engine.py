@@ -222,3 +222,78 @@ def test_the_default_model_echoes_a_file_the_same_with_most_drafts_accepted(
     assert echo.num_accepted_tokens > 0.5 * echo.num_draft_tokens > 0
     stats = engine.scheduler.drafter.stats
     assert stats.num_draft_tokens == sum(o.num_draft_tokens for o in last.values())
+
+
+# ---- hybrid models: recurrent state put back after a rejection ---------------------------------
+
+
+def hybrid_engine(path, tokenizer, speculative=None, async_scheduling=False,
+                  enable_prefix_caching=True) -> LLMEngine:
+    runner, scheduler = make_runner_and_scheduler(
+        path, num_blocks=64, block_size=8, max_num_batched_tokens=24,
+        enable_prefix_caching=enable_prefix_caching, state_checkpoint_interval=2,
+        speculative=speculative)
+    return LLMEngine(runner, scheduler, tokenizer, "tiny", async_scheduling=async_scheduling)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_hybrid_model_gives_the_same_greedy_tokens(tiny_hybrid, default_tokenizer,
+                                                     async_scheduling, enable_prefix_caching):
+    """Gated DeltaNet layers: a rejection copies the snapshot back and recomputes the accepted
+    drafts; checkpoints (every 2 blocks, and decode ones) never hold a rejected draft, so a
+    second round over the same prompts, resuming from them, gives the same tokens too."""
+    path = tiny_hybrid[1]
+    params = mixed_params(max_tokens=24)
+    plain = run(hybrid_engine(path, default_tokenizer,
+                              enable_prefix_caching=enable_prefix_caching), TINY_PROMPTS, params)
+    engine = hybrid_engine(path, default_tokenizer, NGRAM, async_scheduling,
+                           enable_prefix_caching)
+    assert run(engine, TINY_PROMPTS, params) == plain
+    again = {f"{rid}-again": ids for rid, ids in TINY_PROMPTS.items()}
+    second = run(engine, again, {f"{rid}-again": p for rid, p in params.items()})
+    assert {rid.removesuffix("-again"): r for rid, r in second.items()} == plain
+    assert accepted(engine) > 0
+    states = engine.scheduler.states
+    assert states.num_free_slots == engine.scheduler.config.num_state_slots
+
+
+def test_other_hybrid_families_give_the_same_greedy_tokens(default_tokenizer, tmp_path):
+    from convert import convert_model
+
+    for family in ("qwen3_5_moe_text", "qwen3_next"):
+        source = tmp_path / family
+        build_tiny_model(family, source)
+        path = convert_model(source, tmp_path / f"{family}-converted", progress=False)
+        plain = run(hybrid_engine(path, default_tokenizer), TINY_PROMPTS, mixed_params())
+        engine = hybrid_engine(path, default_tokenizer, NGRAM, async_scheduling=True)
+        assert run(engine, TINY_PROMPTS, mixed_params()) == plain, family
+        assert accepted(engine) > 0, family
+
+
+def test_a_grammar_request_drafts_within_its_grammar(default_engine_parts):
+    """The bitmask of each verified row is the grammar's after the drafts before it, so a
+    draft the grammar refuses is never accepted and the JSON comes out as without drafts."""
+    import json
+
+    from scheduler.sampling_params import StructuredOutput
+
+    model_dir, _, _ = default_engine_parts
+    record = {"name": "fetch_remote_nodes", "limit": 10, "tags": ["remote", "index", "nodes"]}
+    schema = json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "limit": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "limit", "tags"], "additionalProperties": False})
+    plain_engine = default_engine(model_dir)
+    tokenizer = plain_engine.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this JSON exactly: {json.dumps(record)}"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    params = {"json": SamplingParams(max_tokens=48, temperature=0.0,
+                                     structured=StructuredOutput(schema))}
+    plain = run(plain_engine, {"json": prompt}, params)
+    engine = default_engine(model_dir, NGRAM)
+    last = {}
+    assert run(engine, {"json": prompt}, params, last) == plain
+    assert json.loads(plain["json"][1]).keys() == record.keys()
+    assert last["json"].num_accepted_tokens > 0

@@ -30,6 +30,7 @@ SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # slower than a left one, so such products put the big operand on the left (`linear` here,
 # the decode scores in cpu_attention).
 FEW_ROWS = 32
+GEMV_ROWS = 3
 
 
 def on_cpu() -> bool:
@@ -92,7 +93,10 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
 def host_linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """`rows @ weight.T` in numpy's BLAS."""
     # BLAS streams the weight about twice as fast as the left operand of a product with few
-    # columns as it does as the transposed right operand of one with few rows.
+    # columns as it does as the transposed right operand of one with few rows; for two or
+    # three rows (a decode verifying a draft or two) a product per row beats either.
+    if 1 < len(rows) <= GEMV_ROWS:
+        return np.stack([weight @ row for row in rows])
     if len(rows) < FEW_ROWS:
         return np.ascontiguousarray((weight @ rows.T).T)
     return rows @ weight.T

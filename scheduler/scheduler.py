@@ -103,7 +103,9 @@ class Scheduler:
                                         self.states, self.window)  # fmt: skip
         self.drafter = None
         if config.speculative is not None:
-            self.drafter = Drafter(config.speculative, config.max_num_batched_tokens)
+            self.drafter = Drafter(config.speculative, config.max_num_batched_tokens,
+                                   config.max_model_len,
+                                   self.states.draft_room if self.states else None)
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -247,21 +249,12 @@ class Scheduler:
         return budget
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Give the requests that decode this step draft tokens from the budget left, as many
-        as the drafter chooses for the step's load and the pool can back without taking
-        blocks from anyone (drafts never preempt)."""
-        drafting = [(item, request) for item in out.scheduled
-                    if (request := self.requests[item.request_id]) is not None
-                    and self._may_draft(item, request)]
-        num_rows = out.num_batched_tokens
-        for item, request in drafting:
-            k = min(self.drafter.num_tokens(request, num_rows=num_rows,
-                                            num_drafting=len(drafting)),
-                    budget, self._room(request))
-            if self.states is not None:
-                k = min(k, self.states.draft_room(item.start_position))
-            drafts = self.drafter.propose(request, k) if k > 0 else []
-            if not drafts or not self._reserve_blocks(request, 1 + len(drafts)):
+        """Give the requests that decode this step the drafts the drafter proposes, where the
+        pool can back them without taking blocks from anyone (drafts never preempt) and, for
+        a hybrid model, a state slot can hold the snapshot they need."""
+        scheduled = [(item, self.requests[item.request_id]) for item in out.scheduled]
+        for item, request, drafts in self.drafter.assign(scheduled, budget):
+            if not self._reserve_blocks(request, 1 + len(drafts)):
                 continue
             if self.states is not None and not self.states.snapshot(request):
                 continue
@@ -269,21 +262,6 @@ class Scheduler:
             item.draft_token_ids = drafts
             item.block_ids = list(request.block_ids)
             item.window_block_ids = list(request.window_block_ids)
-            budget -= len(drafts)
-
-    @staticmethod
-    def _may_draft(item: ScheduledRequest, request: Request) -> bool:
-        """Decoding. A request that reads its history to sample (penalties, a grammar) drafts
-        only with that history known."""
-        if not item.samples or len(item.token_ids) != 1:
-            return False
-        return not (request.params.needs_token_history and request.num_unknown_outputs)
-
-    def _room(self, request: Request) -> int:
-        """Drafts that fit before max_tokens and the context length: a step with k drafts
-        may add k + 1 outputs."""
-        return min(request.params.max_tokens - request.num_output_tokens,
-                   self.config.max_model_len - request.num_tokens) - 1
 
     def _blocks_in_flight(self) -> set[BlockHash]:
         """Hashes of the full blocks that running requests have yet to compute and cache."""

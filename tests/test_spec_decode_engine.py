@@ -297,3 +297,62 @@ def test_a_grammar_request_drafts_within_its_grammar(default_engine_parts):
     assert run(engine, {"json": prompt}, params, last) == plain
     assert json.loads(plain["json"][1]).keys() == record.keys()
     assert last["json"].num_accepted_tokens > 0
+
+
+# ---- sampled: the output distribution is the target's -----------------------------------------
+
+
+def test_sampled_tokens_follow_the_target_distribution(tiny_llama):
+    """10k requests of one prompt at temperature tau draft the target's two likeliest tokens
+    in their first step (the prompt's first block is cached, so that step feeds one prompt
+    token and the drafts). The empirical joint of their first two outputs — the second from
+    the draft's row or, after a rejection, from the next step — matches p(t0) p(t1 | t0) from
+    transformers by a chi-square test. tau gives the likeliest first token probability ~0.5."""
+    import dataclasses
+
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from test_rejection_sampler import assert_distributed_as
+
+    from scheduler import Request
+
+    model, path = tiny_llama
+    prompt = [5, 9, 17, 33, 3, 70, 71, 12, 40]  # a full block of 8, then the token fed
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].double().numpy()
+        nexts = model(torch.tensor([[*prompt, t] for t in range(128)])).logits[:, -1].double()
+    tau = 1.0
+    for _ in range(200):  # until the likeliest first token has probability ~0.5
+        p0 = np.exp((first - first.max()) / tau)
+        p0 /= p0.sum()
+        tau *= 1.02 if p0.max() > 0.5 else 0.98
+    p1 = torch.softmax(nexts / tau, dim=-1).numpy()
+    top0 = int(first.argmax())
+    drafts = [top0, int(p1[top0].argmax())]
+
+    runner, scheduler = make_runner_and_scheduler(
+        path, num_blocks=256, block_size=8, max_num_seqs=20, max_num_batched_tokens=256,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    drafter = scheduler.drafter
+    drafter.propose = lambda request, k: drafts[:k] if not request.output_token_ids else []
+    drafter.length = dataclasses.replace(drafter.length, saturation_rows=10**6, min_gain=1e-9,
+                                         prior=0.99)
+    mx.random.seed(7)
+    params = SamplingParams(max_tokens=3, temperature=tau, ignore_eos=True)
+
+    def generate(requests):
+        for request in requests:
+            scheduler.add_request(request)
+        while scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            scheduler.update(out, runner.execute(out))
+
+    generate([Request("warm", prompt, params)])  # caches the prompt's first block
+    drafter.stats = type(drafter.stats)()
+    requests = [Request(f"s{i}", prompt, params) for i in range(10_000)]
+    generate(requests)
+    assert drafter.stats.num_drafts == 10_000  # every request verified the two drafts
+    assert 0.3 < drafter.stats.num_accepted_tokens / drafter.stats.num_draft_tokens < 0.8
+    pairs = np.array([r.output_token_ids[0] * 128 + r.output_token_ids[1] for r in requests])
+    assert_distributed_as(pairs, (p0[:, None] * p1).reshape(-1))

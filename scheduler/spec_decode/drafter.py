@@ -14,12 +14,17 @@ tokens, accepted tokens, and accepted tokens by draft position.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler.request import Request
 from scheduler.spec_decode.config import SpeculativeConfig
 from scheduler.spec_decode.draft_length import AcceptanceHistory, DraftLength
 from scheduler.spec_decode.ngram import NgramProposer, SuffixIndex, pick_draft
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -36,7 +41,10 @@ class SpecDecodeStats:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, token_budget: int) -> None:
+    def __init__(self, config: SpeculativeConfig, token_budget: int, max_model_len: int,
+                 draft_room: Callable[[int], int] | None = None) -> None:
+        """`draft_room(start)`: the most drafts a step from `start` may verify, where the
+        model's state bounds them (hybrid models' checkpoints)."""
         if config.method not in ("ngram", "suffix"):
             raise ValueError(f"--speculative-config: method {config.method!r} is not "
                              "available yet; use ngram or suffix")
@@ -46,14 +54,44 @@ class Drafter:
         if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
                                       config.suffix_decoding_max_cached_requests)
+        self.max_model_len = max_model_len
+        self.draft_room = draft_room
         self.stats = SpecDecodeStats()
         self._proposers: dict[str, NgramProposer] = {}
         self._histories: dict[str, AcceptanceHistory] = {}
 
-    def num_tokens(self, request: Request, *, num_rows: int, num_drafting: int) -> int:
-        """How many tokens `request` should draft in a step of `num_rows` query rows."""
-        return self.length.choose(self._history(request), num_rows=num_rows,
-                                  num_drafting=num_drafting)
+    def assign(self, scheduled: list[tuple[ScheduledRequest, Request]],
+               budget: int) -> Iterator[tuple[ScheduledRequest, Request, list[int]]]:
+        """Drafts for the step's decoding requests: as many as the draft-length policy picks
+        for the step's load, within the token `budget` left and each request's room."""
+        drafting = [(item, request) for item, request in scheduled
+                    if self._may_draft(item, request)]
+        num_rows = sum(len(item.token_ids) for item, _ in scheduled)
+        for item, request in drafting:
+            k = min(self.length.choose(self._history(request), num_rows=num_rows,
+                                       num_drafting=len(drafting)),
+                    budget, self._room(item, request))
+            drafts = self.propose(request, k) if k > 0 else []
+            if drafts:
+                budget -= len(drafts)
+                yield item, request, drafts
+
+    @staticmethod
+    def _may_draft(item: ScheduledRequest, request: Request) -> bool:
+        """Decoding. A request that reads its history to sample (penalties, a grammar) drafts
+        only with that history known."""
+        if not item.samples or len(item.token_ids) != 1:
+            return False
+        return not (request.params.needs_token_history and request.num_unknown_outputs)
+
+    def _room(self, item: ScheduledRequest, request: Request) -> int:
+        """Drafts that fit before max_tokens and the context length (a step with k drafts
+        may add k + 1 outputs), and within what the model's state allows."""
+        room = min(request.params.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        if self.draft_room is not None:
+            room = min(room, self.draft_room(item.start_position))
+        return room
 
     def propose(self, request: Request, k: int) -> list[int]:
         """Up to k drafts to follow the request's tokens, unknown ones included."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from pathlib import Path
 
 import mlx.core as mx
 from transformers import AutoTokenizer
@@ -16,7 +17,8 @@ from metal_engine.config import (
     resolve_max_model_len,
 )
 from metal_engine.detokenizer import IncrementalDetokenizer
-from metal_engine.kv_cache import KVCache, default_kv_cache_memory
+from metal_engine.draft_model import DraftModel, load_draft_model
+from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
 from metal_engine.outputs import RequestOutput, TokenLogprobs
@@ -118,12 +120,24 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         dtype = resolve_dtype(config.dtype)
         model = load_model(config.model_dir, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(Path(spec.model), dtype, model, tokenizer)
         mc = model.config
-        budget = config.kv_cache_memory or default_kv_cache_memory(parameter_bytes(model))
+        weights = parameter_bytes(model) + (parameter_bytes(draft) if draft else 0)
+        budget = config.kv_cache_memory or default_kv_cache_memory(weights)
         token_budget = (config.max_num_batched_tokens
                         or default_token_budget(mx.metal.is_available()))
         plan = plan_cache(mc, budget, dtype, config.block_size, config.max_num_seqs,
                           token_budget, config.enable_prefix_caching)
+        if draft is not None:  # a block holds both models' K/V: the budget splits by bytes
+            draft_bytes = bytes_per_block(draft.config.kv_pool_shapes(), config.block_size,
+                                          dtype)
+            share = plan.bytes_per_block / (plan.bytes_per_block + draft_bytes)
+            plan = plan_cache(mc, int(budget * share), dtype, config.block_size,
+                              config.max_num_seqs, token_budget, config.enable_prefix_caching)
         kv_tokens = plan.num_blocks * config.block_size
         check_kv_cache_blocks(plan.num_blocks, budget)
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
@@ -143,13 +157,19 @@ class LLMEngine:
             num_state_slots=plan.num_state_slots,
             speculative=config.speculative_config,
         ), connector)
-        tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
+        draft_model = None
+        if draft is not None:
+            draft_cache = KVCache.for_model(draft.config, CachePlan(plan.num_blocks, draft_bytes),
+                                            config.block_size, dtype)
+            draft_model = DraftModel(draft, draft_cache)
+            log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's", spec.model,
+                     draft.config.num_hidden_layers, plan.num_blocks * draft_bytes / 2**20)
         async_scheduling = (
             mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
         )
         name = config.model_name or config.model_dir.name
-        return cls(ModelRunner(model, cache), scheduler, tokenizer, name, async_scheduling,
-                   connector)
+        return cls(ModelRunner(model, cache, draft_model), scheduler, tokenizer, name,
+                   async_scheduling, connector)
 
     @property
     def max_model_len(self) -> int:

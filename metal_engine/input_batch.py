@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.block_tables import BlockTables
-from scheduler.request import PENDING_TOKEN
+from scheduler.request import DRAFT_TOKEN, PENDING_TOKEN
 from scheduler.scheduler import SchedulerOutput
 
 
@@ -25,6 +25,8 @@ class StepInputs:
     pending_rows: np.ndarray  # [num_pending] int32
     pending_request_ids: list[str]
     has_drafts: bool = False
+    # Rows whose token the step's draft model proposes (DRAFT_TOKEN placeholders).
+    draft_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int,
@@ -78,6 +80,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
         pending_rows=pending_rows,
         pending_request_ids=[scheduled[i].request_id for i in request_of_row[pending_rows]],
         has_drafts=bool(num_drafts.any()),
+        draft_rows=np.flatnonzero(input_ids == DRAFT_TOKEN).astype(np.int32),
     )
 
 

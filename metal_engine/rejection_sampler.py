@@ -152,14 +152,15 @@ class VerifiedTokens:
         ]
 
 
-def rejection_sample(logits: mx.array, batch: DraftBatch,
-                     draft_probs: mx.array | None = None) -> VerifiedTokens:
+def rejection_sample(logits: mx.array, batch: DraftBatch, draft_probs: mx.array | None = None,
+                     draft_ids: mx.array | None = None) -> VerifiedTokens:
     """`logits [T, V]` of the verified rows (raw; packed as DraftBatch shows) and, for draft-
     model drafts, `draft_probs [D, V]`: the distribution each draft was drawn from (None: each
-    draft is a point mass). Returns the accepted tokens and their logprobs (the raw log-softmax
-    at their rows, as `compute_logprobs` reports for `sample()`), lazy."""
-    _check_shapes(logits, batch, draft_probs)
-    drafts, is_draft = _drafts_by_row(batch)
+    draft is a point mass). A draft model's drafts are still on the device: `draft_ids [D]`
+    then stands for `batch.draft_token_ids`. Returns the accepted tokens and their logprobs
+    (the raw log-softmax at their rows, as `compute_logprobs` reports for `sample()`), lazy."""
+    _check_shapes(logits, batch, draft_probs, draft_ids)
+    drafts, is_draft = _drafts_by_row(batch, draft_ids)
     sampling = batch.sampling
     processed = process_logits(logits, sampling)
     greedy = mx.argmax(processed, axis=-1).astype(mx.int32)
@@ -217,13 +218,39 @@ def _accepted_prefixes(accepted: mx.array, row_tokens: mx.array,
     return num_tokens.astype(mx.int32), mx.where(emitted, row_tokens[mx.array(rows)], -1)
 
 
-def _drafts_by_row(batch: DraftBatch) -> tuple[mx.array, mx.array]:
+def _drafts_by_row(batch: DraftBatch,
+                   draft_ids: mx.array | None) -> tuple[mx.array, mx.array]:
     """The draft each row verifies (0 at bonus rows) and whether it verifies one."""
-    drafts = np.zeros(batch.num_rows, np.int32)
-    drafts[batch.draft_rows] = batch.draft_token_ids
     is_draft = np.zeros(batch.num_rows, bool)
     is_draft[batch.draft_rows] = True
+    if draft_ids is not None:
+        drafts = mx.zeros(batch.num_rows, mx.int32)
+        drafts[mx.array(batch.draft_rows)] = draft_ids.astype(mx.int32)
+        return drafts, mx.array(is_draft)
+    drafts = np.zeros(batch.num_rows, np.int32)
+    drafts[batch.draft_rows] = batch.draft_token_ids
     return mx.array(drafts), mx.array(is_draft)
+
+
+def draw_drafts(logits: mx.array, temperatures: np.ndarray,
+                seeds: list[int | None]) -> tuple[mx.array, mx.array]:
+    """A draft model's tokens and the distributions q they were drawn from, per row of its
+    `logits [N, V]`: q = softmax(logits / T), one-hot at the argmax where T is 0. The noise of
+    a seeded row comes from keys [2, seed]: reproducible, and never a key the verification
+    uses (its draw would then be correlated with q's)."""
+    greedy = mx.argmax(logits, axis=-1)
+    if not (temperatures > 0).any():
+        return greedy, (mx.arange(logits.shape[-1])[None, :] == greedy[:, None]).astype(
+            mx.float32)
+    safe = mx.array(np.where(temperatures > 0, temperatures, 1.0).astype(np.float32))
+    scaled = logits.astype(mx.float32) / safe[:, None]
+    noise = _per_row(lambda s, key: mx.random.gumbel(shape=s, key=key), logits.shape[1:],
+                     seeds, 2)
+    sampled = mx.argmax(scaled + noise, axis=-1)
+    tokens = mx.where(mx.array(temperatures > 0), sampled, greedy)
+    one_hot = (mx.arange(logits.shape[-1])[None, :] == tokens[:, None]).astype(mx.float32)
+    probs = mx.where(mx.array(temperatures > 0)[:, None], mx.softmax(scaled, axis=-1), one_hot)
+    return tokens, probs
 
 
 def _keys(seeds: np.ndarray, space: int) -> mx.array:
@@ -256,13 +283,17 @@ def _acceptance_uniforms(seeds: list[int | None]) -> mx.array:
     return _per_row(lambda s, key: mx.random.uniform(shape=s, key=key), (), seeds, 1)
 
 
-def _check_shapes(logits: mx.array, batch: DraftBatch, draft_probs: mx.array | None) -> None:
+def _check_shapes(logits: mx.array, batch: DraftBatch, draft_probs: mx.array | None,
+                  draft_ids: mx.array | None) -> None:
     vocab = logits.shape[-1]
     if logits.ndim != 2 or logits.shape[0] != batch.num_rows:
         raise ValueError(f"logits must be [{batch.num_rows}, vocab] (k + 1 rows per request), "
                          f"got {list(logits.shape)}")
     ids = batch.draft_token_ids
-    if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+    if draft_ids is not None:
+        if draft_ids.shape != (len(ids),):
+            raise ValueError(f"draft_ids must be [{len(ids)}], got {list(draft_ids.shape)}")
+    elif len(ids) and (ids.min() < 0 or ids.max() >= vocab):
         raise ValueError(f"draft token ids must be in [0, {vocab}), got {ids.min()}..{ids.max()}")
     if draft_probs is not None and tuple(draft_probs.shape) != (len(ids), vocab):
         raise ValueError(f"draft_probs must be [{len(ids)}, {vocab}] (one row per draft), "

@@ -10,6 +10,7 @@ import numpy as np
 
 from kernels_metal import cpu_math
 from metal_engine.block_tables import BlockTables
+from metal_engine.draft_model import DraftModel
 from metal_engine.input_batch import StepInputs, build_step_inputs
 from metal_engine.kv_cache import KVCache
 from metal_engine.logprobs import LogprobArrays, compute_logprobs
@@ -102,9 +103,11 @@ class ModelRunner:
     flight, each layer's K/V write would copy its pool (kernels_metal/README.md, KV writes).
     """
 
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, draft: DraftModel | None = None) -> None:
+        """`draft`: speculative decoding's draft model, which runs in every step."""
         self.model = model
         self.cache = cache
+        self.draft = draft
         self.block_tables = BlockTables()
         self.window_tables = BlockTables(group="window")
         self._queued = False  # work queued on the device and not waited for since
@@ -146,18 +149,28 @@ class ModelRunner:
                                  self.window_tables)
         if cpu_math.on_cpu():  # the numpy fast paths evaluate the forward as it is built
             self._wait_for_device()
-        hidden = self._forward(out, _with_pending_tokens(step, previous), step)
-        if not step.sample_request_ids:  # prefill chunks only: just write their K/V
-            return self._queue(LaunchedStep(out, [], None))
-        logits = self.model.logits(hidden[mx.array(step.sample_rows)])
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]
+        batch = None
         if step.has_drafts:
             drafts = [by_id[r].draft_token_ids for r in step.sample_request_ids]
             masks = [_row_masks(row, r, len(d), context)
                      for row, r, d in zip(rows, step.sample_request_ids, drafts, strict=True)]
             batch = DraftBatch.build(rows, drafts, masks)
-            verified = rejection_sample(logits, batch)
+        input_ids = _with_pending_tokens(step, previous)
+        drafted = None
+        if self.draft is not None:
+            drafted = self.draft.draft(out, input_ids, step.draft_rows, batch,
+                                       self.block_tables, self.window_tables)
+            if drafted is not None:
+                input_ids[mx.array(step.draft_rows)] = drafted.token_ids.astype(input_ids.dtype)
+        hidden = self._forward(out, input_ids, step)
+        if not step.sample_request_ids:  # prefill chunks only: just write their K/V
+            return self._queue(LaunchedStep(out, [], None))
+        logits = self.model.logits(hidden[mx.array(step.sample_rows)])
+        if batch is not None:
+            verified = (rejection_sample(logits, batch) if drafted is None else
+                        rejection_sample(logits, batch, drafted.probs, drafted.token_ids))
             last = verified.row_token_ids[mx.array(batch.row_starts + batch.num_draft_tokens)]
             return self._queue(LaunchedStep(out, step.sample_request_ids, last,
                                             verified=verified))
@@ -168,7 +181,8 @@ class ModelRunner:
     def _queue(self, launched: LaunchedStep) -> LaunchedStep:
         """Evaluate the step's graph asynchronously, behind nothing that reads a pool."""
         self._wait_for_device()
-        mx.async_eval(*launched.arrays(), self.cache.arrays())
+        draft_pools = self.draft.cache.arrays() if self.draft is not None else []
+        mx.async_eval(*launched.arrays(), self.cache.arrays(), draft_pools)
         self._queued = True
         return launched
 

@@ -16,6 +16,8 @@ _epochs = itertools.count(1)
 
 # Stands for an output token that a step still in flight is sampling (async scheduling).
 PENDING_TOKEN = -1
+# Stands for a draft that the step's draft model proposes on the device.
+DRAFT_TOKEN = -2
 
 
 class RequestStatus(enum.Enum):
@@ -149,9 +151,10 @@ class Request:
         `token_ids` (the accepted drafts, then its own token) there. Return whether drafts
         were rejected: the outputs after them are dropped and the epoch moves on."""
         num_accepted = len(token_ids) - 1
-        assert self.output_token_ids[index : index + num_accepted] == token_ids[:-1], (
-            "accepted tokens must be the drafts")
         end = index + num_accepted
+        for offset, token_id in enumerate(token_ids[:-1]):  # the drafts, known only now if a
+            self.output_token_ids[index + offset] = token_id  # draft model proposed them
+            self.all_token_ids[self.num_prompt_tokens + index + offset] = token_id
         rejected = num_accepted < num_drafts
         if rejected:
             self.truncate_outputs(end)

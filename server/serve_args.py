@@ -151,7 +151,8 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--speculative-config", type=_speculative_config, metavar="JSON",
         help='speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (methods: ngram, suffix); '
+        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (methods: ngram, suffix, '
+        'draft_model with "model": DIR); '
         "drafts are verified inside the batch, with the same outputs as without",
     )
 

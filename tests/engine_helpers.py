@@ -7,6 +7,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from metal_engine.cache_plan import CachePlan, window_blocks
+from metal_engine.draft_model import DraftModel
 from metal_engine.kv_cache import KVCache
 from metal_engine.runner import ModelRunner
 from metal_engine.weights import load_model
@@ -16,7 +17,8 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_seqs=16,
                               max_num_batched_tokens=512, max_model_len=512,
                               enable_prefix_caching=True, state_checkpoint_interval=32,
-                              speculative=None):
+                              speculative=None, draft_dir=None):
+    """`draft_dir`: a draft model for `speculative` (method draft_model), K/V beside the pool."""
     model = load_model(model_dir, mx.float32)
     cfg = model.config
     plan = CachePlan(num_blocks, 0)
@@ -34,7 +36,13 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
         state_checkpoint_interval=state_checkpoint_interval, window=plan.window,
         num_window_blocks=plan.num_window_blocks, speculative=speculative,
     ))
-    return ModelRunner(model, cache), scheduler
+    draft = None
+    if draft_dir is not None:
+        draft_model = load_model(draft_dir, mx.float32)
+        draft_cache = KVCache.for_model(draft_model.config, CachePlan(num_blocks, 0), block_size,
+                                        mx.float32)
+        draft = DraftModel(draft_model, draft_cache)
+    return ModelRunner(model, cache, draft), scheduler
 
 
 def generate_greedy(runner, scheduler, prompts: dict[str, list[int]], max_tokens: int,

@@ -232,3 +232,25 @@ def test_max_model_len_beyond_training_is_refused_unless_allowed(tiny_llama_with
     err = capsys.readouterr().err
     assert "WARNING" in err and "beyond the model's trained context of 512" in err
     assert "context length 1024 tokens (trained: 512)" in err
+
+
+@pytest.mark.parametrize(("spec", "named"), [
+    ("{method: ngram}", "not valid JSON"),
+    ('{"method": "eagle"}', "method 'eagle' is not supported"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, '
+     '"prompt_lookup_max": 2}', "prompt_lookup_min (5) must be at most prompt_lookup_max (2)"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', 'needs "model"'),
+])
+def test_a_bad_speculative_config_is_refused_naming_the_field(spec, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--speculative-config", spec])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_draft_model_that_is_not_a_model_dir_exits_2(tiny_llama_with_tokenizer, tmp_path,
+                                                       capsys):
+    spec = f'{{"method": "draft_model", "model": "{tmp_path}", "num_speculative_tokens": 3}}'
+    assert main(["serve", str(tiny_llama_with_tokenizer), "--speculative-config", spec]) == 2
+    assert "is not a model directory" in capsys.readouterr().err

@@ -2,11 +2,12 @@
 
 A request drafts only in a step where it decodes (one known or pending token to feed). Its
 drafts are the continuation of its known tokens that the n-gram lookup proposes (`ngram`: its
-own prompt and outputs; `suffix`: also every other request's outputs). Behind a step still in
-flight, the request's last outputs are unknown (a pending token, drafts being verified): it
-drafts as if they were what the lookup proposes, i.e. it skips that many tokens of the lookup's
-continuation; if they turn out otherwise, verification rejects the drafts (the result is still
-exact, only slower).
+own prompt and outputs; `suffix`: also every other request's outputs), or, with a draft model,
+placeholders (DRAFT_TOKEN) that the runner's draft model fills on the device in that step.
+Behind a step still in flight, the request's last outputs are unknown (a pending token, drafts
+being verified): the lookup drafts as if they were what it proposes, i.e. it skips that many
+tokens of its continuation; if they turn out otherwise, verification rejects the drafts (the
+result is still exact, only slower).
 
 Counters follow vLLM's spec-decode metrics: drafts (steps where a request drafted), draft
 tokens, accepted tokens, and accepted tokens by draft position.
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.request import Request
+from scheduler.request import DRAFT_TOKEN, Request
 from scheduler.spec_decode.config import SpeculativeConfig
 from scheduler.spec_decode.draft_length import AcceptanceHistory, DraftLength
 from scheduler.spec_decode.ngram import NgramProposer, SuffixIndex, pick_draft
@@ -45,9 +46,9 @@ class Drafter:
                  draft_room: Callable[[int], int] | None = None) -> None:
         """`draft_room(start)`: the most drafts a step from `start` may verify, where the
         model's state bounds them (hybrid models' checkpoints)."""
-        if config.method not in ("ngram", "suffix"):
-            raise ValueError(f"--speculative-config: method {config.method!r} is not "
-                             "available yet; use ngram or suffix")
+        if config.method == "mtp":
+            raise ValueError('--speculative-config: method "mtp" is not available yet; use '
+                             "ngram, suffix or draft_model")
         self.config = config
         self.length = DraftLength(config.num_speculative_tokens, token_budget)
         self.suffix = None
@@ -55,6 +56,9 @@ class Drafter:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
                                       config.suffix_decoding_max_cached_requests)
         self.max_model_len = max_model_len
+        # A draft model drafts on the device: a request whose sampling reads its history on
+        # the host (penalties, a grammar) cannot verify drafts the host has not seen.
+        self.on_device = config.method == "draft_model"
         self.draft_room = draft_room
         self.stats = SpecDecodeStats()
         self._proposers: dict[str, NgramProposer] = {}
@@ -65,7 +69,8 @@ class Drafter:
         """Drafts for the step's decoding requests: as many as the draft-length policy picks
         for the step's load, within the token `budget` left and each request's room."""
         drafting = [(item, request) for item, request in scheduled
-                    if self._may_draft(item, request)]
+                    if self._may_draft(item, request)
+                    and not (self.on_device and request.params.needs_token_history)]
         num_rows = sum(len(item.token_ids) for item, _ in scheduled)
         for item, request in drafting:
             k = min(self.length.choose(self._history(request), num_rows=num_rows,
@@ -95,6 +100,8 @@ class Drafter:
 
     def propose(self, request: Request, k: int) -> list[int]:
         """Up to k drafts to follow the request's tokens, unknown ones included."""
+        if self.on_device:
+            return [DRAFT_TOKEN] * k
         known = request.all_token_ids[: request.num_known_tokens]
         skip = request.num_unknown_outputs
         proposer = self._proposers.get(request.request_id)

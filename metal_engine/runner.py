@@ -151,15 +151,10 @@ class ModelRunner:
             self._wait_for_device()
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]
-        batch = None
-        if step.has_drafts:
-            drafts = [by_id[r].draft_token_ids for r in step.sample_request_ids]
-            masks = [_row_masks(row, r, len(d), context)
-                     for row, r, d in zip(rows, step.sample_request_ids, drafts, strict=True)]
-            batch = DraftBatch.build(rows, drafts, masks)
+        batch = _draft_batch(step, by_id, rows, context) if step.has_drafts else None
         input_ids = _with_pending_tokens(step, previous)
         drafted = None
-        if self.draft is not None:
+        if self.draft is not None:  # it runs every step: its K/V must cover every position
             drafted = self.draft.draft(out, input_ids, step.draft_rows, batch,
                                        self.block_tables, self.window_tables)
             if drafted is not None:
@@ -225,6 +220,15 @@ def _sampling_row(item: ScheduledRequest, context: SamplingContext | None) -> Sa
         params, item.num_output_tokens, request.prompt_token_ids, request.output_token_ids,
         request.eos_token_ids, context.allowed_tokens.get(item.request_id),
     )
+
+
+def _draft_batch(step: StepInputs, by_id: Mapping[str, ScheduledRequest],
+                 rows: list[SamplingRow], context: SamplingContext | None) -> DraftBatch:
+    """The verification rows of a step with drafts, each with its grammar's bitmask."""
+    drafts = [by_id[r].draft_token_ids for r in step.sample_request_ids]
+    masks = [_row_masks(row, r, len(d), context)
+             for row, r, d in zip(rows, step.sample_request_ids, drafts, strict=True)]
+    return DraftBatch.build(rows, drafts, masks)
 
 
 def _row_masks(row: SamplingRow, request_id: str, num_drafts: int,

@@ -210,10 +210,16 @@ def default_plain(default_engine_parts):
 
 
 @pytest.mark.parametrize(("speculative", "async_scheduling"),
-                         [(NGRAM, False), (SUFFIX, True)], ids=["ngram-sync", "suffix-async"])
+                         [(NGRAM, False), (SUFFIX, True), ("itself", True)],
+                         ids=["ngram-sync", "suffix-async", "draft-model-async"])
 def test_the_default_model_echoes_a_file_the_same_with_most_drafts_accepted(
         default_engine_parts, default_plain, speculative, async_scheduling):
+    """(The draft model here is the default model itself: the only checkpoint of its
+    tokenizer at hand. Its greedy drafts are the target's own tokens.)"""
     model_dir, prompts, params = default_engine_parts
+    if speculative == "itself":
+        speculative = SpeculativeConfig(method="draft_model", model=str(model_dir),
+                                        num_speculative_tokens=3)
     engine = default_engine(model_dir, speculative, async_scheduling)
     last = {}
     results = run(engine, prompts, params, last)
@@ -224,6 +230,41 @@ def test_the_default_model_echoes_a_file_the_same_with_most_drafts_accepted(
     assert echo.num_accepted_tokens > 0.5 * echo.num_draft_tokens > 0
     stats = engine.scheduler.drafter.stats
     assert stats.num_draft_tokens == sum(o.num_draft_tokens for o in last.values())
+
+
+def test_the_openai_api_answers_the_same_with_n_seeds_and_streamed_logprobs(
+        tiny_llama_with_tokenizer):
+    """A real server, the official client: `n` seeded choices, and a streamed answer with
+    logprobs, are the same with and without speculation."""
+    import openai
+    from server_helpers import running_app
+
+    from metal_engine.config import EngineConfig
+    from server.app import build_app
+    from server.async_engine import AsyncEngine
+
+    def answers(speculative):
+        engine = LLMEngine.from_config(EngineConfig(tiny_llama_with_tokenizer,
+                                                    kv_cache_memory=8 << 20,
+                                                    speculative_config=speculative))
+        with running_app(build_app(AsyncEngine(engine), "tiny")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            several = client.completions.create(model="tiny", prompt=LOOPY, max_tokens=16, n=3,
+                                                temperature=0.03, seed=5)
+            stream = client.completions.create(model="tiny", prompt=LOOPY, max_tokens=16,
+                                               temperature=0, logprobs=2, stream=True)
+            chunks = [(c.choices[0].text, c.choices[0].logprobs.tokens if c.choices[0].logprobs
+                       else None) for c in stream if c.choices]
+        accepted = engine.scheduler.drafter.stats.num_accepted_tokens if speculative else None
+        return [c.text for c in several.choices], "".join(t for t, _ in chunks), \
+            [tok for _, toks in chunks if toks for tok in toks], accepted
+
+    *plain, _ = answers(None)
+    *speculated, accepted = answers(NGRAM)
+    assert speculated == plain
+    # 16 tokens, all of no text here (ids the tokenizer holds as special): the last one is
+    # not reported, however the stream grouped them
+    assert accepted > 0 and len(plain[2]) == 15
 
 
 # ---- hybrid models: recurrent state put back after a rejection ---------------------------------
@@ -392,7 +433,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, tiny_draft, d
 
     own_model = drafter == "draft-model"
     runner, scheduler = make_runner_and_scheduler(
-        path, num_blocks=256, block_size=8, max_num_seqs=20, max_num_batched_tokens=256,
+        path, num_blocks=512, block_size=8, max_num_seqs=64, max_num_batched_tokens=256,
         speculative=replace(DRAFT_MODEL, num_speculative_tokens=2) if own_model else
         SpeculativeConfig(method="ngram", num_speculative_tokens=2),
         draft_dir=tiny_draft if own_model else None)

@@ -58,10 +58,12 @@ class LogprobsAligner:
         return chosen_text if token_id == chosen_id else self.tokenizer.decode([token_id])
 
     def _release(self, final: bool) -> list[TokenEntry]:
-        released = 0
-        for entry in self._pending:
+        released, last = 0, len(self._pending) - 1
+        for index, entry in enumerate(self._pending):
             room = self._emitted - self._covered
-            if len(entry.text) > room or (final and room == 0):
+            # At the end a last token of no text (a stop token) is not reported, however many
+            # tokens the final output brought (accepted drafts arrive together).
+            if len(entry.text) > room or (final and room == 0 and index == last):
                 break
             self._covered += len(entry.text)
             released += 1

@@ -287,6 +287,8 @@ class LLMEngine:
             if error is not None or stop_string or grammar_complete:
                 break
         ended_early = count < len(tokens)  # before a token that the scheduler judged
+        if ended_early:  # the accepted tokens after the end are not the request's
+            request.truncate_outputs(update.num_output_tokens - (len(tokens) - count))
         if error is not None:  # the output left its grammar: it fails, whatever else ended it
             log.warning("request %s: its grammar failed while generating; ending it", request_id)
             if reason is None or ended_early:

@@ -182,7 +182,7 @@ class Scheduler:
         budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:  # the pool is short: whatever joins now would be preempted next
             budget = self._schedule_waiting(out, budget)
-        if self.drafter is not None:
+        if self.drafter is not None and not preempted:  # drafts would take the last blocks
             self._add_drafts(out, budget)
         if self.connector is not None:
             out.kv_plan = self.connector.take_plan()

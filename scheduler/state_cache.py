@@ -12,8 +12,8 @@ id that keeps its hash (so the least recently used is reused first). A checkpoin
 the step that brings its request to the boundary and committed when that step resolves.
 
 A step that verifies drafts advances the live state over all of them. Its request first
-copies the state into a snapshot slot; if drafts are rejected, the snapshot is copied back and
-the request recomputes from its last known token (the accepted drafts with it). Recomputing
+copies the state into a snapshot slot; if drafts are rejected, the snapshot becomes its live
+slot and the request recomputes from its last known token (the accepted drafts with it). Recomputing
 costs those few rows in the next step; keeping a state per draft position would cost a state
 (megabytes) per position and a kernel that writes them. A drafting step never reaches a block
 boundary, so a checkpoint never holds a rejected draft.
@@ -187,20 +187,27 @@ class StateCache:
 
     def snapshot(self, request: Request) -> bool:
         """Copy the live state into a slot of its own before the step that verifies the
-        request's drafts; False (nothing changed) if no slot is free."""
+        request's drafts; False (nothing changed) if no slot is free. The plan's copies run
+        as one batch, reading before writing: a live slot this plan restores from a
+        checkpoint is snapshotted from that checkpoint."""
         slots = self.pool.allocate(1)
         if slots is None:
             return False
-        self.plan.restores.append((request.state_slot, slots[0]))
+        source = next((s for s, target in reversed(self.plan.restores)
+                       if target == request.state_slot), request.state_slot)
+        self.plan.restores.append((source, slots[0]))
         request.state_snapshot = slots[0]
         return True
 
     def settle(self, request: Request, rejected: bool) -> None:
-        """The drafts' step resolved: after a rejection the live state is put back (before
-        the next step, which recomputes from there); the snapshot's slot is free."""
+        """The drafts' step resolved. After a rejection the snapshot becomes the live slot
+        (the next step recomputes from there) and the state past the drafts is dropped;
+        otherwise the snapshot is. No step in flight reads either: a request with drafts in
+        flight is not scheduled behind them."""
+        dropped = request.state_snapshot
         if rejected:
-            self.plan.restores.append((request.state_snapshot, request.state_slot))
-        self.pool.free([request.state_snapshot])
+            dropped, request.state_slot = request.state_slot, request.state_snapshot
+        self.pool.free([dropped])
         request.state_snapshot = None
 
     def forget(self, block_hash: BlockHash) -> None:

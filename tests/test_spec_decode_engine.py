@@ -287,13 +287,15 @@ def test_a_hybrid_model_gives_the_same_greedy_tokens(tiny_hybrid, default_tokeni
     drafts; checkpoints (every 2 blocks, and decode ones) never hold a rejected draft, so a
     second round over the same prompts, resuming from them, gives the same tokens too."""
     path = tiny_hybrid[1]
-    params = mixed_params(max_tokens=24)
+    # "resent" is 2 blocks and a token: resent, it resumes from a checkpoint and drafts at once
+    prompts = {**TINY_PROMPTS, "resent": [*LOOPY, 7, *LOOPY]}
+    params = {**mixed_params(max_tokens=24), "resent": mixed_params(max_tokens=24)["loop"]}
     plain = run(hybrid_engine(path, default_tokenizer,
-                              enable_prefix_caching=enable_prefix_caching), TINY_PROMPTS, params)
+                              enable_prefix_caching=enable_prefix_caching), prompts, params)
     engine = hybrid_engine(path, default_tokenizer, NGRAM, async_scheduling,
                            enable_prefix_caching)
-    assert run(engine, TINY_PROMPTS, params) == plain
-    again = {f"{rid}-again": ids for rid, ids in TINY_PROMPTS.items()}
+    assert run(engine, prompts, params) == plain
+    again = {f"{rid}-again": ids for rid, ids in prompts.items()}
     second = run(engine, again, {f"{rid}-again": p for rid, p in params.items()})
     assert {rid.removesuffix("-again"): r for rid, r in second.items()} == plain
     assert accepted(engine) > 0

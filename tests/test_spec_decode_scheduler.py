@@ -126,3 +126,66 @@ def test_penalties_draft_only_with_their_history_known():
     s.advance(out)
     behind = s.schedule()  # behind the pending token: none
     assert behind.scheduled[0].draft_token_ids == [] and request.has_pending_output
+
+
+# ---- hybrid models: the state snapshot --------------------------------------------------------
+
+
+def hybrid(**config) -> Scheduler:
+    return make(num_state_slots=16, state_checkpoint_interval=1, **config)
+
+
+def prefill_all(s: Scheduler, request: Request, token: int = 5) -> None:
+    """Step until the request has its first output (prompts are cut at checkpoints)."""
+    while not request.output_token_ids:
+        prefill(s, token)
+
+
+def test_a_snapshot_of_a_state_restored_this_step_copies_the_checkpoint():
+    """The plan's copies run as one batch (reads before writes): a request admitted over a
+    checkpoint with one token left to compute drafts at once, and its snapshot must be taken
+    from the checkpoint, not from the live slot that the same batch fills."""
+    s = hybrid()
+    prompt = [5, 6, 7, 8] * 4 + [5]  # 17 tokens: the last full block ends at 16
+    a = add(s, "a", prompt=prompt, max_tokens=8)
+    prefill_all(s, a)
+    while s.has_unfinished_requests():
+        prefill(s, token=2)  # eos: ends it; its checkpoint at 16 stays
+    b = add(s, "b", prompt=prompt)
+    out = s.schedule()
+    (item,) = out.scheduled
+    assert item.token_ids[0] == 5 and item.draft_token_ids  # one prompt token, then drafts
+    restores = out.state_plan.restores
+    checkpoint = next(source for source, target in restores if target == b.state_slot)
+    assert (checkpoint, b.state_snapshot) in restores
+
+
+def test_after_a_rejection_the_snapshot_becomes_the_live_state():
+    s = hybrid()
+    request = add(s, "a", prompt=LOOP[:12])  # decodes from 12: room for 2 drafts in block 3
+    prefill_all(s, request)
+    out = s.schedule()
+    live, snapshot = request.state_slot, request.state_snapshot
+    assert out.scheduled[0].draft_token_ids and (live, snapshot) in out.state_plan.restores
+    free = s.states.num_free_slots
+    s.update(out, {"a": [9]})  # the first draft rejected
+    assert request.state_slot == snapshot and request.state_snapshot is None
+    assert s.states.num_free_slots == free + 1  # the state past the drafts is dropped
+    assert request.num_computed_tokens == 12  # recompute from the last known token
+    again = s.schedule()
+    assert again.scheduled[0].token_ids[:2] == [5, 9] and again.state_plan.restores == []
+
+
+def test_no_drafts_in_a_step_that_preempts():
+    s = make(num_blocks=10, budget=64)
+    add(s, "a", prompt=LOOP[:15], max_tokens=20)
+    add(s, "b", prompt=[9] * 15, max_tokens=20)
+    prefill(s, token=8)
+    for _ in range(6):
+        out = s.schedule()
+        if s.num_preemptions:
+            assert all(not x.draft_token_ids for x in out.scheduled)
+            return
+        s.update(out, {x.request_id: [8] * (len(x.draft_token_ids) + 1)
+                       for x in out.scheduled if x.samples})
+    raise AssertionError("the pool never ran short")

@@ -68,6 +68,7 @@ class DraftModel:
         logits = self.model.logits(hidden[mx.array(step.sample_rows)])
         tokens, probs = draw_drafts(logits, temperatures, seeds)
         drawn, dists = [tokens], [probs]
+        where = draw_index(num_drafts)
         for j in range(1, max(num_drafts) + 1):
             live = [i for i, k in enumerate(num_drafts) if k >= j]
             items = SchedulerOutput([
@@ -76,8 +77,7 @@ class DraftModel:
                         + j - 1)
                 for i in live])
             step = build_step_inputs(items, block_size, tables, window_tables)
-            previous = [live_index(drawn, num_drafts, j - 1, i) for i in live]
-            ids = mx.concatenate(drawn)[mx.array(previous)]
+            ids = mx.concatenate(drawn)[mx.array(where[live, j - 1])]
             hidden = self.model(ids, mx.array(step.positions), step.attention, self.cache)
             sampling = [i for i in live if j < num_drafts[i]]
             if not sampling:
@@ -87,17 +87,22 @@ class DraftModel:
                                         [batch.sampling.seeds[starts[i] + j] for i in sampling])
             drawn.append(tokens)
             dists.append(probs)
-        order = np.array([live_index(drawn, num_drafts, j, i) for i, k in enumerate(num_drafts)
-                          for j in range(k)])
-        index = mx.array(order)
-        return Drafts(mx.concatenate(drawn)[index], mx.concatenate(dists)[index])
+        order = mx.array(where[where >= 0])  # row-major: by request, then position
+        return Drafts(mx.concatenate(drawn)[order], mx.concatenate(dists)[order])
 
 
-def live_index(drawn: list[mx.array], num_drafts: list[int], j: int, i: int) -> int:
-    """Where draft j + 1 of drafting request i sits in the concatenation of the passes'
-    draws: pass j drew one token for each request with more than j drafts, in order."""
-    before = sum(sum(1 for k in num_drafts if k > p) for p in range(j))
-    return before + sum(1 for k in num_drafts[:i] if k > j)
+def draw_index(num_drafts: list[int]) -> np.ndarray:
+    """`[R, K]`: where draft j + 1 of drafting request i sits in the concatenation of the
+    passes' draws (pass j drew one token per request with more than j drafts), -1 past its
+    drafts."""
+    counts = np.array(num_drafts)
+    where = np.full((len(counts), counts.max()), -1, np.int64)
+    base = 0
+    for j in range(counts.max()):
+        live = np.flatnonzero(counts > j)
+        where[live, j] = base + np.arange(len(live))
+        base += len(live)
+    return where
 
 
 def load_draft_model(path: Path, dtype: mx.Dtype, target: CausalLM,

@@ -21,6 +21,7 @@ from metal_engine.draft_model import DraftModel, load_draft_model
 from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
+from metal_engine.models.decoder import CausalLM
 from metal_engine.outputs import RequestOutput, TokenLogprobs
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
@@ -59,6 +60,22 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
         log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
                  parts.store.used_bytes / 2**20, parts.store.root)
     return KVDiskConnector(stores)
+
+
+def _draft_bytes(draft: CausalLM, config: EngineConfig, dtype: mx.Dtype) -> int:
+    return bytes_per_block(draft.config.kv_pool_shapes(), config.block_size, dtype)
+
+
+def _draft_model(draft: CausalLM, plan: CachePlan, config: EngineConfig,
+                 dtype: mx.Dtype) -> DraftModel:
+    """The draft model with its K/V pools, one block per block of the target's pool."""
+    draft_bytes = _draft_bytes(draft, config, dtype)
+    cache = KVCache.for_model(draft.config, CachePlan(plan.num_blocks, draft_bytes),
+                              config.block_size, dtype)
+    log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's",
+             config.speculative_config.model, draft.config.num_hidden_layers,
+             plan.num_blocks * draft_bytes / 2**20)
+    return DraftModel(draft, cache)
 
 
 # The share of --kv-cache-dir-size that a hybrid model's state checkpoints may fill.
@@ -133,9 +150,8 @@ class LLMEngine:
         plan = plan_cache(mc, budget, dtype, config.block_size, config.max_num_seqs,
                           token_budget, config.enable_prefix_caching)
         if draft is not None:  # a block holds both models' K/V: the budget splits by bytes
-            draft_bytes = bytes_per_block(draft.config.kv_pool_shapes(), config.block_size,
-                                          dtype)
-            share = plan.bytes_per_block / (plan.bytes_per_block + draft_bytes)
+            share = plan.bytes_per_block / (plan.bytes_per_block + _draft_bytes(draft, config,
+                                                                                 dtype))
             plan = plan_cache(mc, int(budget * share), dtype, config.block_size,
                               config.max_num_seqs, token_budget, config.enable_prefix_caching)
         kv_tokens = plan.num_blocks * config.block_size
@@ -157,13 +173,7 @@ class LLMEngine:
             num_state_slots=plan.num_state_slots,
             speculative=config.speculative_config,
         ), connector)
-        draft_model = None
-        if draft is not None:
-            draft_cache = KVCache.for_model(draft.config, CachePlan(plan.num_blocks, draft_bytes),
-                                            config.block_size, dtype)
-            draft_model = DraftModel(draft, draft_cache)
-            log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's", spec.model,
-                     draft.config.num_hidden_layers, plan.num_blocks * draft_bytes / 2**20)
+        draft_model = _draft_model(draft, plan, config, dtype) if draft is not None else None
         async_scheduling = (
             mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
         )

@@ -238,19 +238,19 @@ def draw_drafts(logits: mx.array, temperatures: np.ndarray,
     `logits [N, V]`: q = softmax(logits / T), one-hot at the argmax where T is 0. The noise of
     a seeded row comes from keys [2, seed]: reproducible, and never a key the verification
     uses (its draw would then be correlated with q's)."""
-    greedy = mx.argmax(logits, axis=-1)
-    if not (temperatures > 0).any():
-        return greedy, (mx.arange(logits.shape[-1])[None, :] == greedy[:, None]).astype(
-            mx.float32)
-    safe = mx.array(np.where(temperatures > 0, temperatures, 1.0).astype(np.float32))
-    scaled = logits.astype(mx.float32) / safe[:, None]
-    noise = _per_row(lambda s, key: mx.random.gumbel(shape=s, key=key), logits.shape[1:],
-                     seeds, 2)
-    sampled = mx.argmax(scaled + noise, axis=-1)
-    tokens = mx.where(mx.array(temperatures > 0), sampled, greedy)
+    tokens = mx.argmax(logits, axis=-1)
+    sampled = temperatures > 0
+    if sampled.any():
+        temperature = np.where(sampled, temperatures, 1.0).astype(np.float32)
+        scaled = logits.astype(mx.float32) / mx.array(temperature)[:, None]
+        noise = _per_row(lambda s, key: mx.random.gumbel(shape=s, key=key), logits.shape[1:],
+                         seeds, 2)
+        rows = mx.array(sampled)
+        tokens = mx.where(rows, mx.argmax(scaled + noise, axis=-1), tokens)
     one_hot = (mx.arange(logits.shape[-1])[None, :] == tokens[:, None]).astype(mx.float32)
-    probs = mx.where(mx.array(temperatures > 0)[:, None], mx.softmax(scaled, axis=-1), one_hot)
-    return tokens, probs
+    if not sampled.any():
+        return tokens, one_hot
+    return tokens, mx.where(rows[:, None], mx.softmax(scaled, axis=-1), one_hot)
 
 
 def _keys(seeds: np.ndarray, space: int) -> mx.array:

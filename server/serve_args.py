@@ -160,8 +160,8 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
 def _speculative_config(text: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.from_json(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ValueError as exc:  # argparse names the option itself
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) from None
 
 
 def _override(text: str) -> dict:

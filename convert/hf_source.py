@@ -7,8 +7,8 @@ and float dirs in mlx-lm's hybrid layout, which are read back into Hugging Face'
 (metal_engine.weights.to_this_layout).
 
 Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
-speculative decoding: under its own names, laid out as the decoder layers are (experts
-stacked), and never quantized, since no module here owns it yet.
+speculative decoding (metal_engine.mtp): under its own names, laid out as the decoder layers
+are (experts stacked), and never quantized (metal_engine.mtp loads it as float: one layer).
 """
 
 from __future__ import annotations

@@ -91,6 +91,14 @@ class DraftModel:
         return Drafts(mx.concatenate(drawn)[order], mx.concatenate(dists)[order])
 
 
+    def follow(self, out: SchedulerOutput, input_ids: mx.array, hidden: mx.array,
+               tables: BlockTables, window_tables: BlockTables) -> None:
+        """Nothing after the target's forward: the draft's K/V come from the tokens alone."""
+
+    def release(self, request_ids: list[str]) -> None:
+        """Nothing kept per request."""
+
+
 def draw_index(num_drafts: list[int]) -> np.ndarray:
     """`[R, K]`: where draft j + 1 of drafting request i sits in the concatenation of the
     passes' draws (pass j drew one token per request with more than j drafts), -1 past its

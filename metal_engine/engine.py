@@ -7,6 +7,7 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from transformers import AutoTokenizer
 
 from metal_engine.cache_plan import CachePlan, plan_cache
@@ -18,10 +19,11 @@ from metal_engine.config import (
 )
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.draft_model import DraftModel, load_draft_model
-from metal_engine.kv_cache import KVCache, bytes_per_block, default_kv_cache_memory
+from metal_engine.kv_cache import KVCache, PoolShape, bytes_per_block, default_kv_cache_memory
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
 from metal_engine.models.decoder import CausalLM
+from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.outputs import RequestOutput, TokenLogprobs
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
@@ -62,20 +64,36 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
     return KVDiskConnector(stores)
 
 
-def _draft_bytes(draft: CausalLM, config: EngineConfig, dtype: mx.Dtype) -> int:
-    return bytes_per_block(draft.config.kv_pool_shapes(), config.block_size, dtype)
+def _load_drafter(config: EngineConfig, model: CausalLM, tokenizer,
+                  dtype: mx.Dtype) -> CausalLM | nn.Module | None:
+    """The weights speculative decoding drafts with on the device: a draft model, or the
+    model's MTP head; None for the host's methods (or none)."""
+    spec = config.speculative_config
+    if spec is None or spec.method not in ("draft_model", "mtp"):
+        return None
+    if spec.method == "draft_model":
+        return load_draft_model(Path(spec.model), dtype, model, tokenizer)
+    return load_mtp_head(Path(spec.model or config.model_dir), model, dtype)
 
 
-def _draft_model(draft: CausalLM, plan: CachePlan, config: EngineConfig,
-                 dtype: mx.Dtype) -> DraftModel:
-    """The draft model with its K/V pools, one block per block of the target's pool."""
-    draft_bytes = _draft_bytes(draft, config, dtype)
-    cache = KVCache.for_model(draft.config, CachePlan(plan.num_blocks, draft_bytes),
-                              config.block_size, dtype)
-    log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's",
-             config.speculative_config.model, draft.config.num_hidden_layers,
-             plan.num_blocks * draft_bytes / 2**20)
-    return DraftModel(draft, cache)
+def _drafter_pool_shapes(drafter: CausalLM | nn.Module) -> list[PoolShape]:
+    if isinstance(drafter, CausalLM):
+        return drafter.config.kv_pool_shapes()
+    return [drafter.pool_shape()]
+
+
+def _device_drafter(model: CausalLM, drafter: CausalLM | nn.Module, plan: CachePlan,
+                    config: EngineConfig, dtype: mx.Dtype) -> DraftModel | MtpDrafter:
+    """The drafter with its K/V pools, one block per block of the model's pool."""
+    shapes = _drafter_pool_shapes(drafter)
+    cache = KVCache(shapes, plan.num_blocks, config.block_size, dtype)
+    size = plan.num_blocks * bytes_per_block(shapes, config.block_size, dtype) / 2**20
+    if isinstance(drafter, CausalLM):
+        log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's",
+                 config.speculative_config.model, drafter.config.num_hidden_layers, size)
+        return DraftModel(drafter, cache)
+    log.info("MTP head: its K/V in %.1f MiB beside the pool's", size)
+    return MtpDrafter(model, drafter, cache)
 
 
 # The share of --kv-cache-dir-size that a hybrid model's state checkpoints may fill.
@@ -138,20 +156,21 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype)
         model = load_model(config.model_dir, dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
+        drafter = _load_drafter(config, model, tokenizer, dtype)
         spec = config.speculative_config
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            draft = load_draft_model(Path(spec.model), dtype, model, tokenizer)
+        if spec is not None and spec.method == "mtp":
+            spec = with_draft_length(spec)
         mc = model.config
-        weights = parameter_bytes(model) + (parameter_bytes(draft) if draft else 0)
+        weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
         budget = config.kv_cache_memory or default_kv_cache_memory(weights)
         token_budget = (config.max_num_batched_tokens
                         or default_token_budget(mx.metal.is_available()))
         plan = plan_cache(mc, budget, dtype, config.block_size, config.max_num_seqs,
                           token_budget, config.enable_prefix_caching)
-        if draft is not None:  # a block holds both models' K/V: the budget splits by bytes
-            share = plan.bytes_per_block / (plan.bytes_per_block + _draft_bytes(draft, config,
-                                                                                 dtype))
+        if drafter is not None:  # a block holds both models' K/V: the budget splits by bytes
+            drafter_bytes = bytes_per_block(_drafter_pool_shapes(drafter), config.block_size,
+                                            dtype)
+            share = plan.bytes_per_block / (plan.bytes_per_block + drafter_bytes)
             plan = plan_cache(mc, int(budget * share), dtype, config.block_size,
                               config.max_num_seqs, token_budget, config.enable_prefix_caching)
         kv_tokens = plan.num_blocks * config.block_size
@@ -171,14 +190,15 @@ class LLMEngine:
             window=plan.window,
             num_window_blocks=plan.num_window_blocks,
             num_state_slots=plan.num_state_slots,
-            speculative=config.speculative_config,
+            speculative=spec,
         ), connector)
-        draft_model = _draft_model(draft, plan, config, dtype) if draft is not None else None
+        device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
+                          if drafter is not None else None)
         async_scheduling = (
             mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
         )
         name = config.model_name or config.model_dir.name
-        return cls(ModelRunner(model, cache, draft_model), scheduler, tokenizer, name,
+        return cls(ModelRunner(model, cache, device_drafter), scheduler, tokenizer, name,
                    async_scheduling, connector)
 
     @property

@@ -234,10 +234,10 @@ def _drafts_by_row(batch: DraftBatch,
 
 def draw_drafts(logits: mx.array, temperatures: np.ndarray,
                 seeds: list[int | None]) -> tuple[mx.array, mx.array]:
-    """A draft model's tokens and the distributions q they were drawn from, per row of its
-    `logits [N, V]`: q = softmax(logits / T), one-hot at the argmax where T is 0. The noise of
-    a seeded row comes from keys [2, seed]: reproducible, and never a key the verification
-    uses (its draw would then be correlated with q's)."""
+    """A drafter's (draft model, MTP head) tokens and the distributions q they were drawn
+    from, per row of its `logits [N, V]`: q = softmax(logits / T), one-hot at the argmax where
+    T is 0. The noise of a seeded row comes from keys [2, seed]: reproducible, and never a key
+    the verification uses (its draw would then be correlated with q's)."""
     tokens = mx.argmax(logits, axis=-1)
     sampled = temperatures > 0
     if sampled.any():

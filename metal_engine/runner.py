@@ -15,6 +15,7 @@ from metal_engine.input_batch import StepInputs, build_step_inputs
 from metal_engine.kv_cache import KVCache
 from metal_engine.logprobs import LogprobArrays, compute_logprobs
 from metal_engine.models.decoder import CausalLM
+from metal_engine.mtp import MtpDrafter
 from metal_engine.outputs import TokenLogprobs
 from metal_engine.rejection_sampler import (
     AcceptedTokens,
@@ -103,8 +104,10 @@ class ModelRunner:
     flight, each layer's K/V write would copy its pool (kernels_metal/README.md, KV writes).
     """
 
-    def __init__(self, model: CausalLM, cache: KVCache, draft: DraftModel | None = None) -> None:
-        """`draft`: speculative decoding's draft model, which runs in every step."""
+    def __init__(self, model: CausalLM, cache: KVCache,
+                 draft: DraftModel | MtpDrafter | None = None) -> None:
+        """`draft`: speculative decoding's drafter on the device (a draft model or the
+        model's MTP head), which runs in every step."""
         self.model = model
         self.cache = cache
         self.draft = draft
@@ -116,6 +119,8 @@ class ModelRunner:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
         self.block_tables.release(request_ids)
         self.window_tables.release(request_ids)
+        if self.draft is not None:
+            self.draft.release(request_ids)
 
     def _forward(self, out: SchedulerOutput, input_ids: mx.array, step: StepInputs) -> mx.array:
         """The model over the step's rows; for a hybrid model, its state slots restored from
@@ -160,6 +165,8 @@ class ModelRunner:
             if drafted is not None:
                 input_ids[mx.array(step.draft_rows)] = drafted.token_ids.astype(input_ids.dtype)
         hidden = self._forward(out, input_ids, step)
+        if self.draft is not None:
+            self.draft.follow(out, input_ids, hidden, self.block_tables, self.window_tables)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V
             return self._queue(LaunchedStep(out, [], None))
         logits = self.model.logits(hidden[mx.array(step.sample_rows)])

@@ -26,8 +26,8 @@ _PER_EXPERT = re.compile(
     r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|scales|biases)$")
 # Mixtral's projection names -> the stacked layout's.
 _PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# Qwen3.5's and Qwen3-Next's multi-token-prediction head: kept in model dirs for speculative
-# decoding, not run.
+# Qwen3.5's and Qwen3-Next's multi-token-prediction head: kept in model dirs, loaded apart by
+# speculative decoding's `mtp` method (metal_engine.mtp).
 MTP_PREFIX = "mtp."
 # Where a multimodal checkpoint keeps its text model: Hugging Face's prefix, mlx-lm's two.
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -110,7 +110,7 @@ def to_this_layout(weights: dict[str, mx.array], config: ModelConfig,
     hybrid families differs: a multimodal wrapper's text model sits under `language_model.`
     beside its vision tower, conv1d weights are MLX's `[C, K, 1]`, some norms carry `1 + w`,
     and Qwen3-Next's fused projections stay fused (also quantized). The multi-token-prediction
-    head (`mtp.*`) is set aside: nothing here runs it yet."""
+    head (`mtp.*`) is set aside: metal_engine.mtp loads it."""
     if multimodal:
         weights = {target: v for n, v in weights.items()
                    if (target := text_model_name(n)) is not None}

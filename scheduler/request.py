@@ -16,7 +16,7 @@ _epochs = itertools.count(1)
 
 # Stands for an output token that a step still in flight is sampling (async scheduling).
 PENDING_TOKEN = -1
-# Stands for a draft that the step's draft model proposes on the device.
+# Stands for a draft that the step's drafter on the device (draft model, MTP head) proposes.
 DRAFT_TOKEN = -2
 
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 from metal_engine.cache_plan import CachePlan, window_blocks
 from metal_engine.draft_model import DraftModel
 from metal_engine.kv_cache import KVCache
+from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.runner import ModelRunner
 from metal_engine.weights import load_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -18,8 +19,11 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
                               max_num_batched_tokens=512, max_model_len=512,
                               enable_prefix_caching=True, state_checkpoint_interval=32,
                               speculative=None, draft_dir=None):
-    """`draft_dir`: a draft model for `speculative` (method draft_model), K/V beside the pool."""
+    """`draft_dir`: a draft model for `speculative` (method draft_model), K/V beside the pool;
+    method mtp drafts with the model dir's own head."""
     model = load_model(model_dir, mx.float32)
+    if speculative is not None and speculative.method == "mtp":
+        speculative = with_draft_length(speculative)
     cfg = model.config
     plan = CachePlan(num_blocks, 0)
     if cfg.linear_attention is not None:  # a live state slot per request, two checkpoints each
@@ -42,6 +46,10 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
         draft_cache = KVCache.for_model(draft_model.config, CachePlan(num_blocks, 0), block_size,
                                         mx.float32)
         draft = DraftModel(draft_model, draft_cache)
+    elif speculative is not None and speculative.method == "mtp":
+        head = load_mtp_head(model_dir, model, mx.float32)
+        draft = MtpDrafter(model, head, KVCache([head.pool_shape()], num_blocks, block_size,
+                                                mx.float32))
     return ModelRunner(model, cache, draft), scheduler
 
 

@@ -254,3 +254,9 @@ def test_a_draft_model_that_is_not_a_model_dir_exits_2(tiny_llama_with_tokenizer
     spec = f'{{"method": "draft_model", "model": "{tmp_path}", "num_speculative_tokens": 3}}'
     assert main(["serve", str(tiny_llama_with_tokenizer), "--speculative-config", spec]) == 2
     assert "is not a model directory" in capsys.readouterr().err
+
+
+def test_mtp_on_a_model_without_a_head_exits_2(tiny_llama_with_tokenizer, capsys):
+    assert main(["serve", str(tiny_llama_with_tokenizer), "--speculative-config",
+                 '{"method": "mtp"}']) == 2
+    assert "multi-token-prediction head" in capsys.readouterr().err

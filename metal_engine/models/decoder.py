@@ -53,6 +53,8 @@ class CausalLM(nn.Module):
     """`__call__` gives final hidden states for every packed row; `logits` only for chosen rows."""
 
     decoder_class: type[DecoderModel] = DecoderModel
+    # The family's multi-token-prediction head (`mtp.*` weights), if it has one.
+    mtp_class: type[nn.Module] | None = None
 
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module],
                  norm: type[nn.Module] = nn.RMSNorm, embed_scale: float | None = None) -> None:

@@ -17,7 +17,7 @@ from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gated_delta import GatedDeltaNet
 from metal_engine.models.layers import GATED_ACTIVATIONS, MLP, Linear, OffsetRMSNorm
 from metal_engine.models.moe import SwitchGLU, route
-from metal_engine.models.rope import apply_rope
+from metal_engine.models.rope import RotaryEmbedding, apply_rope
 
 
 class GatedAttention(nn.Module):
@@ -39,14 +39,21 @@ class GatedAttention(nn.Module):
         q, gate = mx.split(self.q_proj(x).reshape(total, self.num_heads, 2 * self.head_dim), 2,
                            axis=-1)
         q = apply_rope(self.q_norm(q), *rope)
+        k_pool, v_pool = self.write_kv(x, rope, meta, cache, pool)
+        out = paged_attention(q, k_pool, v_pool, meta, self.head_dim**-0.5)
+        return self.o_proj((out * mx.sigmoid(gate)).reshape(total, -1))
+
+    def write_kv(self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
+                 cache: KVCache, pool: int) -> tuple[mx.array, mx.array]:
+        """Write the rows' K and V into pool `pool`; return the pool pair."""
+        total = x.shape[0]
         k = self.k_norm(self.k_proj(x).reshape(total, self.num_kv_heads, self.head_dim))
         k = apply_rope(k, *rope)
         v = self.v_proj(x).reshape(total, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = cache.take(pool)
         k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
         cache.put(pool, k_pool, v_pool)
-        out = paged_attention(q, k_pool, v_pool, meta, self.head_dim**-0.5)
-        return self.o_proj((out * mx.sigmoid(gate)).reshape(total, -1))
+        return k_pool, v_pool
 
 
 def linear_attention(net: GatedDeltaNet, x: mx.array, meta: AttentionMetadata, cache: KVCache,
@@ -85,13 +92,13 @@ class GatedSharedMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, linear: bool, moe: bool) -> None:
+        """`linear`: Gated DeltaNet in place of attention; `moe`: experts in place of an MLP."""
         super().__init__()
-        if cfg.layer_type(layer) == "linear_attention":
+        if linear:
             self.linear_attn = GatedDeltaNet(cfg.linear_attention)
         else:
             self.self_attn = GatedAttention(cfg)
-        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer)
         self.mlp = GatedSharedMoe(cfg) if moe else MLP(cfg)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,7 +113,54 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class MultiTokenPredictor(nn.Module):
+    """The checkpoint's multi-token-prediction head (`mtp.*`, as vLLM's Qwen3.5 and Qwen3-Next
+    MTP models read it): from the final hidden state h at position p and the embedding e of
+    the token at p + 1, one full-attention decoder layer predicts the token at p + 2 through
+    the model's own head:
+
+        norm(layer(fc([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)])))
+
+    Its K/V are a pool of their own (see metal_engine.mtp)."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = OffsetRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(hidden, eps)
+        self.layers = [DecoderLayer(cfg, linear=False, moe=moe)]
+        self.norm = OffsetRMSNorm(hidden, eps)
+        self._rope = RotaryEmbedding(cfg.rope_for("full_attention"), cfg.head_dim,
+                                     cfg.max_position_embeddings)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
+                 meta: AttentionMetadata, cache: KVCache) -> mx.array:
+        """The head's final hidden states at the rows (`cache`: its one pool)."""
+        x = self._input(embeds, hidden)
+        return self.norm(self.layers[0](x, self._rope.tables(positions, meta), meta, cache, 0))
+
+    def write_kv(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
+                 meta: AttentionMetadata, cache: KVCache) -> None:
+        """Only the rows' K and V, written into the head's pool."""
+        layer = self.layers[0]
+        layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)),
+                                 self._rope.tables(positions, meta), meta, cache, 0)
+
+    def pool_shape(self) -> tuple[int, int]:
+        attention = self.layers[0].self_attn
+        return attention.num_kv_heads, attention.head_dim
+
+    def _input(self, embeds: mx.array, hidden: mx.array) -> mx.array:
+        return self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeds),
+                                       self.pre_fc_norm_hidden(hidden)], axis=-1))
+
+
 class Model(CausalLM):
+    mtp_class = MultiTokenPredictor
+
     def __init__(self, cfg: ModelConfig) -> None:
-        layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        layers = [DecoderLayer(cfg, cfg.layer_type(i) == "linear_attention",
+                               cfg.moe is not None and cfg.moe.is_moe_layer(i))
+                  for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, layers, norm=OffsetRMSNorm)

@@ -2,8 +2,8 @@
 
 A request drafts only in a step where it decodes (one known or pending token to feed). Its
 drafts are the continuation of its known tokens that the n-gram lookup proposes (`ngram`: its
-own prompt and outputs; `suffix`: also every other request's outputs), or, with a draft model,
-placeholders (DRAFT_TOKEN) that the runner's draft model fills on the device in that step.
+own prompt and outputs; `suffix`: also every other request's outputs), or, with a draft model
+or an MTP head, placeholders (DRAFT_TOKEN) that the runner fills on the device in that step.
 Behind a step still in flight, the request's last outputs are unknown (a pending token, drafts
 being verified): the lookup drafts as if they were what it proposes, i.e. it skips that many
 tokens of its continuation; if they turn out otherwise, verification rejects the drafts (the
@@ -46,9 +46,6 @@ class Drafter:
                  draft_room: Callable[[int], int] | None = None) -> None:
         """`draft_room(start)`: the most drafts a step from `start` may verify, where the
         model's state bounds them (hybrid models' checkpoints)."""
-        if config.method == "mtp":
-            raise ValueError('--speculative-config: method "mtp" is not available yet; use '
-                             "ngram, suffix or draft_model")
         self.config = config
         self.length = DraftLength(config.num_speculative_tokens, token_budget)
         self.suffix = None
@@ -56,9 +53,10 @@ class Drafter:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
                                       config.suffix_decoding_max_cached_requests)
         self.max_model_len = max_model_len
-        # A draft model drafts on the device: a request whose sampling reads its history on
-        # the host (penalties, a grammar) cannot verify drafts the host has not seen.
-        self.on_device = config.method == "draft_model"
+        # A draft model or an MTP head drafts on the device: a request whose sampling reads
+        # its history on the host (penalties, a grammar) cannot verify drafts the host has
+        # not seen.
+        self.on_device = config.method in ("draft_model", "mtp")
         self.draft_room = draft_room
         self.stats = SpecDecodeStats()
         self._proposers: dict[str, NgramProposer] = {}

@@ -7,8 +7,8 @@ like a draft model's, so prefix caching, preemption and freeing need nothing of 
 Each step, for a request that feeds t[s] at position s (and drafts at s + 1 ...):
 
     draft passes (before the model)  the head at s - 1 from h[s - 1] (kept from the step
-        that computed it) and t[s] samples d1; then, as vLLM's MTP drafters do, the head
-        at s + j - 1 from its own output there and d_j samples d_{j+1}
+        before) and t[s] samples d1; then, as vLLM's MTP drafters do, the head at
+        s + j - 1 from its own output there and d_j samples d_{j+1}
     follow pass (after the model)    the head's K/V at s - 1 ... s + n - 2 from the step's
         inputs t[s] ... t[s + n - 1] and the model's h: every scheduled request, prefill
         chunks included. These overwrite the draft passes' K/V (computed from the head's
@@ -40,10 +40,6 @@ from metal_engine.weights import MTP_PREFIX, safetensors_files, stack_per_expert
 from scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 
-# Steps whose hidden states stay kept per request: the last and, behind a step dropped for a
-# rejection under async scheduling, the one before it.
-KEPT_STEPS = 2
-
 
 @dataclass(frozen=True)
 class _Computed:
@@ -61,7 +57,11 @@ class MtpDrafter:
         self.model = model
         self.head = head
         self.cache = cache
-        self._computed: dict[str, list[_Computed]] = {}
+        # Per request, the hidden states of its last step. The families with a head are
+        # hybrid: after a rejection a request recomputes from its last known token, and
+        # under async scheduling it sits out a step behind its drafts, so the position
+        # before the one it feeds is always in its last step (or its K/V written already).
+        self._computed: dict[str, _Computed] = {}
 
     def draft(self, out: SchedulerOutput, input_ids: mx.array, draft_rows: np.ndarray,
               batch: DraftBatch | None, tables: BlockTables,
@@ -139,10 +139,8 @@ class MtpDrafter:
                 token_rows += range(row + 1, row + n)
                 items.append(_rows(s, s.start_position, n - 1))
         for s in out.scheduled:
-            steps = self._computed.setdefault(s.request_id, [])
-            steps.append(_Computed(hidden, first_rows[s.request_id], s.start_position,
-                                   len(s.token_ids)))
-            del steps[:-KEPT_STEPS]
+            self._computed[s.request_id] = _Computed(hidden, first_rows[s.request_id],
+                                                     s.start_position, len(s.token_ids))
         if not items:
             return
         source = mx.concatenate([hidden, self._gather(kept)]) if kept else hidden
@@ -157,11 +155,11 @@ class MtpDrafter:
             self._computed.pop(request_id, None)
 
     def _find(self, request_id: str, position: int) -> tuple[mx.array, int] | None:
-        """(hidden states, row) of `position` from the latest kept step that computed it."""
-        for computed in reversed(self._computed.get(request_id, ())):
-            if computed.start <= position < computed.start + computed.count:
-                return computed.hidden, computed.row + position - computed.start
-        return None
+        """(hidden states, row) of `position`, if the request's last step computed it."""
+        computed = self._computed.get(request_id)
+        if computed is None or not computed.start <= position < computed.start + computed.count:
+            return None
+        return computed.hidden, computed.row + position - computed.start
 
     @staticmethod
     def _gather(found: list[tuple[mx.array, int]]) -> mx.array:

@@ -141,15 +141,20 @@ def mtp_engine(path, tokenizer, speculative=MTP, async_scheduling=False) -> LLME
     return hybrid_engine(path, tokenizer, speculative, async_scheduling)
 
 
-def test_each_first_draft_comes_from_the_heads_distribution(with_head, default_tokenizer):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_each_first_draft_comes_from_the_heads_distribution(with_head, default_tokenizer,
+                                                            async_scheduling):
     """Sampled requests in mixed batches draft two tokens a step. Every first draft is drawn
     from q = softmax(logits / T) of the head at the position before the fed token, with the
     hidden state kept from the step before and the head's K/V from the follow passes: q equals
-    the reference's over the request's final tokens. A second round resumes the prompts from
-    the prefix cache: one fed just after its cached blocks has no hidden state kept before
-    it, and drafts the fed token (a point mass) without touching the head's K/V there."""
+    the reference's over the request's final tokens, under async scheduling too (fed tokens
+    pending; a hybrid request with drafts in flight sits out a step, so no step is dropped). A
+    second round resumes the prompts from the prefix cache: one fed just after its cached
+    blocks has no hidden state kept before it, and drafts the fed token (a point mass) without
+    touching the head's K/V there."""
     reference, path = with_head
-    engine = mtp_engine(path, default_tokenizer, replace(MTP, num_speculative_tokens=2))
+    engine = mtp_engine(path, default_tokenizer, replace(MTP, num_speculative_tokens=2),
+                        async_scheduling)
     temperature, seen = 0.8, []
     draft = engine.runner.draft.draft
 

@@ -35,6 +35,9 @@ class EngineConfig:
     max_model_len: int | None = None
     allow_long_max_model_len: bool = False
     kv_cache_memory: int | None = None
+    # The pool's storage (`--kv-cache-dtype`): "auto" the model's dtype, or int8 / int4
+    # codes with float16 group scales (kernels_metal.kv_quant).
+    kv_cache_dtype: str = "auto"
     dtype: DType = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal.kv_quant import KVQuant
+
 if TYPE_CHECKING:
     from metal_engine.cache_plan import CachePlan
     from metal_engine.model_config import ModelConfig
@@ -133,7 +135,11 @@ class KVCache:
 RAW_BITS = {4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16)}
 
 
-def bytes_per_block(shapes: Sequence[PoolShape], block_size: int, dtype: mx.Dtype) -> int:
+def bytes_per_block(shapes: Sequence[PoolShape], block_size: int, dtype: mx.Dtype,
+                    quant: KVQuant | None = None) -> int:
+    """K and V of one block of every pool: `dtype` elements, or `quant`'s codes and scales."""
+    if quant is not None:
+        return 2 * block_size * sum(heads * quant.bytes_per_row(dim) for heads, dim in shapes)
     return 2 * block_size * sum(heads * dim for heads, dim in shapes) * dtype.size
 
 

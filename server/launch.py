@@ -17,7 +17,9 @@ from server.serve_args import add_serve_arguments
 __all__ = ["add_serve_arguments", "serve"]
 
 if TYPE_CHECKING:
+    from metal_engine.config import EngineConfig
     from metal_engine.engine import LLMEngine
+    from metal_engine.model_config import ModelConfig
     from metal_engine.parameter_count import ParameterCount
     from server.app import HttpOptions
     from server.sampling_defaults import SamplingDefaults
@@ -28,7 +30,7 @@ log = logging.getLogger("metal_serve")
 _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
-    "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config",
+    "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
 )  # fmt: skip
 # Third-party import-time advice that a server operator cannot act on, e.g. transformers'
 # "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.
@@ -40,6 +42,8 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format, args.log_prompts)
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)  # before anything imports transformers
+    if args.dry_run:
+        return dry_run(args)
     try:
         options = _http_options(args)
         model_dir = _resolve_model(args)
@@ -104,8 +108,17 @@ def _model_name(args: argparse.Namespace, model_dir: Path) -> str:
     return model_dir.name
 
 
-def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
+def _engine_config(model_dir: Path, args: argparse.Namespace) -> EngineConfig:
     from metal_engine.config import EngineConfig
+
+    options = {name: getattr(args, name) for name in _ENGINE_OPTIONS}
+    return EngineConfig(
+        model_dir=model_dir, model_name=_model_name(args, model_dir),
+        **{k: v for k, v in options.items() if v is not None},
+    )
+
+
+def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
     from metal_engine.engine import LLMEngine
 
     if not model_dir.is_dir():
@@ -113,12 +126,104 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
             f"model directory {model_dir} does not exist; "
             "run `metal-serve convert` first or omit it to use the default model"
         )
-    options = {name: getattr(args, name) for name in _ENGINE_OPTIONS}
-    config = EngineConfig(
-        model_dir=model_dir, model_name=_model_name(args, model_dir),
-        **{k: v for k, v in options.items() if v is not None},
-    )
+    config = _engine_config(model_dir, args)
+    _fit_memory(config)
     return LLMEngine.from_config(config)
+
+
+def _fit_memory(config: EngineConfig) -> None:
+    """Before the weights load: refuse a model this machine cannot hold (in seconds, not
+    after loading it), and set MLX's memory limits from the plan (metal_engine.memory_plan)."""
+    from metal_engine.memory_plan import apply_memory_limits, model_dir_weight_bytes, plan_for
+    from metal_engine.weights import resolve_dtype
+
+    if not (config.model_dir / "config.json").is_file():
+        return  # not a model dir: loading it names what is missing
+    model, weights = model_dir_weight_bytes(config.model_dir, resolve_dtype(config.dtype))
+    apply_memory_limits(plan_for(config, model, weights))
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """`serve --dry-run`: print the memory plan of the model and flags `serve` was given,
+    reading only config.json and tensor headers. 0 if it fits; 2 if refused or unreadable."""
+    from metal_engine.config import resolve_max_model_len
+    from metal_engine.memory_plan import MemoryRefused, plan_for
+
+    try:
+        path, model, weights = _planned_model(args)
+        config = _engine_config(path, args)
+        label = path if args.model_dir is not None else f"the default model, {path}"
+        print(f"memory plan for {label} ({model.model_type}):")
+        plan = plan_for(config, model, weights)
+        resolve_max_model_len(config, model.trained_context_len, plan.tokens)  # as serve does
+        lines, refusal = plan.describe(), None
+    except MemoryRefused as exc:
+        lines, refusal = exc.facts, str(exc)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"metal-serve: error: {exc}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(f"  {line}")
+    if refusal is not None:
+        print(f"does not fit: {refusal}")
+    return 0 if refusal is None else 2
+
+
+def _planned_model(args: argparse.Namespace) -> tuple[Path, ModelConfig, int]:
+    """What `serve` would load, without loading it (or converting it): the model dir or
+    source, its config and weight bytes at the dtype it would run in."""
+    from convert.api import open_source
+    from convert.hub import is_repo_id
+    from metal_engine.memory_plan import model_dir_weight_bytes, weight_bytes
+    from metal_engine.weights import resolve_dtype
+
+    dtype = resolve_dtype("auto")
+    reference = args.model_dir
+    path = _default_model(args.cache_dir) if reference is None else Path(reference).expanduser()
+    if path.is_dir():
+        return path, *model_dir_weight_bytes(path, dtype)
+    if path.is_file():  # a .gguf: converted to float32, then loaded at `dtype`
+        model = open_source(path).config
+        return path, model, weight_bytes(model, dtype)
+    if is_repo_id(str(reference)):
+        return path, *_hub_model(str(reference), args.revision, dtype)
+    raise FileNotFoundError(f"model {reference} does not exist: pass a model dir, a .gguf "
+                            "file or a hub repo id (org/name)")
+
+
+def _default_model(cache_dir: Path | None) -> Path:
+    """The default model's conversion if made (quick to read), else its GGUF (seconds)."""
+    from convert.cache import is_current, models_dir
+    from convert.default_model import MODEL_NAME, default_gguf_path
+
+    gguf, converted = default_gguf_path(), models_dir(cache_dir) / MODEL_NAME
+    return converted if is_current(converted, gguf) else gguf
+
+
+def _hub_model(repo_id: str, revision: str | None, dtype) -> tuple[ModelConfig, int]:
+    """A hub repo's config and weight bytes from its config.json and the safetensors
+    headers the hub serves, without downloading the weights."""
+    import json
+
+    from huggingface_hub import get_safetensors_metadata, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, NotASafetensorsRepoError
+
+    from metal_engine.memory_plan import weight_bytes
+    from metal_engine.model_config import TEXT_PARTS, ModelConfig
+    from metal_engine.quantization import QuantizationConfig
+
+    try:
+        raw = json.loads(Path(hf_hub_download(repo_id, "config.json", revision=revision))
+                         .read_text(encoding="utf-8"))
+        model = ModelConfig.from_dict(raw)
+        if QuantizationConfig.from_config(raw) is None:
+            return model, weight_bytes(model, dtype)
+        files = get_safetensors_metadata(repo_id, revision=revision).files_metadata.values()
+    except (EntryNotFoundError, NotASafetensorsRepoError) as exc:
+        raise ValueError(f"{repo_id} is not a model metal-serve can serve: {exc}") from None
+    tensors = {name: (info.dtype, tuple(info.shape))
+               for file in files for name, info in file.tensors.items()}
+    return model, weight_bytes(model, dtype, tensors, raw.get("model_type") in TEXT_PARTS)
 
 
 def _parameter_count(engine: LLMEngine) -> ParameterCount:

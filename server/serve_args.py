@@ -33,6 +33,9 @@ PREFIX_CACHE_SCOPES: tuple[PrefixCacheScope, ...] = ("key", "shared")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 # Headers, then the body, then each response write: a local client needs far less.
 DEFAULT_CLIENT_TIMEOUT_S = 30.0
+# kernels_metal.kv_quant.KV_CACHE_DTYPES, spelled out so that parsing never imports mlx (a
+# test keeps the two equal).
+KV_CACHE_DTYPES = ("auto", "int8", "int4")
 
 
 def parse_size(text: str) -> int:
@@ -130,7 +133,19 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         "may be garbage)",
     )
     group.add_argument(
-        "--kv-cache-memory", type=parse_size, help='KV cache size, e.g. "2GiB", "512MB"'
+        "--kv-cache-memory", type=parse_size,
+        help='KV cache size, e.g. "2GiB", "512MB" (default: what the machine has left after '
+        "the weights and a headroom; see docs/memory.md)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores keys and values: auto (default) the model's dtype; int8 "
+        "or int4 codes with float16 scales, ~2x or ~3.5x the tokens in the same memory",
+    )
+    group.add_argument(
+        "--dry-run", action="store_true",
+        help="print the memory plan (weights, KV budget, tokens and concurrent requests it "
+        "holds) without loading the model, then exit: 0 if it fits, 2 if not",
     )
     group.add_argument("--block-size", type=_positive_int, help="tokens per KV cache block")
     group.add_argument("--seed", type=int, help="the engine's random seed")

@@ -260,3 +260,159 @@ def test_mtp_on_a_model_without_a_head_exits_2(tiny_llama_with_tokenizer, capsys
     assert main(["serve", str(tiny_llama_with_tokenizer), "--speculative-config",
                  '{"method": "mtp"}']) == 2
     assert "multi-token-prediction head" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- memory plan, --dry-run
+
+LLAMA_8B_CONFIG = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+                   "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "max_position_embeddings": 131072, "tie_word_embeddings": False}
+
+
+def _write_llama_8b_config(folder: Path) -> None:
+    import json
+
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B_CONFIG))
+
+
+def test_a_bad_kv_cache_dtype_exits_2_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--kv-cache-dtype", "int9"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "'int9'" in err and "'auto', 'int8', 'int4'" in err
+
+
+def test_the_cli_knows_the_kv_cache_dtypes_the_pool_does():
+    from kernels_metal.kv_quant import KV_CACHE_DTYPES
+    from server.serve_args import KV_CACHE_DTYPES as CLI_CHOICES
+
+    assert CLI_CHOICES == KV_CACHE_DTYPES
+
+
+@pytest.mark.parametrize(("argv", "value"), [([], "auto"), (["--kv-cache-dtype", "int4"], "int4")])
+def test_kv_cache_dtype_reaches_the_engine_config(tmp_path, monkeypatch, argv, value):
+    from metal_engine.engine import LLMEngine
+
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(
+        lambda config: seen.append(config) or (_ for _ in ()).throw(ValueError("stop here"))))
+    assert main(["serve", str(tmp_path), *argv]) == 2
+    assert seen[0].kv_cache_dtype == value
+
+
+def _loading_fails(monkeypatch) -> None:
+    """Any weight load, engine start or conversion from here on fails the test."""
+    import mlx.core as mx
+
+    from metal_engine import weights
+    from metal_engine.engine import LLMEngine
+
+    def loads(*args, **kwargs):
+        raise AssertionError("--dry-run loaded weights")
+
+    monkeypatch.setattr(mx, "load", loads)
+    monkeypatch.setattr(weights, "load_model", loads)
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(loads))
+    monkeypatch.setattr(convert, "ensure_default_model", loads)
+    monkeypatch.setattr("convert.cache.convert_model", loads)
+
+
+def _simulate_mac(monkeypatch, gb: int) -> None:
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {
+        "memory_size": gb << 30, "max_recommended_working_set_size": (gb << 30) * 2 // 3})
+
+
+def test_dry_run_on_the_default_model_prints_the_plan_and_loads_nothing(default_model_dir,
+                                                                       monkeypatch, capsys):
+    import re
+
+    _loading_fails(monkeypatch)
+    assert main(["serve", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"memory plan for the default model, {default_model_dir}" in out
+    for line in ("device: ", "weights: ", "KV cache: float32, ", "KV budget: ", "capacity: "):
+        assert f"\n  {line}" in out
+    assert re.search(r"capacity: [\d,]+ tokens; \d+ concurrent requests? at [\d,]+ tokens", out)
+
+
+def test_dry_run_on_a_tiny_model_counts_its_weights(tiny_llama, tiny_llama_with_tokenizer,
+                                                    monkeypatch, capsys):
+    from metal_engine.memory_plan import size
+
+    _loading_fails(monkeypatch)
+    argv = ["serve", "--dry-run", str(tiny_llama_with_tokenizer), "--kv-cache-dtype", "int8",
+            "--max-model-len", "256", "--max-num-seqs", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    weights = sum(p.numel() for p in tiny_llama[0].parameters()) * 4  # float32 on the CPU
+    assert f"weights: {size(weights)};" in out and "KV cache: int8, " in out
+    assert "4 concurrent requests at 256 tokens of context (max_num_seqs 4)" in out
+
+
+def test_dry_run_refusal_exits_2_with_the_numbers_and_the_flag(tiny_llama_with_tokenizer,
+                                                               capsys):
+    import re
+
+    argv = ["serve", "--dry-run", str(tiny_llama_with_tokenizer), "--kv-cache-memory", "64TiB"]
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    assert "does not fit: --kv-cache-memory 65536.0 GiB does not fit this machine" in out
+    assert "available RAM" in out and re.search(r"--kv-cache-memory \d+MiB", out)
+
+
+@pytest.mark.parametrize(("gb", "code", "said"), [
+    (16, 2, "does not fit: the model does not fit this machine"),
+    (32, 0, "32.0 GiB unified memory, 21.3 GiB Metal recommended working set"),
+])  # fmt: skip
+def test_dry_run_of_an_8b_model_on_simulated_macs(tmp_path, monkeypatch, capsys, gb, code,
+                                                  said):
+    _write_llama_8b_config(tmp_path)  # no weights needed
+    _loading_fails(monkeypatch)
+    _simulate_mac(monkeypatch, gb)
+    assert main(["serve", "--dry-run", str(tmp_path)]) == code
+    out = capsys.readouterr().out
+    assert said in out and "weights: 15.0 GiB" in out and "float16, 128.0 KiB a token" in out
+
+
+def test_serve_refuses_a_model_the_machine_cannot_hold_before_loading_it(tmp_path,
+                                                                         monkeypatch, capsys):
+    _write_llama_8b_config(tmp_path)
+    _loading_fails(monkeypatch)
+    _simulate_mac(monkeypatch, 16)
+    assert main(["serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metal-serve: error: the model does not fit this machine" in err
+    assert "15.0 GiB of weights" in err and "--quantize 4" in err
+
+
+def test_serve_sets_mlxs_memory_limits_once_before_loading(tiny_llama_with_tokenizer,
+                                                           monkeypatch):
+    import mlx.core as mx
+
+    from metal_engine.engine import LLMEngine
+
+    events = []
+    monkeypatch.setattr(mx, "set_cache_limit", lambda n: events.append("cache limit") or n)
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(
+        lambda config: events.append("load") or (_ for _ in ()).throw(ValueError("stop"))))
+    assert main(["serve", str(tiny_llama_with_tokenizer)]) == 2
+    assert events == ["cache limit", "load"]
+
+
+def test_dry_run_of_a_hub_repo_reads_only_its_config(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    _write_llama_8b_config(tmp_path)
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, revision=None:
+                        fetched.append((repo, name)) or str(tmp_path / name))
+    _loading_fails(monkeypatch)
+    _simulate_mac(monkeypatch, 64)
+    assert main(["serve", "--dry-run", "someorg/llama-8b"]) == 0
+    assert fetched == [("someorg/llama-8b", "config.json")]
+    assert "memory plan for someorg/llama-8b (llama)" in capsys.readouterr().out

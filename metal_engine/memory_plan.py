@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -247,11 +248,14 @@ def budget_cap(device: DeviceMemory, weights: int, headroom: int) -> int:
     return max(device.usable - weights - headroom, 0)
 
 
-SMALLER_MODEL = ("a smaller model, or a quantized one (`metal-serve convert SRC --out DIR "
-                 "--quantize 4` takes ~0.28x the float16 bytes)")
+def _smaller_model(device: DeviceMemory) -> str:
+    if not device.metal:  # load_model dequantizes there: a quantized checkpoint saves nothing
+        return "a smaller model (the CPU backend runs quantized weights as float32)"
+    return ("a smaller model, or a quantized one (`metal-serve convert SRC --out DIR "
+            "--quantize 4` takes ~0.28x the float16 bytes)")
 
 
-def _fixes(kv: KVFootprint, room: int | None, tokens: int) -> str:
+def _fixes(device: DeviceMemory, kv: KVFootprint, room: int | None, tokens: int) -> str:
     """The flags that would fit: a --kv-cache-memory of `room` bytes (None: it would not
     help), a quantized pool, a context of `tokens`, a smaller model."""
     fixes = [] if room is None else [f"--kv-cache-memory {room >> 20}MiB"]
@@ -260,7 +264,7 @@ def _fixes(kv: KVFootprint, room: int | None, tokens: int) -> str:
         kv.kv_cache_dtype, [])
     if tokens >= 2 * kv.block_size:
         fixes.append(f"--max-model-len {tokens}")
-    return "To fit: " + "; ".join([*fixes, SMALLER_MODEL])
+    return "To fit: " + "; ".join([*fixes, _smaller_model(device)])
 
 
 def _too_large(device: DeviceMemory, weights: int, headroom: int, kv: KVFootprint,
@@ -269,7 +273,7 @@ def _too_large(device: DeviceMemory, weights: int, headroom: int, kv: KVFootprin
     if cap == 0:
         return _weights_do_not_fit(device, weights, headroom)
     return (f"--kv-cache-memory {size(requested)} does not fit this machine: "
-            f"{_left(device, weights, headroom)}. {_fixes(kv, cap, 0)}")
+            f"{_left(device, weights, headroom)}. {_fixes(device, kv, cap, 0)}")
 
 
 def _weights_do_not_fit(device: DeviceMemory, weights: int, headroom: int) -> str:
@@ -277,7 +281,7 @@ def _weights_do_not_fit(device: DeviceMemory, weights: int, headroom: int) -> st
     return (f"the model does not fit this machine: {size(weights)} of weights and "
             f"{size(headroom)} of headroom are {size(over)} more than the "
             f"{size(device.usable)} {device.usable_name} ({size(device.total)} "
-            f"{device.total_name}), before any KV cache. To fit: {SMALLER_MODEL}")
+            f"{device.total_name}), before any KV cache. To fit: {_smaller_model(device)}")
 
 
 def _too_small(device: DeviceMemory, weights: int, headroom: int, kv: KVFootprint,
@@ -290,7 +294,7 @@ def _too_small(device: DeviceMemory, weights: int, headroom: int, kv: KVFootprin
         return _weights_do_not_fit(device, weights, headroom)
     source = "--kv-cache-memory" if requested else "the default KV budget"
     enough = -(-kv.bytes_for(needed) // (1 << 20)) << 20  # in whole MiB, rounded up
-    fixes = _fixes(kv, enough if enough <= cap else None, tokens)
+    fixes = _fixes(device, kv, enough if enough <= cap else None, tokens)
     return (f"{source} of {size(budget)} holds {tokens} tokens at "
             f"{size(int(kv.bytes_per_token))} a token ({kv.storage}), not {wanted}: "
             f"{_left(device, weights, headroom)}. {fixes}")
@@ -316,8 +320,8 @@ def weight_bytes(config: ModelConfig, dtype: mx.Dtype,
     dequantized to `dtype` on the CPU backend. `multimodal`: the checkpoint also holds towers
     the text model does not load."""
     if quantized is None or not keeps_quantized():
-        return sum(_numel(shape) for shape in weight_shapes(config).values()) * dtype.size
-    return sum(_numel(shape) * (dtype.size if kind in _FLOAT_DTYPES else _STORED_SIZES[kind])
+        return sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.size
+    return sum(math.prod(shape) * (dtype.size if kind in _FLOAT_DTYPES else _STORED_SIZES[kind])
                for name, (kind, shape) in quantized.items() if _loaded(name, multimodal))
 
 
@@ -347,13 +351,6 @@ def safetensors_headers(files: list[Path]) -> dict[str, TensorInfo]:
         tensors.update((name, (entry["dtype"], tuple(entry["shape"])))
                        for name, entry in header.items() if name != "__metadata__")
     return tensors
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 def plan_for(config: EngineConfig, model: ModelConfig, weights: int,

@@ -236,3 +236,12 @@ def test_quantized_weights_kept_packed_count_their_stored_bytes(tiny_llama_with_
     loaded = weights_module.parameter_bytes(weights_module.load_model(out, mx.float16))
     assert model_dir_weight_bytes(out, mx.float16)[1] == loaded
     assert loaded < model_dir_weight_bytes(source, mx.float16)[1]
+
+
+def test_off_a_mac_a_model_too_large_is_not_told_to_quantize():
+    # The CPU backend dequantizes quantized checkpoints at load: they would take as much.
+    kv = kv_footprint(model("8B"), mx.float32, "auto", 16, 64, 256)
+    host = DeviceMemory(32 * GIB, 20 * GIB, metal=False)
+    with pytest.raises(MemoryRefused, match="runs quantized weights as float32") as refused:
+        plan_memory(host, 30 * GIB, kv, trained_context=131072, max_num_seqs=64)
+    assert "--quantize" not in str(refused.value)

@@ -7,11 +7,12 @@
                 process itself (Python, tokenizer)
     = spare     the most the KV cache may take
 
-The default budget is the spare, but no more than `max_num_seqs` requests at the full
-context can fill (off a Mac also at most a quarter of the available RAM and 4 GiB, as
-before). A `--kv-cache-memory` larger than the spare is refused, as is a default budget that
-does not hold one request of `MIN_DEFAULT_CONTEXT` tokens (or the trained context if
-shorter): the error names the numbers and the flags that would fit. docs/memory.md has more.
+The default budget is the spare, but at most half the usable memory and no more than
+`max_num_seqs` requests at the full context can fill (off a Mac also at most a quarter of
+the available RAM and 4 GiB, as before). A `--kv-cache-memory` larger than the spare is
+refused, as is a default budget that does not hold one request of `MIN_DEFAULT_CONTEXT`
+tokens (or the trained context if shorter): the error names the numbers and the flags that
+would fit. docs/memory.md has more.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ log = logging.getLogger(__name__)
 
 MIN_HEADROOM = 1 << 30
 HEADROOM_FRACTION = 0.10
+# A default KV cache takes at most this share of the usable memory: a small model on a big
+# Mac leaves the rest to other apps (--kv-cache-memory may take all the spare).
+DEFAULT_KV_SHARE = 0.5
 # A default budget must hold one request this long (or the trained context if shorter);
 # fewer tokens serve only toy prompts, so the server refuses and says how to fit more.
 MIN_DEFAULT_CONTEXT = 4096
@@ -229,6 +233,7 @@ def _default_budget(device: DeviceMemory, spare: int, kv: KVFootprint, max_num_s
                     full_context: int) -> tuple[int, str]:
     """The budget when --kv-cache-memory is not given, and which limit set it."""
     limits = [(max(spare, 0), "what is left after the weights and the headroom"),
+              (int(device.usable * DEFAULT_KV_SHARE), f"half the {device.usable_name}"),
               (kv.bytes_for(max_num_seqs * full_context),
                f"what {max_num_seqs} requests of {full_context} tokens fill")]
     if not device.metal:  # the CPU backend is for development: leave the host its RAM

@@ -141,6 +141,12 @@ def test_the_default_budget_stops_at_what_the_running_requests_can_fill():
     assert got.budget == 64 * 4096 * (12 << 10)  # 24 layers x 2 heads x 64 x K,V x 2 bytes
 
 
+def test_a_small_model_on_a_big_mac_takes_at_most_half_the_working_set():
+    got = plan(64, "0.5B")
+    assert got.budget == 24 * GIB and got.origin == "half the Metal recommended working set"
+    assert plan(64, "0.5B", kv_cache_memory=40 * GIB).budget == 40 * GIB  # if asked
+
+
 def test_off_a_mac_the_budget_stays_a_quarter_of_the_free_ram_and_at_most_4_gib():
     kv = kv_footprint(model("0.5B"), mx.float32, "auto", 16, 64, 256)
     host = DeviceMemory(64 * GIB, 32 * GIB, metal=False)

@@ -1,13 +1,13 @@
 """The one attention entry point the models call; picks a backend per device and variant.
 
 On a Metal device the paged-attention kernels serve every call they support (dtype, head
-dim); on MLX's CPU backend a numpy implementation over views of the pools does (fp32/fp16
-pools); anything else goes to the pure-MLX reference. The kernels are judged per `Variant`
-(pool dtype, head dim, block size, heads, whether the layer has a window / a soft-cap /
-attention sinks): the first call of a variant builds its kernels and checks them against the
-reference on a small step with the layer's options. A variant that fails that check, or
-whose kernels raise later, falls back (one warning naming it and the reason); every other
-variant stays on the kernels.
+dim; float or int8/int4 quantized pools); on MLX's CPU backend a numpy implementation over
+views of the pools does (fp32/fp16 pools); anything else goes to the pure-MLX reference. The
+kernels are judged per `Variant` (element dtype, KV bits, head dim, block size, heads,
+whether the layer has a window / a soft-cap / attention sinks): the first call of a variant
+builds its kernels and checks them against the reference on a small step with the layer's
+options. A variant that fails that check, or whose kernels raise later, falls back (one
+warning naming it and the reason); every other variant stays on the kernels.
 
 K/V are written by `write_kv`, an in-place MLX scatter: `mx.fast.metal_kernel` outputs are
 always fresh allocations, so a kernel cannot update the pool in place.
@@ -27,8 +27,9 @@ import mlx.core as mx
 from kernels_metal import cpu_attention
 from kernels_metal.cases import Case, check
 from kernels_metal.cpu_math import on_cpu
+from kernels_metal.kv_quant import QuantizedPool
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.paged import PagedAttentionKernels, unsupported_reason
+from kernels_metal.paged import PagedAttentionKernels, kernel_dtype, unsupported_reason
 from kernels_metal.reference import paged_attention_reference, write_kv
 
 __all__ = ["AttentionMetadata", "Variant", "check_variant", "first_use_case",
@@ -43,7 +44,7 @@ CHECK_SOFTCAP = 50.0  # the first-use check's cap when the layer's own is not kn
 class Variant(NamedTuple):
     """What the kernels are specialised on, checked once, and fall back on."""
 
-    dtype: mx.Dtype  # of the K/V pools; queries are cast to it
+    dtype: mx.Dtype  # the kernels' element type (`paged.kernel_dtype`)
     head_dim: int
     block_size: int
     num_heads: int
@@ -51,21 +52,24 @@ class Variant(NamedTuple):
     windowed: bool = False
     softcapped: bool = False
     with_sinks: bool = False
+    kv_bits: int | None = None  # of quantized pools; None: float pools
 
     @property
     def name(self) -> str:
         dtype = str(self.dtype).removeprefix("mlx.core.")
+        kv = f"-kv{self.kv_bits}" if self.kv_bits else ""
         options = ("-window" * self.windowed + "-softcap" * self.softcapped
                    + "-sinks" * self.with_sinks)
-        return (f"{dtype}-d{self.head_dim}-bs{self.block_size}"
+        return (f"{dtype}{kv}-d{self.head_dim}-bs{self.block_size}"
                 f"-h{self.num_heads}kv{self.kv_heads}{options}")
 
 
-def variant_of(q: mx.array, k_pool: mx.array, window: int | None = None,
+def variant_of(q: mx.array, k_pool: mx.array | QuantizedPool, window: int | None = None,
                softcap: float | None = None, sinks: mx.array | None = None) -> Variant:
     _, block_size, kv_heads, head_dim = k_pool.shape
-    return Variant(k_pool.dtype, head_dim, block_size, q.shape[1], kv_heads,
-                   window is not None, softcap is not None, sinks is not None)
+    bits = k_pool.bits if isinstance(k_pool, QuantizedPool) else None
+    return Variant(kernel_dtype(q, k_pool), head_dim, block_size, q.shape[1], kv_heads,
+                   window is not None, softcap is not None, sinks is not None, bits)
 
 
 @dataclass
@@ -93,12 +97,14 @@ _state = _Dispatch()
 
 
 def paged_attention(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
-    window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
+    q: mx.array, k_pool: mx.array | QuantizedPool, v_pool: mx.array | QuantizedPool,
+    meta: AttentionMetadata, scale: float, window: int | None = None,
+    softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Packed varlen causal attention: `q [total_q, H, D]` -> `[total_q, H, D]`.
 
-    `k_pool`/`v_pool` are `[num_blocks, block_size, kv_heads, head_dim]`; query heads
+    `k_pool`/`v_pool` are `[num_blocks, block_size, kv_heads, head_dim]` (float arrays, or
+    both `QuantizedPool`s of that logical shape); query heads
     `h` use KV head `h // (H // kv_heads)` (GQA). A layer's `window` (None: global) limits a
     row at position p to keys `p - window + 1 .. p`; `softcap` maps scores s (after `scale`)
     to `softcap * tanh(s / softcap)` before the softmax. `sinks [H]` (GPT-OSS) joins one
@@ -207,7 +213,7 @@ def first_use_case(variant: Variant, window: int | None = None,
     return Case(variant.dtype, variant.head_dim, bs, variant.num_heads, variant.kv_heads,
                 requests, window=min(window or bs + 3, bs + 3) if variant.windowed else None,
                 softcap=(softcap or CHECK_SOFTCAP) if variant.softcapped else None,
-                sinks=variant.with_sinks)
+                sinks=variant.with_sinks, kv_bits=variant.kv_bits)
 
 
 def check_variant(kernels: PagedAttentionKernels, variant: Variant, window: int | None = None,

@@ -1,8 +1,8 @@
 """Random paged-attention problems for checking kernels against the reference.
 
 Used by the kernel tests, `metal-serve doctor` and the dispatcher's first-use check. Blocks
-are handed out in a shuffled order; blocks no request owns are filled with NaN, so a kernel
-that reads a wrong block cannot pass.
+are handed out in a shuffled order; blocks no request owns are filled with NaN (a quantized
+pool's: NaN scales), so a kernel that reads a wrong block cannot pass.
 """
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal.kv_quant import KVQuant, QuantizedPool, dequantize, quantize
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import paged_attention_reference
 
 # (atol, rtol) against the reference run in fp32 on the same (rounded) inputs: the kernels'
 # output rounding (half an ulp: 2^-11 fp16, 2^-8 bf16) plus fp16/bf16 probabilities in P V.
+# A quantized pool's inputs are its values dequantized to the queries' dtype, as the kernels
+# stage them: quantization error itself is not the kernels' business.
 TOLERANCE = {mx.float32: (1e-5, 1e-5), mx.float16: (1e-3, 4e-3), mx.bfloat16: (8e-3, 2e-2)}
 
 
 @dataclass(frozen=True)
 class Case:
-    dtype: mx.Dtype
+    dtype: mx.Dtype  # of the pools, or of the queries over quantized pools
     head_dim: int
     block_size: int
     num_heads: int
@@ -33,6 +36,7 @@ class Case:
     window: int | None = None  # sliding window of the layer; None: global attention
     softcap: float | None = None
     sinks: bool = False  # random per-head sink logits (`case_sinks`)
+    kv_bits: int | None = None  # quantized pools (kv_quant.py) of 8 or 4 bits; None: float
 
     @property
     def name(self) -> str:
@@ -42,7 +46,8 @@ class Case:
         softcap = f"-cap{self.softcap:g}" if self.softcap else ""
         sinks = "-sinks" if self.sinks else ""
         dtype = str(self.dtype).removeprefix("mlx.core.")
-        return (f"{dtype}-d{self.head_dim}-bs{self.block_size}-h{self.num_heads}"
+        kv = f"-kv{self.kv_bits}" if self.kv_bits else ""
+        return (f"{dtype}{kv}-d{self.head_dim}-bs{self.block_size}-h{self.num_heads}"
                 f"kv{self.kv_heads}-[{reqs}]{split}{window}{softcap}{sinks}")
 
 
@@ -133,12 +138,49 @@ SINK_CASES = [
 
 
 def grid() -> list[Case]:
-    """The kernel check grid: every variant once, then the edge cases."""
+    """The kernel check grid over float pools: every variant once, then the edge cases."""
     return variant_cases() + EDGE_CASES + WINDOW_CASES + SINK_CASES
 
 
+KV_BITS = (8, 4)
+
+
+def quantized_variant_cases() -> list[Case]:
+    """One mixed step per (KV bits, query dtype, head dim), cycling block size, GQA ratio and
+    partitioning; windows, soft-caps and sinks cycle with period 7, so they meet all of those."""
+    cases = []
+    for i, (bits, dtype, d) in enumerate(itertools.product(KV_BITS, DTYPES, HEAD_DIMS)):
+        bs = BLOCK_SIZES[i % 2]
+        heads, kv = GQA[i % len(GQA)]
+        requests = ((5 * bs + 3, 1), (bs - 1, 1), (bs + 5, 19), (0, 11), (2 * bs, 3))
+        options = i % 7
+        cases.append(Case(dtype, d, bs, heads, kv, requests, (None, 2 * bs, 3 * bs)[i % 3],
+                          window=bs + 7 if options in (1, 3) else None,
+                          softcap=30.0 if options in (2, 3) else None, sinks=options == 5,
+                          kv_bits=bits))
+    return cases
+
+
+QUANTIZED_EDGE_CASES = [
+    # Rows of codes that are not a multiple of 16 bytes: 8-byte loads (int8 with scale groups
+    # of 8, int4 with groups of 16).
+    Case(mx.float16, 72, 16, 8, 2, ((40, 1), (9, 20), (0, 1)), 16, kv_bits=8),
+    Case(mx.bfloat16, 48, 32, 6, 2, ((70, 1), (20, 13)), 32, kv_bits=4),
+    # Two threadgroups per KV head; a long split decode next to a chunk; a short window.
+    Case(mx.bfloat16, 64, 16, 12, 1, ((40, 1), (9, 20)), 16, kv_bits=4),
+    Case(mx.float16, 128, 16, 8, 2, ((400, 1), (60, 30), (3, 1)), 128, kv_bits=8),
+    Case(mx.float32, 64, 16, 4, 2, ((0, 70), (30, 40)), window=13, kv_bits=4),
+]
+
+
+def quantized_grid() -> list[Case]:
+    """The kernel check grid over int8 and int4 pools."""
+    return quantized_variant_cases() + QUANTIZED_EDGE_CASES
+
+
 def make_inputs(case: Case, seed: int = 0):
-    """(q, k_pool, v_pool, meta, scale) for the case."""
+    """(q, k_pool, v_pool, meta, scale) for the case; the pools are `QuantizedPool`s of
+    the case's random values if it is quantized."""
     rng = np.random.default_rng(seed)
     bs, d = case.block_size, case.head_dim
     seq_lens = np.array([c + n for c, n in case.requests], np.int32)
@@ -159,7 +201,6 @@ def make_inputs(case: Case, seed: int = 0):
     v = rng.standard_normal(shape).astype(np.float32)
     nan_blocks = ~owned
     nan_blocks[0] = False  # the reference gathers padding through block 0: keep it finite
-    k[nan_blocks], v[nan_blocks] = np.nan, np.nan
     cu = np.zeros(len(q_lens) + 1, np.int32)
     cu[1:] = np.cumsum(q_lens)
     q = rng.standard_normal((int(cu[-1]), case.num_heads, d)).astype(np.float32)
@@ -167,9 +208,27 @@ def make_inputs(case: Case, seed: int = 0):
         cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
         slot_mapping=np.zeros(int(cu[-1]), np.int64), block_size=bs,
     )
-    cast = case.dtype
-    return (mx.array(q).astype(cast), mx.array(k).astype(cast), mx.array(v).astype(cast),
-            meta, d**-0.5)
+    k_pool, v_pool = (_pool(x, nan_blocks, case) for x in (k, v))
+    return mx.array(q).astype(case.dtype), k_pool, v_pool, meta, d**-0.5
+
+
+def _pool(values: np.ndarray, nan_blocks: np.ndarray, case: Case) -> mx.array | QuantizedPool:
+    """The case's pool of `values`, NaN (or NaN-scaled) in `nan_blocks`."""
+    if case.kv_bits is None:
+        values[nan_blocks] = np.nan
+        return mx.array(values).astype(case.dtype)
+    codes, scales = quantize(mx.array(values), KVQuant(case.kv_bits))
+    scales = np.array(scales)
+    scales[nan_blocks] = np.nan
+    return QuantizedPool(codes, mx.array(scales), case.kv_bits)
+
+
+def float_pool(pool: mx.array | QuantizedPool, dtype: mx.Dtype) -> mx.array:
+    """A pool as the reference takes it, in float32: a float pool as is, a quantized one
+    dequantized to `dtype` (the queries' dtype: what the kernels stage)."""
+    if isinstance(pool, QuantizedPool):
+        pool = dequantize(pool.codes, pool.scales, pool.bits, dtype)
+    return pool.astype(mx.float32)
 
 
 def case_sinks(case: Case, seed: int = 0) -> mx.array | None:
@@ -195,7 +254,7 @@ def check(kernels, case: Case, seed: int = 0) -> CaseResult:
     """Run `kernels` on the case and compare with the fp32 reference on the same inputs."""
     q, k_pool, v_pool, meta, scale = make_inputs(case, seed)
     sinks = case_sinks(case, seed)
-    f32 = [a.astype(mx.float32) for a in (q, k_pool, v_pool)]
+    f32 = [q.astype(mx.float32), float_pool(k_pool, q.dtype), float_pool(v_pool, q.dtype)]
     expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap,
                                                   sinks))
     got = kernels(q, k_pool, v_pool, meta, scale, case.window, case.softcap, sinks)

@@ -2,8 +2,9 @@
 
 Per layer: bytes of K/V the kernels read from the pools (a GQA group reads its KV head once
 per threadgroup; the prefill kernel loads whole key tiles, the decode kernel the keys a row
-sees), bytes of new K/V `write_kv` scatters in, the other traffic (queries, outputs, split-K
-partials, and in a mixed step the decode rows the prefill launch copies into place),
+sees; a quantized pool's codes and scales), bytes of new K/V `write_kv` scatters in, the
+other traffic (queries, outputs, split-K partials, and in a mixed step the decode rows the
+prefill launch copies into place),
 multiply-add FLOPs of the useful scores and values, and kernel dispatches. An estimate of
 memory traffic, not a measurement: caches, the block-table reads and masked work inside a
 tile are left out.
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kernels_metal.kv_quant import KVQuant
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.plan import KernelPlan, PlanOptions, PrefillWork, build_plan
 from kernels_metal.prefill import prefill_tile
@@ -41,11 +43,14 @@ class StepCost:
 
 
 def step_cost(meta: AttentionMetadata, num_heads: int, kv_heads: int, head_dim: int,
-              itemsize: int, window: int | None = None,
-              options: PlanOptions | None = None) -> StepCost:  # fmt: skip
-    """The cost of one layer's attention for the step `meta` describes."""
+              itemsize: int, window: int | None = None, options: PlanOptions | None = None,
+              kv_quant: KVQuant | None = None) -> StepCost:  # fmt: skip
+    """The cost of one layer's attention for the step `meta` describes. `itemsize`: of the
+    kernels' element type (queries, outputs, staged K/V); `kv_quant`: the pools' quantization
+    (None: float pools of `itemsize`)."""
     plan = build_plan(meta, num_heads, kv_heads, options or PlanOptions(), window)
-    key_bytes = 2 * head_dim * itemsize  # one key and its value, of one KV head
+    kv_row = kv_quant.bytes_per_row(head_dim) if kv_quant else head_dim * itemsize
+    key_bytes = 2 * kv_row  # one key and its value, of one KV head
     total_q = int(meta.cu_seqlens_q[-1])
     kv_read = other = flops = dispatches = 0
     if plan.decode is not None:

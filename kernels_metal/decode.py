@@ -8,7 +8,9 @@ Launch geometry (threads; the threadgroup is `32 * NH` threads, one simdgroup pe
 A row walks the keys it sees: from the start of its sliding window (or of the context) to
 its own position. A threadgroup stages a tile of its KV head's keys and values in threadgroup
 memory once and every simdgroup (one query head of the GQA group) reads it from there: K/V is
-read from device memory once per group, not once per head.
+read from device memory once per group, not once per head. A quantized pool's tile is staged
+dequantized to T, the queries' dtype (`QUANTIZED_STAGING_HEADER`, template KV_BITS 8 or 4;
+0 for a float pool, copied as is), so everything after staging is the same code.
 
 A simdgroup's 32 lanes form 32 / KL groups of KL lanes; each group scores one key at a time,
 its lanes splitting the head dim (KW consecutive elements per chunk, chunks strided by KL) and
@@ -26,7 +28,11 @@ final output is normalised: here with one partition, in `reduce` with several.
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
+
+from kernels_metal.kv_quant import SCALE_DTYPE, QuantizedPool
 
 THREADGROUP_MEMORY = 32768
 MAX_HEADS_PER_THREADGROUP = 8
@@ -74,9 +80,38 @@ def decode_tile(dtype_size: int, head_dim: int) -> int:
     return decode_layout(dtype_size, head_dim)[3]
 
 
-def index_type(pool: mx.array) -> mx.Dtype:
-    """Type of the kernels' K/V offsets (in 16-byte units): 32-bit unless the pool is > 64 GB."""
-    return mx.uint32 if pool.nbytes // 16 < 2**32 else mx.int64
+def index_type(pool: mx.array | QuantizedPool) -> mx.Dtype:
+    """Type of the kernels' K/V offsets: 32-bit unless one could pass 2^32. They count 16 bytes
+    in a float pool; loads of codes (8 bytes or more) and scales in a quantized one."""
+    if isinstance(pool, QuantizedPool):
+        units = max(pool.codes.nbytes // 8, pool.scales.size)
+    else:
+        units = pool.nbytes // 16
+    return mx.uint32 if units < 2**32 else mx.int64
+
+
+def pool_inputs(k_pool: mx.array | QuantizedPool,
+                v_pool: mx.array | QuantizedPool) -> list[mx.array]:
+    """Both kernels' `k_pool, v_pool, k_scales, v_scales`: a quantized pool's codes and scales;
+    a float pool and a placeholder for the scales it does not have (never read)."""
+    if isinstance(k_pool, QuantizedPool):
+        return [k_pool.codes, v_pool.codes, k_pool.scales, v_pool.scales]
+    return [k_pool, v_pool, _no_scales(), _no_scales()]
+
+
+def pool_template(pool: mx.array | QuantizedPool) -> list[tuple[str, int]]:
+    """KV_BITS (0: a float pool, staged as is) and KV_GROUP, the features per scale (a float
+    pool's head dim: one unused group a row)."""
+    head_dim = pool.shape[3]
+    if isinstance(pool, QuantizedPool):
+        return [("KV_BITS", pool.bits), ("KV_GROUP", head_dim // pool.scales.shape[3])]
+    return [("KV_BITS", 0), ("KV_GROUP", head_dim)]
+
+
+@cache
+def _no_scales() -> mx.array:
+    # 8 elements: MLX passes smaller inputs in `constant` space, which a device pointer cannot take.
+    return mx.zeros((8,), SCALE_DTYPE)
 
 
 # Both kernels: score scale and soft-cap (exp2 domain; cap 0 = none), and which query heads
@@ -99,10 +134,51 @@ SINK_FOLD_SOURCE = """\
     keep = sink > m ? exp2(m - sink) : 1.0f;
     l = l * keep + (sink > m ? 1.0f : exp2(sink - m));"""
 
+# Both kernels' staging of a quantized pool's key row (kv_quant.py): each code times its
+# group's scale in fp32 (exact), rounded once to T as `kv_quant.dequantize(..., T)` rounds, so
+# the score and P V loops read T as from a float pool. The `tpk` threads of a key split the row
+# by loads of 16 bytes of codes (8 where a row is not a multiple of 16 bytes: int8 at head dims
+# of 8 x odd, int4 at 16 x odd); kv_quant's scale groups are then never narrower than a load,
+# so a load takes one scale.
+QUANTIZED_STAGING_HEADER = """
+// Code k of a 32-bit word of codes: int8 codes are its bytes; int4 codes its nibbles, low
+// nibble first, each stored as code + 8.
+template <int KV_BITS>
+inline int code_at(uint word, int k) {
+  return KV_BITS == 4 ? int((word >> (4 * k)) & 0xFu) - 8 : int(as_type<char4>(word)[k]);
+}
+
+template <typename T, int D, int KV_BITS, int KV_GROUP, typename IDX>
+inline void stage_quantized_row(const device uchar* codes, const device half* scales, IDX row,
+                                int sub, int tpk, threadgroup uint4* staged) {
+  constexpr int CPW = KV_BITS == 4 ? 8 : 4;  // codes per 32-bit word
+  constexpr int WPR = D / CPW;  // words of codes per row
+  constexpr int WPL = WPR % 4 == 0 ? 4 : 2;  // words per load
+  constexpr int LPR = WPR / WPL;  // loads per row
+  typedef vec<uint, WPL> Load;
+  const device Load* src = (const device Load*)codes + row * LPR;
+  const device half* row_scales = scales + row * (D / KV_GROUP);
+  threadgroup T* dst = (threadgroup T*)staged;
+  for (int u = sub; u < LPR; u += tpk) {
+    const Load words = src[u];
+    const float scale = float(row_scales[u * WPL * CPW / KV_GROUP]);
+    #pragma clang loop unroll(full)
+    for (int w = 0; w < WPL; ++w) {
+      #pragma clang loop unroll(full)
+      for (int k = 0; k < CPW; ++k) {
+        dst[(u * WPL + w) * CPW + k] = T(float(code_at<KV_BITS>(words[w], k)) * scale);
+      }
+    }
+  }
+}
+"""
+
 # params: [H, KVH, max_blocks, part_size, num_parts, num_rows, chunks, NH, scale*log2e bits,
 #          (prefill: BQ), (prefill: window), softcap*log2e bits]
 # rows: [packed query row, request, context length, first key it sees] per decode row
 # sinks: [max(H, 8)] float32, each head's sink logit * log2e; -FLT_MAX: no sink
+# k_pool, v_pool: the float pools, or the quantized pools' codes, with k_scales, v_scales
+# (float pools: a placeholder, never read; `pool_inputs`)
 DECODE_SOURCE = """
   const int H = params[0], KVH = params[1], MB = params[2], PART = params[3];
   const int NPARTS = params[4], NROWS = params[5], CHUNKS = params[6], NH = params[7];
@@ -150,7 +226,8 @@ DECODE_SOURCE = """
   float l = 0.0f;
   const device int* table = block_tables + long(req) * MB;
   // Staging: `tpk` threads per key of the tile (32 * NH threads, TILE divides 32), each with
-  // one block-table lookup per tile and 16-byte loads, offsets in 16-byte units of type IDX.
+  // one block-table lookup per tile and 16-byte loads, offsets in 16-byte units of type IDX
+  // (quantized pools: in loads of codes and in scales, `stage_quantized_row`).
   const device uint4* k_src = (const device uint4*)k_pool;
   const device uint4* v_src = (const device uint4*)v_pool;
   const int tpk = nthreads / TILE;
@@ -162,10 +239,17 @@ DECODE_SOURCE = """
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (jt < n) {
       const int pos = t0 + jt;
-      const IDX base = ((IDX(table[pos / BS]) * BS + IDX(pos % BS)) * KVH + kvh) * VPR;
-      for (int v = sub; v < VPR; v += tpk) {
-        k_raw[jt * VLD + v] = k_src[base + v];
-        v_raw[jt * VLD + v] = v_src[base + v];
+      const IDX row = (IDX(table[pos / BS]) * BS + IDX(pos % BS)) * KVH + kvh;
+      if (KV_BITS != 0) {
+        stage_quantized_row<T, D, KV_BITS, KV_GROUP>((const device uchar*)k_pool, k_scales, row,
+                                                     sub, tpk, k_raw + jt * VLD);
+        stage_quantized_row<T, D, KV_BITS, KV_GROUP>((const device uchar*)v_pool, v_scales, row,
+                                                     sub, tpk, v_raw + jt * VLD);
+      } else {
+        for (int v = sub; v < VPR; v += tpk) {
+          k_raw[jt * VLD + v] = k_src[row * VPR + v];
+          v_raw[jt * VLD + v] = v_src[row * VPR + v];
+        }
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -308,9 +392,11 @@ REDUCE_SOURCE = """
 def make_decode_kernels(metal_kernel) -> tuple:
     decode = metal_kernel(
         name="paged_attention_decode",
-        input_names=["q", "k_pool", "v_pool", "block_tables", "rows", "params", "sinks"],
+        input_names=["q", "k_pool", "v_pool", "k_scales", "v_scales", "block_tables", "rows",
+                     "params", "sinks"],
         output_names=["out", "part_out", "part_ml"],
         source=DECODE_SOURCE,
+        header=QUANTIZED_STAGING_HEADER,
         compile_options=FAST_MATH,
     )
     reduce = metal_kernel(
@@ -324,19 +410,21 @@ def make_decode_kernels(metal_kernel) -> tuple:
 
 def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params,
                sinks: mx.array) -> mx.array:
-    """Attention of `work.num_rows` single query rows: `[num_rows, H, D]` in the pool dtype.
-    `sinks` is the kernels' form of the layer's sinks (`plan.sink_input`)."""
+    """Attention of `work.num_rows` single query rows: `[num_rows, H, D]` in the queries' dtype
+    (a float pool's: `PagedAttentionKernels` casts them). `sinks` is the kernels' form of the
+    layer's sinks (`plan.sink_input`)."""
     decode, reduce = kernels
     _, block_size, kv_heads, head_dim = k_pool.shape
     num_heads = q.shape[1]
-    dtype = k_pool.dtype
+    dtype = q.dtype
     kl, kw, ldk, tile = decode_layout(dtype.size, head_dim)
     template = [("T", dtype), ("D", head_dim), ("BS", block_size), ("TILE", tile),
-                ("KL", kl), ("KW", kw), ("LDK", ldk), ("IDX", index_type(k_pool))]
+                ("KL", kl), ("KW", kw), ("LDK", ldk), ("IDX", index_type(k_pool)),
+                *pool_template(k_pool)]
     split = work.num_parts > 1
     n, parts = work.num_rows, work.num_parts
     out, part_out, part_ml = decode(
-        inputs=[q, k_pool, v_pool, block_tables, work.rows, params, sinks],
+        inputs=[q, *pool_inputs(k_pool, v_pool), block_tables, work.rows, params, sinks],
         template=template,
         grid=(32 * work.heads_per_group * kv_heads * work.chunks, n, parts),
         threadgroup=(32 * work.heads_per_group, 1, 1),

@@ -29,8 +29,19 @@ import mlx.core as mx
 
 from kernels_metal import attention, cpu_attention
 from kernels_metal.attention import Variant
-from kernels_metal.cases import DTYPES, HEAD_DIMS, Case, case_sinks, check, grid, make_inputs
+from kernels_metal.cases import (
+    DTYPES,
+    HEAD_DIMS,
+    KV_BITS,
+    Case,
+    case_sinks,
+    check,
+    grid,
+    make_inputs,
+    quantized_grid,
+)
 from kernels_metal.cost import step_cost
+from kernels_metal.kv_quant import KVQuant
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import PlanOptions
 from kernels_metal.reference import paged_attention_reference
@@ -41,10 +52,13 @@ THREADGROUP_MEMORY = 32768  # Apple GPUs' threadgroup memory per threadgroup
 REPORT_WINDOW, REPORT_SOFTCAP = 256, 50.0
 
 # One variant per (dtype, head dim) at GQA 4, then Gemma 2's shape (head dim 256, window, cap)
-# and GPT-OSS's (head dim 64, GQA 8, window, sinks).
+# and GPT-OSS's (head dim 64, GQA 8, window, sinks); over int8 and int4 pools, every head dim
+# in float16 and head dim 128 in the other dtypes.
 VARIANTS = [Variant(t, d, 16, 8, 2) for t in DTYPES for d in HEAD_DIMS] + [
     Variant(t, 256, 16, 8, 2, windowed=True, softcapped=True) for t in DTYPES] + [
-    Variant(t, 64, 16, 8, 1, windowed=True, with_sinks=True) for t in DTYPES]
+    Variant(t, 64, 16, 8, 1, windowed=True, with_sinks=True) for t in DTYPES] + [
+    Variant(t, d, 16, 8, 2, kv_bits=bits) for bits in KV_BITS for t in DTYPES
+    for d in (HEAD_DIMS if t == mx.float16 else (128,))]
 
 Timer = Callable[[Callable[[], mx.array]], float]  # seconds one call of the thunk takes
 
@@ -139,7 +153,7 @@ def _backend_here(dtype: mx.Dtype) -> str:
 
 
 def _run_grid(metal_kernel, only: str | None) -> int:
-    cases = [c for c in grid() if not only or only in c.name]
+    cases = [c for c in grid() + quantized_grid() if not only or only in c.name]
     failed = 0
     for case in cases:
         ok, line = _run_case(metal_kernel, case)
@@ -170,8 +184,8 @@ def report_variants(metal_kernel, variants: list[Variant], workloads, timer: Tim
     Returns how many variants failed their first-use check (the dispatcher would send them
     to the reference). `timer` None: no timings (the emulator, `--no-timing`).
     """
-    print("\nPer variant (pool dtype, head dim, block size, heads, window/softcap/sinks). MLX's "
-          "Python API does not expose a kernel's pipeline: its thread limit "
+    print("\nPer variant (dtype, KV bits, head dim, block size, heads, window/softcap/sinks). "
+          "MLX's Python API does not expose a kernel's pipeline: its thread limit "
           "(maxTotalThreadsPerThreadgroup) shows only when MLX refuses a launch above it; the "
           "threadgroup memory is what the kernel source declares.")
     failed = 0
@@ -210,15 +224,16 @@ def workload_case(variant: Variant, workload: Workload) -> Case:
                 variant.kv_heads, workload.requests,
                 window=REPORT_WINDOW if variant.windowed else None,
                 softcap=REPORT_SOFTCAP if variant.softcapped else None,
-                sinks=variant.with_sinks)
+                sinks=variant.with_sinks, kv_bits=variant.kv_bits)
 
 
 def timing_line(kernels, case: Case, inputs, timer: Timer) -> str:
     """Kernels vs reference on one step: tokens/s and GB/s of the kernels' modelled traffic
     (kernels_metal/cost.py, K/V reads and the other traffic; write_kv is not timed)."""
     q, k_pool, v_pool, meta, scale = inputs
+    quant = KVQuant(case.kv_bits) if case.kv_bits else None
     cost = step_cost(meta, case.num_heads, case.kv_heads, case.head_dim, case.dtype.size,
-                     case.window)
+                     case.window, kv_quant=quant)
     moved = cost.kv_read_bytes + cost.other_bytes
     args = (q, k_pool, v_pool, meta, scale, case.window, case.softcap, case_sinks(case))
     kernel_s = timer(lambda: kernels(*args))

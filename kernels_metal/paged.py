@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels_metal.decode import make_decode_kernels
+from kernels_metal.kv_quant import QuantizedPool
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.plan import KernelPlan, PlanOptions, build_plan, params_for, run_plan
 from kernels_metal.prefill import make_prefill_kernel
@@ -19,13 +20,24 @@ SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_HEAD_DIM = 256
 
 
-def unsupported_reason(q: mx.array, k_pool: mx.array) -> str | None:
+def kernel_dtype(q: mx.array, k_pool: mx.array | QuantizedPool) -> mx.Dtype:
+    """The kernels' element type T: a float pool's dtype (queries are cast to it), or the
+    queries' dtype over a quantized pool (K/V are dequantized to it as they are staged)."""
+    return q.dtype if isinstance(k_pool, QuantizedPool) else k_pool.dtype
+
+
+def unsupported_reason(q: mx.array, k_pool: mx.array | QuantizedPool) -> str | None:
     """Why the kernels cannot take this call (the reference then serves it), or None."""
     head_dim, kv_heads = k_pool.shape[3], k_pool.shape[2]
-    if k_pool.dtype not in SUPPORTED_DTYPES:
-        return f"KV dtype {k_pool.dtype}"
+    quantized = isinstance(k_pool, QuantizedPool)
+    if kernel_dtype(q, k_pool) not in SUPPORTED_DTYPES:
+        return (f"query dtype {q.dtype} over an int{k_pool.bits} KV pool" if quantized
+                else f"KV dtype {k_pool.dtype}")
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (kernels take multiples of 8 up to {MAX_HEAD_DIM})"
+    if quantized and k_pool.bits == 4 and head_dim % 16:
+        return (f"int4 KV at head_dim {head_dim} (the kernels load a row's codes 8 bytes or "
+                "more at a time: int4 needs a multiple of 16)")
     if q.shape[1] % kv_heads:
         return f"{q.shape[1]} query heads over {kv_heads} KV heads"
     return None
@@ -47,14 +59,17 @@ class PagedAttentionKernels:
             meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, self.options, window)
         return meta.backend_plans[key]
 
-    def __call__(self, q: mx.array, k_pool: mx.array, v_pool: mx.array,
-                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                 softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
-        """Same contract as `paged_attention_reference`."""
+    def __call__(self, q: mx.array, k_pool: mx.array | QuantizedPool,
+                 v_pool: mx.array | QuantizedPool, meta: AttentionMetadata, scale: float,
+                 window: int | None = None, softcap: float | None = None,
+                 sinks: mx.array | None = None) -> mx.array:
+        """Same contract as `paged_attention_reference`; the pools are float arrays or
+        `QuantizedPool`s (both of one kind)."""
         num_heads, kv_heads = q.shape[1], k_pool.shape[2]
         plan = self.plan(meta, num_heads, kv_heads, window)
         params = params_for(plan, num_heads, kv_heads, scale, softcap)
-        queries = q.astype(k_pool.dtype) if q.dtype != k_pool.dtype else q
+        dtype = kernel_dtype(q, k_pool)
+        queries = q.astype(dtype) if q.dtype != dtype else q
         out = run_plan(plan, self.decode_kernels, self.prefill_kernel, queries, k_pool, v_pool,
                        params, sinks)
         return out.astype(q.dtype) if out.dtype != q.dtype else out

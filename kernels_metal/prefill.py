@@ -6,18 +6,19 @@ Launch geometry (threads; the threadgroup is `32 * NH * BQ / 8` threads):
     threadgroup (x, y) = (KV head and head chunk, query tile: BQ rows of one request)
 
 Each simdgroup owns 8 query rows of one query head; all simdgroups of a threadgroup share the
-K/V tile that the threadgroup gathers through the block table into threadgroup memory, so a
-GQA group reads K/V once. Key tiles past the last query row (or, with a sliding window, before
-the first row's window) are never loaded; a simdgroup skips tiles none of its rows sees, and
-the mask is applied only on tiles that cross the diagonal or a window edge (or hang over the
-end of the context). Scores are soft-capped when the call asks for it; a head's attention
-sink joins each row's softmax once, at the end. S = Q K^T and O += P V run on 8x8 matrices,
-and the online softmax runs in fp32 on the lanes' own matrix elements (`thread_elements()`):
-each row of an 8x8 matrix sits on 4 lanes (2 columns each), so a row's max and sum take two
-`simd_shuffle_xor` steps, P goes into the P V product without a trip through threadgroup
-memory, and the running output is rescaled element by element. This relies on the lane ->
-element layout of Apple GPUs (the one MLX's steel attention relies on too; the emulator models
-it, `metal-serve doctor` checks it on a Mac).
+K/V tile that the threadgroup gathers through the block table into threadgroup memory (from a
+quantized pool dequantized to T, as in decode.py), so a GQA group reads K/V once. Key tiles
+past the last query row (or, with a sliding window, before the first row's window) are never
+loaded; a simdgroup skips tiles none of its rows sees, and the mask is applied only on tiles
+that cross the diagonal or a window edge (or hang over the end of the context). Scores are
+soft-capped when the call asks for it; a head's attention sink joins each row's softmax once,
+at the end. S = Q K^T and O += P V run on 8x8 matrices, and the online softmax runs in fp32
+on the lanes' own matrix elements (`thread_elements()`): each row of an 8x8 matrix sits on 4
+lanes (2 columns each), so a row's max and sum take two `simd_shuffle_xor` steps, P goes into
+the P V product without a trip through threadgroup memory, and the running output is rescaled
+element by element. This relies on the lane -> element layout of Apple GPUs (the one MLX's
+steel attention relies on too; the emulator models it, `metal-serve doctor` checks it on a
+Mac).
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ import mlx.core as mx
 from kernels_metal.decode import (
     FAST_MATH,
     HEAD_GROUP_SOURCE,
+    QUANTIZED_STAGING_HEADER,
     SINK_FOLD_SOURCE,
     THREADGROUP_MEMORY,
     index_type,
+    pool_inputs,
+    pool_template,
 )
 
 MAX_SIMDGROUPS = 8
@@ -53,7 +57,7 @@ def query_block(heads_per_group: int, max_simdgroups: int = MAX_SIMDGROUPS) -> i
 
 
 # params: as decode.py: [10] = window (0: none); NH, CHUNKS and BQ are template constants.
-# sinks: as decode.py (one logit per head, exp2 domain, -FLT_MAX: none).
+# sinks: as decode.py (one logit per head, exp2 domain, -FLT_MAX: none); K/V inputs as decode.py.
 # tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
 # MERGE: `out` holds every packed row: prefill rows go to their packed row, and threadgroups
 # past the last tile copy one decode row each (its head group) from `dec_out` to the packed
@@ -131,14 +135,21 @@ PREFILL_SOURCE = """
     const int n = min(TK, n_keys - k0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const bool live = jt < n;  // rows past the context stay zero: 0 * V must not be NaN
-    IDX base = 0;
+    IDX row = 0;
     if (live) {
       const int pos = k0 + jt;
-      base = ((IDX(table[pos / BS]) * BS + IDX(pos % BS)) * KVH + kvh) * VPR;
+      row = (IDX(table[pos / BS]) * BS + IDX(pos % BS)) * KVH + kvh;
     }
-    for (int v = sub; v < VPR; v += tpk) {
-      k_raw[jt * VLD + v] = live ? k_src[base + v] : uint4(0);
-      v_raw[jt * VLD + v] = live ? v_src[base + v] : uint4(0);
+    if (KV_BITS != 0 && live) {
+      stage_quantized_row<T, D, KV_BITS, KV_GROUP>((const device uchar*)k_pool, k_scales, row,
+                                                   sub, tpk, k_raw + jt * VLD);
+      stage_quantized_row<T, D, KV_BITS, KV_GROUP>((const device uchar*)v_pool, v_scales, row,
+                                                   sub, tpk, v_raw + jt * VLD);
+    } else {  // a float pool's row, or zeros
+      for (int v = sub; v < VPR; v += tpk) {
+        k_raw[jt * VLD + v] = live ? k_src[row * VPR + v] : uint4(0);
+        v_raw[jt * VLD + v] = live ? v_src[row * VPR + v] : uint4(0);
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (!active || k0 > sg_last || k0 + n - 1 <= sg_first - WIN) {
@@ -231,10 +242,11 @@ PREFILL_SOURCE = """
 def make_prefill_kernel(metal_kernel):
     return metal_kernel(
         name="paged_attention_prefill",
-        input_names=["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "dec_out",
-                     "dec_rows", "sinks"],
+        input_names=["q", "k_pool", "v_pool", "k_scales", "v_scales", "block_tables", "tiles",
+                     "params", "dec_out", "dec_rows", "sinks"],
         output_names=["out"],
         source=PREFILL_SOURCE,
+        header=QUANTIZED_STAGING_HEADER,
         compile_options=FAST_MATH,  # why it is safe: decode.py
     )
 
@@ -242,26 +254,27 @@ def make_prefill_kernel(metal_kernel):
 def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params, sinks: mx.array,
                 decode_out: mx.array | None = None, decode_rows: mx.array | None = None,
                 ) -> mx.array:
-    """Attention of the prefill rows, in request order: `[work.num_rows, H, D]`, pool dtype.
-    `sinks` is the kernels' form of the layer's sinks (`plan.sink_input`).
+    """Attention of the prefill rows, in request order: `[work.num_rows, H, D]` in the
+    queries' dtype (as `run_decode`). `sinks` is the kernels' form of the layer's sinks
+    (`plan.sink_input`).
 
     With `decode_out` (the decode kernel's `[n, H, D]` output for the rows whose packed
     indices are `decode_rows[:n, 0]`) the result is every packed row in packed order instead:
     `[q.shape[0], H, D]`, the decode rows copied into place by the same launch.
     """
     _, block_size, kv_heads, head_dim = k_pool.shape
-    dtype = k_pool.dtype
+    dtype = q.dtype
     work = work.for_head_dim(head_dim)
     threads = 32 * work.heads_per_group * work.block_q // 8
     merge = decode_out is not None
     copies = decode_out.shape[0] if merge else 0
     (out,) = kernel(
-        inputs=[q, k_pool, v_pool, block_tables, work.tiles, params,
+        inputs=[q, *pool_inputs(k_pool, v_pool), block_tables, work.tiles, params,
                 decode_out if merge else q, decode_rows if merge else work.tiles, sinks],
         template=[("T", dtype), ("D", head_dim), ("BS", block_size),
                   ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool)),
                   ("NH", work.heads_per_group), ("CHUNKS", work.chunks), ("BQ", work.block_q),
-                  ("MERGE", merge)],
+                  ("MERGE", merge), *pool_template(k_pool)],
         grid=(threads * kv_heads * work.chunks, work.num_tiles + copies, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(q.shape[0] if merge else work.num_rows, q.shape[1], head_dim)],

@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from kernels_metal.cost import decode_step, step_cost
+from kernels_metal.kv_quant import KVQuant
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.plan import PlanOptions
 from kernels_metal.prefill import prefill_tile
@@ -39,6 +40,15 @@ def test_split_k_adds_the_partials_and_the_reduce():
 def test_a_window_bounds_the_keys_a_decode_reads():
     cost = step_cost(decode_step(1, 999), HEADS, KV_HEADS, D, ITEM, window=64)
     assert cost.kv_read_bytes == 64 * KV_HEADS * KEY_BYTES
+
+
+def test_a_quantized_pool_reads_and_writes_its_codes_and_scales():
+    plain = step_cost(decode_step(1, 99), HEADS, KV_HEADS, D, ITEM)
+    cost = step_cost(decode_step(1, 99), HEADS, KV_HEADS, D, ITEM, kv_quant=KVQuant(4))
+    row = D // 2 + D // 32 * 2  # int4 codes, one float16 scale per 32 features
+    assert cost.kv_read_bytes == 100 * KV_HEADS * 2 * row
+    assert cost.kv_write_bytes == KV_HEADS * 2 * row
+    assert (cost.other_bytes, cost.flops) == (plain.other_bytes, plain.flops)  # queries in D
 
 
 def _step(q_lens: list[int], seq_lens: list[int], block_size: int = 16) -> AttentionMetadata:

@@ -16,7 +16,17 @@ from markers import requires_emulator
 
 from kernels_metal import attention, emulator
 from kernels_metal.attention import Variant, variant_of
-from kernels_metal.cases import DTYPES, HEAD_DIMS, TOLERANCE, Case, case_sinks, make_inputs
+from kernels_metal.cases import (
+    DTYPES,
+    HEAD_DIMS,
+    KV_BITS,
+    TOLERANCE,
+    Case,
+    case_sinks,
+    float_pool,
+    make_inputs,
+)
+from kernels_metal.kv_quant import QuantizedPool
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.reference import paged_attention_reference
 
@@ -68,10 +78,12 @@ def without_sinks(kernel, call):
 def without_param(index: int):
     """Launch with params[index] zeroed: a kernel that ignores the window (10) / soft-cap (11)."""
     def effect(kernel, call):
-        params = np.array(call["inputs"][5])
+        inputs = list(call["inputs"])
+        at = kernel.input_names.index("params")
+        params = np.array(inputs[at])
         params[index] = 0
-        inputs = call["inputs"]
-        return kernel(**{**call, "inputs": [*inputs[:5], mx.array(params), *inputs[6:]]})
+        inputs[at] = mx.array(params)
+        return kernel(**{**call, "inputs": inputs})
     return effect
 
 
@@ -99,6 +111,8 @@ def dispatch(monkeypatch):
     def recording_reference(q, k_pool, v_pool, meta, scale, window=None, softcap=None,
                             sinks=None):
         served.append((variant_of(q, k_pool, window, softcap, sinks), meta))
+        if isinstance(k_pool, QuantizedPool):  # dequantized here until reference.py takes them
+            k_pool, v_pool = float_pool(k_pool, q.dtype), float_pool(v_pool, q.dtype)
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
 
     monkeypatch.setattr(attention, "paged_attention_reference", recording_reference)
@@ -106,10 +120,10 @@ def dispatch(monkeypatch):
 
 
 def mixed_step(dtype, head_dim, heads=8, kv=2, window=None, softcap=None, bs=16,
-               sinks=False) -> Case:
+               sinks=False, kv_bits=None) -> Case:
     requests = ((5 * bs + 3, 1), (bs - 1, 1), (bs + 5, 19), (0, 11))
     return Case(dtype, head_dim, bs, heads, kv, requests, window=window, softcap=softcap,
-                sinks=sinks)
+                sinks=sinks, kv_bits=kv_bits)
 
 
 def run_step(case: Case, seed: int = 1):
@@ -117,7 +131,7 @@ def run_step(case: Case, seed: int = 1):
     q, k, v, meta, scale = make_inputs(case, seed)
     sinks = case_sinks(case, seed)
     out = attention.paged_attention(q, k, v, meta, scale, case.window, case.softcap, sinks)
-    f32 = [a.astype(mx.float32) for a in (q, k, v)]
+    f32 = [q.astype(mx.float32), float_pool(k, q.dtype), float_pool(v, q.dtype)]
     expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap,
                                                   sinks))
     atol, rtol = TOLERANCE[case.dtype]
@@ -164,6 +178,19 @@ def test_a_wrong_head_dim_256_prefill_kernel_sends_only_its_variant_to_the_refer
     assert len(warnings) == 1 and broken_variant.name in warnings[0]
     assert "wrong result" in warnings[0]
     assert attention.kernels_disabled_reason() is None  # the verdicts ended with the context
+
+
+def test_a_wrong_int4_kernel_sends_only_the_int4_variant_to_the_reference(dispatch, caplog):
+    """The same shape over float, int8 and int4 pools: three variants, judged apart."""
+    int4 = planted(DECODE, lambda t, _: t["KV_BITS"] == 4, scaled_output)
+    steps = [mixed_step(mx.float16, 128, kv_bits=bits) for bits in (None, *KV_BITS)]
+    backends, fallbacks, warnings = serve(steps, RecordingKernels(int4), dispatch, caplog)
+    broken = Variant(mx.float16, 128, 16, 8, 2, kv_bits=4)
+    assert backends == {Variant(mx.float16, 128, 16, 8, 2): "kernels",
+                        Variant(mx.float16, 128, 16, 8, 2, kv_bits=8): "kernels",
+                        broken: "reference"}
+    assert list(fallbacks) == [broken] and "wrong result" in fallbacks[broken]
+    assert len(warnings) == 1 and "float16-kv4-d128-bs16-h8kv2" in warnings[0]
 
 
 def test_a_pipeline_thread_limit_below_the_threadgroup_falls_back_that_variant(
@@ -237,11 +264,20 @@ VARIANTS = [
     for i, (dtype, d) in enumerate((dt, d) for dt in DTYPES for d in HEAD_DIMS)
     for bs, (heads, kv) in [((16, 32)[i % 2], ((8, 2), (6, 2), (4, 4), (8, 1))[i % 4])]
     for windowed, softcapped in [(i % 3 == 1, i % 3 == 2)] + [(True, True)] * (d == 256)
-] + [Variant(dtype, 64, 16, 16, 2, windowed=True, with_sinks=True) for dtype in DTYPES]
+] + [Variant(dtype, 64, 16, 16, 2, windowed=True, with_sinks=True) for dtype in DTYPES] + [
+    Variant(mx.float16, 80, 16, 8, 2, kv_bits=8),
+    Variant(mx.bfloat16, 128, 32, 6, 2, windowed=True, kv_bits=8),
+    Variant(mx.float32, 256, 16, 8, 1, softcapped=True, with_sinks=True, kv_bits=8),
+    Variant(mx.float16, 80, 32, 8, 2, with_sinks=True, kv_bits=4),  # 8-byte loads of codes
+    Variant(mx.bfloat16, 128, 16, 6, 2, windowed=True, softcapped=True, kv_bits=4),
+    Variant(mx.float32, 256, 32, 8, 1, windowed=True, kv_bits=4),
+]
 
 
 def test_the_variant_list_covers_head_dim_256_with_window_and_softcap_and_sinks():
     assert {(v.dtype, v.head_dim) for v in VARIANTS} == {(t, d) for t in DTYPES for d in HEAD_DIMS}
+    assert {(v.kv_bits, v.dtype) for v in VARIANTS if v.kv_bits} == {
+        (b, t) for b in KV_BITS for t in DTYPES}
     assert {v.dtype for v in VARIANTS if v.head_dim == 256 and v.windowed and v.softcapped} == set(
         DTYPES)
     assert {v.dtype for v in VARIANTS if v.windowed and v.with_sinks} == set(DTYPES)

@@ -357,14 +357,22 @@ def _mlx_generated_source(capfd, tmp_path, kernel_args, call):
 
 
 def _paged_kernel_calls():
-    from kernels_metal.decode import DECODE_SOURCE, REDUCE_SOURCE
-    from kernels_metal.prefill import PREFILL_SOURCE
+    from kernels_metal.decode import make_decode_kernels
+    from kernels_metal.kv_quant import KVQuant, empty_pool
+    from kernels_metal.prefill import make_prefill_kernel
 
+    decode, reduce = make_decode_kernels(dict)  # the specs each kernel is built from
+    prefill = make_prefill_kernel(dict)
     q, pool = mx.zeros((5, 8, 64), mx.bfloat16), mx.zeros((9, 16, 2, 64), mx.bfloat16)
+    k4 = empty_pool(9, 16, 2, 64, KVQuant(4))
+    no_scales = mx.zeros((8,), mx.float16)
     meta = [mx.zeros((3, 8), mx.int32), mx.zeros((2, 4), mx.int32), mx.zeros((16,), mx.int32)]
     sinks = mx.zeros((8,), mx.float32)
     template = [("T", mx.bfloat16), ("D", 64), ("BS", 16), ("TILE", 32), ("IDX", mx.uint32),
-                ("KL", 8), ("KW", 4), ("LDK", 72)]
+                ("KL", 8), ("KW", 4), ("LDK", 72), ("KV_BITS", 0), ("KV_GROUP", 64)]
+    prefill_template = template[:3] + [("TK", 32), ("IDX", mx.uint32), ("NH", 4), ("CHUNKS", 1),
+                                       ("BQ", 16), ("MERGE", True), ("KV_BITS", 4),
+                                       ("KV_GROUP", 32)]
     demo_body = ("uint i = thread_position_in_grid.x; out[i] = a[i] + a_shape[0] + a_ndim "
                  "+ b_strides[0] + s + threads_per_threadgroup.x;")
     return {
@@ -376,38 +384,28 @@ def _paged_kernel_calls():
                                   grid=(16, 1, 1), threadgroup=(16, 1, 1),
                                   output_shapes=[(16,), (2,)],
                                   output_dtypes=[mx.float32, mx.int32]))),
-        "decode": (dict(name="paged_attention_decode",
-                        input_names=["q", "k_pool", "v_pool", "block_tables", "rows", "params",
-                                     "sinks"],
-                        output_names=["out", "part_out", "part_ml"], source=DECODE_SOURCE),
-                   dict(inputs=[q, pool, pool, *meta, sinks],
+        "decode": (decode,
+                   dict(inputs=[q, pool, pool, no_scales, no_scales, *meta, sinks],
                         kwargs=dict(template=template, grid=(64, 2, 1), threadgroup=(64, 1, 1),
                                     output_shapes=[(2, 8, 64), (1,), (1,)],
                                     output_dtypes=[mx.bfloat16, mx.float32, mx.float32]))),
-        "reduce": (dict(name="paged_attention_reduce",
-                        input_names=["part_out", "part_ml", "rows", "params", "sinks"],
-                        output_names=["out"], source=REDUCE_SOURCE),
+        "reduce": (reduce,
                    dict(inputs=[mx.zeros((2, 2, 8, 64)), mx.zeros((2, 2, 8, 2)), *meta[1:],
                                 sinks],
                         kwargs=dict(template=[("T", mx.float16), ("D", 64)], grid=(32, 8, 2),
                                     threadgroup=(32, 1, 1), output_shapes=[(2, 8, 64)],
                                     output_dtypes=[mx.float16]))),
-        "prefill": (dict(name="paged_attention_prefill",
-                         input_names=["q", "k_pool", "v_pool", "block_tables", "tiles",
-                                      "params", "dec_out", "dec_rows", "sinks"],
-                         output_names=["out"], source=PREFILL_SOURCE),
-                    dict(inputs=[q, pool, pool, *meta, q, meta[1], sinks],
-                         kwargs=dict(template=template[:3] + [("TK", 32), ("IDX", mx.uint32),
-                                                             ("NH", 4), ("CHUNKS", 1), ("BQ", 16),
-                                                             ("MERGE", True)],
-                                     grid=(256, 1, 1),
-                                     threadgroup=(256, 1, 1), output_shapes=[(5, 8, 64)],
-                                     output_dtypes=[mx.bfloat16]))),
+        "prefill-int4": (prefill,
+                         dict(inputs=[q, k4.codes, k4.codes, k4.scales, k4.scales, *meta, q,
+                                      meta[1], sinks],
+                              kwargs=dict(template=prefill_template, grid=(256, 1, 1),
+                                          threadgroup=(256, 1, 1), output_shapes=[(5, 8, 64)],
+                                          output_dtypes=[mx.bfloat16]))),
     }
 
 
 @pytest.mark.skipif(not hasattr(mx, "export_function"), reason="needs mx.export_function")
-@pytest.mark.parametrize("which", ["demo", "decode", "reduce", "prefill"])
+@pytest.mark.parametrize("which", ["demo", "decode", "reduce", "prefill-int4"])
 def test_generated_source_is_identical_to_what_mlx_generates(which, capfd, tmp_path):
     kernel_args, call = _paged_kernel_calls()[which]
     expected = _mlx_generated_source(capfd, tmp_path, kernel_args, call)

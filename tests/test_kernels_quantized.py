@@ -88,13 +88,12 @@ def test_blocks_no_request_owns_have_nan_scales(bits):
 def test_staging_dequantized_equals_a_float_pool_of_the_same_values_bit_for_bit(bits, dtype):
     """A quantized pool gives the very output of a float pool holding its values rounded to
     the queries' dtype: staging is the only difference, and it rounds as `dequantize` does."""
-    case = Case(dtype, 96, 16, 8, 2, ((83, 1), (15, 1), (21, 19), (32, 3)), 32, window=40,
-                kv_bits=bits)
+    case = next(c for c in CASES if (c.kv_bits, c.dtype, c.head_dim) == (bits, dtype, 96))
     q, k_pool, v_pool, meta, scale = make_inputs(case, seed=4)
     floats = [dequantize(p.codes, p.scales, bits, dtype) for p in (k_pool, v_pool)]
-    kernels, sinks = emulated(case), case_sinks(case)
-    quantized = kernels(q, k_pool, v_pool, meta, scale, case.window, sinks=sinks)
-    plain = kernels(q, *floats, meta, scale, case.window, sinks=sinks)
+    kernels, options = emulated(case), (case.window, case.softcap, case_sinks(case))
+    quantized = kernels(q, k_pool, v_pool, meta, scale, *options)
+    plain = kernels(q, *floats, meta, scale, *options)
     np.testing.assert_array_equal(np.array(quantized.astype(mx.float32)),
                                   np.array(plain.astype(mx.float32)))
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from convert.api import open_source
 from convert.model_dir import read_manifest
+from kernels_metal.kv_quant import KVQuant
 from metal_engine.cache_plan import CachePlan
 from metal_engine.kv_cache import KVCache
 from metal_engine.models.decoder import CausalLM
@@ -67,13 +68,14 @@ def probe_ids(vocab_size: int) -> list[int]:
     return [(7919 * i + 11) % vocab_size for i in range(PROBE_TOKENS)]
 
 
-def prompt_logits(model: CausalLM, ids: list[int]) -> np.ndarray:
-    """`[len(ids), vocab]` logits of one prompt, through the engine's packed forward."""
+def prompt_logits(model: CausalLM, ids: list[int], quant: KVQuant | None = None) -> np.ndarray:
+    """`[len(ids), vocab]` logits of one prompt, through the engine's packed forward (its K/V
+    stored as `quant` says; None: float32)."""
     cfg = model.config
     num_blocks = len(ids) // BLOCK_SIZE + 2
     num_state_slots = 1 if cfg.linear_attention is not None else 0
     cache = KVCache.for_model(cfg, CachePlan(num_blocks, 0, num_state_slots=num_state_slots),
-                              BLOCK_SIZE, mx.float32)
+                              BLOCK_SIZE, mx.float32, quant)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=1,
         max_num_batched_tokens=len(ids), max_model_len=len(ids) + 1,

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels_metal.cpu_math import DENORMAL_EXP_BOUND, FEW_ROWS
+from kernels_metal.kv_quant import HostPool, QuantizedPool, host_pool
 from kernels_metal.metadata import AttentionMetadata
 
 # Most score elements (rows x query heads x keys) one slice of work holds: 4 MB of fp32, small
@@ -58,12 +59,14 @@ class CpuPlan:
     slices: list[Slice]
 
 
-def supports(q: mx.array, k_pool: mx.array) -> bool:
-    return k_pool.dtype in NUMPY_DTYPES and q.shape[1] % k_pool.shape[2] == 0
+def supports(q: mx.array, k_pool: mx.array | QuantizedPool) -> bool:
+    stored = isinstance(k_pool, QuantizedPool) or k_pool.dtype in NUMPY_DTYPES
+    return stored and q.shape[1] % k_pool.shape[2] == 0
 
 
 def paged_attention_cpu(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
+    q: mx.array, k_pool: mx.array | QuantizedPool, v_pool: mx.array | QuantizedPool,
+    meta: AttentionMetadata, scale: float,
     window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Same contract as `paged_attention_reference`."""
@@ -72,7 +75,7 @@ def paged_attention_cpu(
         meta.backend_plans[key] = build_plan(meta, q.shape[1], window)
     plan: CpuPlan = meta.backend_plans[key]
     queries = np.asarray(q.astype(mx.float32))  # [total_q, H, D]
-    keys, values = np.asarray(k_pool), np.asarray(v_pool)  # zero-copy views of the pools
+    keys, values = _host(k_pool), _host(v_pool)
     sink_logits = None if sinks is None else np.asarray(sinks.astype(mx.float32))
     out = _attend_all(queries, keys, values, plan, scale, softcap, sink_logits)
     return mx.array(out).astype(q.dtype)
@@ -97,9 +100,15 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
     return out
 
 
-def _gather(pool: np.ndarray, tables: np.ndarray) -> np.ndarray:
-    """Blocks `[R, n]` -> `[R, n * block_size, kv_heads, head_dim]` float32 (a copy)."""
-    blocks = pool[tables]
+def _host(pool: mx.array | QuantizedPool) -> np.ndarray | HostPool:
+    """Zero-copy numpy views of a pool (of a quantized one's codes and scales)."""
+    return host_pool(pool) if isinstance(pool, QuantizedPool) else np.asarray(pool)
+
+
+def _gather(pool: np.ndarray | HostPool, tables: np.ndarray) -> np.ndarray:
+    """Blocks `[R, n]` -> `[R, n * block_size, kv_heads, head_dim]` float32 (a copy; a
+    quantized pool's dequantized)."""
+    blocks = pool.gather(tables) if isinstance(pool, HostPool) else pool[tables]
     r, n, bs, kvh, d = blocks.shape
     kv = blocks.reshape(r, n * bs, kvh, d)
     return kv if kv.dtype == np.float32 else kv.astype(np.float32)

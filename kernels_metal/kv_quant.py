@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 SCALE_DTYPE = mx.float16
 KV_CACHE_DTYPES = ("auto", "int8", "int4")
@@ -140,3 +141,33 @@ def gather_blocks(pool: QuantizedPool, block_ids: mx.array,
                   dtype: mx.Dtype = mx.float32) -> mx.array:
     """`pool[block_ids]` dequantized: `[*block_ids.shape, block_size, kv_heads, D]`."""
     return dequantize(pool.codes[block_ids], pool.scales[block_ids], pool.bits, dtype)
+
+
+class HostPool(NamedTuple):
+    """A quantized pool's codes and scales as numpy views (the CPU attention path)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        blocks, block_size, kv_heads, width = self.codes.shape
+        return blocks, block_size, kv_heads, width * 8 // self.bits
+
+    def gather(self, tables: np.ndarray) -> np.ndarray:
+        """`pool[tables]` dequantized to float32."""
+        codes, scales = self.codes[tables], self.scales[tables].astype(np.float32)
+        if self.bits == 8:
+            values = codes.astype(np.float32)
+        else:
+            values = np.empty((*codes.shape[:-1], 2 * codes.shape[-1]), np.float32)
+            values[..., 0::2] = (codes & 0xF).astype(np.float32) - 8
+            values[..., 1::2] = (codes >> 4).astype(np.float32) - 8
+        grouped = values.reshape(*values.shape[:-1], scales.shape[-1], -1)
+        grouped *= scales[..., None]
+        return values
+
+
+def host_pool(pool: QuantizedPool) -> HostPool:
+    return HostPool(np.asarray(pool.codes), np.asarray(pool.scales), pool.bits)

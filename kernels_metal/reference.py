@@ -8,16 +8,22 @@ import mlx.core as mx
 import numpy as np
 
 from kernels_metal.cpu_math import masked_softmax, tanh_softcap
+from kernels_metal.kv_quant import QuantizedPool, gather_blocks, write_quantized
 from kernels_metal.metadata import AttentionMetadata
 
+Pool = mx.array | QuantizedPool  # a float K or V pool, or a quantized one
 
-def write_kv(pool: mx.array, new: mx.array, meta: AttentionMetadata) -> mx.array:
-    """Scatter `new [total_q, kv_heads, head_dim]` into `pool` at the step's slots.
+
+def write_kv(pool: Pool, new: mx.array, meta: AttentionMetadata) -> Pool:
+    """Scatter `new [total_q, kv_heads, head_dim]` into `pool` at the step's slots (a
+    quantized pool gets the rows' codes and scales).
 
     The caller must hold no other reference to `pool`, so MLX donates its buffer and the
     scatter happens in place instead of copying the whole pool.
     """
     dev = meta.device
+    if isinstance(pool, QuantizedPool):
+        return write_quantized(pool, new, dev.slot_block, dev.slot_offset)
     pool[dev.slot_block, dev.slot_offset] = new.astype(pool.dtype)
     return pool
 
@@ -40,7 +46,7 @@ class ReferencePlan:
 
 
 def paged_attention_reference(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, meta: AttentionMetadata, scale: float,
+    q: mx.array, k_pool: Pool, v_pool: Pool, meta: AttentionMetadata, scale: float,
     window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Causal varlen attention of packed queries `[total_q, H, D]` over paged K/V.
@@ -99,9 +105,9 @@ def _softmax_with_sinks(scores: mx.array, mask: mx.array, sinks: mx.array) -> mx
     return probs[..., :-1]
 
 
-def _gather_kv(pool: mx.array, tables: mx.array, num_keys: int) -> mx.array:
+def _gather_kv(pool: Pool, tables: mx.array, num_keys: int) -> mx.array:
     """Blocks `[G, n]` -> `[G, kv_heads, num_keys, head_dim]` in float32."""
-    kv = pool[tables]  # [G, n, bs, kvh, d]
+    kv = gather_blocks(pool, tables) if isinstance(pool, QuantizedPool) else pool[tables]
     g, n, bs, kvh, d = kv.shape
     kv = kv.reshape(g, n * bs, kvh, d)[:, :num_keys]
     return mx.swapaxes(kv, 1, 2).astype(mx.float32)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kernels_metal.kv_quant import KVQuant
 from metal_engine.kv_cache import bytes_per_block
 from metal_engine.model_config import ModelConfig
 from metal_engine.recurrent_states import RecurrentStates
@@ -41,8 +42,9 @@ class CachePlan:
 
 def plan_cache(cfg: ModelConfig, budget: int, dtype: mx.Dtype, block_size: int,
                max_num_seqs: int, max_num_batched_tokens: int,
-               prefix_caching: bool) -> CachePlan:
-    """Split `budget` bytes between the groups `cfg`'s layers need."""
+               prefix_caching: bool, quant: KVQuant | None = None) -> CachePlan:
+    """Split `budget` bytes between the groups `cfg`'s layers need (K/V stored as `dtype`,
+    or as `quant`'s codes and scales; recurrent states stay `dtype`)."""
     shapes = cfg.kv_pool_shapes()
     windowed = cfg.windowed_pools()
     state = {}
@@ -55,10 +57,10 @@ def plan_cache(cfg: ModelConfig, budget: int, dtype: mx.Dtype, block_size: int,
                              int(budget * CHECKPOINT_SHARE) // slot_bytes)
         state = dict(num_state_slots=num_slots, bytes_per_state_slot=slot_bytes)
         budget -= num_slots * slot_bytes
-    all_bytes = bytes_per_block(shapes, block_size, dtype)
+    all_bytes = bytes_per_block(shapes, block_size, dtype, quant)
     if windowed:
         full = bytes_per_block([s for i, s in enumerate(shapes) if i not in windowed],
-                               block_size, dtype)  # fmt: skip
+                               block_size, dtype, quant)  # fmt: skip
         window_bytes = all_bytes - full
         num_window = window_blocks(cfg.sliding_window, block_size, max_num_seqs,
                                    max_num_batched_tokens)

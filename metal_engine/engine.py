@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from transformers import AutoTokenizer
 
+from kernels_metal.kv_quant import KVQuant, kv_quant_of
 from metal_engine.cache_plan import CachePlan, plan_cache
 from metal_engine.config import (
     EngineConfig,
@@ -19,9 +20,11 @@ from metal_engine.config import (
 )
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.draft_model import DraftModel, load_draft_model
-from metal_engine.kv_cache import KVCache, PoolShape, bytes_per_block, default_kv_cache_memory
+from metal_engine.kv_cache import KVCache, PoolShape, bytes_per_block
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
+from metal_engine.memory_plan import device_memory, plan_for
+from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.outputs import RequestOutput, TokenLogprobs
@@ -40,7 +43,7 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
     with a share of the size."""
     if config.kv_cache_dir is None:
         return None
-    dtype = str(cache.dtype).removeprefix("mlx.core.")
+    dtype = cache.storage
     size, stores = config.kv_cache_dir_size, {}
     if cache.states is not None:
         layout = cache.states.layout()
@@ -105,10 +108,29 @@ def _disk_store(config: EngineConfig, kind: str, layout: Layout, size: int) -> K
                        layout, size)
 
 
-def _log_plan(plan: CachePlan, block_size: int, max_model_len: int, trained: int) -> None:
-    log.info("KV cache: %d tokens (%d blocks of %d, %.1f MiB); context length %d tokens "
-             "(trained: %d)", plan.num_blocks * block_size, plan.num_blocks, block_size,
-             plan.num_blocks * plan.bytes_per_block / 2**20, max_model_len, trained)
+def _plan_pool(config: EngineConfig, cfg: ModelConfig, budget: int, dtype: mx.Dtype,
+               token_budget: int, quant: KVQuant | None,
+               drafter: CausalLM | nn.Module | None) -> CachePlan:
+    """The cache plan for `budget` bytes. A drafter on the device keeps its K/V (unquantized)
+    beside each block: the budget then splits between the two by bytes per block."""
+    def plan(size: int) -> CachePlan:
+        return plan_cache(cfg, size, dtype, config.block_size, config.max_num_seqs,
+                          token_budget, config.enable_prefix_caching, quant)
+
+    if drafter is None:
+        return plan(budget)
+    block = plan(budget).bytes_per_block
+    drafter_bytes = bytes_per_block(_drafter_pool_shapes(drafter), config.block_size, dtype)
+    return plan(int(budget * block / (block + drafter_bytes)))
+
+
+def _log_plan(plan: CachePlan, storage: str, config: EngineConfig, max_model_len: int,
+              trained: int) -> None:
+    tokens = plan.num_blocks * config.block_size
+    log.info("KV cache (%s): %d tokens (%d blocks of %d, %.1f MiB), %d concurrent requests at "
+             "the context length %d tokens (trained: %d)", storage, tokens, plan.num_blocks,
+             config.block_size, plan.num_blocks * plan.bytes_per_block / 2**20,
+             min(config.max_num_seqs, tokens // max_model_len), max_model_len, trained)
     if plan.num_window_blocks:
         log.info("sliding-window layers (window %d): %d blocks of their own (%.1f MiB)",
                  plan.window, plan.num_window_blocks,
@@ -153,6 +175,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
+        device = device_memory()  # before loading: off a Mac, the weights take what is free
         dtype = resolve_dtype(config.dtype)
         model = load_model(config.model_dir, dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
@@ -162,22 +185,19 @@ class LLMEngine:
             spec = with_draft_length(spec)
         mc = model.config
         weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
-        budget = config.kv_cache_memory or default_kv_cache_memory(weights)
+        memory = plan_for(config, mc, weights, device)
+        for line in memory.describe():
+            log.info("memory plan: %s", line)
+        budget = memory.budget
         token_budget = (config.max_num_batched_tokens
                         or default_token_budget(mx.metal.is_available()))
-        plan = plan_cache(mc, budget, dtype, config.block_size, config.max_num_seqs,
-                          token_budget, config.enable_prefix_caching)
-        if drafter is not None:  # a block holds both models' K/V: the budget splits by bytes
-            drafter_bytes = bytes_per_block(_drafter_pool_shapes(drafter), config.block_size,
-                                            dtype)
-            share = plan.bytes_per_block / (plan.bytes_per_block + drafter_bytes)
-            plan = plan_cache(mc, int(budget * share), dtype, config.block_size,
-                              config.max_num_seqs, token_budget, config.enable_prefix_caching)
+        quant = kv_quant_of(config.kv_cache_dtype)
+        plan = _plan_pool(config, mc, budget, dtype, token_budget, quant, drafter)
         kv_tokens = plan.num_blocks * config.block_size
         check_kv_cache_blocks(plan.num_blocks, budget)
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
-        _log_plan(plan, config.block_size, max_model_len, mc.trained_context_len)
-        cache = KVCache.for_model(mc, plan, config.block_size, dtype)
+        cache = KVCache.for_model(mc, plan, config.block_size, dtype, quant)
+        _log_plan(plan, cache.storage, config, max_model_len, mc.trained_context_len)
         connector = _kv_disk_connector(config, cache)
         scheduler = Scheduler(SchedulerConfig(
             num_blocks=plan.num_blocks,

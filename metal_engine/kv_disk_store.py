@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kernels_metal.kv_quant import kv_quant_of
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
@@ -37,8 +39,9 @@ TEMP_SUFFIX = ".tmp"
 # A temp file this old is a crashed write, not another process's write in flight.
 STALE_TEMP_SECONDS = 60.0
 
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int8": 4, "int4": 5}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+STATE_DTYPES = tuple(DTYPE_SIZES)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,13 @@ class BlockLayout:
 
     @property
     def payload_bytes(self) -> int:
-        """K and V of every pool: 2 * block_size * slot_features * itemsize."""
-        return 2 * self.block_size * self.slot_features * DTYPE_SIZES[self.dtype]
+        """K and V of every pool: 2 * block_size * the bytes of a token's row per pool
+        (its values, or a quantized pool's codes and scales)."""
+        if self.dtype in DTYPE_SIZES:
+            return 2 * self.block_size * self.slot_features * DTYPE_SIZES[self.dtype]
+        quant = kv_quant_of(self.dtype)
+        return 2 * self.block_size * sum(heads * quant.bytes_per_row(dim)
+                                         for heads, dim in self.pools)
 
     @property
     def file_bytes(self) -> int:
@@ -90,9 +98,9 @@ class StateLayout:
     dtype: str
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_CODES:
+        if self.dtype not in STATE_DTYPES:
             raise ValueError(
-                f"state dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPE_CODES)}"
+                f"state dtype {self.dtype!r} is not supported; supported: {', '.join(STATE_DTYPES)}"
             )
 
     @property

@@ -32,12 +32,7 @@ import mlx.core as mx
 from kernels_metal.kv_quant import kv_quant_of
 from metal_engine.cache_plan import window_blocks
 from metal_engine.config import default_token_budget
-from metal_engine.kv_cache import (
-    HOST_MEMORY_CAP,
-    HOST_MEMORY_FRACTION,
-    _available_host_memory,
-    bytes_per_block,
-)
+from metal_engine.kv_cache import bytes_per_block
 from metal_engine.model_config import TEXT_PARTS, ModelConfig, read_config_json
 from metal_engine.quantization import QuantizationConfig
 from metal_engine.recurrent_states import RecurrentStates
@@ -63,6 +58,9 @@ DEFAULT_KV_SHARE = 0.5
 # A default budget must hold one request this long (or the trained context if shorter);
 # fewer tokens serve only toy prompts, so the server refuses and says how to fit more.
 MIN_DEFAULT_CONTEXT = 4096
+# Off Apple Silicon the pool comes out of system RAM: take a modest share of what is free.
+HOST_MEMORY_FRACTION = 0.25
+HOST_MEMORY_CAP = 4 << 30
 # safetensors dtypes -> bytes per element (float ones are cast to the run dtype at load).
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _STORED_SIZES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
@@ -370,6 +368,17 @@ def plan_for(config: EngineConfig, model: ModelConfig, weights: int,
                        trained_context=model.trained_context_len,
                        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                        kv_cache_memory=config.kv_cache_memory)
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 # ---------------------------------------------------------------- MLX's limits

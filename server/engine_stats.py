@@ -21,6 +21,8 @@ class EngineStats:
     num_waiting: int = 0
     num_kv_blocks: int = 0
     num_used_kv_blocks: int = 0
+    block_size: int = 0
+    kv_cache_dtype: str = ""  # what the pool stores: the model dtype's name, int8 or int4
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     has_kv_disk: bool = False
@@ -50,6 +52,8 @@ def read_engine_stats(engine: Any) -> EngineStats:
         num_waiting=len(scheduler.waiting),
         num_kv_blocks=pool.num_blocks,
         num_used_kv_blocks=pool.num_used_blocks,
+        block_size=scheduler.config.block_size,
+        kv_cache_dtype=engine.runner.cache.storage,
         prefix_cache_queried_tokens=cache_stats.queried_tokens,
         prefix_cache_hit_tokens=cache_stats.hit_tokens - cache_stats.stored_hit_tokens,
         has_kv_disk=prefix_cache.store is not None,

@@ -131,6 +131,8 @@ class _EngineCollector(Collector):
                     s.num_waiting)  # fmt: skip
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     s.kv_cache_usage)  # fmt: skip
+        if s.num_kv_blocks:
+            yield self._cache_config(s)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number "
                       "of queried tokens.", s.prefix_cache_queried_tokens)  # fmt: skip
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
@@ -167,6 +169,15 @@ class _EngineCollector(Collector):
         yield gauge("metal_serve:spec_decode_mean_acceptance_length", "Tokens a drafting "
                     "request gets per step: 1 + accepted tokens per draft, since start.",
                     spec.mean_accepted_length)  # fmt: skip
+
+    def _cache_config(self, s: EngineStats) -> GaugeMetricFamily:
+        """vLLM's info gauge of the cache config: the pool's size, its block and KV dtype."""
+        info = {"num_gpu_blocks": str(s.num_kv_blocks), "block_size": str(s.block_size),
+                "cache_dtype": s.kv_cache_dtype}
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                                   "CacheConfig", labels=(*LABEL_NAMES, *info))
+        family.add_metric((*self._labels, *info.values()), 1)
+        return family
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=LABEL_NAMES)

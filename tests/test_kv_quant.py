@@ -175,3 +175,84 @@ def test_perplexity_with_quantized_kv_stays_near_float(default_model_dir, text_i
     for bits, ppl in measured.items():
         assert ppl <= base * (1 + KV_MARGINS[bits]), (bits, ppl, base)
     assert measured[4] > measured[8] > base  # quantization happened, the coarser costs more
+
+
+FAMILIES = ["llama", "mistral", "gemma3_text", "gemma4_text", "qwen3_moe", "gpt_oss",
+            "qwen3_5_text"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_reads_quantized_kv_as_its_dequantized_values(family, tmp_path,
+                                                                   monkeypatch):
+    """Sliding windows beside full layers, shared K/V (Gemma 4), sinks (GPT-OSS), experts and
+    recurrent state next to quantized pools: the logits equal those of float pools written
+    with each row's dequantized codes, and stay near the unquantized ones (Gemma 4, whose
+    unscaled attention is sharp, is the most sensitive)."""
+    import sys
+
+    from tiny_models import build_tiny_model
+
+    from convert import convert_model
+    from kernels_metal import reference
+
+    build_tiny_model(family, tmp_path / "hf")
+    model = load_model(convert_model(tmp_path / "hf", tmp_path / "out", progress=False),
+                       mx.float32)
+    ids = [int(t) for t in np.random.default_rng(0).integers(2, 120, 40)]
+    exact = prompt_logits(model, ids)
+    quantized = {bits: prompt_logits(model, ids, KVQuant(bits)) for bits in BITS}
+    float_write = reference.write_kv
+    for bits in BITS:
+        def write_dequantized(pool, new, meta, bits=bits):
+            codes, scales = quantize(new, KVQuant(bits))
+            return float_write(pool, dequantize(codes, scales, bits), meta)
+
+        for name, module in list(sys.modules.items()):
+            if name.startswith(("metal_engine", "kernels_metal")) and \
+                    getattr(module, "write_kv", None) is float_write:
+                monkeypatch.setattr(module, "write_kv", write_dequantized)
+        np.testing.assert_allclose(quantized[bits], prompt_logits(model, ids), atol=1e-4,
+                                   rtol=1e-4, err_msg=f"{family} int{bits}")
+        monkeypatch.undo()
+        assert 0 < kl_divergence(exact, quantized[bits]) < {8: 0.1, 4: 0.2}[bits]
+
+
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """The largest KL(p || q) over the rows."""
+    log_p, log_q = (x - x.max(-1, keepdims=True) for x in (p_logits, q_logits))
+    log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
+    log_q = log_q - np.log(np.exp(log_q).sum(-1, keepdims=True))
+    return float((np.exp(log_p) * (log_p - log_q)).sum(-1).max())
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "List three prime numbers.", "def add(a, b):\n    return a + b\n\nExplain this code."]
+
+
+@pytest.mark.slow
+def test_the_default_model_writes_the_same_greedy_tokens_with_int8_kv(default_model_dir,
+                                                                      default_tokenizer):
+    """The first 16 greedy tokens of each prompt, batched, equal those with float K/V; the
+    int8 pool holds 1.9x the blocks at the same --kv-cache-memory."""
+    from metal_engine.config import EngineConfig
+    from metal_engine.engine import LLMEngine
+    from scheduler import SamplingParams
+
+    def generate(kv_cache_dtype):
+        engine = LLMEngine.from_config(EngineConfig(default_model_dir, kv_cache_memory=32 << 20,
+                                                    kv_cache_dtype=kv_cache_dtype))
+        for i, text in enumerate(PROMPTS):
+            ids = default_tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True,
+                tokenize=True, return_dict=False)
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=16, temperature=0.0,
+                                                           ignore_eos=True))
+        tokens = {str(i): [] for i in range(len(PROMPTS))}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return tokens, engine.scheduler.config.num_blocks
+
+    (exact, float_blocks), (int8, int8_blocks) = generate("auto"), generate("int8")
+    assert int8 == exact
+    assert int8_blocks >= 1.9 * 2 * float_blocks  # float32 here: 2 bytes more per element

@@ -27,7 +27,7 @@ import mlx.core as mx
 from kernels_metal import cpu_attention
 from kernels_metal.cases import Case, check
 from kernels_metal.cpu_math import on_cpu
-from kernels_metal.kv_quant import QuantizedPool
+from kernels_metal.kv_quant import QuantizedPool, queries_for
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.paged import PagedAttentionKernels, kernel_dtype, unsupported_reason
 from kernels_metal.reference import paged_attention_reference, write_kv
@@ -112,6 +112,7 @@ def paged_attention(
     probability it takes is dropped; -inf is the same as no sink.
     """
     _check_sinks(sinks, q.shape[1])
+    q = queries_for(q, k_pool)  # a quantized K pool holds turned keys (kv_quant.rotation)
     route = _route(q, k_pool, window, softcap, sinks)
     if route is not None:
         kernels, verdicts = route

@@ -134,18 +134,19 @@ SINK_FOLD_SOURCE = """\
     keep = sink > m ? exp2(m - sink) : 1.0f;
     l = l * keep + (sink > m ? 1.0f : exp2(sink - m));"""
 
-# Both kernels' staging of a quantized pool's key row (kv_quant.py): each code times its
+# Both kernels' staging of a quantized pool's key row (kv_quant.py): each code's level times its
 # group's scale in fp32 (exact), rounded once to T as `kv_quant.dequantize(..., T)` rounds, so
 # the score and P V loops read T as from a float pool. The `tpk` threads of a key split the row
 # by loads of 16 bytes of codes (8 where a row is not a multiple of 16 bytes: int8 at head dims
 # of 8 x odd, int4 at 16 x odd); kv_quant's scale groups are then never narrower than a load,
 # so a load takes one scale.
 QUANTIZED_STAGING_HEADER = """
-// Code k of a 32-bit word of codes: int8 codes are its bytes; int4 codes its nibbles, low
-// nibble first, each stored as code + 8.
+// The level of code k of a 32-bit word of codes, in scale units: int8 codes are its bytes;
+// int4 codes its nibbles, low nibble first, nibble n standing for n - 7.5.
 template <int KV_BITS>
-inline int code_at(uint word, int k) {
-  return KV_BITS == 4 ? int((word >> (4 * k)) & 0xFu) - 8 : int(as_type<char4>(word)[k]);
+inline float level_at(uint word, int k) {
+  return KV_BITS == 4 ? float((word >> (4 * k)) & 0xFu) - 7.5f
+                      : float(as_type<char4>(word)[k]);
 }
 
 template <typename T, int D, int KV_BITS, int KV_GROUP, typename IDX>
@@ -166,7 +167,7 @@ inline void stage_quantized_row(const device uchar* codes, const device half* sc
     for (int w = 0; w < WPL; ++w) {
       #pragma clang loop unroll(full)
       for (int k = 0; k < CPW; ++k) {
-        dst[(u * WPL + w) * CPW + k] = T(float(code_at<KV_BITS>(words[w], k)) * scale);
+        dst[(u * WPL + w) * CPW + k] = T(level_at<KV_BITS>(words[w], k) * scale);
       }
     }
   }

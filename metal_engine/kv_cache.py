@@ -49,16 +49,16 @@ class KVCache:
         self.model_dtype, self.quant = dtype, quant
         sizes = [num_window_blocks if i in self.windowed else num_blocks
                  for i in range(len(self.shapes))]
-        self.k: list[Pool | None] = [self._empty(n, shape)
+        self.k: list[Pool | None] = [self._empty(n, shape, keys=True)
                                      for n, shape in zip(sizes, self.shapes, strict=True)]
-        self.v: list[Pool | None] = [self._empty(n, shape)
+        self.v: list[Pool | None] = [self._empty(n, shape, keys=False)
                                      for n, shape in zip(sizes, self.shapes, strict=True)]
         mx.eval(self.arrays())
 
-    def _empty(self, num_blocks: int, shape: PoolShape) -> Pool:
+    def _empty(self, num_blocks: int, shape: PoolShape, keys: bool) -> Pool:
         if self.quant is None:
             return mx.zeros((num_blocks, self.block_size, *shape), self.model_dtype)
-        return empty_pool(num_blocks, self.block_size, *shape, self.quant)
+        return empty_pool(num_blocks, self.block_size, *shape, self.quant, rotated=keys)
 
     states: RecurrentStates | None = None  # linear-attention layers' (see recurrent_states)
 

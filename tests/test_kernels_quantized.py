@@ -101,7 +101,7 @@ def test_staging_dequantized_equals_a_float_pool_of_the_same_values_bit_for_bit(
 MIXED = ((70, 1), (9, 1), (21, 19), (0, 11))
 MUTANTS = {  # (what breaks, old, new, the KV bits it breaks)
     "nibble-order": ("(word >> (4 * k))", "(word >> (4 * (k ^ 1)))", 4),
-    "int4-bias": ("int((word >> (4 * k)) & 0xFu) - 8", "int((word >> (4 * k)) & 0xFu)", 4),
+    "int4-bias": ("float((word >> (4 * k)) & 0xFu) - 7.5f", "float((word >> (4 * k)) & 0xFu)", 4),
     "int8-unsigned": ("as_type<char4>(word)", "as_type<uchar4>(word)", 8),
     "first-group-only": ("row_scales[u * WPL * CPW / KV_GROUP]", "row_scales[0]", 8),
     "neighbour-row-scales": ("scales + row * (D / KV_GROUP)", "scales + (row ^ 1) * (D / KV_GROUP)",

@@ -14,6 +14,7 @@ import pytest
 from test_quantize import TEXT, text_ids  # noqa: F401 (a fixture)
 
 from convert.validate import prompt_logits
+from kernels_metal.attention import paged_attention
 from kernels_metal.cpu_attention import paged_attention_cpu
 from kernels_metal.kv_quant import (
     KVQuant,
@@ -24,6 +25,8 @@ from kernels_metal.kv_quant import (
     host_pool,
     kv_quant_of,
     quantize,
+    rotate,
+    rotation,
 )
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import paged_attention_reference, write_kv
@@ -47,18 +50,27 @@ def test_codes_and_scales_round_trip_within_half_a_step(bits):
     step = np.repeat(np.array(scales.astype(mx.float32)), group, axis=-1)
     assert np.all(np.abs(np.array(back - x)) <= step / 2 * (1 + 1e-2) + 1e-6)
     amax = np.abs(np.array(x)).reshape(7, 3, -1, group).max(-1)
-    np.testing.assert_allclose(np.array(scales.astype(mx.float32)), amax / quant.max_code,
+    np.testing.assert_allclose(np.array(scales.astype(mx.float32)), amax / quant.max_level,
                                rtol=1e-3)  # one float16 scale per group
     np.testing.assert_allclose(host_pool(QuantizedPool(codes[None], scales[None], bits))
                                .gather(np.array([0])), np.array(back)[None], atol=1e-6)
 
 
 def test_int4_packs_two_codes_a_byte_low_nibble_first():
-    x = mx.array([[[7.0, -7.0, 1.0, 0.0, *([0.0] * 28)]]])  # one group: scale 1
+    """Levels at half steps: 7.5 scales is code 7 (nibble 15), -7.5 code -8 (nibble 0)."""
+    x = mx.array([[[7.5, -7.5, 1.2, 0.0, *([0.0] * 28)]]])  # one group: scale 1
     codes, scales = quantize(x, KVQuant(4))
     assert codes.dtype == mx.uint8 and codes.shape == (1, 1, 16)
-    assert codes[0, 0, :2].tolist() == [(7 + 8) | (-7 + 8) << 4, (1 + 8) | (0 + 8) << 4]
+    assert codes[0, 0, :2].tolist() == [15 | 0 << 4, 9 | 8 << 4]
     assert scales.tolist() == [[[1.0]]]
+    assert dequantize(codes, scales, 4)[0, 0, :4].tolist() == [7.5, -7.5, 1.5, 0.5]
+
+
+def test_keys_are_turned_by_an_orthogonal_matrix():
+    for head_dim in (64, 80, 96, 128):
+        r = np.array(rotation(head_dim))
+        np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
+        assert np.abs(r).max() < 0.26  # every feature spread over at least 16
 
 
 def test_a_pool_takes_its_bytes_per_row():
@@ -88,7 +100,8 @@ def mixed_step(block_size=8):
 @pytest.mark.parametrize("options", [{}, {"window": 5}, {"softcap": 3.0}], ids=str)
 def test_attention_reads_the_pool_as_its_dequantized_values(bits, options):
     """The reference and the CPU path over a quantized pool equal the reference over its
-    dequantized float pool; against the unquantized pool the error is the grid's."""
+    dequantized float pool; so does the dispatcher with turned keys (its queries turned too);
+    against the unquantized pool the error is the grid's."""
     rng = np.random.default_rng(bits)
     k, v = (mx.array(rng.standard_normal((8, 8, 2, 64)).astype(np.float32)) for _ in "kv")
     q = mx.array(rng.standard_normal((8, 4, 64)).astype(np.float32))
@@ -101,6 +114,13 @@ def test_attention_reads_the_pool_as_its_dequantized_values(bits, options):
                                    expected, atol=1e-5, rtol=1e-5)
     exact = np.array(paged_attention_reference(q, k, v, meta, 0.125, **options))
     assert np.abs(expected - exact).max() < QUANTIZED_ATOL[bits]
+
+    turned = QuantizedPool(*quantize(rotate(k, True), KVQuant(bits)), bits, rotated=True)
+    keys = dequantize(turned.codes, turned.scales, bits) @ rotation(64).T
+    np.testing.assert_allclose(
+        np.array(paged_attention(q, turned, pools[1], mixed_step(), 0.125, **options)),
+        np.array(paged_attention_reference(q, keys, dequantized[1], meta, 0.125, **options)),
+        atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -151,10 +171,9 @@ def test_a_budget_holds_the_blocks_the_storage_allows(default_model_dir):
     assert blocks(mx.float16, "int4") >= 3.5 * half
 
 
-# Allowed perplexity increase over float32 K/V on TEXT. Measured: float32 17.619, int8 17.673
-# (+0.30%), int4 19.517 (+10.8%; the issue's target of 5% is not met, see
-# docs/kv-cache-quantization.md).
-KV_MARGINS = {8: 0.01, 4: 0.15}
+# Allowed perplexity increase over float32 K/V on TEXT (the issue's targets). Measured: float32
+# 17.619, int8 17.635 (+0.09%), int4 18.202 (+3.31%).
+KV_MARGINS = {8: 0.01, 4: 0.05}
 
 
 @pytest.mark.slow
@@ -203,16 +222,21 @@ def test_every_family_reads_quantized_kv_as_its_dequantized_values(family, tmp_p
     quantized = {bits: prompt_logits(model, ids, KVQuant(bits)) for bits in BITS}
     float_write = reference.write_kv
     for bits in BITS:
-        def write_dequantized(pool, new, meta, bits=bits):
-            codes, scales = quantize(new, KVQuant(bits))
-            return float_write(pool, dequantize(codes, scales, bits), meta)
+        writes = iter(range(10**6))
+
+        def write_dequantized(pool, new, meta, bits=bits, writes=writes):
+            keys = next(writes) % 2 == 0  # every layer that writes writes K, then V
+            codes, scales = quantize(rotate(new, keys), KVQuant(bits))
+            rows = dequantize(codes, scales, bits)
+            return float_write(pool, rows @ rotation(rows.shape[-1]).T if keys else rows, meta)
 
         for name, module in list(sys.modules.items()):
             if name.startswith(("metal_engine", "kernels_metal")) and \
                     getattr(module, "write_kv", None) is float_write:
                 monkeypatch.setattr(module, "write_kv", write_dequantized)
-        np.testing.assert_allclose(quantized[bits], prompt_logits(model, ids), atol=1e-4,
-                                   rtol=1e-4, err_msg=f"{family} int{bits}")
+        # The float pools hold keys turned back (float32 rounding), the quantized ones turned.
+        np.testing.assert_allclose(quantized[bits], prompt_logits(model, ids), atol=2e-3,
+                                   rtol=1e-3, err_msg=f"{family} int{bits}")
         monkeypatch.undo()
         assert 0 < kl_divergence(exact, quantized[bits]) < {8: 0.1, 4: 0.2}[bits]
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import TINY_LLAMA
 
+from kernels_metal.kv_quant import kv_quant_of
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from metal_engine.kv_cache import bytes_per_block
@@ -25,12 +26,14 @@ def model_dir(tiny_llama_with_tokenizer):
     return tiny_llama_with_tokenizer
 
 
-def engine(model_dir, kv_dir, num_blocks: int = 64) -> LLMEngine:
+def engine(model_dir, kv_dir, num_blocks: int = 64, kv_cache_dtype: str = "auto") -> LLMEngine:
     per_block = bytes_per_block([(TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"])]
-                                * TINY_LLAMA["num_hidden_layers"], BLOCK, mx.float32)
+                                * TINY_LLAMA["num_hidden_layers"], BLOCK, mx.float32,
+                                kv_quant_of(kv_cache_dtype))
     return LLMEngine.from_config(EngineConfig(
         model_dir=model_dir, block_size=BLOCK, kv_cache_memory=num_blocks * per_block,
         max_model_len=min(256, num_blocks * BLOCK), kv_cache_dir=kv_dir,
+        kv_cache_dtype=kv_cache_dtype,
     ))
 
 
@@ -102,3 +105,21 @@ def test_a_corrupted_block_file_is_recomputed_not_served(model_dir, tmp_path, un
     restarted = engine(model_dir, tmp_path)
     assert generate(restarted, "a-again") == (uncached[0], 0)
     assert_same_prefix_kv(restarted, uncached)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_blocks_go_to_disk_and_come_back_as_they_are(model_dir, tmp_path,
+                                                                kv_cache_dtype):
+    """A quantized pool's blocks are stored and loaded as codes and scales: the restarted
+    engine's blocks are the first one's byte for byte and its tokens the same; a float
+    engine on the same dir has a namespace of its own, so it hits nothing there."""
+    first = engine(model_dir, tmp_path, kv_cache_dtype=kv_cache_dtype)
+    tokens, _ = generate(first, "a")
+    stored = cached_contents(first)
+    first.close()
+    restarted = engine(model_dir, tmp_path, kv_cache_dtype=kv_cache_dtype)
+    assert generate(restarted, "a-again") == (tokens, 5 * BLOCK)
+    assert restarted.scheduler.prefix_cache.stats.stored_hit_tokens == 5 * BLOCK
+    assert_same_prefix_kv(restarted, (tokens, stored))
+    float_engine = engine(model_dir, tmp_path)
+    assert generate(float_engine, "a-float")[1] == 0

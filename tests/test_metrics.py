@@ -200,3 +200,17 @@ def test_speculative_decoding_reports_vllm_counters_and_the_acceptance(model_dir
 def test_no_spec_decode_series_without_speculation(served):
     types, _ = scrape(served[1])
     assert not [name for name in types if "spec_decode" in name]
+
+
+def test_the_cache_config_names_the_pools_blocks_and_kv_dtype(model_dir):
+    """vLLM's info gauge: the pool's blocks at one --kv-cache-memory, more with int8 (than
+    float32, the CPU backend's, 64 bytes a row of this head dim 16 against 16 + 2)."""
+    blocks = {}
+    for kv_cache_dtype in ("auto", "int8"):
+        stats = read_engine_stats(make_engine(model_dir, kv_cache_dtype=kv_cache_dtype))
+        _, samples = parse(ServerMetrics(lambda stats=stats: stats, MODEL).render()[0].decode())
+        (series,) = [name for name in samples if name.startswith("vllm:cache_config_info")]
+        labels = dict(part.split("=") for part in series[series.index("{") + 1 : -1].split(","))
+        assert labels["block_size"] == "16" and samples[series] == 1
+        blocks[labels["cache_dtype"]] = int(labels["num_gpu_blocks"])
+    assert blocks["int8"] == blocks["float32"] * 64 // 18

@@ -17,14 +17,9 @@ would fit. docs/memory.md has more.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -33,17 +28,9 @@ from kernels_metal.kv_quant import kv_quant_of
 from metal_engine.cache_plan import window_blocks
 from metal_engine.config import default_token_budget
 from metal_engine.kv_cache import bytes_per_block
-from metal_engine.model_config import TEXT_PARTS, ModelConfig, read_config_json
-from metal_engine.quantization import QuantizationConfig
+from metal_engine.model_config import ModelConfig
 from metal_engine.recurrent_states import RecurrentStates
-from metal_engine.weights import (
-    MTP_PREFIX,
-    keeps_quantized,
-    resolve_dtype,
-    safetensors_files,
-    text_model_name,
-    weight_shapes,
-)
+from metal_engine.weights import resolve_dtype
 
 if TYPE_CHECKING:
     from metal_engine.config import EngineConfig
@@ -61,11 +48,6 @@ MIN_DEFAULT_CONTEXT = 4096
 # Off Apple Silicon the pool comes out of system RAM: take a modest share of what is free.
 HOST_MEMORY_FRACTION = 0.25
 HOST_MEMORY_CAP = 4 << 30
-# safetensors dtypes -> bytes per element (float ones are cast to the run dtype at load).
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-_STORED_SIZES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
-                 "BOOL": 1}
-TensorInfo = tuple[str, tuple[int, ...]]  # (safetensors dtype, shape)
 
 
 @dataclass(frozen=True)
@@ -309,51 +291,6 @@ def size(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
-
-
-# ---------------------------------------------------------------- the model's weight bytes
-
-
-def weight_bytes(config: ModelConfig, dtype: mx.Dtype,
-                 quantized: Mapping[str, TensorInfo] | None = None,
-                 multimodal: bool = False) -> int:
-    """Bytes a model of `config` takes once loaded as `dtype`, without loading it: float
-    weights are cast to `dtype` (load_model); a quantized checkpoint's weights (`quantized`:
-    its safetensors entries) stay packed where the backend keeps them quantized, and are
-    dequantized to `dtype` on the CPU backend. `multimodal`: the checkpoint also holds towers
-    the text model does not load."""
-    if quantized is None or not keeps_quantized():
-        return sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.size
-    return sum(math.prod(shape) * (dtype.size if kind in _FLOAT_DTYPES else _STORED_SIZES[kind])
-               for name, (kind, shape) in quantized.items() if _loaded(name, multimodal))
-
-
-def _loaded(name: str, multimodal: bool) -> bool:
-    """Whether load_model keeps tensor `name` (not a vision tower's, not the MTP head's)."""
-    text_name = text_model_name(name) if multimodal else name
-    return text_name is not None and not text_name.startswith(MTP_PREFIX)
-
-
-def model_dir_weight_bytes(model_dir: Path, dtype: mx.Dtype) -> tuple[ModelConfig, int]:
-    """A model dir's config and `weight_bytes`, from config.json and the safetensors headers."""
-    raw = read_config_json(model_dir)
-    config = ModelConfig.from_dict(raw)
-    if QuantizationConfig.from_config(raw) is None:
-        return config, weight_bytes(config, dtype)
-    headers = safetensors_headers(safetensors_files(model_dir))
-    return config, weight_bytes(config, dtype, headers, raw.get("model_type") in TEXT_PARTS)
-
-
-def safetensors_headers(files: list[Path]) -> dict[str, TensorInfo]:
-    """Every tensor's dtype and shape, from the files' JSON headers (no tensor is read)."""
-    tensors: dict[str, TensorInfo] = {}
-    for path in files:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        tensors.update((name, (entry["dtype"], tuple(entry["shape"])))
-                       for name, entry in header.items() if name != "__metadata__")
-    return tensors
 
 
 def plan_for(config: EngineConfig, model: ModelConfig, weights: int,

@@ -134,7 +134,8 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
 def _fit_memory(config: EngineConfig) -> None:
     """Before the weights load: refuse a model this machine cannot hold (in seconds, not
     after loading it), and set MLX's memory limits from the plan (metal_engine.memory_plan)."""
-    from metal_engine.memory_plan import apply_memory_limits, model_dir_weight_bytes, plan_for
+    from metal_engine.memory_plan import apply_memory_limits, plan_for
+    from metal_engine.weight_bytes import model_dir_weight_bytes
     from metal_engine.weights import resolve_dtype
 
     if not (config.model_dir / "config.json").is_file():
@@ -174,7 +175,7 @@ def _planned_model(args: argparse.Namespace) -> tuple[Path, ModelConfig, int]:
     source, its config and weight bytes at the dtype it would run in."""
     from convert.api import open_source
     from convert.hub import is_repo_id
-    from metal_engine.memory_plan import model_dir_weight_bytes, weight_bytes
+    from metal_engine.weight_bytes import model_dir_weight_bytes, weight_bytes
     from metal_engine.weights import resolve_dtype
 
     dtype = resolve_dtype("auto")
@@ -208,9 +209,9 @@ def _hub_model(repo_id: str, revision: str | None, dtype) -> tuple[ModelConfig, 
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, NotASafetensorsRepoError
 
-    from metal_engine.memory_plan import weight_bytes
     from metal_engine.model_config import TEXT_PARTS, ModelConfig
     from metal_engine.quantization import QuantizationConfig
+    from metal_engine.weight_bytes import weight_bytes
 
     try:
         raw = json.loads(Path(hf_hub_download(repo_id, "config.json", revision=revision))

@@ -8,7 +8,7 @@ import re
 import mlx.core as mx
 import pytest
 
-from metal_engine import memory_plan
+from metal_engine import weight_bytes
 from metal_engine.cache_plan import plan_cache
 from metal_engine.memory_plan import (
     DeviceMemory,
@@ -17,10 +17,10 @@ from metal_engine.memory_plan import (
     device_memory,
     headroom_bytes,
     kv_footprint,
-    model_dir_weight_bytes,
     plan_memory,
 )
 from metal_engine.model_config import ModelConfig
+from metal_engine.weight_bytes import model_dir_weight_bytes
 
 GIB = 1 << 30
 # Parameters and KV shapes (layers, KV heads, head dim) of three published models.
@@ -238,7 +238,7 @@ def test_quantized_weights_kept_packed_count_their_stored_bytes(tiny_llama_with_
     out = convert_model(source, tmp_path / "q4", quantize=4, group_size=32, progress=False)
     # As on a Mac, where quantized layers stay packed.
     monkeypatch.setattr(weights_module, "keeps_quantized", lambda: True)
-    monkeypatch.setattr(memory_plan, "keeps_quantized", lambda: True)
+    monkeypatch.setattr(weight_bytes, "keeps_quantized", lambda: True)
     loaded = weights_module.parameter_bytes(weights_module.load_model(out, mx.float16))
     assert model_dir_weight_bytes(out, mx.float16)[1] == loaded
     assert loaded < model_dir_weight_bytes(source, mx.float16)[1]

@@ -68,8 +68,8 @@ def test_payload_bytes_matches_the_engine_pool(dtype):
 
 
 def test_layout_rejects_unknown_dtype():
-    with pytest.raises(ValueError, match="int8"):
-        BlockLayout(((1, 1),) * 1, 1, "int8")
+    with pytest.raises(ValueError, match="int3.*float32, float16, bfloat16, int8, int4"):
+        BlockLayout(((1, 1),) * 1, 1, "int3")
 
 
 @pytest.fixture

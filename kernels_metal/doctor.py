@@ -133,7 +133,7 @@ def _without_metal(only: str | None) -> int:
     served = "; ".join(f"{str(t).removeprefix('mlx.core.')}: {_backend_here(t)}" for t in DTYPES)
     print(f"Checked instead: the attention this machine serves with ({served}) against the "
           "pure-MLX reference in float32, over the kernels' check grid.")
-    cases = [c for c in grid() if not only or only in c.name]
+    cases = [c for c in (*grid(), *quantized_grid()) if not only or only in c.name]
     failed = [c for c in cases if not check(attention.paged_attention, c).passed]
     for case in failed:
         print(f"FAIL  {case.name}")

@@ -12,7 +12,7 @@ from markers import requires_emulator
 
 from kernels_metal import attention, decode, doctor, emulator, prefill
 from kernels_metal.attention import Variant
-from kernels_metal.cases import TOLERANCE, grid, make_inputs
+from kernels_metal.cases import TOLERANCE, grid, make_inputs, quantized_grid
 from kernels_metal.cost import step_cost
 from kernels_metal.reference import paged_attention_reference
 
@@ -60,7 +60,8 @@ def test_without_metal_it_says_so_and_what_it_checked_instead(capsys):
     assert "can only be reported on a Mac" in out
     assert "Checked instead" in out and "float32: numpy on MLX's CPU backend" in out
     assert "bfloat16: the pure-MLX reference" in out
-    assert f"{len(grid())}/{len(grid())} cases passed on this machine's attention" in out
+    total = len(grid()) + len(quantized_grid())  # float and int8/int4 pools
+    assert f"{total}/{total} cases passed on this machine's attention" in out
     assert ("--emulate" in out) == emulator.available()
 
 

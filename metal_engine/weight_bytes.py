@@ -9,6 +9,7 @@ import math
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -21,6 +22,9 @@ from metal_engine.weights import (
     text_model_name,
     weight_shapes,
 )
+
+if TYPE_CHECKING:
+    from metal_engine.config import EngineConfig
 
 # safetensors dtypes -> bytes per element (float ones are cast to the run dtype at load).
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
@@ -69,3 +73,19 @@ def safetensors_headers(files: list[Path]) -> dict[str, TensorInfo]:
         tensors.update((name, (entry["dtype"], tuple(entry["shape"])))
                        for name, entry in header.items() if name != "__metadata__")
     return tensors
+
+
+def drafter_weight_bytes(config: EngineConfig, dtype: mx.Dtype) -> int:
+    """Bytes the weights speculative decoding drafts with take once loaded: a draft model's,
+    or the MTP head's (float, `dtype`); 0 for the host's methods or a dir not there."""
+    spec = config.speculative_config
+    if spec is None or spec.method not in ("draft_model", "mtp"):
+        return 0
+    path = Path(spec.model or config.model_dir)
+    if not (path / "config.json").is_file():
+        return 0  # loading it names what is missing
+    if spec.method == "draft_model":
+        return model_dir_weight_bytes(path, dtype)[1]
+    headers = safetensors_headers(safetensors_files(path))
+    return sum(math.prod(shape) for name, (_, shape) in headers.items()
+               if name.startswith(MTP_PREFIX)) * dtype.size

@@ -135,13 +135,14 @@ def _fit_memory(config: EngineConfig) -> None:
     """Before the weights load: refuse a model this machine cannot hold (in seconds, not
     after loading it), and set MLX's memory limits from the plan (metal_engine.memory_plan)."""
     from metal_engine.memory_plan import apply_memory_limits, plan_for
-    from metal_engine.weight_bytes import model_dir_weight_bytes
+    from metal_engine.weight_bytes import drafter_weight_bytes, model_dir_weight_bytes
     from metal_engine.weights import resolve_dtype
 
     if not (config.model_dir / "config.json").is_file():
         return  # not a model dir: loading it names what is missing
-    model, weights = model_dir_weight_bytes(config.model_dir, resolve_dtype(config.dtype))
-    apply_memory_limits(plan_for(config, model, weights))
+    dtype = resolve_dtype(config.dtype)
+    model, weights = model_dir_weight_bytes(config.model_dir, dtype)
+    apply_memory_limits(plan_for(config, model, weights + drafter_weight_bytes(config, dtype)))
 
 
 def dry_run(args: argparse.Namespace) -> int:
@@ -149,10 +150,13 @@ def dry_run(args: argparse.Namespace) -> int:
     reading only config.json and tensor headers. 0 if it fits; 2 if refused or unreadable."""
     from metal_engine.config import resolve_max_model_len
     from metal_engine.memory_plan import MemoryRefused, plan_for
+    from metal_engine.weight_bytes import drafter_weight_bytes
+    from metal_engine.weights import resolve_dtype
 
     try:
         path, model, weights = _planned_model(args)
         config = _engine_config(path, args)
+        weights += drafter_weight_bytes(config, resolve_dtype(config.dtype))
         label = path if args.model_dir is not None else f"the default model, {path}"
         print(f"memory plan for {label} ({model.model_type}):")
         plan = plan_for(config, model, weights)

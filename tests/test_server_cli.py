@@ -418,3 +418,16 @@ def test_dry_run_of_a_hub_repo_reads_only_its_config(tmp_path, monkeypatch, caps
     assert main(["serve", "--dry-run", "someorg/llama-8b"]) == 0
     assert fetched == [("someorg/llama-8b", "config.json")]
     assert "memory plan for someorg/llama-8b (llama)" in capsys.readouterr().out
+
+
+def test_dry_run_counts_a_draft_models_weights_too(tiny_llama, tiny_llama_with_tokenizer,
+                                                   monkeypatch, capsys):
+    from metal_engine.memory_plan import size
+
+    _loading_fails(monkeypatch)
+    spec = (f'{{"method": "draft_model", "model": "{tiny_llama_with_tokenizer}", '
+            '"num_speculative_tokens": 3}')
+    assert main(["serve", "--dry-run", str(tiny_llama_with_tokenizer), "--max-model-len", "256",
+                 "--speculative-config", spec]) == 0
+    weights = sum(p.numel() for p in tiny_llama[0].parameters()) * 4  # drafting for itself
+    assert f"weights: {size(2 * weights)};" in capsys.readouterr().out

@@ -234,3 +234,15 @@ def test_a_model_without_a_head_is_refused_naming_what_to_do(tiny_hybrid, defaul
     headless = with_tokenizer(tiny_hybrid[1], default_tokenizer, tmp_path / "headless")
     with pytest.raises(ValueError, match="no multi-token-prediction head .* convert the original"):
         from_config(headless)
+
+
+def test_the_memory_plan_counts_the_heads_weights(with_head):
+    """What `serve` plans with before loading: the head's bytes as loaded."""
+    from metal_engine.config import EngineConfig
+    from metal_engine.weight_bytes import drafter_weight_bytes
+    from metal_engine.weights import parameter_bytes
+
+    _, path = with_head
+    head = load_mtp_head(path, load_model(path, mx.float32), mx.float32)
+    config = EngineConfig(path, speculative_config=MTP)
+    assert drafter_weight_bytes(config, mx.float32) == parameter_bytes(head) > 0

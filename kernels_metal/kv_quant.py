@@ -186,7 +186,7 @@ def rotation(head_dim: int) -> mx.array:
     while block.shape[0] < n:
         block = np.block([[block, block], [block, -block]])
     matrix = mx.array(np.kron(np.eye(head_dim // n, dtype=np.float32), block / np.sqrt(n)))
-    mx.eval(matrix)  # built once, here: not on whichever thread first asks
+    mx.eval(matrix)  # an array, not a graph, that every later step reads
     return matrix
 
 

@@ -334,9 +334,7 @@ def test_dry_run_on_the_default_model_prints_the_plan_and_loads_nothing(default_
     _loading_fails(monkeypatch)
     assert main(["serve", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    # Its conversion, or its GGUF where another install's conversion holds the cache dir.
-    assert re.search(rf"memory plan for the default model, ({re.escape(str(default_model_dir))}"
-                     r"|\S+/SmolLM2-135M-Instruct\.Q4_1\.gguf)", out)
+    assert f"memory plan for the default model, {default_model_dir}" in out
     for line in ("device: ", "weights: ", "KV cache: float32, ", "KV budget: ", "capacity: "):
         assert f"\n  {line}" in out
     assert re.search(r"capacity: [\d,]+ tokens; \d+ concurrent requests? at [\d,]+ tokens", out)
@@ -431,3 +429,14 @@ def test_dry_run_counts_a_draft_models_weights_too(tiny_llama, tiny_llama_with_t
                  "--speculative-config", spec]) == 0
     weights = sum(p.numel() for p in tiny_llama[0].parameters()) * 4  # drafting for itself
     assert f"weights: {size(2 * weights)};" in capsys.readouterr().out
+
+
+def test_dry_run_reads_the_default_gguf_where_it_is_not_converted_yet(monkeypatch, capsys,
+                                                                      tmp_path):
+    from convert.default_model import default_gguf_path
+
+    _loading_fails(monkeypatch)
+    assert main(["serve", "--dry-run", "--cache-dir", str(tmp_path)]) == 0
+    assert f"memory plan for the default model, {default_gguf_path()} (llama):" in \
+        capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing converted

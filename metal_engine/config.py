@@ -50,6 +50,8 @@ class EngineConfig:
     kv_cache_dir_size: int = 8 << 30
     # Speculative decoding (`--speculative-config`): drafts that each decode step verifies.
     speculative_config: SpeculativeConfig | None = None
+    # Ranks that split every layer's heads and inner width (metal_engine.parallel).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -64,10 +66,31 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+        elif self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
+
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not combine with yet, refused by option."""
+        spec = self.speculative_config
+        refused = {
+            "--async-scheduling": self.async_scheduling,
+            "--kv-cache-dir": self.kv_cache_dir is not None,
+            f"--speculative-config method {spec.method if spec else ''}":
+                spec is not None and spec.method in ("draft_model", "mtp"),
+        }
+        for option, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"--tensor-parallel-size {self.tensor_parallel_size} does not combine with "
+                    f"{option} yet: drop one of them (ngram and suffix drafts do combine)")
 
 
 # The least KV cache that serves: the context is capped by what the cache holds.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,11 +29,16 @@ from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.outputs import RequestOutput, TokenLogprobs
+from metal_engine.parallel.group import RankLost
+from metal_engine.parallel.shard import rank_config
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.scheduler import RequestUpdate, SchedulerOutput
+
+if TYPE_CHECKING:
+    from metal_engine.parallel.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -175,16 +181,34 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
+        if config.tensor_parallel_size == 1:
+            return cls._build(config, None)
+        from metal_engine.parallel.tensor_parallel import TensorParallel
+
+        peers = TensorParallel.start(config)
+        try:
+            return cls._build(config, peers)
+        except BaseException:
+            peers.abandon()
+            raise
+
+    @classmethod
+    def _build(cls, config: EngineConfig, peers: TensorParallel | None) -> LLMEngine:
+        """`peers`: the other ranks, with a shard each (this process is rank 0)."""
         device = device_memory()  # before loading: off a Mac, the weights take what is free
         dtype = resolve_dtype(config.dtype)
-        model = load_model(config.model_dir, dtype)
+        model = load_model(config.model_dir, dtype, shard=peers.shard() if peers else None)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         drafter = _load_drafter(config, model, tokenizer, dtype)
         spec = config.speculative_config
         if spec is not None and spec.method == "mtp":
             spec = with_draft_length(spec)
         mc = model.config
+        held = mc if peers is None else rank_config(mc, peers.part)  # what this rank's cache holds
         weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
+        planned = held
+        if peers is not None and peers.one_host:  # every rank's shard and pool on this machine
+            weights, planned = weights * peers.size, mc
         memory = plan_for(config, mc, weights, device)
         for line in memory.describe():
             log.info("memory plan: %s", line)
@@ -192,11 +216,13 @@ class LLMEngine:
         token_budget = (config.max_num_batched_tokens
                         or default_token_budget(mx.metal.is_available()))
         quant = kv_quant_of(config.kv_cache_dtype)
-        plan = _plan_pool(config, mc, budget, dtype, token_budget, quant, drafter)
+        plan = _plan_pool(config, planned, budget, dtype, token_budget, quant, drafter)
         kv_tokens = plan.num_blocks * config.block_size
         check_kv_cache_blocks(plan.num_blocks, budget)
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
-        cache = KVCache.for_model(mc, plan, config.block_size, dtype, quant)
+        if peers is not None:
+            peers.send((plan, quant))
+        cache = KVCache.for_model(held, plan, config.block_size, dtype, quant)
         _log_plan(plan, cache.storage, config, max_model_len, mc.trained_context_len)
         connector = _kv_disk_connector(config, cache)
         scheduler = Scheduler(SchedulerConfig(
@@ -214,11 +240,12 @@ class LLMEngine:
         ), connector)
         device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
                           if drafter is not None else None)
-        async_scheduling = (
-            mx.metal.is_available() if config.async_scheduling is None else config.async_scheduling
+        async_scheduling = (  # tensor parallelism sends each step's tokens: it waits for them
+            mx.metal.is_available() and peers is None
+            if config.async_scheduling is None else config.async_scheduling
         )
         name = config.model_name or config.model_dir.name
-        return cls(ModelRunner(model, cache, device_drafter), scheduler, tokenizer, name,
+        return cls(ModelRunner(model, cache, device_drafter, peers), scheduler, tokenizer, name,
                    async_scheduling, connector)
 
     @property
@@ -259,7 +286,24 @@ class LLMEngine:
             or self._in_flight is not None
         )
 
+    @property
+    def tensor_parallel(self) -> TensorParallel | None:
+        """The other ranks, when this engine is rank 0 of several."""
+        return self.runner.peers
+
     def step(self) -> list[RequestOutput]:
+        """Run one step. With tensor parallelism a failed step is `RankLost`: the ranks may
+        be out of step, so the engine cannot go on."""
+        if self.runner.peers is None:
+            return self._step()
+        try:
+            return self._step()
+        except RankLost:
+            raise
+        except Exception as exc:
+            raise RankLost(f"a tensor-parallel step failed: {exc}") from exc
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         self.runner.release(scheduled.finished_ids)
@@ -282,7 +326,10 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
-        """Save every cached block in the pool to the disk tier (if any), for the next start."""
+        """Save every cached block in the pool to the disk tier (if any), for the next start;
+        stop the other ranks (if any)."""
+        if self.runner.peers is not None:
+            self.runner.peers.stop()
         if self.kv_connector is None:
             return
         if self._in_flight is not None:

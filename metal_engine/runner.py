@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +27,9 @@ from metal_engine.rejection_sampler import (
 from metal_engine.sampler import SamplingBatch, SamplingRow, sample
 from scheduler.request import Request
 from scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from metal_engine.parallel.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -105,18 +109,24 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, cache: KVCache,
-                 draft: DraftModel | MtpDrafter | None = None) -> None:
+                 draft: DraftModel | MtpDrafter | None = None,
+                 peers: TensorParallel | None = None) -> None:
         """`draft`: speculative decoding's drafter on the device (a draft model or the
-        model's MTP head), which runs in every step."""
+        model's MTP head), which runs in every step. `peers`: the other ranks of a
+        tensor-parallel engine (this runner is rank 0's), sent each step before it runs."""
         self.model = model
         self.cache = cache
         self.draft = draft
+        self.peers = peers
         self.block_tables = BlockTables()
         self.window_tables = BlockTables(group="window")
         self._queued = False  # work queued on the device and not waited for since
+        self._released: list[str] = []  # for the peers, with the next step
 
     def release(self, request_ids: list[str]) -> None:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
+        if self.peers is not None:
+            self._released += request_ids
         self.block_tables.release(request_ids)
         self.window_tables.release(request_ids)
         if self.draft is not None:
@@ -125,6 +135,9 @@ class ModelRunner:
     def _forward(self, out: SchedulerOutput, input_ids: mx.array, step: StepInputs) -> mx.array:
         """The model over the step's rows; for a hybrid model, its state slots restored from
         checkpoints before and saved to checkpoints after, as the scheduler planned."""
+        if self.peers is not None:  # first: their layers' sums pair with this rank's
+            self.peers.send_step(self._released, out)
+            self._released = []
         states = self.cache.states
         if states is not None:
             states.copy(out.state_plan.restores)
@@ -168,7 +181,8 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.follow(out, input_ids, hidden, self.block_tables, self.window_tables)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V
-            return self._queue(LaunchedStep(out, [], None))
+            # ...and, with peers, end in the last layer's sums, which theirs pair with.
+            return self._queue(LaunchedStep(out, [], None), *([hidden] if self.peers else []))
         logits = self.model.logits(hidden[mx.array(step.sample_rows)])
         if batch is not None:
             verified = (rejection_sample(logits, batch) if drafted is None else
@@ -180,11 +194,11 @@ class ModelRunner:
         logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
         return self._queue(LaunchedStep(out, step.sample_request_ids, token_ids, logprobs))
 
-    def _queue(self, launched: LaunchedStep) -> LaunchedStep:
+    def _queue(self, launched: LaunchedStep, *more: mx.array) -> LaunchedStep:
         """Evaluate the step's graph asynchronously, behind nothing that reads a pool."""
         self._wait_for_device()
         draft_pools = self.draft.cache.arrays() if self.draft is not None else []
-        mx.async_eval(*launched.arrays(), self.cache.arrays(), draft_pools)
+        mx.async_eval(*launched.arrays(), *more, self.cache.arrays(), draft_pools)
         self._queued = True
         return launched
 
@@ -193,6 +207,14 @@ class ModelRunner:
         if self._queued:
             mx.synchronize()
             self._queued = False
+
+    def forward_step(self, out: SchedulerOutput) -> None:
+        """Run a step's forward and K/V writes only: a tensor-parallel rank other than 0, whose
+        sums pair with rank 0's (which samples)."""
+        step = build_step_inputs(out, self.cache.block_size, self.block_tables,
+                                 self.window_tables)
+        hidden = self._forward(out, _with_pending_tokens(step, None), step)
+        mx.eval(hidden, self.cache.arrays())
 
     def forward_logits(self, out: SchedulerOutput) -> mx.array:
         """Logits of every packed row (for tests and diagnostics, not the serving path)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -70,9 +71,12 @@ def keeps_quantized() -> bool:
     return mx.default_device() != mx.cpu
 
 
-def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
+def load_model(model_dir: Path, dtype: mx.Dtype,
+               shard: Callable[[CausalLM], object] | None = None) -> CausalLM:
     """Instantiate the config's model class and load every weight; missing or unexpected names
-    are errors. Quantized checkpoints keep quantized layers, or are dequantized on the CPU."""
+    are errors. Quantized checkpoints keep quantized layers, or are dequantized on the CPU.
+    `shard` (tensor parallelism) keeps a rank's share of the weights before they are read, so
+    a rank never holds the whole model."""
     raw_config = read_config_json(model_dir)
     config = ModelConfig.from_dict(raw_config)
     quantization = QuantizationConfig.from_config(raw_config)
@@ -99,6 +103,9 @@ def load_model(model_dir: Path, dtype: mx.Dtype) -> CausalLM:
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
+    del weights
+    if shard is not None:
+        shard(model)
     model.eval()
     mx.eval(model.parameters())
     return model

@@ -9,7 +9,9 @@ its handler through an `asyncio.Queue` fed with `loop.call_soon_threadsafe`.
 
 A failure inside one request (refused or failed add, an output that cannot be delivered)
 fails that request only. A step that raises fails the live requests (the bridge cannot tell
-which of them it ran) and leaves the engine to the next request. The thread lives on.
+which of them it ran) and leaves the engine to the next request. The thread lives on, unless
+the engine cannot go on (`RankLost`: a tensor-parallel rank is gone): then the server shuts
+down as on SIGTERM, and `fatal` says why.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from metal_engine.outputs import RequestOutput
+from metal_engine.parallel.group import RankLost
 from server.engine_stats import EngineStats, read_engine_stats
 from server.http.logs import current_request_id
 from server.sampling_defaults import SamplingDefaults
@@ -171,6 +176,7 @@ class AsyncEngine:
         self._observe: Callable[[], RequestObserver] = _NoObserver
         self._streams: dict[str, _Stream] = {}  # live requests; engine thread only
         self._stalled = False  # engine thread only: a step failed and nothing was added since
+        self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         # One at a time: a client sending many slow schemas delays only other grammars.
         self._grammar_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
@@ -224,6 +230,16 @@ class AsyncEngine:
         self._grammar_worker.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def report_fatal(self, reason: str) -> None:
+        """The engine cannot go on (from any thread): shut the server down as SIGTERM does
+        (live requests fail or drain; `serve` then exits non-zero)."""
+        with self._cond:
+            if self.fatal is not None:
+                return
+            self.fatal = reason
+        log.error("%s: shutting the server down", reason)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _start_locked(self) -> None:
         if self._stopping:
@@ -380,6 +396,12 @@ class AsyncEngine:
     def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
+        except RankLost as exc:
+            log.exception("a rank was lost; failing %d requests", len(self._streams))
+            self._fail_all(EngineError("The server lost one of its ranks", exc))
+            self._stalled = True
+            self.report_fatal(str(exc))
+            return []
         except Exception as exc:
             log.exception("engine step failed; failing its %d requests", len(self._streams))
             self._fail_all(EngineError("The engine failed while generating", exc))

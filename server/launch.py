@@ -31,6 +31,7 @@ _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
     "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
+    "tensor_parallel_size",
 )  # fmt: skip
 # Third-party import-time advice that a server operator cannot act on, e.g. transformers'
 # "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.
@@ -44,6 +45,10 @@ def serve(args: argparse.Namespace) -> int:
         os.environ.setdefault(name, value)  # before anything imports transformers
     if args.dry_run:
         return dry_run(args)
+    if _is_other_rank(args):  # under mlx.launch: rank 0 serves, this one follows it
+        from metal_engine.parallel.worker import run_rank
+
+        return run_rank()
     try:
         options = _http_options(args)
         model_dir = _resolve_model(args)
@@ -67,9 +72,18 @@ def serve(args: argparse.Namespace) -> int:
         "serving %s (%s) as %r on http://%s:%d/v1", model_dir, parameters.describe(),
         args.served_model_name, args.host, args.port,
     )  # fmt: skip
+    if (peers := engine.tensor_parallel) is not None:
+        peers.watch(bridge.report_fatal)
     run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
                args.client_timeout)
-    return 0
+    return 1 if bridge.fatal is not None else 0
+
+
+def _is_other_rank(args: argparse.Namespace) -> bool:
+    from metal_engine.parallel.local_ranks import RANK_ENV, launched_by_mlx
+
+    return ((args.tensor_parallel_size or 1) > 1 and launched_by_mlx()
+            and os.environ[RANK_ENV] != "0")
 
 
 def _resolve_model(args: argparse.Namespace) -> Path:
@@ -167,11 +181,22 @@ def dry_run(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"metal-serve: error: {exc}", file=sys.stderr)
         return 2
+    if config.tensor_parallel_size > 1:
+        lines += _tensor_parallel_traffic(model, config)
     for line in lines:
         print(f"  {line}")
     if refusal is not None:
         print(f"does not fit: {refusal}")
     return 0 if refusal is None else 2
+
+
+def _tensor_parallel_traffic(model: ModelConfig, config: EngineConfig) -> list[str]:
+    from metal_engine.parallel.traffic import step_traffic
+    from metal_engine.weights import resolve_dtype
+
+    dtype_bytes = resolve_dtype(config.dtype).size
+    return [line for tokens in (1, 16) for line in
+            step_traffic(model, config.tensor_parallel_size, tokens, dtype_bytes).describe()]
 
 
 def _planned_model(args: argparse.Namespace) -> tuple[Path, ModelConfig, int]:

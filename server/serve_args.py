@@ -170,6 +170,12 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         'draft_model with "model": DIR); '
         "drafts are verified inside the batch, with the same outputs as without",
     )
+    group.add_argument(
+        "--tensor-parallel-size", type=_positive_int, metavar="N",
+        help="split every layer's heads and inner width over N ranks (processes) that run "
+        "each step together over mx.distributed: on this host, or one per Mac under "
+        "`mlx.launch` (see docs/distributed.md); default 1",
+    )
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,7 +129,8 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
     def build_app(engine, name, max_n, tool_call_parser=None, **_):
         built.append({"max_n": max_n, "tool_call_parser": tool_call_parser})
 
-    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: object())
+    monkeypatch.setattr(launch, "_load_engine",
+                        lambda model_dir, args: SimpleNamespace(tensor_parallel=None))
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", build_app)
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
@@ -170,7 +172,8 @@ def _served_defaults(monkeypatch, argv):
     from server.http import shutdown
 
     built = []
-    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: object())
+    monkeypatch.setattr(launch, "_load_engine",
+                        lambda model_dir, args: SimpleNamespace(tensor_parallel=None))
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda engine, *args, **kw: built.append(engine))
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)

@@ -48,6 +48,8 @@ class EngineConfig:
     # blocks at shutdown) are kept here, keyed by model identity, up to this many bytes.
     kv_cache_dir: Path | None = None
     kv_cache_dir_size: int = 8 << 30
+    # Save each block there as soon as a step computes it (a prefill server's handoff).
+    kv_write_through: bool = False
     # Speculative decoding (`--speculative-config`): drafts that each decode step verifies.
     speculative_config: SpeculativeConfig | None = None
     # Ranks that split every layer's heads and inner width (metal_engine.parallel).
@@ -66,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_write_through and self.kv_cache_dir is None:
+            raise ValueError("--kv-write-through saves blocks to --kv-cache-dir: give it one")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         elif self.tensor_parallel_size < 1:

@@ -70,7 +70,7 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
     for kind, parts in stores.items():
         log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
                  parts.store.used_bytes / 2**20, parts.store.root)
-    return KVDiskConnector(stores)
+    return KVDiskConnector(stores, write_through=config.kv_write_through)
 
 
 def _load_drafter(config: EngineConfig, model: CausalLM, tokenizer,
@@ -364,6 +364,8 @@ class LLMEngine:
         """Wait for a launched step's tokens and turn them into outputs."""
         sampled, logprobs = launched.sampled(), launched.sampled_logprobs()
         updates = self.scheduler.resolve(launched.out, sampled)
+        if self.kv_connector is not None:  # before the outputs go out (write-through)
+            self.kv_connector.save_computed()
         return [self._process(u, logprobs.get(u.request.request_id)) for u in updates]
 
     def _process(self, update: RequestUpdate,

@@ -1,6 +1,6 @@
 """The disk tier of the prefix cache as one object: a scheduler side and a runner side.
 
-The scheduler side (`lookup`, `find`, `read_ahead`, `load`, `evicted`, `take_plan`; see
+The scheduler side (`lookup`, `find`, `read_ahead`, `load`, `evicted`, `computed`, `take_plan`; see
 scheduler.kv_connector) answers from the store's in-memory index and queues moves; it reads
 no file, so `schedule()` never waits on the disk. The runner side carries out each step's plan
 on the KV pool (`before_step`, `after_launch`), and `close` saves the whole pool at shutdown.
@@ -77,11 +77,15 @@ class KVDiskConnector:
     """Moves cached blocks (and state checkpoints) between memory and KVDiskStores. One
     engine thread calls it."""
 
-    def __init__(self, stores: dict[CacheKind, TierStore]) -> None:
-        """`stores`: per kind held on disk ("blocks" at least), its store and data in memory."""
+    def __init__(self, stores: dict[CacheKind, TierStore], write_through: bool = False) -> None:
+        """`stores`: per kind held on disk ("blocks" at least), its store and data in memory.
+        `write_through`: save each block as soon as a step has filled it, not only once memory
+        drops it (what a prefill server hands its blocks to a decode server by)."""
         self._tiers = {kind: _Tier(parts) for kind, parts in stores.items()}
         self._blocks = self._tiers["blocks"]
         self._plan = KVTransferPlan()
+        self._write_through = write_through
+        self._computed: list[tuple[int, BlockHash]] = []
 
     # -- scheduler side: hashes and ids, no file reads ----------------------------------------
 
@@ -128,6 +132,10 @@ class KVDiskConnector:
         if tier is not None and block_hash not in tier.store:
             self._plan.of(kind).saves.append((index, block_hash))
 
+    def computed(self, kind: CacheKind, index: int, block_hash: BlockHash) -> None:
+        if self._write_through and kind == "blocks" and block_hash not in self._blocks.store:
+            self._computed.append((index, block_hash))
+
     def take_plan(self) -> KVTransferPlan:
         plan, self._plan = self._plan, KVTransferPlan()
         for tier in self._tiers.values():
@@ -149,6 +157,13 @@ class KVDiskConnector:
         cannot be read leaves its store's index, so the request computes that data instead."""
         for kind, tier in self._tiers.items():
             tier.read(plan.of(kind).reads)
+
+    def save_computed(self) -> None:
+        """Save the blocks steps have filled since the last call (with `write_through`): call
+        once the step that filled them is resolved and before its outputs go out, so a
+        client told its prompt is done finds the blocks on disk."""
+        computed, self._computed = self._computed, []
+        self._blocks.save(computed)
 
     def close(self, cached: dict[CacheKind, Sequence[tuple[int, BlockHash]]]) -> None:
         """Save all data held in memory (per kind: (id, hash)) that the stores lack, for the

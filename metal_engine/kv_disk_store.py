@@ -143,8 +143,8 @@ class KVDiskStore:
 
     The in-memory index of hashes is built at startup by scanning the namespace; LRU order
     lives in file mtimes, so it survives restarts. Several processes may share a directory: each
-    bounds what it knows of, and a file another one removed is a miss. Blocks another process
-    adds after startup are not seen.
+    bounds what it knows of, a file another one removed is a miss, and a block another one
+    added since is found by its file (a prefill server handing blocks to a decode server).
     """
 
     def __init__(self, directory: Path, identity: str, layout: Layout,
@@ -164,7 +164,16 @@ class KVDiskStore:
         self._make_room(0)
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._index
+        if block_hash in self._index:
+            return True
+        try:  # one stat, for a hash that misses the index
+            size = self._path(block_hash).stat().st_size
+        except OSError:
+            return False
+        if size != self.layout.file_bytes:
+            return False  # being replaced, or another layout's: not a block to read
+        self._index[block_hash] = None  # room is made at this process's next save
+        return True
 
     @property
     def num_blocks(self) -> int:

@@ -101,6 +101,10 @@ class KVConnectorScheduler(Protocol):
         """Memory is dropping or reusing id `index` of `kind`, which holds `block_hash`'s data:
         queue it to be saved unless the tier has it."""
 
+    def computed(self, kind: CacheKind, index: int, block_hash: BlockHash) -> None:
+        """A step has just filled id `index` of `kind` with `block_hash`'s data (its step has
+        run): a tier that saves blocks as they are computed queues it."""
+
     def take_plan(self) -> KVTransferPlan:
         """This step's queued moves; the queues start empty again. Drops staged payloads that
         no request wanted this step (they are read again if wanted later)."""

@@ -186,7 +186,9 @@ class PrefixCache:
         num_full = num_tokens // self.block_size
         self._hash(request, num_full)
         for i in range(request.num_hashed_blocks, num_full):
-            self.pool.cache(request.block_ids[i], request.block_hashes[i])
+            block_id, block_hash = request.block_ids[i], request.block_hashes[i]
+            if self.pool.cache(block_id, block_hash) and self.store is not None:
+                self.store.computed("blocks", block_id, block_hash)
         if self.window is not None:
             self.window.register(request, request.num_hashed_blocks, num_full)
         request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)

@@ -31,7 +31,7 @@ _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
     "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
-    "tensor_parallel_size",
+    "tensor_parallel_size", "kv_write_through",
 )  # fmt: skip
 # Third-party import-time advice that a server operator cannot act on, e.g. transformers'
 # "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.

@@ -230,6 +230,14 @@ def _add_prefix_cache_arguments(group: argparse._ArgumentGroup) -> None:
         help='most disk the --kv-cache-dir cache may use, e.g. "20GiB" (default 8GiB); '
         "least recently used blocks go first",
     )
+    group.add_argument(
+        "--kv-write-through",
+        action="store_true",
+        default=None,
+        help="save each block to --kv-cache-dir as soon as it is computed, before the "
+        "request's answer goes out: the prefill server of a prefill/decode split, whose "
+        "decode server shares the directory (see docs/distributed.md)",
+    )
 
 
 def _origins(text: str) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from server.http.metrics import ServerMetrics
 from server.http.shutdown import Drain, DrainGate
 from server.openai.api import openai_router
 from server.openai.protocol import ModelCard, ModelList
+from server.openai.render import render_router
 from server.openai.serving import Serving
 from server.responses.api import responses_router
 from server.serve_args import (
@@ -113,6 +114,7 @@ def build_app(
     parser = serving.tool_call_parser
     app.include_router(_service_router(async_engine, metrics, model_ids, parameters))
     app.include_router(openai_router(serving, options.min_priority))
+    app.include_router(render_router(async_engine, parser))
     app.include_router(responses_router(async_engine, served_model_name, parser))
     app.include_router(anthropic_router(async_engine, served_model_name, parser))
     return app

@@ -1,0 +1,48 @@
+"""vLLM's render routes: a request's prompt token ids, without generating.
+
+`POST /v1/chat/completions/render`, `/v1/completions/render` and `/v1/responses/render` take
+the body of their generating route and answer `{"token_ids": [...]}` (completions: one such
+object per prompt). A prefix-aware router (vllm-router's `cache_aware` policy) renders each
+request on the replicas to learn which one already holds its prefix; the ids are exactly those
+the generating route would schedule, so its prefix matches are the replica's cache hits.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from server.async_engine import AsyncEngine
+from server.core.chat_turn import prepare_chat
+from server.core.prompts import completion_prompt_ids, off_loop
+from server.http.limits import check_request_limits
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses.input import chat_request
+from server.responses.protocol import ResponsesRequest
+from server.responses.tools import read_tools
+
+
+def render_router(engine: AsyncEngine, tool_call_parser: str | None = None) -> APIRouter:
+    """The routes; `tool_call_parser` as the generating routes use it."""
+    router = APIRouter()
+    tokenizer = engine.tokenizer
+
+    async def chat_ids(chat: ChatCompletionRequest) -> dict:
+        check_request_limits(chat)
+        prepared = await off_loop(prepare_chat, tokenizer, chat, tool_call_parser)
+        return {"token_ids": prepared.ids}
+
+    @router.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest) -> dict:
+        return await chat_ids(body)
+
+    @router.post("/v1/responses/render")
+    async def render_response(body: ResponsesRequest) -> dict:
+        return await chat_ids(chat_request(body, read_tools(body.tools)))
+
+    @router.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest) -> list[dict]:
+        prompts = body.prompts()
+        ids = await off_loop(lambda: [completion_prompt_ids(tokenizer, p) for p in prompts])
+        return [{"token_ids": prompt_ids} for prompt_ids in ids]
+
+    return router

@@ -53,6 +53,14 @@ def _add_target_arguments(group: argparse._ArgumentGroup) -> None:
         help="let answers end early (default: always generate --output-len tokens)",
     )
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    group.add_argument(
+        "--replica-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a metal-serve replica behind the --base-url router (repeat for each): reports "
+        "its prefix-cache hits during the run (docs/router.md)",
+    )
 
 
 def _add_workload_arguments(group: argparse._ArgumentGroup) -> None:
@@ -111,6 +119,9 @@ def _add_load_arguments(group: argparse._ArgumentGroup) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """0 when every request completed, 1 when some failed, 2 for bad arguments."""
+    import httpx
+
+    from server.bench import router
     from server.bench.metrics import parse_slos
     from server.bench.report import format_run, format_sweep, write_result_json
     from server.bench.serve_bench import load_tokenizer, run_serve_bench
@@ -122,14 +133,18 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"metal-serve bench serve: error: {exc}", file=sys.stderr)
         return 2
     try:
+        before = router.snapshot(args.replica_url)
         runs = asyncio.run(run_serve_bench(config, tokenizer))
-    except RuntimeError as exc:  # the warm-up failed: the server is not usable
+        replica_hits = router.since(args.replica_url, before)
+    except (RuntimeError, httpx.HTTPError) as exc:  # the warm-up failed, or a replica's metrics
         print(f"metal-serve bench serve: error: {exc}", file=sys.stderr)
         return 1
     for run in runs:
         print(format_run(f"{config.workload} @ {config.base_url}", run))
     if len(runs) > 1:
         print(format_sweep(runs))
+    if args.replica_url:
+        print(router.format_replica_hits(args.replica_url, replica_hits))
     if args.result_json is not None:
         write_result_json(args.result_json, config.to_json(), runs)
         print(f"results: {args.result_json}")

@@ -13,6 +13,7 @@ from server_helpers import running_server, small_engine
 
 from server.bench.client import CHAT, COMPLETIONS, Sampling, StreamResult, request_body
 from server.bench.metrics import RequestRecord, compute_metrics, parse_slos
+from server.bench.router import prefix_counts
 from server.bench.runner import run_sessions, send_requests
 from server.bench.serve_bench import ServeBenchConfig, build_workload
 from server.bench.sse import SSEDecoder, parse_event
@@ -360,3 +361,18 @@ def test_bench_code_edit_against_our_server(base_url, default_model_dir, tmp_pat
     (run,) = bench(base_url, default_model_dir, tmp_path, options)["runs"]
     assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 0)
     assert all(r["input_tokens"] > 200 and r["server_output_tokens"] == 4 for r in run["records"])
+
+
+@pytest.mark.slow
+def test_bench_serve_reports_each_replicas_prefix_hits(
+    base_url, default_model_dir, tmp_path, capsys
+):
+    before = prefix_counts(base_url)
+    options = ("--workload agents --sessions 2 --turns 2 --prefix-len 32 --input-len 16 "
+               f"--tool-result-len 8 --num-warmups 0 --replica-url {base_url}")  # fmt: skip
+    bench(base_url, default_model_dir, tmp_path, options)
+    counts = prefix_counts(base_url) - before
+    assert 0 < counts.hits < counts.queried  # a session's second turn reuses its first
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith(base_url))
+    assert row.split()[1:] == [f"{counts.queried:.0f}", f"{counts.hits:.0f}", f"{counts.rate:.1%}"]

@@ -52,8 +52,10 @@ class EngineConfig:
     kv_write_through: bool = False
     # Speculative decoding (`--speculative-config`): drafts that each decode step verifies.
     speculative_config: SpeculativeConfig | None = None
-    # Ranks that split every layer's heads and inner width (metal_engine.parallel).
+    # Ranks that split every layer's heads and inner width, or the layers between them
+    # (metal_engine.parallel); one of the two at a time.
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -70,21 +72,30 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.kv_write_through and self.kv_cache_dir is None:
             raise ValueError("--kv-write-through saves blocks to --kv-cache-dir: give it one")
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
-        elif self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.parallel_size > 1:
+            self._check_parallel()
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
 
 
-    def _check_tensor_parallel(self) -> None:
-        """What tensor parallelism does not combine with yet, refused by option."""
+    @property
+    def parallel_size(self) -> int:
+        """How many ranks (processes) run each step."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        """What several ranks do not combine with yet, refused by option."""
+        flag = ("--tensor-parallel-size" if self.tensor_parallel_size > 1
+                else "--pipeline-parallel-size")
         spec = self.speculative_config
         refused = {
+            "--pipeline-parallel-size": self.tensor_parallel_size > 1
+            and self.pipeline_parallel_size > 1,
             "--async-scheduling": self.async_scheduling,
             "--kv-cache-dir": self.kv_cache_dir is not None,
             f"--speculative-config method {spec.method if spec else ''}":
@@ -93,8 +104,8 @@ class EngineConfig:
         for option, given in refused.items():
             if given:
                 raise ValueError(
-                    f"--tensor-parallel-size {self.tensor_parallel_size} does not combine with "
-                    f"{option} yet: drop one of them (ngram and suffix drafts do combine)")
+                    f"{flag} {self.parallel_size} does not combine with {option} yet: drop "
+                    "one of them (ngram and suffix drafts do combine)")
 
 
 # The least KV cache that serves: the context is capped by what the cache holds.

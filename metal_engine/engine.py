@@ -30,7 +30,6 @@ from metal_engine.models.decoder import CausalLM
 from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.outputs import RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
-from metal_engine.parallel.shard import rank_config
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
@@ -38,7 +37,7 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.scheduler import RequestUpdate, SchedulerOutput
 
 if TYPE_CHECKING:
-    from metal_engine.parallel.tensor_parallel import TensorParallel
+    from metal_engine.parallel.peers import Peers
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +180,11 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        if config.tensor_parallel_size == 1:
+        if config.parallel_size == 1:
             return cls._build(config, None)
-        from metal_engine.parallel.tensor_parallel import TensorParallel
+        from metal_engine.parallel.peers import Peers
 
-        peers = TensorParallel.start(config)
+        peers = Peers.start(config)
         try:
             return cls._build(config, peers)
         except BaseException:
@@ -193,21 +192,22 @@ class LLMEngine:
             raise
 
     @classmethod
-    def _build(cls, config: EngineConfig, peers: TensorParallel | None) -> LLMEngine:
-        """`peers`: the other ranks, with a shard each (this process is rank 0)."""
+    def _build(cls, config: EngineConfig, peers: Peers | None) -> LLMEngine:
+        """`peers`: the other ranks, with a share of the model each (this process is rank 0)."""
         device = device_memory()  # before loading: off a Mac, the weights take what is free
         dtype = resolve_dtype(config.dtype)
-        model = load_model(config.model_dir, dtype, shard=peers.shard() if peers else None)
+        split = peers.split if peers is not None else None
+        model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
         tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
         drafter = _load_drafter(config, model, tokenizer, dtype)
         spec = config.speculative_config
         if spec is not None and spec.method == "mtp":
             spec = with_draft_length(spec)
         mc = model.config
-        held = mc if peers is None else rank_config(mc, peers.part)  # what this rank's cache holds
+        held = mc if split is None else split.cache_config(mc)  # what this rank's cache holds
         weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
-        planned = held
-        if peers is not None and peers.one_host:  # every rank's shard and pool on this machine
+        planned = held if split is None or not split.by_layers else mc
+        if peers is not None and peers.one_host:  # every rank's share and pool on this machine
             weights, planned = weights * peers.size, mc
         memory = plan_for(config, mc, weights, device)
         for line in memory.describe():
@@ -222,7 +222,8 @@ class LLMEngine:
         max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
         if peers is not None:
             peers.send((plan, quant))
-        cache = KVCache.for_model(held, plan, config.block_size, dtype, quant)
+        cache = KVCache.for_model(held, plan, config.block_size, dtype, quant,
+                                  split.held_pools(model) if split else None)
         _log_plan(plan, cache.storage, config, max_model_len, mc.trained_context_len)
         connector = _kv_disk_connector(config, cache)
         scheduler = Scheduler(SchedulerConfig(
@@ -240,13 +241,14 @@ class LLMEngine:
         ), connector)
         device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
                           if drafter is not None else None)
-        async_scheduling = (  # tensor parallelism sends each step's tokens: it waits for them
+        async_scheduling = (  # several ranks: each step's plan carries its tokens, so it waits
             mx.metal.is_available() and peers is None
             if config.async_scheduling is None else config.async_scheduling
         )
         name = config.model_name or config.model_dir.name
-        return cls(ModelRunner(model, cache, device_drafter, peers), scheduler, tokenizer, name,
-                   async_scheduling, connector)
+        stage = split.stage(model, cache, dtype) if split else None
+        runner = ModelRunner(model, cache, device_drafter, peers, stage)
+        return cls(runner, scheduler, tokenizer, name, async_scheduling, connector)
 
     @property
     def max_model_len(self) -> int:
@@ -287,13 +289,13 @@ class LLMEngine:
         )
 
     @property
-    def tensor_parallel(self) -> TensorParallel | None:
+    def peers(self) -> Peers | None:
         """The other ranks, when this engine is rank 0 of several."""
         return self.runner.peers
 
     def step(self) -> list[RequestOutput]:
-        """Run one step. With tensor parallelism a failed step is `RankLost`: the ranks may
-        be out of step, so the engine cannot go on."""
+        """Run one step. With several ranks a failed step is `RankLost`: the ranks may be
+        out of step, so the engine cannot go on."""
         if self.runner.peers is None:
             return self._step()
         try:
@@ -301,7 +303,7 @@ class LLMEngine:
         except RankLost:
             raise
         except Exception as exc:
-            raise RankLost(f"a tensor-parallel step failed: {exc}") from exc
+            raise RankLost(f"a step over several ranks failed: {exc}") from exc
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

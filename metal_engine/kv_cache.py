@@ -11,7 +11,7 @@ kernels_metal.kv_quant), which the layers take, write and read as they do an arr
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -40,14 +40,16 @@ class KVCache:
 
     def __init__(self, shapes: Sequence[PoolShape], num_blocks: int, block_size: int,
                  dtype: mx.Dtype, windowed: Sequence[int] = (), num_window_blocks: int = 0,
-                 quant: KVQuant | None = None):
+                 quant: KVQuant | None = None, held: Collection[int] | None = None):
         """`shapes`: (kv_heads, head_dim) of each pool; the `windowed` ones (a sliding-window
         group) hold `num_window_blocks` blocks, the others `num_blocks`. `dtype`: the
-        model's; the pools store it, or `quant`'s codes and scales."""
+        model's; the pools store it, or `quant`'s codes and scales. `held`: the pools this
+        process's layers use (a pipeline stage's); the others hold no blocks."""
         self.shapes, self.windowed = tuple(shapes), tuple(windowed)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.model_dtype, self.quant = dtype, quant
-        sizes = [num_window_blocks if i in self.windowed else num_blocks
+        sizes = [0 if held is not None and i not in held
+                 else num_window_blocks if i in self.windowed else num_blocks
                  for i in range(len(self.shapes))]
         self.k: list[Pool | None] = [self._empty(n, shape, keys=True)
                                      for n, shape in zip(sizes, self.shapes, strict=True)]
@@ -64,10 +66,12 @@ class KVCache:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, plan: CachePlan, block_size: int,
-                  dtype: mx.Dtype, quant: KVQuant | None = None) -> KVCache:
-        """The pools and state slots `cfg`'s layers need, sized as `plan` says."""
+                  dtype: mx.Dtype, quant: KVQuant | None = None,
+                  held: Collection[int] | None = None) -> KVCache:
+        """The pools and state slots `cfg`'s layers need, sized as `plan` says (of the pools,
+        only the `held` ones, if given, get blocks)."""
         cache = cls(cfg.kv_pool_shapes(), plan.num_blocks, block_size, dtype,
-                    plan.windowed_pools, plan.num_window_blocks, quant)
+                    plan.windowed_pools, plan.num_window_blocks, quant, held)
         if cfg.linear_attention is not None:
             from metal_engine.recurrent_states import RecurrentStates
 

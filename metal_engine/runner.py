@@ -29,7 +29,8 @@ from scheduler.request import Request
 from scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from metal_engine.parallel.tensor_parallel import TensorParallel
+    from metal_engine.parallel.peers import Peers
+    from metal_engine.parallel.pipeline import PipelineStage
 
 
 @dataclass(frozen=True)
@@ -110,14 +111,16 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, cache: KVCache,
                  draft: DraftModel | MtpDrafter | None = None,
-                 peers: TensorParallel | None = None) -> None:
+                 peers: Peers | None = None, stage: PipelineStage | None = None) -> None:
         """`draft`: speculative decoding's drafter on the device (a draft model or the
-        model's MTP head), which runs in every step. `peers`: the other ranks of a
-        tensor-parallel engine (this runner is rank 0's), sent each step before it runs."""
+        model's MTP head), which runs in every step. `peers`: the other ranks of an engine
+        over several (this runner is rank 0's), sent each step before it runs. `stage`: this
+        rank's layers, with pipeline parallelism."""
         self.model = model
         self.cache = cache
         self.draft = draft
         self.peers = peers
+        self.stage = stage
         self.block_tables = BlockTables()
         self.window_tables = BlockTables(group="window")
         self._queued = False  # work queued on the device and not waited for since
@@ -132,12 +135,17 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.release(request_ids)
 
-    def _forward(self, out: SchedulerOutput, input_ids: mx.array, step: StepInputs) -> mx.array:
+    def _forward(self, out: SchedulerOutput, input_ids: mx.array,
+                 step: StepInputs) -> mx.array | None:
         """The model over the step's rows; for a hybrid model, its state slots restored from
-        checkpoints before and saved to checkpoints after, as the scheduler planned."""
-        if self.peers is not None:  # first: their layers' sums pair with this rank's
+        checkpoints before and saved to checkpoints after, as the scheduler planned. With a
+        pipeline stage: on rank 0 the final hidden states of the sampling rows only (None
+        where it has none to give)."""
+        if self.peers is not None:  # first: they run the step with this rank
             self.peers.send_step(self._released, out)
             self._released = []
+        if self.stage is not None:
+            return self.stage.run(out, step, self.block_tables, self.window_tables)
         states = self.cache.states
         if states is not None:
             states.copy(out.state_plan.restores)
@@ -182,8 +190,10 @@ class ModelRunner:
             self.draft.follow(out, input_ids, hidden, self.block_tables, self.window_tables)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V
             # ...and, with peers, end in the last layer's sums, which theirs pair with.
-            return self._queue(LaunchedStep(out, [], None), *([hidden] if self.peers else []))
-        logits = self.model.logits(hidden[mx.array(step.sample_rows)])
+            more = [hidden] if self.peers is not None and self.stage is None else []
+            return self._queue(LaunchedStep(out, [], None), *more)
+        sampled = hidden if self.stage is not None else hidden[mx.array(step.sample_rows)]
+        logits = self.model.logits(sampled)
         if batch is not None:
             verified = (rejection_sample(logits, batch) if drafted is None else
                         rejection_sample(logits, batch, drafted.probs, drafted.token_ids))
@@ -209,12 +219,11 @@ class ModelRunner:
             self._queued = False
 
     def forward_step(self, out: SchedulerOutput) -> None:
-        """Run a step's forward and K/V writes only: a tensor-parallel rank other than 0, whose
-        sums pair with rank 0's (which samples)."""
+        """Run a step's forward and K/V writes only: a rank other than 0 (which samples)."""
         step = build_step_inputs(out, self.cache.block_size, self.block_tables,
                                  self.window_tables)
         hidden = self._forward(out, _with_pending_tokens(step, None), step)
-        mx.eval(hidden, self.cache.arrays())
+        mx.eval(*([] if hidden is None else [hidden]), self.cache.arrays())
 
     def forward_logits(self, out: SchedulerOutput) -> mx.array:
         """Logits of every packed row (for tests and diagnostics, not the serving path)."""

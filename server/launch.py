@@ -31,7 +31,7 @@ _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
     "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
-    "tensor_parallel_size", "kv_write_through",
+    "tensor_parallel_size", "pipeline_parallel_size", "kv_write_through",
 )  # fmt: skip
 # Third-party import-time advice that a server operator cannot act on, e.g. transformers'
 # "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.
@@ -72,7 +72,7 @@ def serve(args: argparse.Namespace) -> int:
         "serving %s (%s) as %r on http://%s:%d/v1", model_dir, parameters.describe(),
         args.served_model_name, args.host, args.port,
     )  # fmt: skip
-    if (peers := engine.tensor_parallel) is not None:
+    if (peers := engine.peers) is not None:
         peers.watch(bridge.report_fatal)
     run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
                args.client_timeout)
@@ -82,8 +82,8 @@ def serve(args: argparse.Namespace) -> int:
 def _is_other_rank(args: argparse.Namespace) -> bool:
     from metal_engine.parallel.local_ranks import RANK_ENV, launched_by_mlx
 
-    return ((args.tensor_parallel_size or 1) > 1 and launched_by_mlx()
-            and os.environ[RANK_ENV] != "0")
+    ranks = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
+    return ranks > 1 and launched_by_mlx() and os.environ[RANK_ENV] != "0"
 
 
 def _resolve_model(args: argparse.Namespace) -> Path:

@@ -176,6 +176,12 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         "each step together over mx.distributed: on this host, or one per Mac under "
         "`mlx.launch` (see docs/distributed.md); default 1",
     )
+    group.add_argument(
+        "--pipeline-parallel-size", type=_positive_int, metavar="N",
+        help="split the layers into N runs, one per rank, for a model larger than one Mac's "
+        "memory; each step's requests pass through the ranks in micro-batches (see "
+        "docs/distributed.md); default 1",
+    )
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

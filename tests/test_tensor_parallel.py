@@ -17,7 +17,7 @@ import httpx
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from tensor_parallel_run import greedy_tokens, greedy_tokens_in_a_process
+from parallel_run import greedy_tokens, greedy_tokens_in_a_process
 from tiny_models import build_tiny_model
 
 from metal_engine.config import EngineConfig
@@ -73,15 +73,15 @@ def test_what_tensor_parallelism_does_not_combine_with_is_refused_by_option(tmp_
 @pytest.mark.parametrize("family", ["phi3", "qwen3_moe", "qwen3_next"])
 def test_two_ranks_give_one_ranks_greedy_tokens(family, tmp_path):
     build_tiny_model(family, tmp_path)
-    expected = greedy_tokens(tmp_path, 1)
-    assert greedy_tokens_in_a_process(tmp_path, 2) == expected
+    expected = greedy_tokens(tmp_path)
+    assert greedy_tokens_in_a_process(tmp_path, tensor=2) == expected
 
 
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_greedy_tokens_on_the_default_model(default_model_dir):
     """3 KV heads over 2 ranks: an uneven split."""
-    expected = greedy_tokens(default_model_dir, 1)
-    assert greedy_tokens_in_a_process(default_model_dir, 2) == expected
+    expected = greedy_tokens(default_model_dir)
+    assert greedy_tokens_in_a_process(default_model_dir, tensor=2) == expected
 
 
 @pytest.fixture

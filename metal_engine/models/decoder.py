@@ -37,10 +37,16 @@ class DecoderModel(nn.Module):
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
                  cache: KVCache) -> mx.array:
         h = self.embed(input_ids)
-        tables = self._ropes.tables(positions, meta)
-        for layer, rope, pool in zip(self.layers, tables, self._pools, strict=True):
-            h = layer(h, rope, meta, cache, pool)
+        h = self.run_layers(h, positions, meta, cache, range(len(self.layers)))
         return self.norm(h)
+
+    def run_layers(self, h: mx.array, positions: mx.array, meta: AttentionMetadata,
+                   cache: KVCache, layers: range) -> mx.array:
+        """Layers `layers` over hidden states `h` (a pipeline stage runs its own)."""
+        tables = self._ropes.tables(positions, meta)
+        for i in layers:
+            h = self.layers[i](h, tables[i], meta, cache, self._pools[i])
+        return h
 
     def embed(self, input_ids: mx.array) -> mx.array:
         h = self.embed_tokens(input_ids)

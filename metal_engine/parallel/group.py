@@ -32,16 +32,16 @@ class RankGroup:
     MLX_RANK and MLX_HOSTFILE in the environment say which rank and where the others are)."""
 
     def __init__(self) -> None:
-        self._group = mx.distributed.init(backend="ring", strict=True)
-        self.rank, self.size = self._group.rank(), self._group.size()
+        self.group = mx.distributed.init(backend="ring", strict=True)
+        self.rank, self.size = self.group.rank(), self.group.size()
 
     def all_sum(self, x: mx.array) -> mx.array:
-        summed = mx.distributed.all_sum(x, group=self._group)
+        summed = mx.distributed.all_sum(x, group=self.group)
         if on_cpu():
             # The CPU path reads its arrays through numpy, and MLX 0.32 never returns from
             # such a read of a sum whose peer is gone (mx.eval raises). Its forward
             # evaluates as it goes anyway, so evaluating here costs nothing.
-            _eval(summed)
+            evaluate(summed)
         return summed
 
     def broadcast(self, message: Any = None) -> Any:
@@ -63,13 +63,15 @@ class RankGroup:
         return pickle.loads(data)
 
     def _sum_bytes(self, data: np.ndarray) -> np.ndarray:
-        summed = mx.distributed.all_sum(mx.array(data), group=self._group)
-        _eval(summed)
+        summed = mx.distributed.all_sum(mx.array(data), group=self.group)
+        evaluate(summed)
         return np.asarray(summed)
 
 
-def _eval(x: mx.array) -> None:
+def evaluate(x: mx.array, *more) -> mx.array:
+    """Evaluate `x` (and `more`), which may wait on other ranks; returns `x`."""
     try:
-        mx.eval(x)
+        mx.eval(x, *more)
     except RuntimeError as exc:
         raise RankLost(f"a rank was lost: {exc}") from exc
+    return x

@@ -33,10 +33,10 @@ from metal_engine.models.qwen3_5 import GatedAttention
 Reduce = Callable[[mx.array], mx.array]
 
 
-def share(count: int, rank: int, size: int) -> range:
+def share(count: int, rank: int, size: int, what: str = "heads") -> range:
     """Rank `rank`'s contiguous share of `count` units; earlier ranks take the remainder."""
     if count < size:
-        raise ValueError(f"{count} heads cannot be split over {size} ranks")
+        raise ValueError(f"{count} {what} cannot be split over {size} ranks")
     base, extra = divmod(count, size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (rank < extra))

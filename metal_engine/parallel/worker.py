@@ -13,7 +13,7 @@ import metal_engine  # noqa: F401
 from metal_engine.config import EngineConfig
 from metal_engine.kv_cache import KVCache
 from metal_engine.parallel.group import RankGroup, RankLost
-from metal_engine.parallel.shard import RankShare, rank_config, shard_model
+from metal_engine.parallel.split import ModelSplit
 from metal_engine.runner import ModelRunner
 from metal_engine.weights import load_model, resolve_dtype
 
@@ -43,12 +43,12 @@ def run_rank() -> int:
 
 def _load(group: RankGroup, config: EngineConfig) -> ModelRunner:
     dtype = resolve_dtype(config.dtype)
-    part = RankShare(group.rank, group.size, group.all_sum)
-    model = load_model(config.model_dir, dtype, shard=lambda m: shard_model(m, part))
+    split = ModelSplit.of(config, group)
+    model = load_model(config.model_dir, dtype, shard=split.cut)
     plan, quant = group.broadcast()
-    cache = KVCache.for_model(rank_config(model.config, part), plan, config.block_size, dtype,
-                              quant)
-    return ModelRunner(model, cache)
+    cache = KVCache.for_model(split.cache_config(model.config), plan, config.block_size, dtype,
+                              quant, split.held_pools(model))
+    return ModelRunner(model, cache, stage=split.stage(model, cache, dtype))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,20 @@
-"""Rank 0's side of a tensor-parallel engine: it starts or joins the other ranks, sends them
-the engine's settings and cache plan at startup, then each step's plan before its own forward,
-so every rank runs the same step on its shard. Only rank 0 samples: the others' layers end in
-the same sums, and their K/V pools hold their heads of the same blocks."""
+"""Rank 0's side of an engine over several ranks: it starts or joins the other ranks, sends
+them the engine's settings and cache plan at startup, then each step's plan before its own
+forward, so every rank runs the same step on its share of the model (`split`). Only rank 0
+samples: with tensor parallelism the others' layers end in the same sums, with pipeline
+parallelism the last rank hands rank 0 the final hidden states; either way every rank's KV
+pools hold its part of the same blocks."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 from metal_engine.config import EngineConfig
-from metal_engine.models.decoder import CausalLM
 from metal_engine.parallel.group import RankGroup, RankLost
 from metal_engine.parallel.local_ranks import LocalRanks, launched_by_mlx
-from metal_engine.parallel.shard import RankShare, shard_model
+from metal_engine.parallel.split import ModelSplit
 from scheduler.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -28,31 +28,32 @@ class StepMessage:
     out: SchedulerOutput
 
 
-class TensorParallel:
-    def __init__(self, group: RankGroup, local: LocalRanks | None) -> None:
+class Peers:
+    def __init__(self, group: RankGroup, local: LocalRanks | None, split: ModelSplit) -> None:
         self.group = group
         self.local = local
-        self.part = RankShare(group.rank, group.size, group.all_sum)
+        self.split = split
 
     @classmethod
-    def start(cls, config: EngineConfig) -> TensorParallel:
+    def start(cls, config: EngineConfig) -> Peers:
         """Start ranks 1.. on this host (unless `mlx.launch` started them), meet them, and send
         them `config`."""
-        size = config.tensor_parallel_size
+        size = config.parallel_size
         local = None if launched_by_mlx() else LocalRanks(size)
         try:
             group = RankGroup()
             if group.size != size:
-                raise ValueError(f"--tensor-parallel-size {size} but {group.size} ranks were "
-                                 "launched: give mlx.launch as many hosts as ranks")
+                raise ValueError(f"{size} ranks asked for but {group.size} were launched: "
+                                 "give mlx.launch as many hosts as ranks")
             group.broadcast(config)
         except BaseException:
             if local is not None:
                 local.stop(timeout_s=0)
             raise
-        log.info("tensor parallelism: rank 0 of %d%s", size,
-                 " (ranks on this host)" if local else "")
-        return cls(group, local)
+        split = ModelSplit.of(config, group)
+        log.info("%s parallelism: rank 0 of %d%s", "pipeline" if split.by_layers else "tensor",
+                 size, " (ranks on this host)" if local else "")
+        return cls(group, local, split)
 
     @property
     def size(self) -> int:
@@ -62,9 +63,6 @@ class TensorParallel:
     def one_host(self) -> bool:
         """Whether every rank runs on this machine (they share its memory)."""
         return self.local is not None
-
-    def shard(self) -> Callable[[CausalLM], object]:
-        return partial(shard_model, part=self.part)
 
     def send(self, message: object) -> None:
         """Send a startup message (the cache plan) to the other ranks."""

@@ -61,6 +61,17 @@ def test_split_linear_layers_add_up_to_the_whole(bits):
             take_columns(layer(), 0, 48, 0)
 
 
+def test_dry_run_prints_what_the_ranks_send_per_step(default_model_dir, capsys):
+    from server.cli import main
+
+    assert main(["serve", str(default_model_dir), "--dry-run",
+                 "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    # 30 layers x 2 sums + the plan; 16 rows of 576 float32 per sum, a ring of 2 sends it once.
+    assert "over 2 ranks, a step of 16 tokens: 61 sums, 2.11 MiB sent by each rank, " \
+        "122 sequential hops" in out
+
+
 def test_what_tensor_parallelism_does_not_combine_with_is_refused_by_option(tmp_path):
     with pytest.raises(ValueError, match="does not combine with --kv-cache-dir"):
         EngineConfig(model_dir=tmp_path, tensor_parallel_size=2, kv_cache_dir=tmp_path)
@@ -173,6 +184,15 @@ def test_a_lost_rank_fails_the_requests_and_the_server_exits_non_zero(two_rank_s
                    for e in finished)
     assert any("error" in e for e in finished), rest[-5:]
     started = time.monotonic()
-    assert process.wait(60) != 0, log_tail(log_path, 40)
+    assert process.wait(60) == 1, log_tail(log_path, 40)
     assert time.monotonic() - started < 60
     assert "rank" in log_tail(log_path, 40)
+
+
+@pytest.mark.slow
+def test_a_rank_lost_while_idle_shuts_the_server_down(two_rank_server):
+    process, url, log_path = two_rank_server
+    (rank1,) = _ranks(process)
+    os.kill(rank1, signal.SIGKILL)
+    assert process.wait(60) == 1, log_tail(log_path, 40)
+    assert "rank 1 exited with code -9" in log_path.read_text()

@@ -1,4 +1,4 @@
-"""The ranks of a tensor-parallel engine over MLX's distributed layer, and how rank 0 tells the
+"""The ranks of an engine over MLX's distributed layer, and how rank 0 tells the
 others what to do.
 
 Rank 0 is the only rank that schedules: every message (the engine's settings at startup, then

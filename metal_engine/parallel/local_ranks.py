@@ -1,5 +1,5 @@
 """Ranks on one host: rank 0 starts the others as child processes over the ring backend on
-loopback (how tests and CI run tensor parallelism; across Macs, `mlx.launch` starts every
+loopback (how tests and CI run several ranks; across Macs, `mlx.launch` starts every
 rank instead and sets MLX_RANK and MLX_HOSTFILE itself)."""
 
 from __future__ import annotations

@@ -72,3 +72,16 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def blas_threads_for(ranks: int) -> int:
+    """BLAS threads for each of `ranks` processes sharing this machine's cores: OpenBLAS
+    threads spin while they wait, so more threads than cores starve the other ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
+
+
+def limit_blas_threads(threads: int) -> None:
+    """Cap every BLAS this process has loaded (MLX's OpenBLAS, numpy's) at `threads`."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")

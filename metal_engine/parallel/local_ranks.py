@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from metal_engine.blas import blas_threads_for, limit_blas_threads
+
 log = logging.getLogger(__name__)
 
 RANK_ENV, HOSTFILE_ENV = "MLX_RANK", "MLX_HOSTFILE"
+BLAS_THREADS_ENV = "OPENBLAS_NUM_THREADS"  # read by each OpenBLAS as it loads
 _POLL_S = 0.5
 _EXIT_WAIT_S = 30.0
 
@@ -29,7 +32,8 @@ def launched_by_mlx() -> bool:
 
 
 class LocalRanks:
-    """Ranks 1..size-1 as children of this process (rank 0)."""
+    """Ranks 1..size-1 as children of this process (rank 0). The ranks share the cores: each
+    gets its share of BLAS threads (OPENBLAS_NUM_THREADS, if set, wins)."""
 
     def __init__(self, size: int) -> None:
         hosts = [[f"127.0.0.1:{port}"] for port in _free_ports(size)]
@@ -37,12 +41,15 @@ class LocalRanks:
         with os.fdopen(handle, "w") as f:
             json.dump(hosts, f)
         self.hostfile = Path(path)
+        threads = os.environ.get(BLAS_THREADS_ENV) or str(blas_threads_for(size))
+        env = {**os.environ, HOSTFILE_ENV: path, BLAS_THREADS_ENV: threads}
         self.processes = [
             subprocess.Popen([sys.executable, "-m", "metal_engine.parallel.worker"],
-                             env={**os.environ, RANK_ENV: str(rank), HOSTFILE_ENV: path})
+                             env={**env, RANK_ENV: str(rank)})
             for rank in range(1, size)
         ]
         os.environ[RANK_ENV], os.environ[HOSTFILE_ENV] = "0", path
+        limit_blas_threads(int(threads))  # this process's BLAS is loaded already
         self._stopping = False
 
     def watch(self, on_lost: Callable[[str], None]) -> None:

@@ -170,3 +170,15 @@ class LengthEngine(ScriptedEngine):
         max_tokens = self.params[request_id].max_tokens
         repeats = -(-max_tokens // len(self.script))
         return (self.script * repeats)[:max_tokens]
+
+
+class RecordingEngine(ScriptedEngine):
+    """Says "ok"; keeps each request's prompt ids."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(["ok"], tokenizer)
+        self.prompt_ids: list[list[int]] = []
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
+        self.prompt_ids.append(list(prompt_token_ids))
+        super().add_request(request_id, prompt_token_ids, params, priority)

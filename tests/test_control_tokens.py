@@ -10,7 +10,7 @@ import json
 import anthropic
 import openai
 import pytest
-from fake_engine import ScriptedEngine
+from fake_engine import RecordingEngine
 from server_helpers import running_app
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -200,18 +200,6 @@ def test_the_apis_roles_render(default_tokenizer, role):
                            {"role": "user", "content": "Hi"}]}  # fmt: skip
     prompt, _ = prompt_of(default_tokenizer, _request(fields, ""), None)
     assert prompt.text.endswith("<|im_start|>assistant\n")
-
-
-class RecordingEngine(ScriptedEngine):
-    """Says "ok"; keeps each request's prompt ids."""
-
-    def __init__(self, tokenizer) -> None:
-        super().__init__(["ok"], tokenizer)
-        self.prompt_ids: list[list[int]] = []
-
-    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
-        self.prompt_ids.append(list(prompt_token_ids))
-        super().add_request(request_id, prompt_token_ids, params, priority)
 
 
 @pytest.mark.slow

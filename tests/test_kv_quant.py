@@ -172,28 +172,33 @@ def test_a_budget_holds_the_blocks_the_storage_allows(default_model_dir):
 
 
 # Allowed perplexity increase over float32 K/V on TEXT (the targets). Measured: float32
-# 17.619, int8 17.635 (+0.09%), int4 18.202 (+3.31%).
+# 17.619, int8 17.635 (+0.09%), int4 18.202 (+3.31%) with OpenBLAS's Haswell kernels; with its
+# AVX-512 ones int8 17.622, int4 17.582 (-0.21%): on a text this short, rounding in the
+# float model moves the quantized perplexities by a few percent either way.
 KV_MARGINS = {8: 0.01, 4: 0.05}
 
 
 @pytest.mark.slow
 def test_perplexity_with_quantized_kv_stays_near_float(default_model_dir, text_ids):  # noqa: F811
     model = load_model(default_model_dir, mx.float32)
+    logits = {quant: prompt_logits(model, text_ids, quant and KVQuant(quant))[:-1]
+              .astype(np.float64) for quant in (None, *BITS)}
 
-    def perplexity(quant):
-        logits = prompt_logits(model, text_ids, quant)[:-1].astype(np.float64)
-        peak = logits.max(axis=-1, keepdims=True)
-        log_norm = peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=-1))
-        nll = log_norm - logits[np.arange(len(text_ids) - 1), text_ids[1:]]
+    def perplexity(values):
+        peak = values.max(axis=-1, keepdims=True)
+        log_norm = peak[:, 0] + np.log(np.exp(values - peak).sum(axis=-1))
+        nll = log_norm - values[np.arange(len(text_ids) - 1), text_ids[1:]]
         return float(np.exp(nll.mean()))
 
-    base = perplexity(None)
-    measured = {bits: perplexity(KVQuant(bits)) for bits in BITS}
+    base = perplexity(logits[None])
+    measured = {bits: perplexity(logits[bits]) for bits in BITS}
     print(f"KV_PERPLEXITY_NOTE float32 {base:.3f}  " + "  ".join(
         f"int{bits} {ppl:.3f} ({ppl / base - 1:+.2%})" for bits, ppl in measured.items()))
     for bits, ppl in measured.items():
         assert ppl <= base * (1 + KV_MARGINS[bits]), (bits, ppl, base)
-    assert measured[4] > measured[8] > base  # quantization happened, the coarser costs more
+    # Quantization happened, and the coarser one moves the logits more.
+    error = {bits: float(np.sqrt(((logits[bits] - logits[None]) ** 2).mean())) for bits in BITS}
+    assert error[4] > 2 * error[8] > 0, error
 
 
 FAMILIES = ["llama", "mistral", "gemma3_text", "gemma4_text", "qwen3_moe", "gpt_oss",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fake_engine import ScriptedEngine
+from fake_engine import RecordingEngine
 from server_helpers import running_app
 
 from server.app import build_app
@@ -21,18 +21,6 @@ CHAT = {"model": "m", "max_tokens": 2, "tools": [TOOL], "user": "session-1",
 RESPONSE = {"model": "m", "max_output_tokens": 2, "instructions": "You are terse.",
             "input": "Open README.md", "prompt_cache_key": "session-1"}  # fmt: skip
 COMPLETION = {"model": "m", "max_tokens": 2, "prompt": ["Once upon", "a time"]}
-
-
-class RecordingEngine(ScriptedEngine):
-    """Says "ok"; keeps each request's prompt ids."""
-
-    def __init__(self, tokenizer) -> None:
-        super().__init__(["ok"], tokenizer)
-        self.prompt_ids: list[list[int]] = []
-
-    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
-        self.prompt_ids.append(list(prompt_token_ids))
-        super().add_request(request_id, prompt_token_ids, params, priority)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ class ScriptedEngine:
     tokenizer = None
     model_name = "scripted"
     max_model_len = 64
+    peers = None  # one rank
 
     def __init__(self) -> None:
         self.requests: dict[str, tuple[int, SamplingParams, int]] = {}  # id -> (prompt, p, done)

@@ -9,10 +9,11 @@ import sys
 import pytest
 from test_bench import RECORDS  # the metric tests' hand-checked records
 
+from server.bench import llama_server
 from server.bench.compare import PeerResult
 from server.bench.compare_doc import BEGIN, END, write_doc
 from server.bench.metrics import compute_metrics
-from server.bench.peers import Peer, install
+from server.bench.peers import Peer, install, peers, server_command
 from server.bench.runner import RunResult
 from server.bench.server_process import free_port, running_server
 from server.cli import main
@@ -96,7 +97,7 @@ def test_server_process_that_exits_reports_its_log(tmp_path):
 def test_missing_peer_without_install_is_skipped_with_a_reason(tmp_path):
     peer = Peer("nothing", ("nothing-at-all",), "nothing_at_all", None)
     installed = install(peer, tmp_path, timeout_s=1, allow_install=False)
-    assert installed.python is None and "not installed under" in installed.error
+    assert installed.executable is None and "not installed under" in installed.error
 
 
 def test_compare_doc_replaces_only_its_section(tmp_path, monkeypatch):
@@ -116,3 +117,22 @@ def test_compare_doc_replaces_only_its_section(tmp_path, monkeypatch):
     assert ("| metal-serve | 3 | 1 | 2.0 | 4.5 | 1.50 | 200.0 | 200.0 | 280.0 | 298.0 | 75.0 "
             "| 75.0 | 100.0 | 198.0 | 400.0 |") in page
     assert "| llama-cpp-python | - | 26.7 min | - | pip install took more than 25 min |" in page
+
+
+def test_llama_server_is_skipped_with_a_reason_until_built(tmp_path):
+    installed = install(peers()["llama-server"], tmp_path, timeout_s=1, allow_install=False)
+    assert installed.executable is None and "not built under" in installed.error
+
+
+def test_a_built_llama_server_serves_the_float32_gguf(tmp_path):
+    root = tmp_path / "llama-server"
+    llama_server.binary(root).parent.mkdir(parents=True)
+    llama_server.binary(root).touch()
+    (root / "install.json").write_text('{"version": "0.3.36"}')
+    (root / "model.F32.gguf").touch()  # made before: llama-quantize is not run again
+    installed = install(peers()["llama-server"], tmp_path, timeout_s=1, allow_install=False)
+    assert installed.version == "llama.cpp of llama-cpp-python 0.3.36"
+    command = server_command(peers()["llama-server"], installed.executable, tmp_path,
+                             tmp_path / "model.gguf", 8123, None)
+    assert command[:3] == [str(llama_server.binary(root)), "-m", str(root / "model.F32.gguf")]
+    assert command[-2:] == ["--port", "8123"] and "-np" in command

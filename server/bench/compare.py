@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 DEFAULT_WORK_DIR = Path.home() / ".cache" / "metal-serve" / "peers"
 DEFAULT_DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
-PEER_NAMES = ("metal-serve", "mlx-lm", "llama-cpp-python")
+PEER_NAMES = ("metal-serve", "mlx-lm", "llama-cpp-python", "llama-server")
 WORKLOAD_KINDS = ("single", "concurrent", "agents")
 _WORKLOAD_OPTIONS = (
     ("--output-len", 64, "tokens per answer, in every workload"),
@@ -61,7 +61,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         "--build-timeout",
         type=float,
         default=25 * 60,
-        help="seconds one peer's pip install may take",
+        help="seconds one peer's pip install (or llama-server's build) may take",
     )
     peers.add_argument(
         "--server-timeout", type=float, default=600, help="seconds a server may take to start"
@@ -166,13 +166,13 @@ def _bench_peer(peer: Peer, model_dir: Path, gguf: Path, args: argparse.Namespac
     from server.bench.server_process import free_port, running_server
 
     installed = install(peer, args.work_dir, args.build_timeout, args.install)
-    if installed.python is None:
+    if installed.executable is None:
         print(f"[{peer.name}] skipped: {installed.error}", flush=True)
         return PeerResult(peer.name, None, installed.install_s, error=installed.error)
     _warn_if_busy(peer.name)
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    command = server_command(peer, installed.python, model_dir, gguf, port, _blas_path())
+    command = server_command(peer, installed.executable, model_dir, gguf, port, _blas_path())
     tokenizer = load_tokenizer(model_dir)
     runs = {}
     start = time.monotonic()

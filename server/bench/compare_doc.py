@@ -80,7 +80,8 @@ def _section(
         f"Machine: {_machine()}.",
         "",
         "Model: SmolLM2-135M-Instruct; metal-serve and mlx-lm serve the same float32 MLX "
-        "conversion, llama-cpp-python the Q4_1 GGUF it was converted from. Every request "
+        "conversion, llama-cpp-python the Q4_1 GGUF it was converted from, llama-server "
+        "a float32 GGUF made from that one. Every request "
         f"asks for exactly {output_len} tokens (greedy, end-of-sequence disabled); output "
         "tokens are counted by the client with the model's tokenizer. Latencies in ms.",
         "",

@@ -3,6 +3,7 @@
 metal-serve       this environment; the converted default model dir
 mlx-lm            `python -m mlx_lm server` on the same model dir, same mlx version
 llama-cpp-python  `python -m llama_cpp.server` on the default model's GGUF
+llama-server      llama.cpp's own server, built from that sdist's sources, on a float32 GGUF
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from server.bench import llama_server
 
 # Runs our CLI from any python that can import this package.
 OUR_CLI = "from server.cli import run; run()"
@@ -38,9 +41,10 @@ class Peer:
 
 @dataclass(frozen=True)
 class Installed:
-    """A peer ready to start (`python` set) or the reason it is not (`error`)."""
+    """A peer ready to start (`executable` set: its python, or its binary) or the reason it
+    is not (`error`)."""
 
-    python: Path | None
+    executable: Path | None
     version: str | None = None
     install_s: float | None = None
     error: str | None = None
@@ -52,6 +56,7 @@ def peers() -> dict[str, Peer]:
         Peer("metal-serve", (), "server", "default"),
         Peer("mlx-lm", ("mlx-lm", mlx_cpu), "mlx_lm", "default_model"),
         Peer("llama-cpp-python", ("llama-cpp-python[server]",), "llama_cpp", None),
+        Peer("llama-server", (), "", None),  # built, not pip-installed: llama_server.py
     ]
     return {peer.name: peer for peer in listed}
 
@@ -59,7 +64,10 @@ def peers() -> dict[str, Peer]:
 def server_command(
     peer: Peer, python: Path, model_dir: Path, gguf: Path, port: int, blas: str | None
 ) -> list[str]:
-    """The command line that serves `peer` on 127.0.0.1:`port`."""
+    """The command line that serves `peer` on 127.0.0.1:`port` (`python`: what `install`
+    gave as its executable)."""
+    if peer.name == "llama-server":
+        return [*llama_server.server_args(llama_server.root_of(python), gguf), "--port", str(port)]
     if peer.name == "metal-serve":
         args = ["-c", OUR_CLI, "serve", str(model_dir), "--log-level", "warning"]
     elif peer.name == "mlx-lm":
@@ -77,6 +85,8 @@ def server_command(
 def install(peer: Peer, work_dir: Path, timeout_s: float, allow_install: bool) -> Installed:
     """Reuse the peer's venv under `work_dir` if it imports, else create it and pip install
     (with a time limit: llama-cpp-python compiles llama.cpp from source)."""
+    if peer.name == "llama-server":
+        return _build_llama_server(work_dir / peer.name, timeout_s, allow_install)
     if not peer.requirements:
         return Installed(Path(sys.executable), _version(Path(sys.executable), peer))
     venv = work_dir / peer.name
@@ -103,6 +113,23 @@ def install(peer: Peer, work_dir: Path, timeout_s: float, allow_install: bool) -
     if error is not None:
         return Installed(None, install_s=seconds, error=error)
     return Installed(python, _version(python, peer), seconds)
+
+
+def _build_llama_server(root: Path, timeout_s: float, allow_install: bool) -> Installed:
+    version = llama_server.built_version(root)
+    if version is None and not allow_install:
+        return Installed(None, error=f"not built under {root} (and --no-install)")
+    seconds = None
+    if version is None:
+        print(f"[llama-server] building it from the {llama_server.SDIST} sdist into {root} "
+              f"(limit {timeout_s / 60:.0f} min)", flush=True)
+        start = time.monotonic()
+        version, error = llama_server.build(root, timeout_s)
+        seconds = time.monotonic() - start
+        if error is not None:
+            return Installed(None, install_s=seconds, error=error)
+    return Installed(llama_server.binary(root), f"llama.cpp of {llama_server.SDIST} {version}",
+                     seconds)
 
 
 def _pip_install(venv: Path, requirements: tuple[str, ...], timeout_s: float) -> str | None:

@@ -232,7 +232,8 @@ def test_a_stream_nobody_reads_is_aborted_and_frees_its_blocks(tmp_path):
     server's next write then waits. Within --client-timeout of that the server treats it as
     gone: every choice is aborted (not run to its length) and its KV blocks freed, while a
     victim stream on the same engine keeps its pace."""
-    app = build_app(AsyncEngine(tiny_engine(tmp_path)), "m", NUM_UNREAD,
+    # The victim's 1000 tokens outlast the drop (about 2 s) on a fast machine too.
+    app = build_app(AsyncEngine(tiny_engine(tmp_path, max_model_len=1100)), "m", NUM_UNREAD,
                     options=HttpOptions(client_timeout_s=1.0))  # fmt: skip
     body = json.dumps({
         "model": "m", "messages": [{"role": "user", "content": "w3 w4"}], "max_tokens": 200,
@@ -240,7 +241,7 @@ def test_a_stream_nobody_reads_is_aborted_and_frees_its_blocks(tmp_path):
         "stream": True,
     }).encode()  # fmt: skip
     with running_app(app) as url:
-        with Victim(url, max_tokens=200) as victim:
+        with Victim(url, max_tokens=1000) as victim:
             sock = _unread_stream(url, body)
             head = sock.recv(256)  # the status line; from here on nothing is read
             stopped = time.monotonic()

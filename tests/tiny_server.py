@@ -20,9 +20,11 @@ CHAT_TEMPLATE = (
 
 def tiny_engine(path: Path, max_model_len: int = 256) -> LLMEngine:
     """Save the tiny Llama into `path` (an empty dir) and load it. It has no end-of-sequence
-    token: every request runs to its max_tokens."""
+    token: every request runs to its max_tokens. A `max_model_len` past its trained 256 tokens
+    is allowed (for streams that must last, not for their text)."""
     build_tiny_model("llama", path)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return LLMEngine.from_config(
-        EngineConfig(model_dir=path, max_model_len=max_model_len, kv_cache_memory=16 << 20)
+        EngineConfig(model_dir=path, max_model_len=max_model_len, kv_cache_memory=16 << 20,
+                     allow_long_max_model_len=max_model_len > 256)
     )

@@ -98,14 +98,13 @@ class EngineConfig:
             and self.pipeline_parallel_size > 1,
             "--async-scheduling": self.async_scheduling,
             "--kv-cache-dir": self.kv_cache_dir is not None,
-            f"--speculative-config method {spec.method if spec else ''}":
-                spec is not None and spec.method in ("draft_model", "mtp"),
+            f"--speculative-config method {spec.method if spec else ''} (ngram and suffix "
+            "drafts do combine)": spec is not None and spec.method in ("draft_model", "mtp"),
         }
         for option, given in refused.items():
             if given:
-                raise ValueError(
-                    f"{flag} {self.parallel_size} does not combine with {option} yet: drop "
-                    "one of them (ngram and suffix drafts do combine)")
+                raise ValueError(f"{flag} {self.parallel_size} does not combine with {option} "
+                                 "yet: drop one of them")
 
 
 # The least KV cache that serves: the context is capped by what the cache holds.

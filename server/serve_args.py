@@ -74,6 +74,7 @@ def _max_n(text: str) -> int:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_and_http_arguments(parser)
     _add_engine_arguments(parser.add_argument_group("engine"))
+    _add_parallel_arguments(parser.add_argument_group("ranks (docs/distributed.md)"))
     _add_sampling_arguments(parser.add_argument_group("sampling defaults"))
     _add_prefix_cache_arguments(parser.add_argument_group("prefix cache"))
     add_hardening_arguments(parser)
@@ -170,6 +171,9 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         'draft_model with "model": DIR); '
         "drafts are verified inside the batch, with the same outputs as without",
     )
+
+
+def _add_parallel_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--tensor-parallel-size", type=_positive_int, metavar="N",
         help="split every layer's heads and inner width over N ranks (processes) that run "

@@ -191,16 +191,7 @@ def _shard_experts(glu: SwitchGLU, part: RankShare) -> None:
         for name in ("weight", "scales", "biases", "bias"):
             if name in proj:
                 proj[name] = mx.contiguous(proj[name][:, cols.start:cols.stop])
-    down = glu.down_proj
-    pack = _pack(down)
-    start, stop = _packed(cols.start, cols.stop, pack, down)
-    down.weight = mx.contiguous(down.weight[..., start // pack:stop // pack])
-    group = getattr(down, "group_size", None)
-    for name in ("scales", "biases"):
-        if name in down:
-            down[name] = mx.contiguous(down[name][..., start // group:stop // group])
-    if "bias" in down and part.rank:
-        down.bias = mx.zeros_like(down.bias)
+    take_columns(glu.down_proj, cols.start, cols.stop, part.rank)
 
 
 def _units(units: range, width: int) -> list[tuple[int, int]]:
@@ -225,15 +216,15 @@ def take_rows(linear: nn.Module, rows: Sequence[tuple[int, int]]) -> nn.Module:
 
 
 def take_columns(linear: nn.Module, start: int, stop: int, rank: int) -> nn.Module:
-    """`linear` over input features `start:stop` only (its output is then a part of a sum:
-    only rank 0 keeps the bias)."""
+    """`linear` (or a stack of experts' linears) over input features `start:stop` only (its
+    output is then a part of a sum: only rank 0 keeps the bias)."""
     pack = _pack(linear)
     start, stop = _packed(start, stop, pack, linear)
-    linear.weight = mx.contiguous(linear.weight[:, start // pack:stop // pack])
+    linear.weight = mx.contiguous(linear.weight[..., start // pack:stop // pack])
     group = getattr(linear, "group_size", None)
     for name in ("scales", "biases"):
         if name in linear:
-            linear[name] = mx.contiguous(linear[name][:, start // group:stop // group])
+            linear[name] = mx.contiguous(linear[name][..., start // group:stop // group])
     if "bias" in linear and rank:
         linear.bias = mx.zeros_like(linear.bias)
     return linear

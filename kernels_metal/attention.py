@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from kernels_metal import cpu_attention
 from kernels_metal.cases import Case, check
@@ -33,8 +34,8 @@ from kernels_metal.paged import PagedAttentionKernels, kernel_dtype, unsupported
 from kernels_metal.reference import paged_attention_reference, write_kv
 
 __all__ = ["AttentionMetadata", "Variant", "check_variant", "first_use_case",
-           "kernel_fallbacks", "kernels_disabled_reason", "paged_attention", "use_kernels",
-           "variant_of", "write_kv"]
+           "kernel_fallbacks", "kernels_disabled_reason", "numpy_serves", "paged_attention",
+           "use_kernels", "variant_of", "write_kv"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ def paged_attention(
     probability it takes is dropped; -inf is the same as no sink.
     """
     _check_sinks(sinks, q.shape[1])
+    if isinstance(q, np.ndarray):  # the host forward's (float pools only: `numpy_serves`)
+        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window,
+                                                 softcap, sinks)
     q = queries_for(q, k_pool)  # a quantized K pool holds turned keys (kv_quant.rotation)
     route = _route(q, k_pool, window, softcap, sinks)
     if route is not None:
@@ -126,6 +130,12 @@ def paged_attention(
         return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window, softcap,
                                                  sinks)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+
+
+def numpy_serves() -> bool:
+    """Whether attention runs in numpy here (on MLX's CPU backend, no kernels forced by
+    `use_kernels`): then a layer may hand it numpy queries."""
+    return _state.override is None and on_cpu()
 
 
 def _check_sinks(sinks: mx.array | None, num_heads: int) -> None:

@@ -29,8 +29,10 @@ from kernels_metal.metadata import AttentionMetadata
 # enough that the softmax passes over it mostly stay in cache.
 SCORE_BUDGET = 1 << 20
 NUMPY_DTYPES = (mx.float32, mx.float16)
-# Row maxima inside this range leave scores unshifted before exp (see `_softmax`).
+# Row maxima inside this range leave scores unshifted before exp (see `_softmax`), in slices
+# of at least ALWAYS_SHIFT_BELOW scores.
 UNSHIFTED_MAX_RANGE = (-20.0, 60.0)
+ALWAYS_SHIFT_BELOW = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,17 @@ def paged_attention_cpu(
     meta: AttentionMetadata, scale: float,
     window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
-    """Same contract as `paged_attention_reference`."""
+    """Same contract as `paged_attention_reference`; numpy queries get a numpy answer."""
     key = ("cpu", window, q.shape[1])
     if key not in meta.backend_plans:
         meta.backend_plans[key] = build_plan(meta, q.shape[1], window)
     plan: CpuPlan = meta.backend_plans[key]
-    queries = np.asarray(q.astype(mx.float32))  # [total_q, H, D]
+    host = isinstance(q, np.ndarray)  # the host forward's queries, float32
+    queries = q if host else np.asarray(q.astype(mx.float32))  # [total_q, H, D]
     keys, values = _host(k_pool), _host(v_pool)
     sink_logits = None if sinks is None else np.asarray(sinks.astype(mx.float32))
     out = _attend_all(queries, keys, values, plan, scale, softcap, sink_logits)
-    return mx.array(out).astype(q.dtype)
+    return out if host else mx.array(out).astype(q.dtype)
 
 
 def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,
@@ -175,10 +178,11 @@ def _softmax(scores: np.ndarray, shared: np.ndarray | None,
         np.maximum(row_max, shared.max(axis=-1, keepdims=True), out=row_max)
     if sinks is not None:
         np.maximum(row_max, sinks, out=row_max)
-    # Softmax does not change with a shift of a row. The slice is shifted by its row maxima
-    # only if one of them lies outside the range where exp is safe to take unshifted.
+    # Softmax does not change with a shift of a row. A large slice is shifted by its row
+    # maxima only if one of them lies outside the range where exp is safe to take unshifted;
+    # for a small one the check costs more than the shift.
     low, high = UNSHIFTED_MAX_RANGE
-    shift = not low < row_max.min() <= row_max.max() < high
+    shift = scores.size < ALWAYS_SHIFT_BELOW or not low < row_max.min() <= row_max.max() < high
     if shift:
         scores -= row_max
     _exp_floored(scores)
@@ -291,7 +295,7 @@ def _decode_slices(meta: AttentionMetadata, decode: np.ndarray, num_shared: int,
         end_block = -(-longest // bs)
         # A window (never with a shared prefix) skips the blocks before every row's window.
         first_block = 0 if window is None else max(0, int(own_lens.min()) - window) // bs
-        keys = np.arange(first_block * bs, end_block * bs)[None, :]
+        keys = np.arange(first_block * bs, longest)[None, :]  # no masked tail for the longest
         blocked = keys >= own_lens[:, None]
         if window is not None:
             blocked |= keys < own_lens[:, None] - window

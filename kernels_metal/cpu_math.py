@@ -4,7 +4,8 @@ CPU backend.
 The CPU backend computes transcendental functions one scalar at a time (~16 ns an element,
 compiled or not), which made SiLU, tanh and the attention softmax cost more than the matmuls
 around them. Off Metal these hand the (already evaluated) array to numpy's vectorized math
-(~0.6 ns an element) and back; other devices use MLX's own ops.
+(~0.6 ns an element) and back; other devices use MLX's own ops. Each also takes numpy
+arrays, the CPU backend's host forward (metal_engine/models/host.py), and returns numpy then.
 
 Products go to numpy's BLAS over zero-copy views of the weights, for two reasons. A one-row
 product (batch-1 decode) is memory-bound, and the CPU backend sends it through the general
@@ -37,9 +38,24 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _host(x: mx.array) -> np.ndarray:
+def array_module(x: mx.array | np.ndarray):
+    """`np` for a host array, `mx` for an MLX one: the ops both spell the same way."""
+    return np if isinstance(x, np.ndarray) else mx
+
+
+def _host(x: mx.array | np.ndarray) -> np.ndarray:
+    """A float32 copy of `x` on the host, to work on in place."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float32)
     # Reading the buffer evaluates x; on the CPU backend evaluation is synchronous anyway.
     return np.array(x.astype(mx.float32))
+
+
+def _like(values: np.ndarray, x: mx.array | np.ndarray) -> mx.array | np.ndarray:
+    """`values` as the kind and dtype of array `x` is."""
+    if isinstance(x, np.ndarray):
+        return values.astype(x.dtype, copy=False)
+    return mx.array(values).astype(x.dtype)
 
 
 def _exp_in_place(values: np.ndarray) -> np.ndarray:
@@ -53,7 +69,7 @@ def _exp_in_place(values: np.ndarray) -> np.ndarray:
 def exp(x: mx.array) -> mx.array:
     if not on_cpu():
         return mx.exp(x)
-    return mx.array(_exp_in_place(_host(x))).astype(x.dtype)
+    return _like(_exp_in_place(_host(x)), x)
 
 
 def masked_softmax(x: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
@@ -62,24 +78,27 @@ def masked_softmax(x: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
         return mx.softmax(mx.where(mask, x, -mx.inf), axis=axis, precise=True)
     values = _host(x)
     np.copyto(values, -np.inf, where=~np.asarray(mask))
-    return _softmax_in_place(values, axis, x.dtype)
+    return _like(_softmax_in_place(values, axis), x)
 
 
 def softmax(x: mx.array, axis: int = -1) -> mx.array:
     if not on_cpu():
         return mx.softmax(x, axis=axis, precise=True)
-    return _softmax_in_place(_host(x), axis, x.dtype)
+    return _like(_softmax_in_place(_host(x), axis), x)
 
 
-def _softmax_in_place(values: np.ndarray, axis: int, dtype: mx.Dtype) -> mx.array:
+def _softmax_in_place(values: np.ndarray, axis: int) -> np.ndarray:
     values -= values.max(axis=axis, keepdims=True)
     probs = _exp_in_place(values)
     probs /= probs.sum(axis=axis, keepdims=True)
-    return mx.array(probs).astype(dtype)
+    return probs
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """`x @ weight.T + bias` for `x [rows, in]` and `weight [out, in]`."""
+    if isinstance(x, np.ndarray):
+        y = host_linear(x, np.asarray(weight))
+        return y if bias is None else np.add(y, np.asarray(bias), out=y)
     if not (on_cpu() and x.dtype == weight.dtype == mx.float32):
         if bias is None:
             return x @ weight.T
@@ -104,6 +123,13 @@ def host_linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """SwiGLU's `silu(gate) * up`."""
+    if isinstance(gate, np.ndarray):
+        # 1 + e^-gate, built in place; e^88 is near float32's largest, so none overflows
+        denominator = np.minimum(np.negative(gate), np.float32(88.0))
+        np.exp(denominator, out=denominator)
+        denominator += 1
+        out = np.multiply(gate, up)
+        return np.divide(out, denominator, out=out)
     if not on_cpu():
         return nn.silu(gate) * up
     return gate * up / (1 + exp(-gate))
@@ -115,11 +141,21 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
         return nn.gelu_approx(gate) * up
     g = _host(gate)
     activated = 0.5 * g * (1 + np.tanh(SQRT_2_OVER_PI * (g + 0.044715 * g**3)))
-    return mx.array(activated).astype(gate.dtype) * up
+    return _like(activated, gate) * up
 
 
 def tanh_softcap(x: mx.array, cap: float) -> mx.array:
     """`cap * tanh(x / cap)`: squashes x smoothly into (-cap, cap)."""
     if not on_cpu():
         return mx.tanh(x / cap) * cap
-    return mx.array(np.tanh(_host(x) / cap) * cap).astype(x.dtype)
+    return _like(np.tanh(_host(x) / cap) * cap, x)
+
+
+def rms_norm(x: mx.array | np.ndarray, weight: mx.array | np.ndarray | None,
+             eps: float) -> mx.array | np.ndarray:
+    """`x / sqrt(mean(x^2) + eps) * weight` over the last axis (no weight: 1)."""
+    if not isinstance(x, np.ndarray):
+        return mx.fast.rms_norm(x, weight, eps)
+    mean_square = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
+    scale = 1 / np.sqrt(mean_square + np.float32(eps))
+    return x * (scale if weight is None else scale * np.asarray(weight))

@@ -19,8 +19,14 @@ def write_kv(pool: Pool, new: mx.array, meta: AttentionMetadata) -> Pool:
     quantized pool gets the rows' codes and scales).
 
     The caller must hold no other reference to `pool`, so MLX donates its buffer and the
-    scatter happens in place instead of copying the whole pool.
+    scatter happens in place instead of copying the whole pool. Numpy rows (the CPU
+    backend's host forward, which runs after all queued work) are written into the
+    evaluated pool's buffer directly; the pool must hold floats.
     """
+    if isinstance(new, np.ndarray):  # the host forward's: into the pool's buffer
+        slots = np.asarray(pool).reshape(-1, *pool.shape[2:])
+        slots[meta.slot_mapping] = new
+        return pool
     dev = meta.device
     if isinstance(pool, QuantizedPool):
         return write_quantized(pool, new, dev.slot_block, dev.slot_offset)

@@ -14,7 +14,8 @@ from kernels_metal.attention import AttentionMetadata
 from kernels_metal.cpu_math import linear, tanh_softcap
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
-from metal_engine.models.layers import Linear
+from metal_engine.models.host import HostPlan, to_device, to_host
+from metal_engine.models.layers import Linear, RMSNorm
 from metal_engine.models.rope import LayerRopes
 
 # Source checkpoints may hold these; they are derived from the config, not parameters here.
@@ -33,6 +34,7 @@ class DecoderModel(nn.Module):
         self._embed_scale = embed_scale  # Gemma: sqrt(hidden_size)
         self._ropes = LayerRopes(cfg)
         self._pools = [cfg.cache_index(i) for i in range(cfg.num_hidden_layers)]
+        self.host_plan = HostPlan()
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
                  cache: KVCache) -> mx.array:
@@ -42,17 +44,34 @@ class DecoderModel(nn.Module):
 
     def run_layers(self, h: mx.array, positions: mx.array, meta: AttentionMetadata,
                    cache: KVCache, layers: range) -> mx.array:
-        """Layers `layers` over hidden states `h` (a pipeline stage runs its own)."""
-        tables = self._ropes.tables(positions, meta)
+        """Layers `layers` over hidden states `h` (a pipeline stage runs its own), each on
+        the host or on MLX as the host plan says (models/host.py)."""
+        on_host = self.host_plan.layers_on_host(self.layers, cache)
+        tables = _StepRopes(self._ropes, positions, meta)
         for i in layers:
-            h = self.layers[i](h, tables[i], meta, cache, self._pools[i])
-        return h
+            h = to_host(h) if on_host[i] else to_device(h)
+            h = self.layers[i](h, tables.of_layer(i, on_host[i]), meta, cache, self._pools[i])
+        return to_device(h)
 
     def embed(self, input_ids: mx.array) -> mx.array:
         h = self.embed_tokens(input_ids)
         if self._embed_scale is not None:
             h = h * mx.array(self._embed_scale, dtype=h.dtype)  # rounded as transformers does
         return h
+
+
+class _StepRopes:
+    """One step's rope tables, built for MLX layers and for host ones as they are asked for."""
+
+    def __init__(self, ropes: LayerRopes, positions: mx.array, meta: AttentionMetadata) -> None:
+        self._ropes, self._positions, self._meta = ropes, positions, meta
+        self._tables: dict[bool, list] = {}
+
+    def of_layer(self, layer: int, on_host: bool) -> tuple:
+        if on_host not in self._tables:
+            positions = to_host(self._positions) if on_host else self._positions
+            self._tables[on_host] = self._ropes.tables(positions, self._meta)
+        return self._tables[on_host][layer]
 
 
 class CausalLM(nn.Module):
@@ -63,7 +82,7 @@ class CausalLM(nn.Module):
     mtp_class: type[nn.Module] | None = None
 
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module],
-                 norm: type[nn.Module] = nn.RMSNorm, embed_scale: float | None = None) -> None:
+                 norm: type[nn.Module] = RMSNorm, embed_scale: float | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.model = self.decoder_class(cfg, layers, norm, embed_scale)
@@ -84,6 +103,14 @@ class CausalLM(nn.Module):
             logits = linear(hidden, embed.weight)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else tanh_softcap(logits, cap)
+
+    def update(self, parameters: dict, strict: bool = True) -> CausalLM:
+        self.model.host_plan.forget()  # new parameters may be of another dtype
+        return super().update(parameters, strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> CausalLM:
+        self.model.host_plan.forget()  # e.g. quantized layers in place of float ones
+        return super().update_modules(modules, strict)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop source tensors that are not parameters here (a tied head has no weight)."""

@@ -8,7 +8,13 @@ import mlx.nn as nn
 
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
-from metal_engine.models.layers import GATED_ACTIVATIONS, MLP, Attention, PreNormDecoderLayer
+from metal_engine.models.layers import (
+    GATED_ACTIVATIONS,
+    MLP,
+    Attention,
+    PreNormDecoderLayer,
+    RMSNorm,
+)
 from metal_engine.models.moe import CorrectedGate, SparseMoeBlock
 
 
@@ -23,7 +29,7 @@ def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
 
 class Model(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        norm = nn.RMSNorm if cfg.qk_norm else None
+        norm = RMSNorm if cfg.qk_norm else None
         layers = [
             PreNormDecoderLayer(cfg, Attention(cfg, i, qkv_bias=cfg.attention_bias,
                                                qk_norm=norm), feed_forward(cfg, i))

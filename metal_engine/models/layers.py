@@ -1,18 +1,23 @@
-"""Layers the model families share: linear, Gemma's norm, gated MLP, paged self-attention.
+"""Layers the model families share: linear, RMSNorms, gated MLP, paged self-attention.
 
-Parameter names are Hugging Face's, so checkpoints load without renaming.
+Parameter names are Hugging Face's, so checkpoints load without renaming. Each of these takes
+MLX arrays, or numpy ones in the CPU backend's host forward (`HOST_ARRAYS`, models/host.py),
+and returns the kind it gets.
 """
 
 from __future__ import annotations
 
+import operator
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
-from kernels_metal.cpu_math import gelu_tanh_mul, linear, silu_mul
+from kernels_metal.cpu_math import array_module, gelu_tanh_mul, linear, rms_norm, silu_mul
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
-from metal_engine.models.rope import apply_rope
+from metal_engine.models.rope import apply_rope_pair
 
 # hidden_act -> act(gate) * up
 GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
@@ -21,12 +26,68 @@ GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 class Linear(nn.Linear):
     """nn.Linear (same parameters) with the CPU backend's numpy fast path."""
 
+    HOST_ARRAYS = True
+
     def __call__(self, x: mx.array) -> mx.array:
         return linear(x, self.weight, self.get("bias"))
 
 
+class PackedLinears:
+    """Linears of one input as one product on the host (a layer's q/k/v, gate/up).
+
+    At their first product their weights (and biases) are packed into one buffer and become
+    views of it, so packing costs no memory; one product streams the weights faster than a
+    product each (each BLAS call costs ~25 us of thread hand-offs at one row). They are
+    packed again if a weight was replaced since.
+    """
+
+    def __init__(self, *names: str) -> None:
+        self._names = names
+        self._views: tuple[mx.array, ...] = ()
+        self._weight = self._bias = None
+        self._columns: list[slice] = []
+
+    def __call__(self, owner: nn.Module, x: np.ndarray) -> list[np.ndarray]:
+        linears = [owner[name] for name in self._names]
+        if not self._current(linears):
+            self._pack(linears)
+        y = linear(x, self._weight, self._bias)
+        return [y[:, columns] for columns in self._columns]
+
+    def _parameters(self, linears: list[Linear]) -> list[mx.array]:
+        return [m[key] for key in ("weight", "bias") for m in linears if key in m]
+
+    def _current(self, linears: list[Linear]) -> bool:
+        current = self._parameters(linears)
+        return len(current) == len(self._views) and all(map(operator.is_, current, self._views))
+
+    def _pack(self, linears: list[Linear]) -> None:
+        sizes = [m.weight.shape[0] for m in linears]
+        ends = np.cumsum(sizes).tolist()
+        packed = {}
+        for key in ("weight", "bias"):
+            if key in linears[0]:
+                packed[key] = mx.concatenate([m[key] for m in linears])
+                for m, end, size in zip(linears, ends, sizes, strict=True):
+                    m[key] = packed[key][end - size : end]
+        mx.eval(packed, self._parameters(linears))
+        self._views = tuple(self._parameters(linears))
+        self._weight = np.asarray(packed["weight"])
+        self._bias = np.asarray(packed["bias"]) if "bias" in packed else None
+        self._columns = [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
+
+
+class RMSNorm(nn.RMSNorm):
+    HOST_ARRAYS = True
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
+
+
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 (it scales by `1 + w`)."""
+
+    HOST_ARRAYS = True
 
     def __init__(self, dims: int, eps: float) -> None:
         super().__init__()
@@ -36,12 +97,14 @@ class OffsetRMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         # In float32 like transformers: `1 + w` in bfloat16 would round w away.
         scale = 1.0 + self.weight.astype(mx.float32)
-        return mx.fast.rms_norm(x, scale, self.eps).astype(x.dtype)
+        return rms_norm(x, scale, self.eps).astype(x.dtype)
 
 
 class MLP(nn.Module):
     """`down(act(gate(x)) * up(x))`; Phi-3 stores gate and up as one `gate_up_proj`. `inner`:
     the width when not the config's intermediate_size (a MoE's shared expert)."""
+
+    HOST_ARRAYS = True
 
     def __init__(self, cfg: ModelConfig, bias: bool = False, fused: bool = False,
                  inner: int | None = None) -> None:
@@ -52,12 +115,15 @@ class MLP(nn.Module):
         else:
             self.gate_proj = Linear(hidden, inner, bias=bias)
             self.up_proj = Linear(hidden, inner, bias=bias)
+            self._gate_up = PackedLinears("gate_proj", "up_proj")
         self.down_proj = Linear(inner, hidden, bias=bias)
         self._act = GATED_ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
-            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+            gate, up = array_module(x).split(self.gate_up_proj(x), 2, axis=-1)
+        elif isinstance(x, np.ndarray):
+            gate, up = self._gate_up(self, x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self._act(gate, up))
@@ -70,6 +136,8 @@ class Attention(nn.Module):
     (`qk_norm`: the norm class), one fused `qkv_proj` (Phi-3), and a learned sink logit per
     head (`sinks`, GPT-OSS). Window, soft-capping and scale come from the config.
     """
+
+    HOST_ARRAYS = True
 
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: type[nn.Module] | None = None,
@@ -88,6 +156,7 @@ class Attention(nn.Module):
             self.q_proj = Linear(hidden, q_out, bias=qkv_bias)
             self.k_proj = Linear(hidden, kv_out, bias=qkv_bias)
             self.v_proj = Linear(hidden, kv_out, bias=qkv_bias)
+            self._qkv = PackedLinears("q_proj", "k_proj", "v_proj")
         self.o_proj = Linear(q_out, hidden, bias=o_bias)
         if qk_norm is not None:
             self.q_norm = qk_norm(self.head_dim, eps=cfg.rms_norm_eps)
@@ -97,10 +166,12 @@ class Attention(nn.Module):
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "qkv_proj" not in self:
+            if isinstance(x, np.ndarray):
+                return tuple(self._qkv(self, x))
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
-        q, k, v = mx.split(self.qkv_proj(x), [q_out, q_out + kv_out], axis=-1)
+        q, k, v = array_module(x).split(self.qkv_proj(x), [q_out, q_out + kv_out], axis=-1)
         return q, k, v
 
     def __call__(
@@ -115,7 +186,7 @@ class Attention(nn.Module):
         v = v.reshape(total, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = apply_rope_pair(q, k, *rope)
         meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
         k_pool, v_pool = cache.take(pool)
         k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
@@ -124,18 +195,20 @@ class Attention(nn.Module):
         out = paged_attention(q, k_pool, v_pool, meta, self.scale, window=self.window,
                               softcap=self.softcap,
                               sinks=None if sinks is None else sinks.astype(mx.float32))
-        return self.o_proj(out.reshape(total, -1))
+        return self.o_proj(out.reshape(total, self.num_heads * self.head_dim))
 
 
 class PreNormDecoderLayer(nn.Module):
     """`h = x + attn(norm(x)); h + mlp(norm(h))` (Llama, Mistral, Qwen, Phi-3)."""
 
+    HOST_ARRAYS = True
+
     def __init__(self, cfg: ModelConfig, attention: Attention, mlp: MLP) -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, x, rope, meta, cache, pool):
         h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)

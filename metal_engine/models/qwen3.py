@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import mlx.nn as nn
-
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
-from metal_engine.models.layers import MLP, Attention, PreNormDecoderLayer
+from metal_engine.models.layers import MLP, Attention, PreNormDecoderLayer, RMSNorm
 
 
 class Model(CausalLM):
@@ -14,7 +12,7 @@ class Model(CausalLM):
         bias = cfg.attention_bias
         layers = [
             PreNormDecoderLayer(cfg, Attention(cfg, i, qkv_bias=bias, o_bias=bias,
-                                               qk_norm=nn.RMSNorm), MLP(cfg))
+                                               qk_norm=RMSNorm), MLP(cfg))
             for i in range(cfg.num_hidden_layers)
         ]
         super().__init__(cfg, layers)

@@ -13,6 +13,7 @@ from metal_engine.models.layers import (
     Attention,
     Linear,
     PreNormDecoderLayer,
+    RMSNorm,
 )
 from metal_engine.models.moe import SparseMoeBlock
 
@@ -31,7 +32,7 @@ class Model(CausalLM):
         bias = cfg.attention_bias
         layers = [
             PreNormDecoderLayer(cfg, Attention(cfg, i, qkv_bias=bias, o_bias=bias,
-                                               qk_norm=nn.RMSNorm), feed_forward(cfg, i))
+                                               qk_norm=RMSNorm), feed_forward(cfg, i))
             for i in range(cfg.num_hidden_layers)
         ]
         super().__init__(cfg, layers)

@@ -17,6 +17,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal.cpu_math import array_module
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.rope_parameters import RopeParameters
@@ -120,22 +121,27 @@ class RotaryEmbedding:
         self.rotary_dim = int(head_dim * share)
         self.max_positions = max_position_embeddings
         inv_freq, self.scale = frequencies(params, self.rotary_dim, max_position_embeddings)
-        self._inv_freq = mx.array(inv_freq.astype(np.float32))
+        self._host_inv_freq = inv_freq.astype(np.float32)
+        self._inv_freq = mx.array(self._host_inv_freq)
         # Evaluate now: a lazy array built here cannot be evaluated on the engine thread.
         mx.eval(self._inv_freq)
 
-    def tables(self, positions: mx.array, meta: AttentionMetadata) -> tuple[mx.array, mx.array]:
-        """(cos, sin), each `[total_q, 1, rotary_dim / 2]`, for rows at `positions`."""
-        inv_freq = self._inv_freq[None, :]
+    def tables(self, positions: mx.array | np.ndarray,
+               meta: AttentionMetadata) -> tuple[mx.array, mx.array]:
+        """(cos, sin), each `[total_q, 1, rotary_dim / 2]`, for rows at `positions` (numpy
+        tables for numpy positions: the host forward's)."""
+        xp = array_module(positions)
+        inv_freq = (self._host_inv_freq if xp is np else self._inv_freq)[None, :]
         if self.params.rope_type in CONTEXT_DEPENDENT:
             inv_freq = self._per_row_frequencies(meta)
-        angles = positions.astype(mx.float32)[:, None] * inv_freq
-        cos, sin = mx.cos(angles), mx.sin(angles)
+            inv_freq = inv_freq if xp is np else mx.array(inv_freq)
+        angles = positions.astype(inv_freq.dtype)[:, None] * inv_freq
+        cos, sin = xp.cos(angles), xp.sin(angles)
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
         return cos[:, None, :], sin[:, None, :]
 
-    def _per_row_frequencies(self, meta: AttentionMetadata) -> mx.array:
+    def _per_row_frequencies(self, meta: AttentionMetadata) -> np.ndarray:
         """`[total_q, rotary_dim / 2]`: each row's frequencies for its request's context."""
         contexts, table_row = np.unique(meta.seq_lens, return_inverse=True)
         table = np.stack([
@@ -143,7 +149,7 @@ class RotaryEmbedding:
             for c in contexts
         ]).astype(np.float32)
         rows = np.repeat(table_row, np.diff(meta.cu_seqlens_q))
-        return mx.array(table[rows])
+        return table[rows]
 
 
 class LayerRopes:
@@ -159,18 +165,34 @@ class LayerRopes:
             for key in set(self.layer_params)
         }
 
-    def tables(self, positions: mx.array,
+    def tables(self, positions: mx.array | np.ndarray,
                meta: AttentionMetadata) -> list[tuple[mx.array, mx.array]]:
-        """(cos, sin) for every layer, in layer order."""
+        """(cos, sin) for every layer, in layer order (numpy ones for numpy positions)."""
         built = {params: rope.tables(positions, meta) for params, rope in self.embeddings.items()}
         return [built[params] for params in self.layer_params]
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate the first `2 * cos.shape[-1]` features of `x [total_q, heads, head_dim]`."""
+    """Rotate the first `2 * cos.shape[-1]` features of `x [total_q, heads, head_dim]` (MLX
+    or numpy arrays, all of one kind)."""
     half = cos.shape[-1]
     x1, x2 = x[..., :half], x[..., half:2 * half]
+    if isinstance(x, np.ndarray):  # in place of the concatenation: fewer passes
+        out = np.empty_like(x)
+        np.subtract(x1 * cos, x2 * sin, out=out[..., :half])
+        np.add(x2 * cos, x1 * sin, out=out[..., half:2 * half])
+        out[..., 2 * half:] = x[..., 2 * half:]
+        return out
     parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
     if 2 * half < x.shape[-1]:
         parts.append(x[..., 2 * half:])
-    return mx.concatenate(parts, axis=-1).astype(x.dtype)
+    return array_module(x).concatenate(parts, axis=-1).astype(x.dtype)
+
+
+def apply_rope_pair(q: mx.array, k: mx.array, cos: mx.array,
+                    sin: mx.array) -> tuple[mx.array, mx.array]:
+    """`apply_rope` to queries and keys (host arrays in one pass over both)."""
+    if not isinstance(q, np.ndarray):
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    both = apply_rope(np.concatenate([q, k], axis=1), cos, sin)
+    return both[:, : q.shape[1]], both[:, q.shape[1] :]

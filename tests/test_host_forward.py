@@ -1,0 +1,56 @@
+"""The CPU backend's host forward (metal_engine/models/host.py): layers on numpy arrays give the
+MLX path's logits and pack q/k/v and gate/up without copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import make_runner_and_scheduler
+from test_model_parity import random_ids, run_logits
+from tiny_models import build_tiny_model
+
+import metal_engine.models.host as host
+from convert import convert_model
+
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3"]  # plain, q/k/v biases, q/k norms, fused
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_dir(request, tmp_path_factory):
+    source = tmp_path_factory.mktemp(f"{request.param}-hf")
+    build_tiny_model(request.param, source)
+    return convert_model(source, tmp_path_factory.mktemp(request.param) / "model",
+                         progress=False)
+
+
+def logits(model_dir, ids, chunk, on_host: bool, monkeypatch) -> tuple[np.ndarray, list[bool]]:
+    monkeypatch.setattr(host, "numpy_serves", lambda: on_host)
+    runner, scheduler = make_runner_and_scheduler(model_dir)
+    got = run_logits(runner, scheduler, "a", ids, chunk=chunk)
+    decoder = runner.model.model
+    return got, decoder.host_plan.layers_on_host(decoder.layers, runner.cache)
+
+
+@pytest.mark.parametrize("chunk", [45, 1], ids=["prefill", "decode"])
+def test_host_layers_give_the_mlx_logits(model_dir, chunk, monkeypatch):
+    ids = random_ids(3, 45)
+    on_mlx, plan_off = logits(model_dir, ids, chunk, False, monkeypatch)
+    on_host, plan_on = logits(model_dir, ids, chunk, True, monkeypatch)
+    assert not any(plan_off) and all(plan_on)
+    np.testing.assert_allclose(on_host, on_mlx, atol=2e-5, rtol=2e-5)
+
+
+def test_packing_makes_views(tmp_path, monkeypatch):
+    source = tmp_path / "hf"
+    build_tiny_model("llama", source)
+    model_dir = convert_model(source, tmp_path / "model", progress=False)
+    monkeypatch.setattr(host, "numpy_serves", lambda: True)
+    runner, scheduler = make_runner_and_scheduler(model_dir)
+    ids = random_ids(5, 20)
+    run_logits(runner, scheduler, "a", ids, chunk=20)
+    attn = runner.model.model.layers[0].self_attn
+    q, k, v = (np.asarray(attn[name].weight) for name in ("q_proj", "k_proj", "v_proj"))
+    # one buffer: each weight starts where the one before ends
+    assert k.ctypes.data == q.ctypes.data + q.nbytes
+    assert v.ctypes.data == k.ctypes.data + k.nbytes
+

@@ -31,8 +31,13 @@ def pure_mlx(monkeypatch):
 
 
 @pytest.fixture(params=["pure-mlx", "cpu-fast-paths"])
-def forward_path(request):
-    """Either the lazy pure-MLX graph or the CPU backend's numpy paths (evaluated eagerly)."""
+def forward_path(request, monkeypatch):
+    """Either the lazy pure-MLX graph or the CPU backend's numpy paths (evaluated eagerly),
+    both writing K/V with MLX's scatter: the host forward, which writes into the pool's
+    buffer and so cannot copy it, is off."""
+    import metal_engine.models.host as host
+
+    monkeypatch.setattr(host, "numpy_serves", lambda: False)
     if request.param == "pure-mlx":
         request.getfixturevalue("pure_mlx")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_helpers import make_runner_and_scheduler
+from mlx.utils import tree_unflatten
 from test_model_parity import random_ids, run_logits
 from tiny_models import build_tiny_model
 
@@ -54,3 +55,26 @@ def test_packing_makes_views(tmp_path, monkeypatch):
     assert k.ctypes.data == q.ctypes.data + q.nbytes
     assert v.ctypes.data == k.ctypes.data + k.nbytes
 
+
+
+def test_replaced_weights_are_packed_again(tmp_path, monkeypatch):
+    """New q/k/v weights after a host step (as load_weights sets them): the next host step
+    packs and uses them, and gives the MLX path's logits."""
+    source = tmp_path / "hf"
+    build_tiny_model("llama", source)
+    model_dir = convert_model(source, tmp_path / "model", progress=False)
+    monkeypatch.setattr(host, "numpy_serves", lambda: True)
+    runner, scheduler = make_runner_and_scheduler(model_dir, enable_prefix_caching=False)
+    ids = random_ids(5, 20)
+    before = run_logits(runner, scheduler, "a", ids, chunk=20)
+    scheduler.finish_request("a", "abort")  # fed, never sampled: out of the next runs' way
+    attn = runner.model.model.layers[0].self_attn
+    runner.model.update(tree_unflatten([
+        (f"model.layers.0.self_attn.{name}.weight", attn[name].weight * 0.5)
+        for name in ("q_proj", "k_proj", "v_proj")]))
+    on_host = run_logits(runner, scheduler, "b", ids, chunk=20)
+    scheduler.finish_request("b", "abort")
+    monkeypatch.setattr(host, "numpy_serves", lambda: False)
+    on_mlx = run_logits(runner, scheduler, "c", ids, chunk=20)
+    assert np.abs(on_host - before).max() > 1e-3  # the new weights are in use
+    np.testing.assert_allclose(on_host, on_mlx, atol=2e-5, rtol=2e-5)

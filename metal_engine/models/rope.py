@@ -186,7 +186,7 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
     if 2 * half < x.shape[-1]:
         parts.append(x[..., 2 * half:])
-    return array_module(x).concatenate(parts, axis=-1).astype(x.dtype)
+    return mx.concatenate(parts, axis=-1).astype(x.dtype)
 
 
 def apply_rope_pair(q: mx.array, k: mx.array, cos: mx.array,

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from server.anthropic.api import anthropic_router
 from server.async_engine import AsyncEngine
 from server.core.chat_turn import load_chat_format
+from server.dashboard.routes import dashboard_router
 from server.http.auth import ApiKeyAuth
 from server.http.body_limit import RequestBody
 from server.http.client_timeouts import ResponseDeadline
@@ -93,6 +94,7 @@ def build_app(
     of requests (`async_engine.sampling_defaults`). A request may ask for up to `max_n` choices.
     `tool_call_parser` names the tool-call format (default: picked from the chat template).
     `parameters`, when given, are listed on the model cards (total and active per token).
+    `/dashboard` shows what the server is doing (server.dashboard).
     `app.state.drain` is what a graceful shutdown drains.
     """
     options = options or HttpOptions()
@@ -113,6 +115,8 @@ def build_app(
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
     parser = serving.tool_call_parser
     app.include_router(_service_router(async_engine, metrics, model_ids, parameters))
+    app.include_router(dashboard_router(async_engine, metrics, served_model_name,
+                                        needs_key=bool(options.api_keys)))
     app.include_router(openai_router(serving, options.min_priority))
     app.include_router(render_router(async_engine, parser))
     app.include_router(responses_router(async_engine, served_model_name, parser))

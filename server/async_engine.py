@@ -136,6 +136,20 @@ class _Stream:
 
 
 @dataclass
+class LiveRequest:
+    """A request whose handler still waits on it, as the handlers see it: for the dashboard.
+    Lives on the handlers' event loop; `prompt` is its text only with `log_prompts`."""
+
+    request_id: str
+    http_request_id: str
+    started: float  # time.monotonic()
+    num_prompt_tokens: int
+    prompt: str | None = None
+    first_output_at: float | None = None
+    last: RequestOutput | None = None  # the newest output its handler got
+
+
+@dataclass
 class _Add:
     request_id: str
     prompt_ids: list[int]
@@ -151,7 +165,8 @@ class AsyncEngine:
     `generate` may be called from any event loop; `tokenizer`, `model_name`,
     `max_model_len` and `sampling_defaults` (what requests get for the sampling fields they
     leave unset) are read-only and safe to use from handlers; `stats()` is a snapshot the
-    engine thread publishes after every step. At most `max_queued_requests` requests (None:
+    engine thread publishes after every step, and `live_requests()` what the handlers have
+    seen of theirs. At most `max_queued_requests` requests (None:
     no limit) may wait for their first output; more raise `QueueFull`. Without
     `report_cached_tokens`, every output says 0 cached tokens (the hits are still used).
     """
@@ -175,6 +190,7 @@ class AsyncEngine:
         self._stats = EngineStats()  # under the lock
         self._observe: Callable[[], RequestObserver] = _NoObserver
         self._streams: dict[str, _Stream] = {}  # live requests; engine thread only
+        self._live_requests: dict[str, LiveRequest] = {}  # handlers' side (their event loop)
         self._stalled = False  # engine thread only: a step failed and nothing was added since
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         # One at a time: a client sending many slow schemas delays only other grammars.
@@ -210,6 +226,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         with self._cond:
             return self._stats
+
+    def live_requests(self) -> list[LiveRequest]:
+        """The requests handlers wait on, oldest first; call it from their event loop."""
+        return list(self._live_requests.values())
 
     def start(self) -> None:
         """Start the engine thread (idempotent; `generate` calls it too)."""
@@ -276,8 +296,10 @@ class AsyncEngine:
             add = _Add(request_id, list(prompt_ids), params, priority, cache_salt, stream)
             self._adds.append(add)
             self._cond.notify()
-        self._log_prompt(request_id, prompt_ids)
         started, awaiting_first, done = time.monotonic(), True, False
+        live = LiveRequest(request_id, stream.log_id, started, len(prompt_ids),
+                           self._log_prompt(request_id, prompt_ids))
+        self._live_requests[request_id] = live
         outcome, last = "abort", None  # "abort" unless the request ends on its own
         try:
             while not done:
@@ -290,10 +312,14 @@ class AsyncEngine:
                     outcome = "rejected" if isinstance(item, ValueError) else "error"
                     raise item
                 observer.on_output(item)
+                if live.first_output_at is None:
+                    live.first_output_at = time.monotonic()
                 done, last = item.finished, item
+                live.last = item
                 outcome = item.finish_reason or outcome
                 yield item if self.report_cached_tokens else replace(item, num_cached_tokens=0)
         finally:
+            self._live_requests.pop(request_id, None)
             if awaiting_first:
                 self._release_queue_slot()
             if not done:
@@ -309,12 +335,15 @@ class AsyncEngine:
         with self._cond:
             self._num_awaiting_first -= 1
 
-    def _log_prompt(self, request_id: str, prompt_ids: list[int]) -> None:
-        # Prompt text stays out of the logs unless the operator asked for it (--log-prompts).
-        if self.log_prompts:
-            log.info("%s prompt: %r", request_id, self.tokenizer.decode(prompt_ids))
-        else:
+    def _log_prompt(self, request_id: str, prompt_ids: list[int]) -> str | None:
+        """Log the request; the prompt's text, returned, only with --log-prompts: otherwise
+        it stays out of the logs (and the dashboard)."""
+        if not self.log_prompts:
             log.debug("%s queued with %d prompt tokens", request_id, len(prompt_ids))
+            return None
+        text = self.tokenizer.decode(prompt_ids)
+        log.info("%s prompt: %r", request_id, text)
+        return text
 
     def _abort(self, request_id: str) -> None:
         with self._cond:

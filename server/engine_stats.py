@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from scheduler.spec_decode.drafter import SpecDecodeStats
+
+
+class RequestState(NamedTuple):
+    """Where one request the scheduler holds stands (what its outputs do not say)."""
+
+    request_id: str
+    running: bool  # False: waiting (not yet admitted, or preempted)
+    num_computed_tokens: int  # with K/V written: cached + prefilled + decoded
+    num_cached_tokens: int  # prompt tokens found in the prefix cache at admission
+    num_preemptions: int
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,9 @@ class EngineStats:
     kv_disk_hit_tokens: int = 0
     num_preemptions: int = 0
     spec_decode: SpecDecodeStats | None = None  # None: no speculative decoding
+    num_state_slots: int = 0  # hybrid models' recurrent-state slots (0: none)
+    num_used_state_slots: int = 0  # live ones, and checkpoints a step is writing
+    requests: tuple[RequestState, ...] = ()  # running first, then waiting in queue order
 
     @property
     def kv_cache_usage(self) -> float:
@@ -47,6 +60,7 @@ def read_engine_stats(engine: Any) -> EngineStats:
         return EngineStats()
     pool, prefix_cache = scheduler.pool, scheduler.prefix_cache
     cache_stats = prefix_cache.stats
+    states = scheduler.states
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -61,7 +75,20 @@ def read_engine_stats(engine: Any) -> EngineStats:
         kv_disk_hit_tokens=cache_stats.stored_hit_tokens,
         num_preemptions=scheduler.num_preemptions,
         spec_decode=_copy(drafter.stats) if (drafter := scheduler.drafter) else None,
+        num_state_slots=states.pool.num_blocks if states else 0,
+        num_used_state_slots=states.pool.num_used_blocks if states else 0,
+        requests=_request_states(scheduler),
     )
+
+
+def _request_states(scheduler: Any) -> tuple[RequestState, ...]:
+    """A tuple per request; a few microseconds a step for a full batch."""
+    return tuple(
+        RequestState(r.request_id, running, r.num_computed_tokens, r.num_cached_tokens,
+                     r.num_preemptions)
+        for running, queue in ((True, scheduler.running), (False, scheduler.waiting))
+        for r in queue
+    )  # fmt: skip
 
 
 def _copy(stats: SpecDecodeStats) -> SpecDecodeStats:

@@ -1,8 +1,10 @@
 """`--api-key`: every `/v1/...` request must carry one of the keys, and each key is a tenant.
 
 Accepted as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
-clients) on any route. `/health`, `/metrics` and the API docs stay open: probes and scrapers
-carry no secrets and the metrics hold no request content.
+clients) on any route. The dashboard's state (`/dashboard/state`: every live request, with
+prompt text under --log-prompts) needs a key too; `/health`, `/metrics`, the API docs and the
+dashboard page itself stay open: probes and scrapers carry no secrets, the metrics hold no
+request content, and the page holds no data (it asks for the key and sends it in a header).
 
 Tenants keep the prefix cache apart: a request is served with its key's tenant bound, and
 `prefix_cache_salt` folds it into the salt of its prompts, so one key's `cached_tokens` (or
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.http.errors import APIError
 
 PROTECTED_PREFIX = "/v1/"
+DASHBOARD_STATE_PATH = "/dashboard/state"
 _HOW_TO_SEND = "send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 
 _tenant: ContextVar[str | None] = ContextVar("tenant", default=None)
@@ -69,7 +72,7 @@ class ApiKeyAuth:
         self._tenants = [None if share_prefix_cache else tenant_id(key) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http" or not _is_protected(scope["path"]):
             await self.app(scope, receive, send)
             return
         presented = presented_keys(scope["headers"])
@@ -93,3 +96,7 @@ class ApiKeyAuth:
             if hmac.compare_digest(key, known)
         ]  # fmt: skip
         return matches[0] if matches else None
+
+
+def _is_protected(path: str) -> bool:
+    return path.startswith(PROTECTED_PREFIX) or path == DASHBOARD_STATE_PATH

@@ -7,7 +7,8 @@ histograms use vLLM's bucket boundaries. What vLLM has no name for stays `metal_
 Two sources: per-request timings and token counts, observed on the handlers' event loop as
 outputs arrive (`RequestTimer`); and the engine's gauges and counters, read from the snapshot
 the engine thread publishes after each step (`AsyncEngine.stats()`), never from the engine
-itself.
+itself. The request timings also feed the dashboard's charts (`recent`), and the dashboard
+reads its totals from this registry (`totals()`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from metal_engine.outputs import RequestOutput
 from scheduler.spec_decode.drafter import SpecDecodeStats
+from server.dashboard.history import RecentActivity
 from server.engine_stats import EngineStats
 
 LABEL_NAMES = ("model_name", "engine")
@@ -72,6 +74,7 @@ class ServerMetrics:
             "the engine, or the waiting queue was full).", LABEL_NAMES, registry=reg,
         ).labels(*labels)  # fmt: skip
         reg.register(_EngineCollector(engine_stats, labels))
+        self.recent = RecentActivity()
 
     def request(self) -> RequestTimer:
         return RequestTimer(self)
@@ -82,6 +85,23 @@ class ServerMetrics:
             self.rejected.inc()
         else:
             self._success.labels(*self._labels, outcome).inc()
+
+    def totals(self) -> dict:
+        """The request and token counters as /metrics shows them now: `prompt_tokens`,
+        `generation_tokens`, `requests_finished` by finished_reason, `requests_rejected`."""
+        names = {"vllm:prompt_tokens_total": "prompt_tokens",
+                 "vllm:generation_tokens_total": "generation_tokens",
+                 "metal_serve_requests_rejected_total": "requests_rejected"}
+        totals: dict = {"requests_finished": {}}
+        wanted = [*names, "vllm:request_success_total"]
+        for family in self.registry.restricted_registry(wanted).collect():
+            for sample in family.samples:
+                if sample.name in names:
+                    totals[names[sample.name]] = int(sample.value)
+                elif sample.name == "vllm:request_success_total":
+                    reason = sample.labels["finished_reason"]
+                    totals["requests_finished"][reason] = int(sample.value)
+        return totals
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -102,10 +122,12 @@ class RequestTimer:
         if self._num_output_tokens == 0 and new_tokens > 0:
             m.ttft.observe(now - self._start)
             m.prompt_tokens.inc(output.num_prompt_tokens)
+            m.recent.add(now, new_tokens, ttft=now - self._start)
         elif new_tokens > 0:
             gap = (now - self._last) / new_tokens  # several tokens in one delta share the wait
             for _ in range(new_tokens):
                 m.inter_token.observe(gap)
+            m.recent.add(now, new_tokens, itl=gap)
         if new_tokens > 0:
             m.generation_tokens.inc(new_tokens)
             self._num_output_tokens, self._last = output.num_output_tokens, now

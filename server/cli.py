@@ -1,4 +1,4 @@
-"""The `metal-serve` command: `serve`, `convert`, `bench` and `doctor`."""
+"""The `metal-serve` command: `serve`, `status`, `convert`, `bench` and `doctor`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ __all__ = ["COMMANDS", "build_parser", "main", "parse_size", "run"]
 COMMANDS = {
     "serve": Command(
         "serve a model over HTTP", "server.launch", "add_serve_arguments", "serve"
+    ),
+    "status": Command(
+        "show what a running server is doing: requests, KV pool, cache hits, speed",
+        "server.dashboard.status_cli", "add_status_arguments", "run_status",
     ),
     "convert": Command(
         "convert a checkpoint into a model directory",

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import re
+import struct
 
 import pytest
 from server_helpers import running_server, small_engine
@@ -26,6 +27,7 @@ from server.bench.workloads import (
     shared_prefix_requests,
 )
 from server.cli import build_parser, main
+from server.dashboard.screenshot import find_chromium
 
 # ---- metrics -------------------------------------------------------------------------------
 
@@ -340,6 +342,23 @@ def test_bench_agents_against_our_server(base_url, default_model_dir, tmp_path):
     first = {r["session"]: r["input_tokens"] for r in records if r["turn"] == 0}
     second = {r["session"]: r["input_tokens"] for r in records if r["turn"] == 1}
     assert all(second[s] > first[s] + 8 for s in first)  # + the answer and the tool result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_chromium() is None, reason="no Chromium: apt-get install chromium")
+def test_bench_agents_saves_a_dashboard_screenshot(base_url, default_model_dir, tmp_path, capsys):
+    png = tmp_path / "dashboard.png"
+    options = (
+        "--workload agents --sessions 3 --turns 2 --prefix-len 64 --input-len 8 "
+        "--tool-result-len 8 --output-len 48 --num-warmups 0 --dashboard-screenshot-delay 0 "
+        f"--dashboard-screenshot {png}"
+    )
+    bench(base_url, default_model_dir, tmp_path, options)
+    assert f"dashboard screenshot: {png}" in capsys.readouterr().out
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", header[16:24])  # the PNG's IHDR
+    assert width == 1280 and height >= 900
 
 
 @pytest.mark.slow

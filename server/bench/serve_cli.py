@@ -14,6 +14,7 @@ from server.bench.workloads import WORKLOADS
 if TYPE_CHECKING:
     from server.bench.runner import RunResult
     from server.bench.serve_bench import ServeBenchConfig
+    from server.dashboard.screenshot import DashboardScreenshot
 
 
 def concurrency_list(text: str) -> tuple[int, ...]:
@@ -115,6 +116,20 @@ def _add_load_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--plot", type=Path, metavar="DIR", help="write PNGs (several --max-concurrency values)"
     )
+    group.add_argument(
+        "--dashboard-screenshot",
+        type=Path,
+        metavar="PNG",
+        help="save the server's /dashboard (metal-serve only) during the run, from headless "
+        "Chromium (needs playwright and chromium; docs/dashboard.md)",
+    )
+    group.add_argument(
+        "--dashboard-screenshot-delay",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds into the run, and then once a request is running, to take it",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -129,16 +144,23 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = _config(args, parse_slos(args.goodput))
         tokenizer = load_tokenizer(args.tokenizer)
+        screenshot = _screenshot(args)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"metal-serve bench serve: error: {exc}", file=sys.stderr)
         return 2
     try:
         before = router.snapshot(args.replica_url)
+        if screenshot is not None:
+            screenshot.start()
         runs = asyncio.run(run_serve_bench(config, tokenizer))
         replica_hits = router.since(args.replica_url, before)
     except (RuntimeError, httpx.HTTPError) as exc:  # the warm-up failed, or a replica's metrics
         print(f"metal-serve bench serve: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if screenshot is not None and screenshot.is_alive():
+            screenshot.stop()
+            screenshot.join()
     for run in runs:
         print(format_run(f"{config.workload} @ {config.base_url}", run))
     if len(runs) > 1:
@@ -150,7 +172,26 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"results: {args.result_json}")
     if args.plot is not None:
         _plot(runs, args.plot, config.workload)
+    if screenshot is not None and screenshot.error is not None:
+        print(f"metal-serve bench serve: {screenshot.error}", file=sys.stderr)
+        return 1
+    if screenshot is not None:
+        print(f"dashboard screenshot: {screenshot.path}")
     return 0 if all(run.metrics.failed == 0 for run in runs) else 1
+
+
+def _screenshot(args: argparse.Namespace) -> DashboardScreenshot | None:
+    """The --dashboard-screenshot taker, checked to have what it needs; None without it."""
+    if args.dashboard_screenshot is None:
+        return None
+    from server.dashboard.screenshot import DashboardScreenshot
+
+    if args.dashboard_screenshot_delay < 0:
+        raise ValueError("--dashboard-screenshot-delay must be at least 0")
+    screenshot = DashboardScreenshot(args.base_url, args.dashboard_screenshot,
+                                     args.dashboard_screenshot_delay)  # fmt: skip
+    screenshot.check()
+    return screenshot
 
 
 def _config(args: argparse.Namespace, slos_ms: dict[str, float]) -> ServeBenchConfig:

@@ -32,6 +32,7 @@ from metal_engine.outputs import RequestOutput
 from metal_engine.parallel.group import RankLost
 from server.engine_stats import EngineStats, read_engine_stats
 from server.http.logs import current_request_id
+from server.http.tenants import current_tenant
 from server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
@@ -138,13 +139,15 @@ class _Stream:
 @dataclass
 class LiveRequest:
     """A request whose handler still waits on it, as the handlers see it: for the dashboard.
-    Lives on the handlers' event loop; `prompt` is its text only with `log_prompts`."""
+    Lives on the handlers' event loop; `prompt` is its text only with `log_prompts`, and
+    `tenant` the API key's tenant that sent it (`server.http.auth.current_tenant`)."""
 
     request_id: str
     http_request_id: str
     started: float  # time.monotonic()
     num_prompt_tokens: int
     prompt: str | None = None
+    tenant: str | None = None
     first_output_at: float | None = None
     last: RequestOutput | None = None  # the newest output its handler got
 
@@ -298,7 +301,7 @@ class AsyncEngine:
             self._cond.notify()
         started, awaiting_first, done = time.monotonic(), True, False
         live = LiveRequest(request_id, stream.log_id, started, len(prompt_ids),
-                           self._log_prompt(request_id, prompt_ids))
+                           self._log_prompt(request_id, prompt_ids), current_tenant())
         self._live_requests[request_id] = live
         outcome, last = "abort", None  # "abort" unless the request ends on its own
         try:

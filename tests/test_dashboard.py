@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -26,12 +28,14 @@ from tiny_server import CHAT_TEMPLATE
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.outputs import RequestOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 from server.app import build_app
-from server.async_engine import AsyncEngine
+from server.async_engine import AsyncEngine, LiveRequest
 from server.dashboard import SCHEMA
 from server.dashboard.history import INTERVAL_S, NUM_INTERVALS, RecentActivity
-from server.engine_stats import read_engine_stats
+from server.dashboard.state import requests_section
+from server.engine_stats import EngineStats, RequestState, read_engine_stats
 
 SECTIONS = {"schema", "time", "uptime_s", "model", "requests", "kv_cache", "state_slots",
             "prefix_cache", "totals", "recent", "history", "speculative", "memory"}  # fmt: skip
@@ -126,6 +130,15 @@ def test_prompt_text_shows_only_with_log_prompts(tmp_path):
     assert row["prompt"] == "w11 w12"
 
 
+def test_a_keys_prompt_text_shows_to_that_key_only(tmp_path):
+    with (tiny_dashboard_server(tmp_path, api_keys=("k1", "k2"), log_prompts=True) as base,
+          streaming_completion(base, prompt=[11, 12], api_key="k1") as request_id):
+        mine, theirs = ([r for r in state(base, key)["requests"]["list"] if r["id"] == request_id]
+                        for key in ("k1", "k2"))  # fmt: skip
+    assert mine[0]["prompt"] == "w11 w12"
+    assert "prompt" not in theirs[0] and theirs[0]["prompt_tokens"] == 2
+
+
 def test_page_and_assets_ship_in_the_package_under_a_strict_policy(url):
     page = httpx.get(f"{url}/dashboard")
     assert page.headers["content-type"].startswith("text/html")
@@ -206,3 +219,22 @@ def test_only_the_window_is_kept():
     points = recent.points()
     assert len(points) == NUM_INTERVALS and all(p["ttft_s"] is None for p in points)
     assert recent.summary()["ttft_s"] is None  # the last minute's closed intervals were idle
+
+
+def test_rows_say_whether_the_scheduler_runs_holds_or_has_not_seen_a_request():
+    def live(request_id, age_s, finished=False):
+        last = RequestOutput(request_id, [], "", "length" if finished else None, 7, 3)
+        return LiveRequest(request_id, "req", time.monotonic() - age_s, 7, last=last)
+
+    engine = SimpleNamespace(report_cached_tokens=True, live_requests=lambda: [
+        live("cmpl-queued", 0.1), live("msg_waiting", 2.0), live("resp_running", 1.0),
+        live("chatcmpl-done", 3.0, finished=True),
+    ])  # fmt: skip
+    stats = EngineStats(num_running=1, num_waiting=1, requests=(
+        RequestState("resp_running", True, 10, 4, 0), RequestState("msg_waiting", False, 0, 0, 1),
+    ))  # fmt: skip
+    requests = requests_section(stats, engine)
+    rows = [(r["id"], r["status"], r["computed_tokens"]) for r in requests["list"]]
+    assert rows == [("resp_running", "running", 10), ("msg_waiting", "waiting", 0),
+                    ("cmpl-queued", "queued", 0)]  # fmt: skip
+    assert (requests["running"], requests["waiting"], requests["queued"]) == (1, 1, 1)

@@ -3,7 +3,8 @@
 Its shape is documented in docs/dashboard.md and versioned by `schema`. Engine numbers come
 from the snapshot that /metrics reads (`AsyncEngine.stats()`), token and request totals from
 /metrics' own registry, so the page and a scrape agree. Prompt text appears only when the
-server logs prompts (--log-prompts).
+server logs prompts (--log-prompts), and only to the API key that sent it when keys are
+tenants (`--prefix-cache-scope key`, the default).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from dataclasses import dataclass
 
 from server.async_engine import AsyncEngine, LiveRequest
 from server.dashboard import SCHEMA
+from server.dashboard.history import INTERVAL_S
 from server.engine_stats import EngineStats, RequestState
 from server.http.metrics import ServerMetrics
+from server.http.tenants import current_tenant
 
 # The ids each API gives its requests (a choice of n adds a suffix), which name the API.
 _API_OF_ID_PREFIX = (("chatcmpl-", "chat"), ("cmpl-", "completions"), ("resp_", "responses"),
                      ("msg_", "anthropic"))  # fmt: skip
+_STATUS_ORDER = {"running": 0, "waiting": 1, "queued": 2}
 PROMPT_CHARS = 240  # of a prompt's end: agents' prompts share their start
 
 
@@ -43,7 +47,7 @@ def dashboard_state(engine: AsyncEngine, metrics: ServerMetrics, info: ServerInf
         "uptime_s": now - info.started,
         "model": {"served_name": info.served_model_name, "name": info.model_name,
                   "max_model_len": info.max_model_len},
-        "requests": _requests(stats, engine),
+        "requests": requests_section(stats, engine),
         "kv_cache": {"blocks_total": stats.num_kv_blocks, "blocks_used": stats.num_used_kv_blocks,
                      "usage": stats.kv_cache_usage, "block_size": stats.block_size,
                      "dtype": stats.kv_cache_dtype},
@@ -52,7 +56,7 @@ def dashboard_state(engine: AsyncEngine, metrics: ServerMetrics, info: ServerInf
         "prefix_cache": _prefix_cache(stats),
         "totals": {**metrics.totals(), "preemptions": stats.num_preemptions},
         "recent": metrics.recent.summary(),
-        "history": metrics.recent.points(),
+        "history": {"interval_s": INTERVAL_S, "points": metrics.recent.points()},
         "speculative": _speculative(stats),
         "memory": memory_in_use(),
     }  # fmt: skip
@@ -64,26 +68,31 @@ def api_of(request_id: str) -> str:
                 "other")
 
 
-def _requests(stats: EngineStats, engine: AsyncEngine) -> dict:
+def requests_section(stats: EngineStats, engine: AsyncEngine) -> dict:
+    """The counts of /metrics and a row per request a handler waits on: running, then
+    waiting, then queued, the oldest first."""
     states = {state.request_id: state for state in stats.requests}
     now = time.monotonic()
     rows = [_row(live, states.get(live.request_id), now, engine)
             for live in engine.live_requests()
             if live.last is None or not live.last.finished]  # fmt: skip
-    rows.sort(key=lambda row: (row["status"] != "running", -row["age_s"]))
-    return {"running": stats.num_running, "waiting": stats.num_waiting, "list": rows}
+    rows.sort(key=lambda row: (_STATUS_ORDER[row["status"]], -row["age_s"]))
+    queued = sum(row["status"] == "queued" for row in rows)
+    return {"running": stats.num_running, "waiting": stats.num_waiting, "queued": queued,
+            "list": rows}
 
 
 def _row(live: LiveRequest, state: RequestState | None, now: float, engine: AsyncEngine) -> dict:
-    """One request. Without a scheduler state it is queued for the engine thread, still
-    `waiting`; a server that keeps cached tokens from its clients keeps them from here too."""
+    """One request. Without a scheduler state it is `queued`: handed to the engine thread,
+    which has not taken it in yet (it does between steps). A server that keeps cached tokens
+    from its clients keeps them from here too."""
     last = live.last
     cached = state.num_cached_tokens if state else (last.num_cached_tokens if last else 0)
     row = {
         "id": live.request_id,
         "http_request_id": live.http_request_id,
         "api": api_of(live.request_id),
-        "status": "running" if state is not None and state.running else "waiting",
+        "status": "queued" if state is None else "running" if state.running else "waiting",
         "age_s": now - live.started,
         "ttft_s": None if live.first_output_at is None else live.first_output_at - live.started,
         "prompt_tokens": live.num_prompt_tokens,
@@ -94,7 +103,7 @@ def _row(live: LiveRequest, state: RequestState | None, now: float, engine: Asyn
         "draft_tokens": last.num_draft_tokens if last else 0,
         "accepted_draft_tokens": last.num_accepted_tokens if last else 0,
     }
-    if live.prompt is not None:
+    if live.prompt is not None and live.tenant == current_tenant():  # a key sees its own
         cut = len(live.prompt) > PROMPT_CHARS
         row["prompt"] = "…" + live.prompt[-PROMPT_CHARS:] if cut else live.prompt
     return row

@@ -18,6 +18,7 @@ def _summary(state: dict, url: str) -> list[str]:
         f"metal-serve at {url}: {model['served_name']} ({model['name']}, context "
         f"{model['max_model_len']:,}), up {duration(state['uptime_s'])}",
         _row("requests", f"{requests['running']} running, {requests['waiting']} waiting, "
+             f"{requests['queued']} queued, "
              f"{totals['preemptions']:,} preemptions; finished "
              + ", ".join(f"{reason} {count:,}" for reason, count in finished.items())
              + f", rejected {totals['requests_rejected']:,}"),

@@ -18,17 +18,16 @@ import hashlib
 import hmac
 import json
 from collections.abc import Sequence
-from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.http.errors import APIError
+from server.http.tenants import TENANT
 
 PROTECTED_PREFIX = "/v1/"
 DASHBOARD_STATE_PATH = "/dashboard/state"
 _HOW_TO_SEND = "send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 
-_tenant: ContextVar[str | None] = ContextVar("tenant", default=None)
 
 
 def tenant_id(api_key: str) -> str:
@@ -41,7 +40,7 @@ def tenant_id(api_key: str) -> str:
 def prefix_cache_salt(cache_salt: str | None) -> str | None:
     """The salt of a prompt that the tenant being served sends with its own `cache_salt`:
     prompts share prefix-cache blocks only when both are equal. None when neither is set."""
-    tenant = _tenant.get()
+    tenant = TENANT.get()
     if tenant is None and cache_salt is None:
         return None
     return json.dumps([tenant, cache_salt])
@@ -78,11 +77,11 @@ class ApiKeyAuth:
         presented = presented_keys(scope["headers"])
         index = self._matching_key(presented)
         if index is not None:
-            token = _tenant.set(self._tenants[index])
+            token = TENANT.set(self._tenants[index])
             try:
                 await self.app(scope, receive, send)
             finally:
-                _tenant.reset(token)
+                TENANT.reset(token)
             return
         problem = "Invalid API key" if presented else "Missing API key"
         error = APIError(f"{problem}: {_HOW_TO_SEND}.", status_code=401, code="invalid_api_key")

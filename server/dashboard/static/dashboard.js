@@ -106,7 +106,8 @@ function svgElement(name, attributes, text) {
   return el;
 }
 
-function drawChart(id, points, series, format) {
+function drawChart(id, history, series, format) {
+  const points = history.points;
   const svg = document.getElementById(id);
   const values = series.flatMap((s) => points.map(s.value)).filter((v) => v != null);
   const top = Math.max(...values, 0) || 1;
@@ -119,23 +120,25 @@ function drawChart(id, points, series, format) {
     svgElement("line", { class: "axis", x1: left, y1: y(top), x2: width - right, y2: y(top) }),
     svgElement("text", { x: left - 4, y: y(top) + 4, "text-anchor": "end" }, format(top)),
     svgElement("text", { x: left - 4, y: y(0), "text-anchor": "end" }, "0"),
-    svgElement("text", { x: left, y: height - 2 }, historyLabel(points)),
+    svgElement("text", { x: left, y: height - 2 }, historyLabel(points, history.interval_s)),
     svgElement("text", { x: width - right, y: height - 2, "text-anchor": "end" }, "now"),
   ];
   for (const s of series) {
-    const coordinates = points
-      .map((p, i) => (s.value(p) == null ? null : x(i) + "," + y(s.value(p))))
-      .filter((c) => c != null);
-    if (coordinates.length) {
-      parts.push(svgElement("polyline", { class: s.className, points: coordinates.join(" ") }));
+    const known = points.map((p, i) => [i, s.value(p)]).filter(([, v]) => v != null);
+    if (known.length) {
+      const coordinates = known.map(([i, v]) => x(i) + "," + y(v)).join(" ");
+      parts.push(svgElement("polyline", { class: s.className, points: coordinates }));
+    }
+    for (const [i, v] of known) {  // dots: an interval alone between empty ones shows too
+      parts.push(svgElement("circle", { class: s.className, cx: x(i), cy: y(v), r: 1.6 }));
     }
   }
   svg.replaceChildren(...parts);
 }
 
-function historyLabel(points) {
+function historyLabel(points, intervalSeconds) {
   if (!points.length) return "no data yet";
-  return "−" + formatDuration(Date.now() / 1000 - points[0].t + 5);
+  return "−" + formatDuration(Date.now() / 1000 - points[0].t + intervalSeconds);
 }
 
 function percentile(name, key) {

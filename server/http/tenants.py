@@ -1,0 +1,16 @@
+"""The tenant (an API key's, see server.http.auth) of the request being served.
+
+A module of its own, importing nothing, so that the engine bridge can read it without
+importing the HTTP layer that sets it.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+TENANT: ContextVar[str | None] = ContextVar("tenant", default=None)
+
+
+def current_tenant() -> str | None:
+    """None without keys, or with a prefix cache shared by all keys."""
+    return TENANT.get()

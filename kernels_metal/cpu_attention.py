@@ -7,7 +7,8 @@ batched tiny matmuls that the CPU backend dispatches one by one; at eight decode
 softmax runs vectorized in numpy, and decode rows use cascade attention: decode requests that
 start with the same blocks (agents with one system prompt) are grouped, the blocks a group
 shares are gathered once and scored against all its rows in one product per KV head, joined
-to each request's own keys in one softmax.
+to each request's own keys in one softmax. Decode rows over float32 pools skip all that: compiled
+loops read their keys where the pool holds them (cpu_decode).
 
 Scores are built a bounded slice at a time (query tiles of a prefill chunk, batches of decode
 requests), so long contexts do not allocate `rows x heads x keys` at once; a slice's K/V are
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal import cpu_decode
 from kernels_metal.cpu_math import DENORMAL_EXP_BOUND, FEW_ROWS
 from kernels_metal.kv_quant import HostPool, QuantizedPool, host_pool
 from kernels_metal.metadata import AttentionMetadata
@@ -56,9 +58,20 @@ class Slice:
 
 
 @dataclass(frozen=True)
+class CompiledDecode:
+    """Decode rows for cpu_decode: each request's keys `first_keys..seq_lens - 1`."""
+
+    rows: np.ndarray
+    tables: np.ndarray
+    seq_lens: np.ndarray
+    first_keys: np.ndarray
+
+
+@dataclass(frozen=True)
 class CpuPlan:
     prefixes: list[np.ndarray]  # blocks a group of decode requests starts with
     slices: list[Slice]
+    compiled: CompiledDecode | None = None
 
 
 def supports(q: mx.array, k_pool: mx.array | QuantizedPool) -> bool:
@@ -72,9 +85,10 @@ def paged_attention_cpu(
     window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Same contract as `paged_attention_reference`; numpy queries get a numpy answer."""
-    key = ("cpu", window, q.shape[1])
+    compiled = decodes_compiled(k_pool)
+    key = ("cpu", window, q.shape[1], compiled)
     if key not in meta.backend_plans:
-        meta.backend_plans[key] = build_plan(meta, q.shape[1], window)
+        meta.backend_plans[key] = build_plan(meta, q.shape[1], window, compiled)
     plan: CpuPlan = meta.backend_plans[key]
     host = isinstance(q, np.ndarray)  # the host forward's queries, float32
     queries = q if host else np.asarray(q.astype(mx.float32))  # [total_q, H, D]
@@ -84,12 +98,20 @@ def paged_attention_cpu(
     return out if host else mx.array(out).astype(q.dtype)
 
 
+def decodes_compiled(k_pool: mx.array | QuantizedPool) -> bool:
+    """Whether decode rows over this pool go to cpu_decode's loops (float32 pools do)."""
+    return not isinstance(k_pool, QuantizedPool) and k_pool.dtype == mx.float32
+
+
 def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,
                 scale: float, softcap: float | None, sinks: np.ndarray | None) -> np.ndarray:
     kv_heads = keys.shape[2]
     prefixes = [tuple(_gather(pool, blocks[None])[0] for pool in (keys, values))
                 for blocks in plan.prefixes]
     out = np.empty(queries.shape, np.float32)
+    if (decode := plan.compiled) is not None:
+        cpu_decode.attend(queries, keys, values, decode.rows, decode.tables, decode.seq_lens,
+                          decode.first_keys, scale, softcap, sinks, out)
     gathered_for = None
     for part in plan.slices:
         if part.tables is not gathered_for:  # a prefill chunk's tiles share one gather
@@ -219,8 +241,10 @@ def _scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(keys_major.transpose(0, 1, 3, 2))
 
 
-def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = None) -> CpuPlan:
-    """Slice the step's rows once; every layer with this window reuses the slices.
+def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = None,
+               compiled_decode: bool = False) -> CpuPlan:
+    """Slice the step's rows once; every layer with this window reuses the slices. With
+    `compiled_decode` the decode rows go to cpu_decode instead.
 
     A slice holds at most SCORE_BUDGET scores (rows x `num_heads` x keys) unless one row
     alone needs more.
@@ -228,7 +252,13 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
     row_budget = SCORE_BUDGET // num_heads
     starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
     decode, prefill = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
-    prefixes, slices = [], []
+    prefixes, slices, compiled = [], [], None
+    if compiled_decode and len(decode):
+        seq_lens = meta.seq_lens[decode]
+        first_keys = np.zeros_like(seq_lens) if window is None else np.maximum(seq_lens - window, 0)
+        compiled = CompiledDecode(meta.cu_seqlens_q[decode].astype(np.int64),
+                                  meta.block_tables[decode], seq_lens, first_keys)
+        decode = decode[:0]
     for group, shared in _decode_groups(meta, decode, window):
         prefix = None
         if len(shared):
@@ -238,7 +268,7 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
     for r in prefill:
         slices += _prefill_slices(meta, int(r), int(starts[r]), int(q_lens[r]), window,
                                   row_budget)
-    return CpuPlan(prefixes, slices)
+    return CpuPlan(prefixes, slices, compiled)
 
 
 def _decode_groups(meta: AttentionMetadata, decode: np.ndarray,

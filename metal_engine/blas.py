@@ -81,7 +81,11 @@ def blas_threads_for(ranks: int) -> int:
 
 
 def limit_blas_threads(threads: int) -> None:
-    """Cap every BLAS this process has loaded (MLX's OpenBLAS, numpy's) at `threads`."""
+    """Cap every BLAS this process has loaded (MLX's OpenBLAS, numpy's) at `threads`, and the
+    CPU backend's compiled attention with them."""
     from threadpoolctl import threadpool_limits
 
+    from kernels_metal import cpu_decode
+
     threadpool_limits(limits=threads, user_api="blas")
+    cpu_decode.use_threads(threads)

@@ -52,7 +52,11 @@ def test_compare_runs_only_the_workloads_asked_for(capsys):
     add_compare_arguments(parser)
     args = parser.parse_args(["--workloads", "agents", "--sessions", "8", "--output-len", "48"])
     assert list(workloads(args)) == ["agents"] and workloads(args)["agents"]["sessions"] == 8
-    assert len(workloads(parser.parse_args([]))) == 3
+    assert list(workloads(parser.parse_args([]))) == ["single", "concurrent-16", "long-8064",
+                                                      "agents"]
+    long = workloads(parser.parse_args(["--workloads", "long", "--long-input-len", "4000"]))
+    assert long == {"long-4000": dict(workload="random", num_prompts=2, input_len=4000,
+                                      max_concurrency=(1,))}
     assert main(["bench", "compare", "--workloads", "agents,speed"]) == 2
     assert "unknown workloads ['speed']" in capsys.readouterr().err
 

@@ -1,12 +1,15 @@
-"""The numpy paged attention of the CPU backend against the pure-MLX reference."""
+"""The CPU backend's paged attention (numpy, and the compiled decode loops of float32 pools)
+against the pure-MLX reference."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels_metal import cpu_attention
+from kernels_metal import cpu_attention, cpu_decode
 from kernels_metal.cases import Case, check, grid
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import paged_attention_reference
@@ -47,9 +50,13 @@ def shared_prefix_step(shared_blocks: int, own_tokens: list[int], q_lens: list[i
 
 
 def assert_matches_reference(q, k, v, meta, scale, window=None, softcap=None, sinks=None):
+    """Decode rows both ways: through the compiled loops and through numpy's gathers."""
     expected = paged_attention_reference(q, k, v, meta, scale, window, softcap, sinks)
-    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap, sinks)
-    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5, rtol=1e-5)
+    for compiled in (True, False):
+        with mock.patch.object(cpu_attention, "decodes_compiled",
+                               lambda pool, compiled=compiled: compiled):
+            got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap, sinks)
+        np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5, rtol=1e-5)
 
 
 SINKS = mx.array([3.0, -2.0, 0.5, 8.0, -40.0, 1.0])  # one per query head of the steps here
@@ -176,3 +183,14 @@ def test_rows_whose_scores_would_overflow_or_vanish_are_shifted_by_their_max(off
     got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, sinks=sinks)
     assert np.isfinite(np.array(got)).all()
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("window", "softcap", "sinks"), [(None, None, None), (None, 15.0, SINKS),
+                                                          (50, None, SINKS)])
+def test_a_parallel_decode_step_splits_long_contexts_into_key_ranges(monkeypatch, window,
+                                                                     softcap, sinks):
+    monkeypatch.setattr(cpu_decode, "PARALLEL_FROM", 0)
+    monkeypatch.setattr(cpu_decode, "JOBS_PER_THREAD", 8)
+    q, k, v, meta, scale = shared_prefix_step(20, [3, 170, 1], [1, 1, 1])
+    assert cpu_decode.split_count(len(meta.seq_lens), k.shape[2]) > 1
+    assert_matches_reference(q, k, v, meta, scale, window, softcap, sinks)

@@ -20,12 +20,13 @@ if TYPE_CHECKING:
 DEFAULT_WORK_DIR = Path.home() / ".cache" / "metal-serve" / "peers"
 DEFAULT_DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 PEER_NAMES = ("metal-serve", "mlx-lm", "llama-cpp-python", "llama-server")
-WORKLOAD_KINDS = ("single", "concurrent", "agents")
+WORKLOAD_KINDS = ("single", "concurrent", "long", "agents")
 _WORKLOAD_OPTIONS = (
     ("--output-len", 64, "tokens per answer, in every workload"),
     ("--single-requests", 4, "`single`: requests sent one at a time"),
     ("--concurrency", 16, "`concurrent-N`: requests sent at once"),
     ("--input-len", 128, "`concurrent-N`: prompt tokens"),
+    ("--long-input-len", 8064, "`long-N`: prompt tokens of its requests, sent one at a time"),
     ("--sessions", 4, "`agents`: sessions"),
     ("--turns", 3, "`agents`: requests per session"),
     ("--prefix-len", 1024, "`agents`: tokens of the shared system prompt"),
@@ -111,6 +112,12 @@ def workloads(args: argparse.Namespace) -> dict[str, dict]:
             num_prompts=args.concurrency,
             input_len=args.input_len,
             max_concurrency=(args.concurrency,),
+        ),
+        f"long-{args.long_input_len}": dict(
+            workload="random",
+            num_prompts=2,
+            input_len=args.long_input_len,
+            max_concurrency=(1,),
         ),
         "agents": dict(
             workload="agents",

@@ -73,11 +73,11 @@ def f32_gguf(root: Path, gguf: Path) -> Path:
 
 
 def server_args(root: Path, gguf: Path) -> list[str]:
-    """llama-server on all cores, with a slot for each of up to 16 requests at once (each
-    slot gets 4096 tokens of context)."""
+    """llama-server on all cores, with a slot for each of up to 16 requests at once, sharing
+    one K/V buffer of 16 x 4096 tokens (so one request may hold the model's whole context)."""
     threads = str(os.cpu_count() or 1)
     return [str(binary(root)), "-m", str(f32_gguf(root, gguf)), "--host", "127.0.0.1",
-            "-t", threads, "-tb", threads, "-np", "16", "-c", str(16 * 4096)]
+            "-t", threads, "-tb", threads, "-np", "16", "-c", str(16 * 4096), "--kv-unified"]
 
 
 def _run(command: list[str], log, deadline: float) -> str | None:

@@ -47,11 +47,11 @@ def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, rows: np.n
     """Rows `rows` of `queries [total_q, H, D]` (one per decode request) attend to keys
     `first_keys[r]..seq_lens[r] - 1` of their block table `tables[r]` in the float32 pools
     `[blocks, block_size, kv_heads, D]`; their outputs go to the same rows of `out`."""
-    kv_heads, head_dim = keys.shape[2], keys.shape[3]
+    _, block_size, kv_heads, head_dim = keys.shape
     work = int((seq_lens - first_keys).sum()) * kv_heads
     parallel = work >= PARALLEL_FROM and _threads > 1
-    splits = split_count(len(rows), kv_heads) if parallel else 1
-    kernel = _kernel(queries.shape[1] // kv_heads, head_dim, keys.shape[1], parallel)
+    splits = split_count(len(rows)) if parallel else 1
+    kernel = _kernel(kv_heads, queries.shape[1] // kv_heads, head_dim, block_size, parallel)
     args = (queries, keys, values, rows, tables, seq_lens, first_keys, splits, np.float32(scale),
             np.float32(softcap or 0.0), np.zeros(0, np.float32) if sinks is None else sinks, out)
     if not parallel:
@@ -62,80 +62,82 @@ def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, rows: np.n
         kernel(*args)
 
 
-def split_count(requests: int, kv_heads: int) -> int:
-    """Key ranges per request and KV head that give each thread JOBS_PER_THREAD jobs."""
-    jobs = requests * kv_heads
-    return max(1, math.ceil(JOBS_PER_THREAD * _threads / jobs))
+def split_count(requests: int) -> int:
+    """Key ranges per request that give each thread JOBS_PER_THREAD jobs."""
+    return max(1, math.ceil(JOBS_PER_THREAD * _threads / requests))
 
 
 @functools.cache
-def _kernel(group: int, head_dim: int, block_size: int, parallel: bool):
-    """The loops for `group` query heads per KV head of `head_dim`: constants to the compiler,
-    so a row's scores and sums stay in registers."""
+def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel: bool):
+    """The loops for `kv_heads` KV heads of `group` query heads each, of `head_dim`: constants
+    to the compiler, so the inner loops unroll and a row's sums stay in registers.
+
+    A job is one request's key range. It walks its keys in pool order, every head's part of
+    a key at once (each key read whole, in the order it lies in memory, which the prefetcher
+    follows; a loop per KV head read a quarter of each key per pass and ran several times
+    slower once the pool was out of cache).
+    """
+    heads = kv_heads * group
 
     @numba.njit(cache=True, fastmath=FAST_MATH, nogil=True, parallel=parallel,
                 boundscheck=False)
     def kernel(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
                sinks, out):
-        kv_heads = k_pool.shape[2]
-        per_request = kv_heads * splits
-        jobs = rows.shape[0] * per_request
-        maxima = np.empty((jobs, group), np.float32)
-        totals = np.empty((jobs, group), np.float32)
-        sums = np.empty((jobs, group, head_dim), np.float32)
+        jobs = rows.shape[0] * splits
+        maxima = np.empty((jobs, heads), np.float32)
+        totals = np.empty((jobs, heads), np.float32)
+        sums = np.empty((jobs, heads, head_dim), np.float32)
         for job in numba.prange(jobs):
-            r, rest = divmod(job, per_request)
-            kv_head, part = divmod(rest, splits)
+            r, part = divmod(job, splits)
             span = -(-(seq_lens[r] - first_keys[r]) // splits)
             begin = first_keys[r] + part * span
             end = min(seq_lens[r], begin + span)
-            q_rows = np.empty((group, head_dim), np.float32)
-            for g in range(group):
+            q_rows = np.empty((heads, head_dim), np.float32)
+            for h in range(heads):
                 for d in range(head_dim):
-                    q_rows[g, d] = q[rows[r], kv_head * group + g, d] * scale
-            scores = np.empty((max(end - begin, 0), group), np.float32)
-            row_max = np.full(group, -np.inf, np.float32)
+                    q_rows[h, d] = q[rows[r], h, d] * scale
+            scores = np.empty((max(end - begin, 0), heads), np.float32)
+            row_max = np.full(heads, -np.inf, np.float32)
             for t in range(begin, end):
-                key = k_pool[tables[r, t // block_size], t % block_size, kv_head]
-                for g in range(group):
+                key = k_pool[tables[r, t // block_size], t % block_size]
+                for h in range(heads):
                     s = np.float32(0.0)
                     for d in range(head_dim):
-                        s += q_rows[g, d] * key[d]
+                        s += q_rows[h, d] * key[h // group, d]
                     if softcap > 0:
                         s = softcap * np.tanh(s / softcap)
-                    scores[t - begin, g] = s
-                    row_max[g] = max(row_max[g], s)
-            total = np.zeros(group, np.float32)
+                    scores[t - begin, h] = s
+                    row_max[h] = max(row_max[h], s)
+            total = np.zeros(heads, np.float32)
             for i in range(end - begin):
-                for g in range(group):
-                    weight = np.exp(scores[i, g] - row_max[g])
-                    scores[i, g] = weight
-                    total[g] += weight
+                for h in range(heads):
+                    weight = np.exp(scores[i, h] - row_max[h])
+                    scores[i, h] = weight
+                    total[h] += weight
             acc = sums[job]
             acc[:] = 0.0
             for t in range(begin, end):
-                value = v_pool[tables[r, t // block_size], t % block_size, kv_head]
-                for g in range(group):
-                    weight = scores[t - begin, g]
+                value = v_pool[tables[r, t // block_size], t % block_size]
+                for h in range(heads):
+                    weight = scores[t - begin, h]
                     for d in range(head_dim):
-                        acc[g, d] += weight * value[d]
+                        acc[h, d] += weight * value[h // group, d]
             maxima[job] = row_max
             totals[job] = total
         # Each head's key ranges, merged at their common maximum (and the head's sink).
         for r in numba.prange(rows.shape[0]):
-            for h in range(kv_heads * group):
-                kv_head, g = divmod(h, group)
-                first = r * per_request + kv_head * splits
+            first = r * splits
+            for h in range(heads):
                 top = -np.inf if sinks.shape[0] == 0 else sinks[h]
                 for j in range(first, first + splits):
-                    top = max(top, maxima[j, g])
+                    top = max(top, maxima[j, h])
                 total = np.float32(0.0) if sinks.shape[0] == 0 else np.exp(sinks[h] - top)
                 merged = np.zeros(head_dim, np.float32)
                 for j in range(first, first + splits):
-                    rescale = np.exp(maxima[j, g] - top) if totals[j, g] > 0 else 0.0
-                    total += rescale * totals[j, g]
+                    rescale = np.exp(maxima[j, h] - top) if totals[j, h] > 0 else 0.0
+                    total += rescale * totals[j, h]
                     for d in range(head_dim):
-                        merged[d] += rescale * sums[j, g, d]
+                        merged[d] += rescale * sums[j, h, d]
                 for d in range(head_dim):
                     out[rows[r], h, d] = merged[d] / total
 

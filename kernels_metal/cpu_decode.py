@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 
 import numba
 import numpy as np
+
+from kernels_metal import cpu_threads
 
 # Below this many keys x KV heads in a step one thread does the whole step: waking a second
 # costs more than it saves.
@@ -30,16 +31,6 @@ JOBS_PER_THREAD = 4
 # running maximum starts there, and a sink of -inf must weigh 0).
 FAST_MATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
-_threads = numba.config.NUMBA_NUM_THREADS
-# numba's default thread pool takes one parallel launch at a time.
-_parallel_launch = threading.Lock()
-
-
-def use_threads(threads: int) -> None:
-    """Threads a parallel step may use (ranks that share the cores take their share)."""
-    global _threads
-    _threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
-
 
 def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, rows: np.ndarray,
            tables: np.ndarray, seq_lens: np.ndarray, first_keys: np.ndarray, scale: float,
@@ -49,22 +40,20 @@ def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, rows: np.n
     `[blocks, block_size, kv_heads, D]`; their outputs go to the same rows of `out`."""
     _, block_size, kv_heads, head_dim = keys.shape
     work = int((seq_lens - first_keys).sum()) * kv_heads
-    parallel = work >= PARALLEL_FROM and _threads > 1
+    parallel = work >= PARALLEL_FROM and cpu_threads.threads() > 1
     splits = split_count(len(rows)) if parallel else 1
     kernel = _kernel(kv_heads, queries.shape[1] // kv_heads, head_dim, block_size, parallel)
     args = (queries, keys, values, rows, tables, seq_lens, first_keys, splits, np.float32(scale),
             np.float32(softcap or 0.0), np.zeros(0, np.float32) if sinks is None else sinks, out)
-    if not parallel:
-        kernel(*args)
-        return
-    with _parallel_launch:
-        numba.set_num_threads(_threads)
+    if parallel:
+        cpu_threads.launch(kernel, *args)
+    else:
         kernel(*args)
 
 
 def split_count(requests: int) -> int:
     """Key ranges per request that give each thread JOBS_PER_THREAD jobs."""
-    return max(1, math.ceil(JOBS_PER_THREAD * _threads / requests))
+    return max(1, math.ceil(JOBS_PER_THREAD * cpu_threads.threads() / requests))
 
 
 @functools.cache

@@ -7,7 +7,8 @@ around them. Off Metal these hand the (already evaluated) array to numpy's vecto
 (~0.6 ns an element) and back; other devices use MLX's own ops. Each also takes numpy
 arrays, the CPU backend's host forward (metal_engine/models/host.py), and returns numpy then.
 
-Products go to numpy's BLAS over zero-copy views of the weights, for two reasons. A one-row
+Products go to numpy's BLAS over zero-copy views of the weights (those of 2 to 31 rows to
+cpu_gemm's compiled tiles), for two reasons. A one-row
 product (batch-1 decode) is memory-bound, and the CPU backend sends it through the general
 matmul, which streams weights at about half the rate of the matrix-vector kernel numpy picks.
 And numpy's wheel bundles its own OpenBLAS beside the one MLX binds to: OpenBLAS workers spin
@@ -24,14 +25,15 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from kernels_metal import cpu_gemm
+
 # exp below this is a float32 denormal: flushed to 0, since denormals slow every later op.
 DENORMAL_EXP_BOUND = -87.0
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # Below this many rows BLAS takes a transposed (or row-strided) right operand several times
-# slower than a left one, so such products put the big operand on the left (`linear` here,
-# the decode scores in cpu_attention).
+# slower than a left one: such products put the big operand on the left (the decode scores
+# in cpu_attention) or go to cpu_gemm's tiles (`host_linear` here).
 FEW_ROWS = 32
-GEMV_ROWS = 3
 
 
 def on_cpu() -> bool:
@@ -110,14 +112,14 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
 
 
 def host_linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """`rows @ weight.T` in numpy's BLAS."""
-    # BLAS streams the weight about twice as fast as the left operand of a product with few
-    # columns as it does as the transposed right operand of one with few rows; for two or
-    # three rows (a decode verifying a draft or two) a product per row beats either.
-    if 1 < len(rows) <= GEMV_ROWS:
-        return np.stack([weight @ row for row in rows])
-    if len(rows) < FEW_ROWS:
+    """`rows @ weight.T`: one row in numpy's BLAS (a matrix-vector product streams the weight
+    at the memory's rate), a few float32 rows in cpu_gemm's register tiles, more in BLAS."""
+    if len(rows) == 1:
+        # BLAS streams the weight about twice as fast as the left operand of a product with
+        # one column as it does as the transposed right operand of one with one row.
         return np.ascontiguousarray((weight @ rows.T).T)
+    if len(rows) < FEW_ROWS and rows.dtype == weight.dtype == np.float32:
+        return cpu_gemm.few_rows(rows, weight)
     return rows @ weight.T
 
 

@@ -82,10 +82,10 @@ def blas_threads_for(ranks: int) -> int:
 
 def limit_blas_threads(threads: int) -> None:
     """Cap every BLAS this process has loaded (MLX's OpenBLAS, numpy's) at `threads`, and the
-    CPU backend's compiled attention with them."""
+    CPU backend's compiled loops with them."""
     from threadpoolctl import threadpool_limits
 
-    from kernels_metal import cpu_decode
+    from kernels_metal import cpu_threads
 
     threadpool_limits(limits=threads, user_api="blas")
-    cpu_decode.use_threads(threads)
+    cpu_threads.use_threads(threads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -25,6 +26,17 @@ TINY_LLAMA = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """Put the root logger back after each test: `serve`'s main configures it with a handler
+    on the stderr of its moment, which is pytest's capture, closed once the test ends."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

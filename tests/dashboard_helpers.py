@@ -4,6 +4,7 @@ numbers of /metrics and /dashboard/state."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,10 @@ LONG_STREAM_TOKENS = 3000
 MAX_MODEL_LEN = 4096
 # Token ids: the tiny model's word-level tokenizer reads any text as one unknown word.
 PROMPT = list(range(3, 43))  # two full blocks of 16 and a bit
+
+# The tests' own HTTP clients log each request at INFO; none of that is what they check, and
+# a handler another test left on the root logger may write to a stream already closed.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,95 @@
+"""Products of a few rows with a weight matrix (`rows @ weight.T`) in compiled register tiles.
+
+A decode step of a few requests multiplies a few rows by every weight matrix. BLAS's GEMM
+packs the weight into panels first, a copy as large as the product's own reads, and at 16
+rows it ran at ~110 GFLOP/s here, half its large-GEMM rate. These loops (numba, compiled once
+and cached on disk) read each weight row once from where it lies and multiply it with every
+input row in a tile of 4 input x 4 weight rows kept in registers: 1.7x BLAS's rate on the
+default model's matrices at 16 rows.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kernels_metal import cpu_threads
+
+TILE = 4  # input rows and weight rows per register tile
+# IEEE-safe fast math (reassociated sums, contracted products), as in cpu_decode.
+FAST_MATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+def few_rows(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """`rows @ weight.T` for float32 `rows [m, in]` and `weight [out, in]`."""
+    m = len(rows)
+    tiled = -(-m // TILE) * TILE
+    x = np.zeros((tiled, rows.shape[1]), np.float32)
+    x[:m] = rows
+    out = np.empty((tiled, weight.shape[0]), np.float32)
+    if cpu_threads.threads() > 1:
+        cpu_threads.launch(_parallel_tiles, x, weight, out)
+    else:
+        _tiles(x, weight, out)
+    return out[:m]
+
+
+def _tiles_of(parallel: bool):
+    @numba.njit(cache=True, fastmath=FAST_MATH, nogil=True, parallel=parallel,
+                boundscheck=False)
+    def tiles(x, w, out):
+        rows, inner = x.shape
+        columns = w.shape[0]
+        for block in numba.prange(columns // TILE):
+            n = block * TILE
+            w0, w1, w2, w3 = w[n], w[n + 1], w[n + 2], w[n + 3]
+            for m in range(0, rows, TILE):
+                x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
+                a00 = a01 = a02 = a03 = np.float32(0.0)
+                a10 = a11 = a12 = a13 = np.float32(0.0)
+                a20 = a21 = a22 = a23 = np.float32(0.0)
+                a30 = a31 = a32 = a33 = np.float32(0.0)
+                # Spelled out: numba keeps scalars in registers (the compiler turns each into a
+                # vector of partial sums over k), never a small array.
+                for k in range(inner):
+                    v0, v1, v2, v3 = w0[k], w1[k], w2[k], w3[k]
+                    u = x0[k]
+                    a00 += u * v0
+                    a01 += u * v1
+                    a02 += u * v2
+                    a03 += u * v3
+                    u = x1[k]
+                    a10 += u * v0
+                    a11 += u * v1
+                    a12 += u * v2
+                    a13 += u * v3
+                    u = x2[k]
+                    a20 += u * v0
+                    a21 += u * v1
+                    a22 += u * v2
+                    a23 += u * v3
+                    u = x3[k]
+                    a30 += u * v0
+                    a31 += u * v1
+                    a32 += u * v2
+                    a33 += u * v3
+                out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = a00, a01, a02, a03
+                out[m + 1, n], out[m + 1, n + 1] = a10, a11
+                out[m + 1, n + 2], out[m + 1, n + 3] = a12, a13
+                out[m + 2, n], out[m + 2, n + 1] = a20, a21
+                out[m + 2, n + 2], out[m + 2, n + 3] = a22, a23
+                out[m + 3, n], out[m + 3, n + 1] = a30, a31
+                out[m + 3, n + 2], out[m + 3, n + 3] = a32, a33
+        # Weight rows past the last whole tile, one at a time.
+        for n in range(columns - columns % TILE, columns):
+            for m in range(rows):
+                s = np.float32(0.0)
+                for k in range(inner):
+                    s += x[m, k] * w[n, k]
+                out[m, n] = s
+
+    return tiles
+
+
+_tiles = _tiles_of(parallel=False)
+_parallel_tiles = _tiles_of(parallel=True)

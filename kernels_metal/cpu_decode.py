@@ -8,8 +8,8 @@ score each decode row against its keys where the pool holds them, take the softm
 the values: one pass over each key and value of a float32 pool.
 
 Large steps (long contexts, many requests) run in parallel; a context too long to share out
-by request and KV head is cut into key ranges whose partial sums are merged by their softmax
-maxima, as flash-decoding does.
+by request is cut into key ranges whose partial sums are merged by their softmax maxima, as
+flash-decoding does.
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ from kernels_metal import cpu_threads
 # Below this many keys x KV heads in a step one thread does the whole step: waking a second
 # costs more than it saves.
 PARALLEL_FROM = 1 << 15
-# Jobs (request x KV head x key range) a parallel step is cut into at least, per thread.
+# Jobs (request x key range) a parallel step is cut into at least, per thread.
 JOBS_PER_THREAD = 4
-# IEEE-safe fast math: reassociated sums and contracted products, but -inf stays -inf (the
-# running maximum starts there, and a sink of -inf must weigh 0).
-FAST_MATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
 def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, rows: np.ndarray,
@@ -68,7 +65,7 @@ def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel:
     """
     heads = kv_heads * group
 
-    @numba.njit(cache=True, fastmath=FAST_MATH, nogil=True, parallel=parallel,
+    @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, parallel=parallel,
                 boundscheck=False)
     def kernel(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
                sinks, out):

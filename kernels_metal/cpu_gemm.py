@@ -16,8 +16,6 @@ import numpy as np
 from kernels_metal import cpu_threads
 
 TILE = 4  # input rows and weight rows per register tile
-# IEEE-safe fast math (reassociated sums, contracted products), as in cpu_decode.
-FAST_MATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
 def few_rows(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -35,7 +33,7 @@ def few_rows(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 
 def _tiles_of(parallel: bool):
-    @numba.njit(cache=True, fastmath=FAST_MATH, nogil=True, parallel=parallel,
+    @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, parallel=parallel,
                 boundscheck=False)
     def tiles(x, w, out):
         rows, inner = x.shape

@@ -1,5 +1,5 @@
-"""The thread pool of the CPU backend's compiled loops (cpu_decode, cpu_gemm): how many
-threads a parallel loop may use, and one launch at a time."""
+"""What the CPU backend's compiled loops (cpu_decode, cpu_gemm) share: their fast-math
+flags, how many threads a parallel loop may use, and one launch at a time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import threading
 from collections.abc import Callable
 
 import numba
+
+# IEEE-safe fast math: reassociated sums and contracted products, but -inf stays -inf (a
+# running maximum starts there, and a sink of -inf must weigh 0).
+FAST_MATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 _threads = numba.config.NUMBA_NUM_THREADS
 # numba's default thread pool (workqueue) takes one parallel launch at a time.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -108,6 +109,9 @@ def fetch_state(url: str, api_key: str | None, timeout: float) -> dict:
 def _watch(url: str, args: argparse.Namespace) -> int:
     """Redraw every `--interval` seconds; a server that goes away is retried."""
     clear = _CLEAR if sys.stdout.isatty() else ""
+    # Ctrl-C ends the watch even when this process started with SIGINT ignored, as commands
+    # started in the background by a non-interactive shell are.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     while True:
         try:
             text = format_status(fetch_state(url, args.api_key, args.timeout), url)

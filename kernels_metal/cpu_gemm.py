@@ -22,8 +22,10 @@ def few_rows(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """`rows @ weight.T` for float32 `rows [m, in]` and `weight [out, in]`."""
     m = len(rows)
     tiled = -(-m // TILE) * TILE
-    x = np.zeros((tiled, rows.shape[1]), np.float32)
-    x[:m] = rows
+    x = rows
+    if tiled != m or not rows.flags.c_contiguous:  # whole tiles of contiguous rows
+        x = np.zeros((tiled, rows.shape[1]), np.float32)
+        x[:m] = rows
     out = np.empty((tiled, weight.shape[0]), np.float32)
     if cpu_threads.threads() > 1:
         cpu_threads.launch(_parallel_tiles, x, weight, out)

@@ -110,21 +110,27 @@ def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel:
                         acc[h, d] += weight * value[h // group, d]
             maxima[job] = row_max
             totals[job] = total
-        # Each head's key ranges, merged at their common maximum (and the head's sink).
-        for r in numba.prange(rows.shape[0]):
-            first = r * splits
-            for h in range(heads):
-                top = -np.inf if sinks.shape[0] == 0 else sinks[h]
-                for j in range(first, first + splits):
-                    top = max(top, maxima[j, h])
-                total = np.float32(0.0) if sinks.shape[0] == 0 else np.exp(sinks[h] - top)
-                merged = np.zeros(head_dim, np.float32)
-                for j in range(first, first + splits):
-                    rescale = np.exp(maxima[j, h] - top) if totals[j, h] > 0 else 0.0
-                    total += rescale * totals[j, h]
-                    for d in range(head_dim):
-                        merged[d] += rescale * sums[j, h, d]
-                for d in range(head_dim):
-                    out[rows[r], h, d] = merged[d] / total
+        _merge(maxima, totals, sums, rows, splits, sinks, out)
 
     return kernel
+
+
+@numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
+def _merge(maxima, totals, sums, rows, splits, sinks, out):
+    """Each head's key ranges, merged at their common maximum (and the head's sink)."""
+    heads, head_dim = sums.shape[1], sums.shape[2]
+    for r in range(rows.shape[0]):
+        first = r * splits
+        for h in range(heads):
+            top = -np.inf if sinks.shape[0] == 0 else sinks[h]
+            for j in range(first, first + splits):
+                top = max(top, maxima[j, h])
+            total = np.float32(0.0) if sinks.shape[0] == 0 else np.exp(sinks[h] - top)
+            merged = np.zeros(head_dim, np.float32)
+            for j in range(first, first + splits):
+                rescale = np.exp(maxima[j, h] - top) if totals[j, h] > 0 else 0.0
+                total += rescale * totals[j, h]
+                for d in range(head_dim):
+                    merged[d] += rescale * sums[j, h, d]
+            for d in range(head_dim):
+                out[rows[r], h, d] = merged[d] / total

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from kernels_metal import cpu_gemm
+from kernels_metal import cpu_gemm, cpu_loops
 
 # exp below this is a float32 denormal: flushed to 0, since denormals slow every later op.
 DENORMAL_EXP_BOUND = -87.0
@@ -34,6 +34,7 @@ SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # slower than a left one: such products put the big operand on the left (the decode scores
 # in cpu_attention) or go to cpu_gemm's tiles (`host_linear` here).
 FEW_ROWS = 32
+NO_WEIGHT = np.zeros(0, np.float32)  # cpu_loops.rms_norm's "no weight"
 
 
 def on_cpu() -> bool:
@@ -158,6 +159,12 @@ def rms_norm(x: mx.array | np.ndarray, weight: mx.array | np.ndarray | None,
     """`x / sqrt(mean(x^2) + eps) * weight` over the last axis (no weight: 1)."""
     if not isinstance(x, np.ndarray):
         return mx.fast.rms_norm(x, weight, eps)
+    if x.dtype == np.float32:
+        rows = x.reshape(-1, x.shape[-1])
+        out = np.empty(x.shape, np.float32)
+        scale = NO_WEIGHT if weight is None else np.asarray(weight, np.float32)
+        cpu_loops.rms_norm(rows, scale, np.float32(eps), out.reshape(rows.shape))
+        return out
     mean_square = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
     scale = 1 / np.sqrt(mean_square + np.float32(eps))
     return x * (scale if weight is None else scale * np.asarray(weight))

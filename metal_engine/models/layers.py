@@ -17,7 +17,7 @@ from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
 from kernels_metal.cpu_math import array_module, gelu_tanh_mul, linear, rms_norm, silu_mul
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
-from metal_engine.models.rope import apply_rope_pair
+from metal_engine.models.rope import apply_rope
 
 # hidden_act -> act(gate) * up
 GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
@@ -214,7 +214,7 @@ class Attention(nn.Module):
         v = v.reshape(total, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope_pair(q, k, *rope)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
         k_pool, v_pool = cache.take(pool)
         k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)

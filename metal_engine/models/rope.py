@@ -17,6 +17,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal import cpu_loops
 from kernels_metal.cpu_math import array_module
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.model_config import ModelConfig
@@ -176,23 +177,12 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Rotate the first `2 * cos.shape[-1]` features of `x [total_q, heads, head_dim]` (MLX
     or numpy arrays, all of one kind)."""
     half = cos.shape[-1]
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    if isinstance(x, np.ndarray):  # in place of the concatenation: fewer passes
-        out = np.empty_like(x)
-        np.subtract(x1 * cos, x2 * sin, out=out[..., :half])
-        np.add(x2 * cos, x1 * sin, out=out[..., half:2 * half])
-        out[..., 2 * half:] = x[..., 2 * half:]
+    if isinstance(x, np.ndarray):
+        out = np.empty(x.shape, np.float32)
+        cpu_loops.rope(x, cos.reshape(-1, half), sin.reshape(-1, half), out)
         return out
+    x1, x2 = x[..., :half], x[..., half:2 * half]
     parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
     if 2 * half < x.shape[-1]:
         parts.append(x[..., 2 * half:])
     return mx.concatenate(parts, axis=-1).astype(x.dtype)
-
-
-def apply_rope_pair(q: mx.array, k: mx.array, cos: mx.array,
-                    sin: mx.array) -> tuple[mx.array, mx.array]:
-    """`apply_rope` to queries and keys (host arrays in one pass over both)."""
-    if not isinstance(q, np.ndarray):
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    both = apply_rope(np.concatenate([q, k], axis=1), cos, sin)
-    return both[:, : q.shape[1]], both[:, q.shape[1] :]

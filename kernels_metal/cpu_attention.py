@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import cpu_decode
+from kernels_metal import cpu_decode, cpu_loops
 from kernels_metal.cpu_math import DENORMAL_EXP_BOUND, FEW_ROWS
 from kernels_metal.kv_quant import HostPool, QuantizedPool, host_pool
 from kernels_metal.metadata import AttentionMetadata
@@ -223,6 +223,9 @@ def _softmax(scores: np.ndarray, shared: np.ndarray | None,
 def _exp_floored(values: np.ndarray) -> np.ndarray:
     """exp in place, arguments floored at DENORMAL_EXP_BOUND so results stay normal floats
     (denormals slow every product after them)."""
+    if values.flags.c_contiguous and values.dtype == np.float32:
+        cpu_loops.exp(values.reshape(-1))  # floors at the same bound
+        return values
     np.maximum(values, DENORMAL_EXP_BOUND, out=values)
     return np.exp(values, out=values)
 

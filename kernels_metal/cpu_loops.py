@@ -1,12 +1,18 @@
-"""The host forward's small per-row operations (RMSNorm, rotary embedding) as compiled loops.
+"""The host forward's per-row operations (RMSNorm, rotary embedding, exp, SwiGLU) as compiled
+loops.
 
 At a decode step of a few requests each of these touches a few kilobytes, so as numpy
 expressions their cost was the calls, not the math: an RMSNorm took eight numpy calls and the
 rotation of q and k a dozen, ~2 us each, ~4 ms of a one-request step of the default model
 (30 layers). One compiled call (numba, cached on disk) does each in one pass over its rows.
 
-They take float32 arrays of any strides (the q/k/v views of one packed product included) and
-write into `out` arrays their callers own.
+exp is a polynomial the compiler vectorizes (relative error below 3e-7): numpy's float32 exp
+ran at ~2.6 ns an element on an AVX2 machine, ~10% of a prefill step in SwiGLU and the
+softmax; this one runs at ~0.6.
+
+RMSNorm and rope take float32 arrays of any strides (the q/k/v views of one packed product
+included); exp and SwiGLU want contiguous rows, so the inner loop is a vector loop. All write
+into arrays their callers own.
 """
 
 from __future__ import annotations
@@ -51,3 +57,47 @@ def rope(x, cos, sin, out):
                 out[r, h, i + half] = second * cos[r, i] + first * sin[r, i]
             for i in range(2 * half, head_dim):
                 out[r, h, i] = x[r, h, i]
+
+
+# exp(x) = 2^k * exp(f), k = round(x / ln 2), |f| <= ln(2) / 2; exp(f) by Cephes' expf
+# polynomial, ln 2 split in two so that k * ln 2 is exact enough.
+LOG2E = np.float32(1.4426950408889634)
+LN2_HIGH, LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
+EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                                         4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+# exp's arguments are clamped to this range: results stay normal, finite floats.
+EXP_LOW, EXP_HIGH = np.float32(-87.0), np.float32(88.0)
+
+
+@numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
+def exp(values):
+    """`values = exp(max(values, -87))` in place, for a contiguous 1-d float32 array (its
+    arguments are at most 88: softmax scores after the shift)."""
+    c0, c1, c2, c3, c4, c5 = EXP_POLY  # locals: the loop vectorizes (a helper call did not)
+    n = values.shape[0]
+    powers = np.empty(n, np.int32)  # 2^k as float32 bits
+    for i in range(n):
+        v = min(max(values[i], EXP_LOW), EXP_HIGH)
+        k = np.floor(v * LOG2E + np.float32(0.5))
+        f = v - k * LN2_HIGH - k * LN2_LOW
+        p = ((((c0 * f + c1) * f + c2) * f + c3) * f + c4) * f + c5
+        powers[i] = (np.int32(k) + 127) << 23
+        values[i] = p * f * f + f + np.float32(1.0)
+    scale = powers.view(np.float32)
+    for i in range(n):
+        values[i] *= scale[i]
+
+
+@numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
+def silu_mul_halves(gate_up, out):
+    """SwiGLU of a packed product: `out = silu(gate) * up` for `gate_up [rows, 2 * n]`
+    (C-contiguous: gate the first n columns, up the rest) and `out [rows, n]`."""
+    rows, n = out.shape
+    for r in range(rows):
+        row = out[r]
+        for i in range(n):
+            row[i] = -gate_up[r, i]
+        exp(row)
+        for i in range(n):
+            gate = gate_up[r, i]
+            row[i] = gate * gate_up[r, n + i] / (np.float32(1.0) + row[i])

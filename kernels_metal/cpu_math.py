@@ -28,7 +28,7 @@ from mlx import nn
 from kernels_metal import cpu_gemm, cpu_loops
 
 # exp below this is a float32 denormal: flushed to 0, since denormals slow every later op.
-DENORMAL_EXP_BOUND = -87.0
+DENORMAL_EXP_BOUND = float(cpu_loops.EXP_LOW)
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # Below this many rows BLAS takes a transposed (or row-strided) right operand several times
 # slower than a left one: such products put the big operand on the left (the decode scores
@@ -136,6 +136,14 @@ def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     if not on_cpu():
         return nn.silu(gate) * up
     return gate * up / (1 + exp(-gate))
+
+
+def silu_mul_halves(gate_up: np.ndarray) -> np.ndarray:
+    """`silu_mul` of the two halves of a packed float32 product `[rows, 2 * inner]` (gate,
+    then up) on the host, in one compiled pass over its rows."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    cpu_loops.silu_mul_halves(np.ascontiguousarray(gate_up, np.float32), out)
+    return out
 
 
 def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:

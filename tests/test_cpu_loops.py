@@ -1,5 +1,6 @@
-"""The host forward's compiled RMSNorm and rotary embedding against numpy formulas, on the
-strided q/k views a packed product hands them."""
+"""The host forward's compiled loops against numpy formulas in float64: RMSNorm and rotary
+embedding on the strided q/k views a packed product hands them, exp over its whole clamped
+range, SwiGLU of a packed gate/up product."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels_metal.cpu_math import rms_norm
+from kernels_metal import cpu_loops
+from kernels_metal.cpu_math import rms_norm, silu_mul, silu_mul_halves
 from metal_engine.models.rope import apply_rope
 
 
@@ -48,3 +50,26 @@ def test_rope_turns_pairs_and_keeps_the_tail(rotary_half):
         # The MLX path gives the same rotation.
         on_mlx = apply_rope(mx.array(x), mx.array(cos), mx.array(sin))
         np.testing.assert_allclose(got, np.array(on_mlx), rtol=1e-5, atol=1e-5)
+
+
+def test_exp_is_within_float32_rounding_over_its_range():
+    x = np.concatenate([np.linspace(-100, 88, 200_001, dtype=np.float32),
+                        np.array([-np.inf, 0.0, -87.0, 88.0], np.float32)])
+    got = x.copy()
+    cpu_loops.exp(got)
+    want = np.exp(np.clip(x.astype(np.float64), -87.0, 88.0))  # floored, as documented
+    np.testing.assert_allclose(got, want, rtol=4e-7, atol=0)
+    assert got[-4] > 0 and np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_silu_mul_of_packed_halves_matches_the_formula(rows):
+    rng = np.random.default_rng(rows)
+    gate_up = (rng.standard_normal((rows, 2 * 96)) * 12).astype(np.float32)  # saturates too
+    got = silu_mul_halves(gate_up)
+    gate, up = gate_up[:, :96].astype(np.float64), gate_up[:, 96:].astype(np.float64)
+    want = gate * up / (1 + np.exp(-gate))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The same as the two-argument form the MLX path and other callers use.
+    np.testing.assert_allclose(got, silu_mul(gate_up[:, :96], gate_up[:, 96:]), rtol=1e-6,
+                               atol=1e-6)

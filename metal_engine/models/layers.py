@@ -14,13 +14,22 @@ import mlx.nn as nn
 import numpy as np
 
 from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
-from kernels_metal.cpu_math import array_module, gelu_tanh_mul, linear, rms_norm, silu_mul
+from kernels_metal.cpu_math import (
+    array_module,
+    gelu_tanh_mul,
+    linear,
+    rms_norm,
+    silu_mul,
+    silu_mul_halves,
+)
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.rope import apply_rope
 
 # hidden_act -> act(gate) * up
 GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+# hidden_act -> the same of a packed [rows, 2 * inner] host product, where there is one
+HOST_PACKED_ACTIVATIONS = {"silu": silu_mul_halves}
 
 
 class HostViews:
@@ -71,11 +80,15 @@ class PackedLinears:
         self._columns: list[slice] = []
 
     def __call__(self, owner: nn.Module, x: np.ndarray) -> list[np.ndarray]:
+        y = self.product(owner, x)
+        return [y[:, columns] for columns in self._columns]
+
+    def product(self, owner: nn.Module, x: np.ndarray) -> np.ndarray:
+        """The packed product `[rows, sum of the linears' outputs]`, in their order."""
         linears = [owner[name] for name in self._names]
         if not self._current(linears):
             self._pack(linears)
-        y = linear(x, self._weight, self._bias)
-        return [y[:, columns] for columns in self._columns]
+        return linear(x, self._weight, self._bias)
 
     def _parameters(self, linears: list[Linear]) -> list[mx.array]:
         return [m[key] for key in ("weight", "bias") for m in linears if key in m]
@@ -146,8 +159,11 @@ class MLP(nn.Module):
             self._gate_up = PackedLinears("gate_proj", "up_proj")
         self.down_proj = Linear(inner, hidden, bias=bias)
         self._act = GATED_ACTIVATIONS[cfg.hidden_act]
+        self._act_halves = HOST_PACKED_ACTIVATIONS.get(cfg.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if isinstance(x, np.ndarray) and self._act_halves is not None:
+            return self.down_proj(self._act_halves(self._gate_up_product(x)))
         if "gate_up_proj" in self:
             gate, up = array_module(x).split(self.gate_up_proj(x), 2, axis=-1)
         elif isinstance(x, np.ndarray):
@@ -155,6 +171,12 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self._act(gate, up))
+
+    def _gate_up_product(self, x: np.ndarray) -> np.ndarray:
+        """gate and up of host rows as one packed product `[rows, 2 * inner]`."""
+        if "gate_up_proj" in self:
+            return self.gate_up_proj(x)
+        return self._gate_up.product(self, x)
 
 
 class Attention(nn.Module):

@@ -8,7 +8,7 @@ rotation of q and k a dozen, ~2 us each, ~4 ms of a one-request step of the defa
 
 exp is a polynomial the compiler vectorizes (relative error below 3e-7): numpy's float32 exp
 ran at ~2.6 ns an element on an AVX2 machine, ~10% of a prefill step in SwiGLU and the
-softmax; this one runs at ~0.6.
+softmax; this one runs at ~0.5.
 
 RMSNorm and rope take float32 arrays of any strides (the q/k/v views of one packed product
 included); exp and SwiGLU want contiguous rows, so the inner loop is a vector loop. All write

@@ -58,20 +58,10 @@ class Slice:
 
 
 @dataclass(frozen=True)
-class CompiledDecode:
-    """Decode rows for cpu_decode: each request's keys `first_keys..seq_lens - 1`."""
-
-    rows: np.ndarray
-    tables: np.ndarray
-    seq_lens: np.ndarray
-    first_keys: np.ndarray
-
-
-@dataclass(frozen=True)
 class CpuPlan:
     prefixes: list[np.ndarray]  # blocks a group of decode requests starts with
     slices: list[Slice]
-    compiled: CompiledDecode | None = None
+    compiled: cpu_decode.DecodeRows | None = None  # decode rows for cpu_decode's loops
 
 
 def supports(q: mx.array, k_pool: mx.array | QuantizedPool) -> bool:
@@ -87,9 +77,9 @@ def paged_attention_cpu(
     """Same contract as `paged_attention_reference`; numpy queries get a numpy answer."""
     compiled = decodes_compiled(k_pool)
     key = ("cpu", window, q.shape[1], compiled)
-    if key not in meta.backend_plans:
-        meta.backend_plans[key] = build_plan(meta, q.shape[1], window, compiled)
-    plan: CpuPlan = meta.backend_plans[key]
+    plan: CpuPlan | None = meta.backend_plans.get(key)
+    if plan is None:
+        plan = meta.backend_plans[key] = build_plan(meta, q.shape[1], window, compiled)
     host = isinstance(q, np.ndarray)  # the host forward's queries, float32
     queries = q if host else np.asarray(q.astype(mx.float32))  # [total_q, H, D]
     keys, values = _host(k_pool), _host(v_pool)
@@ -105,13 +95,20 @@ def decodes_compiled(k_pool: mx.array | QuantizedPool) -> bool:
 
 def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,
                 scale: float, softcap: float | None, sinks: np.ndarray | None) -> np.ndarray:
+    out = np.empty(queries.shape, np.float32)
+    if (decode := plan.compiled) is not None:
+        cpu_decode.attend(queries, keys, values, decode, scale, softcap, sinks, out)
+    if plan.slices:
+        _attend_slices(queries, keys, values, plan, scale, softcap, sinks, out)
+    return out
+
+
+def _attend_slices(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,
+                   scale: float, softcap: float | None, sinks: np.ndarray | None,
+                   out: np.ndarray) -> None:
     kv_heads = keys.shape[2]
     prefixes = [tuple(_gather(pool, blocks[None])[0] for pool in (keys, values))
                 for blocks in plan.prefixes]
-    out = np.empty(queries.shape, np.float32)
-    if (decode := plan.compiled) is not None:
-        cpu_decode.attend(queries, keys, values, decode.rows, decode.tables, decode.seq_lens,
-                          decode.first_keys, scale, softcap, sinks, out)
     gathered_for = None
     for part in plan.slices:
         if part.tables is not gathered_for:  # a prefill chunk's tiles share one gather
@@ -122,7 +119,6 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
         shared = None if part.prefix is None else prefixes[part.prefix]
         out[part.rows] = _attend(queries[part.rows], k, v, shared,
                                  part, kv_heads, scale, softcap, sinks)
-    return out
 
 
 def _host(pool: mx.array | QuantizedPool) -> np.ndarray | HostPool:
@@ -259,8 +255,8 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
     if compiled_decode and len(decode):
         seq_lens = meta.seq_lens[decode]
         first_keys = np.zeros_like(seq_lens) if window is None else np.maximum(seq_lens - window, 0)
-        compiled = CompiledDecode(meta.cu_seqlens_q[decode].astype(np.int64),
-                                  meta.block_tables[decode], seq_lens, first_keys)
+        compiled = cpu_decode.DecodeRows(meta.cu_seqlens_q[decode].astype(np.int64),
+                                         meta.block_tables[decode], seq_lens, first_keys)
         decode = decode[:0]
     for group, shared in _decode_groups(meta, decode, window):
         prefix = None

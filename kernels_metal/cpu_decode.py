@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 
-from kernels_metal import cpu_threads
+from kernels_metal import cpu_loops, cpu_threads
 
 # Below this many keys x KV heads in a step one thread does the whole step: waking a second
 # costs more than it saves.
@@ -29,19 +30,36 @@ PARALLEL_FROM = 1 << 15
 JOBS_PER_THREAD = 4
 
 
-def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, rows: np.ndarray,
-           tables: np.ndarray, seq_lens: np.ndarray, first_keys: np.ndarray, scale: float,
-           softcap: float | None, sinks: np.ndarray | None, out: np.ndarray) -> None:
-    """Rows `rows` of `queries [total_q, H, D]` (one per decode request) attend to keys
-    `first_keys[r]..seq_lens[r] - 1` of their block table `tables[r]` in the float32 pools
-    `[blocks, block_size, kv_heads, D]`; their outputs go to the same rows of `out`."""
+NO_SINKS = np.zeros(0, np.float32)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A step's decode rows, one per request: row `rows[r]` attends to keys
+    `first_keys[r]..seq_lens[r] - 1` of block table `tables[r]`."""
+
+    rows: np.ndarray
+    tables: np.ndarray
+    seq_lens: np.ndarray
+    first_keys: np.ndarray
+
+    @functools.cached_property
+    def num_keys(self) -> int:
+        return int((self.seq_lens - self.first_keys).sum())
+
+
+def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, decode: DecodeRows,
+           scale: float, softcap: float | None, sinks: np.ndarray | None,
+           out: np.ndarray) -> None:
+    """The `decode` rows of `queries [total_q, H, D]` attend to their keys in the float32
+    pools `[blocks, block_size, kv_heads, D]`; their outputs go to the same rows of `out`."""
     _, block_size, kv_heads, head_dim = keys.shape
-    work = int((seq_lens - first_keys).sum()) * kv_heads
-    parallel = work >= PARALLEL_FROM and cpu_threads.threads() > 1
-    splits = split_count(len(rows)) if parallel else 1
+    parallel = decode.num_keys * kv_heads >= PARALLEL_FROM and cpu_threads.threads() > 1
+    splits = split_count(len(decode.rows)) if parallel else 1
     kernel = _kernel(kv_heads, queries.shape[1] // kv_heads, head_dim, block_size, parallel)
-    args = (queries, keys, values, rows, tables, seq_lens, first_keys, splits, np.float32(scale),
-            np.float32(softcap or 0.0), np.zeros(0, np.float32) if sinks is None else sinks, out)
+    args = (queries, keys, values, decode.rows, decode.tables, decode.seq_lens,
+            decode.first_keys, splits, np.float32(scale), np.float32(softcap or 0.0),
+            NO_SINKS if sinks is None else sinks, out)
     if parallel:
         cpu_threads.launch(kernel, *args)
     else:
@@ -94,12 +112,14 @@ def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel:
                         s = softcap * np.tanh(s / softcap)
                     scores[t - begin, h] = s
                     row_max[h] = max(row_max[h], s)
+            for i in range(end - begin):
+                for h in range(heads):
+                    scores[i, h] -= row_max[h]
+            cpu_loops.exp(scores.reshape(-1))  # vectorized; scalar exp cost more than the sums
             total = np.zeros(heads, np.float32)
             for i in range(end - begin):
                 for h in range(heads):
-                    weight = np.exp(scores[i, h] - row_max[h])
-                    scores[i, h] = weight
-                    total[h] += weight
+                    total[h] += scores[i, h]
             acc = sums[job]
             acc[:] = 0.0
             for t in range(begin, end):

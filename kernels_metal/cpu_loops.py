@@ -1,5 +1,5 @@
-"""The host forward's per-row operations (RMSNorm, rotary embedding, exp, SwiGLU) as compiled
-loops.
+"""The host forward's per-row operations (RMSNorm, rotary embedding, K/V slot writes, exp,
+SwiGLU) as compiled loops.
 
 At a decode step of a few requests each of these touches a few kilobytes, so as numpy
 expressions their cost was the calls, not the math: an RMSNorm took eight numpy calls and the
@@ -26,14 +26,14 @@ from kernels_metal import cpu_threads
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
 def rms_norm(x, weight, eps, out):
     """`out = x / sqrt(mean(x^2) + eps) * weight` for rows `x [rows, n]`; `weight [n]`, or
-    `[0]` for none."""
+    `[0]` for none; `eps` a Python float."""
     rows, n = x.shape
     scaled = weight.shape[0] != 0
     for r in range(rows):
         total = np.float32(0.0)
         for i in range(n):
             total += x[r, i] * x[r, i]
-        inverse = np.float32(1.0) / np.sqrt(total / np.float32(n) + eps)
+        inverse = np.float32(1.0 / np.sqrt(total / np.float32(n) + eps))
         if scaled:
             for i in range(n):
                 out[r, i] = x[r, i] * inverse * weight[i]
@@ -57,6 +57,15 @@ def rope(x, cos, sin, out):
                 out[r, h, i + half] = second * cos[r, i] + first * sin[r, i]
             for i in range(2 * half, head_dim):
                 out[r, h, i] = x[r, h, i]
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def write_slots(pool, slots, rows):
+    """Row `rows[i]` into slot `slots[i]` (block * block_size + offset) of a float32 pool
+    `[blocks, block_size, kv_heads, head_dim]`."""
+    block_size = pool.shape[1]
+    for i in range(slots.shape[0]):
+        pool[slots[i] // block_size, slots[i] % block_size] = rows[i]
 
 
 # exp(x) = 2^k * exp(f), k = round(x / ln 2), |f| <= ln(2) / 2; exp(f) by Cephes' expf

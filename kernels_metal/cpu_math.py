@@ -100,28 +100,32 @@ def _softmax_in_place(values: np.ndarray, axis: int) -> np.ndarray:
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """`x @ weight.T + bias` for `x [rows, in]` and `weight [out, in]`."""
     if isinstance(x, np.ndarray):
-        y = host_linear(x, np.asarray(weight))
-        return y if bias is None else np.add(y, np.asarray(bias), out=y)
+        return host_linear(x, np.asarray(weight), _host_or_none(bias))
     if not (on_cpu() and x.dtype == weight.dtype == mx.float32):
         if bias is None:
             return x @ weight.T
         return mx.addmm(bias, x, weight.T)
-    y = host_linear(np.asarray(x), np.asarray(weight))
-    if bias is not None:
-        y += np.asarray(bias)
-    return mx.array(y)
+    return mx.array(host_linear(np.asarray(x), np.asarray(weight), _host_or_none(bias)))
 
 
-def host_linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """`rows @ weight.T`: one row in numpy's BLAS (a matrix-vector product streams the weight
-    at the memory's rate), a few float32 rows in cpu_gemm's register tiles, more in BLAS."""
+def _host_or_none(x: mx.array | np.ndarray | None) -> np.ndarray | None:
+    return None if x is None else np.asarray(x)
+
+
+def host_linear(rows: np.ndarray, weight: np.ndarray,
+                bias: np.ndarray | None = None) -> np.ndarray:
+    """`rows @ weight.T + bias`: one row in numpy's BLAS (a matrix-vector product streams the
+    weight at the memory's rate), a few float32 rows in cpu_gemm's register tiles, more in
+    BLAS."""
     if len(rows) == 1:
-        # BLAS streams the weight about twice as fast as the left operand of a product with
-        # one column as it does as the transposed right operand of one with one row.
-        return np.ascontiguousarray((weight @ rows.T).T)
-    if len(rows) < FEW_ROWS and rows.dtype == weight.dtype == np.float32:
-        return cpu_gemm.few_rows(rows, weight)
-    return rows @ weight.T
+        # BLAS streams the weight about twice as fast as the left operand of a matrix-vector
+        # product as it does as the transposed right operand of a one-row product.
+        y = (weight @ rows[0])[None]
+    elif len(rows) < FEW_ROWS and rows.dtype == weight.dtype == np.float32:
+        y = cpu_gemm.few_rows(rows, weight)
+    else:
+        y = rows @ weight.T
+    return y if bias is None else np.add(y, bias, out=y)
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
@@ -168,11 +172,11 @@ def rms_norm(x: mx.array | np.ndarray, weight: mx.array | np.ndarray | None,
     if not isinstance(x, np.ndarray):
         return mx.fast.rms_norm(x, weight, eps)
     if x.dtype == np.float32:
-        rows = x.reshape(-1, x.shape[-1])
-        out = np.empty(x.shape, np.float32)
+        rows = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+        out = np.empty(rows.shape, np.float32)
         scale = NO_WEIGHT if weight is None else np.asarray(weight, np.float32)
-        cpu_loops.rms_norm(rows, scale, np.float32(eps), out.reshape(rows.shape))
-        return out
+        cpu_loops.rms_norm(rows, scale, eps, out)
+        return out if x.ndim == 2 else out.reshape(x.shape)
     mean_square = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
     scale = 1 / np.sqrt(mean_square + np.float32(eps))
     return x * (scale if weight is None else scale * np.asarray(weight))

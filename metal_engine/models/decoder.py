@@ -46,11 +46,12 @@ class DecoderModel(nn.Module):
                    cache: KVCache, layers: range) -> mx.array:
         """Layers `layers` over hidden states `h` (a pipeline stage runs its own), each on
         the host or on MLX as the host plan says (models/host.py)."""
-        on_host = self.host_plan.layers_on_host(self.layers, cache)
+        modules, pools = self.layers, self._pools
+        on_host = self.host_plan.layers_on_host(modules, cache)
         tables = _StepRopes(self._ropes, positions, meta)
         for i in layers:
             h = to_host(h) if on_host[i] else to_device(h)
-            h = self.layers[i](h, tables.of_layer(i, on_host[i]), meta, cache, self._pools[i])
+            h = modules[i](h, tables.of_layer(i, on_host[i]), meta, cache, pools[i])
         return to_device(h)
 
     def embed(self, input_ids: mx.array) -> mx.array:

@@ -7,8 +7,6 @@ and returns the kind it gets.
 
 from __future__ import annotations
 
-import operator
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -17,6 +15,7 @@ from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
 from kernels_metal.cpu_math import (
     array_module,
     gelu_tanh_mul,
+    host_linear,
     linear,
     rms_norm,
     silu_mul,
@@ -60,7 +59,7 @@ class Linear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if isinstance(x, np.ndarray):
-            return linear(x, self._host(self, "weight"), self._host(self, "bias"))
+            return host_linear(x, self._host(self, "weight"), self._host(self, "bias"))
         return linear(x, self.weight, self.get("bias"))
 
 
@@ -75,7 +74,7 @@ class PackedLinears:
 
     def __init__(self, *names: str) -> None:
         self._names = names
-        self._views: tuple[mx.array, ...] = ()
+        self._views: tuple[tuple[str, str, mx.array], ...] = ()  # (linear, key, packed view)
         self._weight = self._bias = None
         self._columns: list[slice] = []
 
@@ -85,17 +84,20 @@ class PackedLinears:
 
     def product(self, owner: nn.Module, x: np.ndarray) -> np.ndarray:
         """The packed product `[rows, sum of the linears' outputs]`, in their order."""
-        linears = [owner[name] for name in self._names]
-        if not self._current(linears):
-            self._pack(linears)
-        return linear(x, self._weight, self._bias)
+        if not self._current(owner):
+            self._pack([owner[name] for name in self._names])
+        return host_linear(x, self._weight, self._bias)
 
-    def _parameters(self, linears: list[Linear]) -> list[mx.array]:
-        return [m[key] for key in ("weight", "bias") for m in linears if key in m]
+    def _current(self, owner: nn.Module) -> bool:
+        """Whether the linears still hold the views they were given (a step asks ~60 times)."""
+        for name, key, view in self._views:
+            if owner[name].get(key) is not view:
+                return False
+        return bool(self._views)
 
-    def _current(self, linears: list[Linear]) -> bool:
-        current = self._parameters(linears)
-        return len(current) == len(self._views) and all(map(operator.is_, current, self._views))
+    def _parameters(self, linears: list[Linear]) -> list[tuple[str, str, mx.array]]:
+        return [(name, key, m[key]) for key in ("weight", "bias")
+                for name, m in zip(self._names, linears, strict=True) if key in m]
 
     def _pack(self, linears: list[Linear]) -> None:
         sizes = [m.weight.shape[0] for m in linears]
@@ -106,8 +108,8 @@ class PackedLinears:
                 packed[key] = mx.concatenate([m[key] for m in linears])
                 for m, end, size in zip(linears, ends, sizes, strict=True):
                     m[key] = packed[key][end - size : end]
-        mx.eval(packed, self._parameters(linears))
         self._views = tuple(self._parameters(linears))
+        mx.eval(packed, [view for _, _, view in self._views])
         self._weight = np.asarray(packed["weight"])
         self._bias = np.asarray(packed["bias"]) if "bias" in packed else None
         self._columns = [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]

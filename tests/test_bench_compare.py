@@ -140,3 +140,44 @@ def test_a_built_llama_server_serves_the_float32_gguf(tmp_path):
                              tmp_path / "model.gguf", 8123, None)
     assert command[:3] == [str(llama_server.binary(root)), "-m", str(root / "model.F32.gguf")]
     assert command[-2:] == ["--port", "8123"] and "-np" in command
+
+
+def test_compare_rounds_alternate_the_peers_and_report_the_median(tmp_path, monkeypatch):
+    """Peers take turns (reversed every other round); each reports its median round, and the
+    page lists every round with metal-serve's rate over the peer's."""
+    import dataclasses
+
+    import server.bench.compare as compare
+    import server.bench.compare_doc as compare_doc
+    import server.bench.serve_bench as serve_bench
+
+    order = []
+    rates = {"http://ours": iter([10.0, 30.0, 20.0]), "http://theirs": iter([20.0] * 3)}
+
+    async def bench(config, tokenizer):
+        order.append(config.base_url)
+        metrics = dataclasses.replace(compute_metrics(RECORDS, 2.0),
+                                      output_throughput=next(rates[config.base_url]))
+        return [RunResult(1, float("inf"), metrics, ())]
+
+    urls = iter(rates)
+    monkeypatch.setattr(compare, "_start", lambda peer, *args: compare._Server(
+        peer, next(urls), "1", None, 1.0))
+    monkeypatch.setattr(serve_bench, "run_serve_bench", bench)
+    monkeypatch.setattr(serve_bench, "load_tokenizer", lambda model_dir: None)
+    monkeypatch.setattr(compare_doc, "_plots", lambda *args: [])
+    parser = argparse.ArgumentParser()
+    compare.add_compare_arguments(parser)
+    args = parser.parse_args(["--rounds", "3", "--workloads", "single", "--work-dir",
+                              str(tmp_path)])
+    chosen = [peers()["metal-serve"], peers()["llama-server"]]
+    results = compare._bench_peers(chosen, tmp_path, tmp_path, args)
+    assert order == ["http://ours", "http://theirs", "http://theirs", "http://ours",
+                     "http://ours", "http://theirs"]
+    ours, _ = results
+    assert ours.rounds["single"] == [10.0, 30.0, 20.0]
+    assert ours.runs["single"].metrics.output_throughput == 20.0  # the median round
+    write_doc(tmp_path, results, {}, compare.workloads(args), 64)
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "| metal-serve | 10.0 | 30.0 | 20.0 | 20.0 |" in page
+    assert "| metal-serve / llama-server | 0.50 | 1.50 | 1.00 | 1.00 |" in page

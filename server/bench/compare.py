@@ -1,4 +1,9 @@
-"""`metal-serve bench compare`: the same workloads against each peer server, one at a time."""
+"""`metal-serve bench compare`: the same workloads against each peer server.
+
+Every peer's server is up for the whole comparison and the peers take turns at each workload,
+`--rounds` times, in reversed order every other round: a shared machine's speed drifts by tens
+of percent over minutes, and runs far apart in time would measure the drift.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,6 +85,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip `bench throughput` and `bench step` for metal-serve",
     )
+    peers.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each workload per peer, the peers taking turns; the median one is "
+        "reported",
+    )
     loads = parser.add_argument_group("workloads")
     loads.add_argument(
         "--workloads",
@@ -95,8 +108,10 @@ class PeerResult:
     version: str | None
     install_s: float | None
     startup_s: float | None = None
-    runs: dict[str, RunResult] = field(default_factory=dict)  # by workload name
+    runs: dict[str, RunResult] = field(default_factory=dict)  # by workload: the median round
     error: str | None = None
+    # by workload: output tokens/s of each round, in the order they ran
+    rounds: dict[str, list[float]] = field(default_factory=dict)
 
 
 def workloads(args: argparse.Namespace) -> dict[str, dict]:
@@ -159,17 +174,61 @@ def run_compare(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"metal-serve bench compare: error: {exc}", file=sys.stderr)
         return 2
+    if args.rounds < 1:
+        print("metal-serve bench compare: error: --rounds must be at least 1", file=sys.stderr)
+        return 2
     available = peers()
-    results = [_bench_peer(available[name], model_dir, gguf, args) for name in names]
+    results = _bench_peers([available[name] for name in names], model_dir, gguf, args)
     engine = _engine_benches(args) if args.engine_bench and "metal-serve" in names else {}
     path = write_doc(args.docs_dir, results, engine, workloads(args), args.output_len, args.doc)
     print(f"wrote {path}")
     return 0 if all(r.error is None for r in results) else 1
 
 
-def _bench_peer(peer: Peer, model_dir: Path, gguf: Path, args: argparse.Namespace) -> PeerResult:
-    from server.bench.peers import install, server_command
+@dataclass
+class _Server:
+    """A peer whose server is up, and what its rounds gave so far."""
+
+    peer: Peer
+    base_url: str
+    version: str | None
+    install_s: float | None
+    startup_s: float
+    runs: dict[str, list[RunResult]] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _bench_peers(chosen: list[Peer], model_dir: Path, gguf: Path,
+                 args: argparse.Namespace) -> list[PeerResult]:
     from server.bench.serve_bench import ServeBenchConfig, load_tokenizer, run_serve_bench
+
+    tokenizer = load_tokenizer(model_dir)
+    with ExitStack() as stack:
+        started = [_start(peer, model_dir, gguf, args, stack) for peer in chosen]
+        servers = [s for s in started if isinstance(s, _Server)]
+        for name, fields in workloads(args).items():
+            for round_ in range(args.rounds):
+                for server in servers if round_ % 2 == 0 else servers[::-1]:
+                    if server.error is not None:
+                        continue
+                    config = ServeBenchConfig(base_url=server.base_url,
+                                              model=server.peer.model_name,
+                                              output_len=args.output_len, **fields)
+                    try:
+                        run = asyncio.run(run_serve_bench(config, tokenizer))[0]
+                    except (RuntimeError, OSError) as exc:
+                        print(f"[{server.peer.name}] failed: {exc}", flush=True)
+                        server.error = str(exc).splitlines()[0]
+                        continue
+                    server.runs.setdefault(name, []).append(run)
+                    _print_run(server.peer.name, name, run)
+    return [_result(s, args.work_dir) if isinstance(s, _Server) else s for s in started]
+
+
+def _start(peer: Peer, model_dir: Path, gguf: Path, args: argparse.Namespace,
+           stack: ExitStack) -> _Server | PeerResult:
+    """Install `peer` and start its server for the rest of `stack`'s block."""
+    from server.bench.peers import install, server_command
     from server.bench.server_process import free_port, running_server
 
     installed = install(peer, args.work_dir, args.build_timeout, args.install)
@@ -180,32 +239,31 @@ def _bench_peer(peer: Peer, model_dir: Path, gguf: Path, args: argparse.Namespac
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = server_command(peer, installed.executable, model_dir, gguf, port, _blas_path())
-    tokenizer = load_tokenizer(model_dir)
-    runs = {}
     start = time.monotonic()
     try:
-        with running_server(
+        stack.enter_context(running_server(
             command, base_url, args.work_dir / "logs" / f"{peer.name}.log", args.server_timeout
-        ):
-            startup_s = time.monotonic() - start
-            print(f"[{peer.name}] up at {base_url} after {startup_s:.1f} s", flush=True)
-            for name, fields in workloads(args).items():
-                config = ServeBenchConfig(
-                    base_url=base_url, model=peer.model_name, output_len=args.output_len, **fields
-                )
-                runs[name] = asyncio.run(run_serve_bench(config, tokenizer))[0]
-                _print_run(peer.name, name, runs[name])
+        ))
     except RuntimeError as exc:
         print(f"[{peer.name}] failed: {exc}", flush=True)
-        return PeerResult(
-            peer.name,
-            installed.version,
-            installed.install_s,
-            runs=runs,
-            error=str(exc).splitlines()[0],
-        )
-    _save_raw(args.work_dir, peer.name, runs)
-    return PeerResult(peer.name, installed.version, installed.install_s, startup_s, runs)
+        return PeerResult(peer.name, installed.version, installed.install_s,
+                          error=str(exc).splitlines()[0])
+    startup_s = time.monotonic() - start
+    print(f"[{peer.name}] up at {base_url} after {startup_s:.1f} s", flush=True)
+    return _Server(peer, base_url, installed.version, installed.install_s, startup_s)
+
+
+def _result(server: _Server, work_dir: Path) -> PeerResult:
+    """Each workload's median round (by output tokens/s) and every round's rate."""
+    median = {}
+    for name, runs in server.runs.items():
+        ranked = sorted(runs, key=lambda run: run.metrics.output_throughput)
+        median[name] = ranked[(len(ranked) - 1) // 2]
+    rates = {name: [run.metrics.output_throughput for run in runs]
+             for name, runs in server.runs.items()}
+    _save_raw(work_dir, server.peer.name, median)
+    return PeerResult(server.peer.name, server.version, server.install_s, server.startup_s,
+                      median, server.error, rates)
 
 
 def _engine_benches(args: argparse.Namespace) -> dict[str, dict | str]:

@@ -96,6 +96,7 @@ def _section(
         )
     for name, fields in workloads.items():
         lines += ["", f"### {name}: {_describe(fields, output_len)}", "", *_table(results, name)]
+        lines += _rounds_table(results, name)
         if fields["workload"] == "agents":
             lines += _turn_table(results, name)
     lines += [""] + [f"![{title}]({image})" for title, image in images]
@@ -109,6 +110,31 @@ def _table(results: Sequence[PeerResult], workload: str) -> list[str]:
         if run is not None:
             rows.append("| " + " | ".join([r.name, *_cells(run)]) + " |")
     return rows
+
+
+def _rounds_table(results: Sequence[PeerResult], workload: str) -> list[str]:
+    """Each round's output tokens/s, and metal-serve's rate over each other peer's in the
+    same round."""
+    rates = {r.name: r.rounds[workload] for r in results if r.rounds.get(workload)}
+    count = max(map(len, rates.values()), default=0)
+    if count < 2:
+        return []
+    rows = [(name, values, "{:.1f}") for name, values in rates.items()]
+    ours = rates.get("metal-serve")
+    for name, theirs in rates.items():
+        if ours is not None and name != "metal-serve":
+            # A peer that failed part way has fewer rounds: pairs stop at the shorter list.
+            ratios = [a / b if b else float("inf") for a, b in zip(ours, theirs, strict=False)]
+            rows.append((f"metal-serve / {name}", ratios, "{:.2f}"))
+    lines = ["", "Output tokens/s of each round (the peers took turns; above: each one's "
+             "median round):", "",
+             "| | " + " | ".join(f"round {i + 1}" for i in range(count)) + " | median |",
+             "|" + "---|" * (count + 2)]
+    for name, values, form in rows:
+        cells = [form.format(v) for v in values] + ["-"] * (count - len(values))
+        median = form.format(sorted(values)[(len(values) - 1) // 2])
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {median} |")
+    return lines
 
 
 def _cells(run: RunResult) -> list[str]:

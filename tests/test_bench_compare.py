@@ -143,8 +143,9 @@ def test_a_built_llama_server_serves_the_float32_gguf(tmp_path):
 
 
 def test_compare_rounds_alternate_the_peers_and_report_the_median(tmp_path, monkeypatch):
-    """Peers take turns (reversed every other round); each reports its median round, and the
-    page lists every round with metal-serve's rate over the peer's."""
+    """Peers take turns (reversed every other round) at each round's prompts; each reports
+    its median round, and the page lists every round with metal-serve's rate over the
+    peer's."""
     import dataclasses
 
     import server.bench.compare as compare
@@ -155,7 +156,7 @@ def test_compare_rounds_alternate_the_peers_and_report_the_median(tmp_path, monk
     rates = {"http://ours": iter([10.0, 30.0, 20.0]), "http://theirs": iter([20.0] * 3)}
 
     async def bench(config, tokenizer):
-        order.append(config.base_url)
+        order.append((config.base_url, config.seed))
         metrics = dataclasses.replace(compute_metrics(RECORDS, 2.0),
                                       output_throughput=next(rates[config.base_url]))
         return [RunResult(1, float("inf"), metrics, ())]
@@ -172,8 +173,9 @@ def test_compare_rounds_alternate_the_peers_and_report_the_median(tmp_path, monk
                               str(tmp_path)])
     chosen = [peers()["metal-serve"], peers()["llama-server"]]
     results = compare._bench_peers(chosen, tmp_path, tmp_path, args)
-    assert order == ["http://ours", "http://theirs", "http://theirs", "http://ours",
-                     "http://ours", "http://theirs"]
+    # Each round has prompts of its own (a seed), the same for both peers.
+    assert order == [("http://ours", 0), ("http://theirs", 0), ("http://theirs", 1),
+                     ("http://ours", 1), ("http://ours", 2), ("http://theirs", 2)]
     ours, _ = results
     assert ours.rounds["single"] == [10.0, 30.0, 20.0]
     assert ours.runs["single"].metrics.output_throughput == 20.0  # the median round

@@ -159,18 +159,20 @@ class LayerRopes:
 
     def __init__(self, cfg: ModelConfig) -> None:
         # A rope is its parameters and the head size it turns (Gemma 4's layers differ in both).
-        self.layer_params = [(cfg.rope_for(cfg.layer_type(i)), cfg.kv_shape(i)[1])
-                             for i in range(cfg.num_hidden_layers)]
-        self.embeddings = {
-            key: RotaryEmbedding(key[0], key[1], cfg.max_position_embeddings)
-            for key in set(self.layer_params)
-        }
+        layer_params = [(cfg.rope_for(cfg.layer_type(i)), cfg.kv_shape(i)[1])
+                        for i in range(cfg.num_hidden_layers)]
+        distinct = list(dict.fromkeys(layer_params))
+        self.embeddings = [RotaryEmbedding(params, head_dim, cfg.max_position_embeddings)
+                           for params, head_dim in distinct]
+        # Each layer's index into `embeddings` (hashing the parameters every step cost ~1 us
+        # a layer).
+        self._of_layer = [distinct.index(key) for key in layer_params]
 
     def tables(self, positions: mx.array | np.ndarray,
                meta: AttentionMetadata) -> list[tuple[mx.array, mx.array]]:
         """(cos, sin) for every layer, in layer order (numpy ones for numpy positions)."""
-        built = {params: rope.tables(positions, meta) for params, rope in self.embeddings.items()}
-        return [built[params] for params in self.layer_params]
+        built = [rope.tables(positions, meta) for rope in self.embeddings]
+        return [built[i] for i in self._of_layer]
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:

@@ -211,9 +211,11 @@ def _bench_peers(chosen: list[Peer], model_dir: Path, gguf: Path,
                 for server in servers if round_ % 2 == 0 else servers[::-1]:
                     if server.error is not None:
                         continue
+                    # Prompts of its own each round: a repeated one would hit the caches.
                     config = ServeBenchConfig(base_url=server.base_url,
                                               model=server.peer.model_name,
-                                              output_len=args.output_len, **fields)
+                                              output_len=args.output_len, seed=round_,
+                                              **fields)
                     try:
                         run = asyncio.run(run_serve_bench(config, tokenizer))[0]
                     except (RuntimeError, OSError) as exc:

@@ -35,7 +35,7 @@ from kernels_metal.reference import paged_attention_reference, write_kv
 
 __all__ = ["AttentionMetadata", "Variant", "check_variant", "first_use_case",
            "kernel_fallbacks", "kernels_disabled_reason", "numpy_serves", "paged_attention",
-           "use_kernels", "variant_of", "write_kv"]
+           "use_kernels", "variant_of", "write_and_attend", "write_kv"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,24 @@ def paged_attention(
         return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window, softcap,
                                                  sinks)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+
+
+def write_and_attend(
+    q: mx.array, k: mx.array, v: mx.array, k_pool: mx.array | QuantizedPool,
+    v_pool: mx.array | QuantizedPool, meta: AttentionMetadata, scale: float,
+    window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
+) -> tuple[mx.array, mx.array | QuantizedPool, mx.array | QuantizedPool]:
+    """A layer's attention step: `write_kv` of its new `k`, `v` rows into the pools it took,
+    then `paged_attention` of `q` over them. Returns the output and the pools to put back.
+    The host forward's numpy rows take one call into the CPU backend."""
+    if isinstance(q, np.ndarray):
+        if sinks is not None:
+            _check_sinks(sinks, q.shape[1])
+        out = cpu_attention.write_and_attend(q, k, v, k_pool, v_pool, meta, scale, window,
+                                             softcap, sinks)
+        return out, k_pool, v_pool
+    k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
+    return paged_attention(q, k_pool, v_pool, meta, scale, window, softcap, sinks), k_pool, v_pool
 
 
 def numpy_serves() -> bool:

@@ -75,22 +75,55 @@ def paged_attention_cpu(
     window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Same contract as `paged_attention_reference`; numpy queries get a numpy answer."""
-    compiled = decodes_compiled(k_pool)
-    key = ("cpu", window, q.shape[1], compiled)
-    plan: CpuPlan | None = meta.backend_plans.get(key)
-    if plan is None:
-        plan = meta.backend_plans[key] = build_plan(meta, q.shape[1], window, compiled)
+    plan = _plan(meta, q.shape[1], window, decodes_compiled(k_pool))
     host = isinstance(q, np.ndarray)  # the host forward's queries, float32
     queries = q if host else np.asarray(q.astype(mx.float32))  # [total_q, H, D]
     keys, values = _host(k_pool), _host(v_pool)
-    sink_logits = None if sinks is None else np.asarray(sinks.astype(mx.float32))
-    out = _attend_all(queries, keys, values, plan, scale, softcap, sink_logits)
+    out = _attend_all(queries, keys, values, plan, scale, softcap, _host_sinks(sinks))
     return out if host else mx.array(out).astype(q.dtype)
+
+
+def write_and_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_pool: mx.array,
+                     v_pool: mx.array, meta: AttentionMetadata, scale: float,
+                     window: int | None = None, softcap: float | None = None,
+                     sinks: mx.array | None = None) -> np.ndarray:
+    """The host forward's step of one layer: its float32 `k`, `v` rows written into the
+    float pools' buffers, then `paged_attention_cpu` of `q` over them. One call, each pool
+    viewed once (a float32 pool pair written in one compiled loop): as separate calls these
+    cost ~20 us a layer."""
+    keys, values = np.asarray(k_pool), np.asarray(v_pool)
+    compiled = keys.dtype == np.float32
+    if compiled:
+        cpu_loops.write_slots(keys, values, meta.slot_mapping, k, v)
+    else:
+        write_rows(keys, k, meta.slot_mapping)
+        write_rows(values, v, meta.slot_mapping)
+    plan = _plan(meta, q.shape[1], window, compiled)
+    return _attend_all(q, keys, values, plan, scale, softcap, _host_sinks(sinks))
+
+
+def write_rows(pool: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> None:
+    """`rows [total_q, kv_heads, head_dim]` into slots `slots` of a float pool's buffer."""
+    pool.reshape(-1, *pool.shape[2:])[slots] = rows
 
 
 def decodes_compiled(k_pool: mx.array | QuantizedPool) -> bool:
     """Whether decode rows over this pool go to cpu_decode's loops (float32 pools do)."""
     return not isinstance(k_pool, QuantizedPool) and k_pool.dtype == mx.float32
+
+
+def _plan(meta: AttentionMetadata, num_heads: int, window: int | None,
+          compiled_decode: bool) -> CpuPlan:
+    """The step's plan for these layers, built by the first of them."""
+    key = ("cpu", window, num_heads, compiled_decode)
+    plan: CpuPlan | None = meta.backend_plans.get(key)
+    if plan is None:
+        plan = meta.backend_plans[key] = build_plan(meta, num_heads, window, compiled_decode)
+    return plan
+
+
+def _host_sinks(sinks: mx.array | None) -> np.ndarray | None:
+    return None if sinks is None else np.asarray(sinks.astype(mx.float32))
 
 
 def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,

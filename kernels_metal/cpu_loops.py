@@ -60,12 +60,14 @@ def rope(x, cos, sin, out):
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def write_slots(pool, slots, rows):
-    """Row `rows[i]` into slot `slots[i]` (block * block_size + offset) of a float32 pool
-    `[blocks, block_size, kv_heads, head_dim]`."""
-    block_size = pool.shape[1]
+def write_slots(k_pool, v_pool, slots, k, v):
+    """Rows `k[i]`, `v[i]` into slot `slots[i]` (block * block_size + offset) of the float32
+    pools `[blocks, block_size, kv_heads, head_dim]`."""
+    block_size = k_pool.shape[1]
     for i in range(slots.shape[0]):
-        pool[slots[i] // block_size, slots[i] % block_size] = rows[i]
+        block, offset = slots[i] // block_size, slots[i] % block_size
+        k_pool[block, offset] = k[i]
+        v_pool[block, offset] = v[i]
 
 
 # exp(x) = 2^k * exp(f), k = round(x / ln 2), |f| <= ln(2) / 2; exp(f) by Cephes' expf

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import cpu_loops
+from kernels_metal.cpu_attention import write_rows
 from kernels_metal.cpu_math import masked_softmax, tanh_softcap
 from kernels_metal.kv_quant import QuantizedPool, gather_blocks, write_quantized
 from kernels_metal.metadata import AttentionMetadata
@@ -25,11 +25,7 @@ def write_kv(pool: Pool, new: mx.array, meta: AttentionMetadata) -> Pool:
     evaluated pool's buffer directly; the pool must hold floats.
     """
     if isinstance(new, np.ndarray):  # the host forward's: into the pool's buffer
-        blocks = np.asarray(pool)
-        if blocks.dtype == np.float32:
-            cpu_loops.write_slots(blocks, meta.slot_mapping, new)
-        else:
-            blocks.reshape(-1, *blocks.shape[2:])[meta.slot_mapping] = new
+        write_rows(np.asarray(pool), new, meta.slot_mapping)
         return pool
     dev = meta.device
     if isinstance(pool, QuantizedPool):

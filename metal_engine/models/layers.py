@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
+from kernels_metal.attention import AttentionMetadata, write_and_attend
 from kernels_metal.cpu_math import (
     array_module,
     gelu_tanh_mul,
@@ -240,13 +240,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
-        k_pool, v_pool = cache.take(pool)
-        k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
-        cache.put(pool, k_pool, v_pool)
         sinks = self.get("sinks")
-        out = paged_attention(q, k_pool, v_pool, meta, self.scale, window=self.window,
-                              softcap=self.softcap,
-                              sinks=None if sinks is None else sinks.astype(mx.float32))
+        k_pool, v_pool = cache.take(pool)
+        try:
+            out, k_pool, v_pool = write_and_attend(
+                q, k, v, k_pool, v_pool, meta, self.scale, window=self.window,
+                softcap=self.softcap, sinks=None if sinks is None else sinks.astype(mx.float32))
+        finally:
+            cache.put(pool, k_pool, v_pool)
         return self.o_proj(out.reshape(total, self.num_heads * self.head_dim))
 
 

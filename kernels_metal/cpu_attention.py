@@ -79,7 +79,8 @@ def paged_attention_cpu(
     host = isinstance(q, np.ndarray)  # the host forward's queries, float32
     queries = q if host else np.asarray(q.astype(mx.float32))  # [total_q, H, D]
     keys, values = _host(k_pool), _host(v_pool)
-    out = _attend_all(queries, keys, values, plan, scale, softcap, _host_sinks(sinks))
+    sink_logits = None if sinks is None else _host_sinks(sinks)
+    out = _attend_all(queries, keys, values, plan, scale, softcap, sink_logits)
     return out if host else mx.array(out).astype(q.dtype)
 
 
@@ -99,7 +100,8 @@ def write_and_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_pool: mx.arr
         write_rows(keys, k, meta.slot_mapping)
         write_rows(values, v, meta.slot_mapping)
     plan = _plan(meta, q.shape[1], window, compiled)
-    return _attend_all(q, keys, values, plan, scale, softcap, _host_sinks(sinks))
+    sink_logits = None if sinks is None else _host_sinks(sinks)
+    return _attend_all(q, keys, values, plan, scale, softcap, sink_logits)
 
 
 def write_rows(pool: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> None:
@@ -122,8 +124,8 @@ def _plan(meta: AttentionMetadata, num_heads: int, window: int | None,
     return plan
 
 
-def _host_sinks(sinks: mx.array | None) -> np.ndarray | None:
-    return None if sinks is None else np.asarray(sinks.astype(mx.float32))
+def _host_sinks(sinks: mx.array) -> np.ndarray:
+    return np.asarray(sinks.astype(mx.float32))
 
 
 def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan: CpuPlan,

@@ -32,20 +32,19 @@ HOST_PACKED_ACTIVATIONS = {"silu": silu_mul_halves}
 
 
 class HostViews:
-    """Numpy views of a module's parameters for the host forward, made again for a parameter
-    that was replaced: viewing an MLX array costs ~2.5 us, a few hundred times a step."""
+    """Numpy views of a module's `weight` and `bias` for the host forward, made again when
+    either was replaced: viewing an MLX array costs ~2.5 us, a few hundred times a step."""
 
     def __init__(self) -> None:
-        self._views: dict[str, tuple[mx.array, np.ndarray]] = {}
+        self._arrays: tuple[mx.array | None, mx.array | None] = (None, None)
+        self._views: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
 
-    def __call__(self, owner: nn.Module, name: str) -> np.ndarray | None:
-        array = owner.get(name)
-        if array is None:
-            return None
-        seen = self._views.get(name)
-        if seen is None or seen[0] is not array:
-            seen = self._views[name] = (array, np.asarray(array))
-        return seen[1]
+    def __call__(self, owner: nn.Module) -> tuple[np.ndarray, np.ndarray | None]:
+        weight, bias = owner.get("weight"), owner.get("bias")
+        if weight is not self._arrays[0] or bias is not self._arrays[1]:
+            self._arrays = weight, bias
+            self._views = tuple(None if a is None else np.asarray(a) for a in self._arrays)
+        return self._views
 
 
 class Linear(nn.Linear):
@@ -59,7 +58,7 @@ class Linear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if isinstance(x, np.ndarray):
-            return host_linear(x, self._host(self, "weight"), self._host(self, "bias"))
+            return host_linear(x, *self._host(self))
         return linear(x, self.weight, self.get("bias"))
 
 
@@ -84,16 +83,16 @@ class PackedLinears:
 
     def product(self, owner: nn.Module, x: np.ndarray) -> np.ndarray:
         """The packed product `[rows, sum of the linears' outputs]`, in their order."""
-        if not self._current(owner):
-            self._pack([owner[name] for name in self._names])
-        return host_linear(x, self._weight, self._bias)
-
-    def _current(self, owner: nn.Module) -> bool:
-        """Whether the linears still hold the views they were given (a step asks ~60 times)."""
+        # Inline, not a method: a step checks ~60 times whether each linear still holds the
+        # view it was given.
+        current = bool(self._views)
         for name, key, view in self._views:
             if owner[name].get(key) is not view:
-                return False
-        return bool(self._views)
+                current = False
+                break
+        if not current:
+            self._pack([owner[name] for name in self._names])
+        return host_linear(x, self._weight, self._bias)
 
     def _parameters(self, linears: list[Linear]) -> list[tuple[str, str, mx.array]]:
         return [(name, key, m[key]) for key in ("weight", "bias")
@@ -123,8 +122,9 @@ class RMSNorm(nn.RMSNorm):
         self._host = HostViews()
 
     def __call__(self, x: mx.array) -> mx.array:
-        weight = self._host(self, "weight") if isinstance(x, np.ndarray) else self.weight
-        return rms_norm(x, weight, self.eps)
+        if isinstance(x, np.ndarray):
+            return rms_norm(x, self._host(self)[0], self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -164,21 +164,18 @@ class MLP(nn.Module):
         self._act_halves = HOST_PACKED_ACTIVATIONS.get(cfg.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
+        fused = "gate_up_proj" in self
         if isinstance(x, np.ndarray) and self._act_halves is not None:
-            return self.down_proj(self._act_halves(self._gate_up_product(x)))
-        if "gate_up_proj" in self:
+            # gate and up of host rows as one packed product [rows, 2 * inner]
+            gate_up = self.gate_up_proj(x) if fused else self._gate_up.product(self, x)
+            return self.down_proj(self._act_halves(gate_up))
+        if fused:
             gate, up = array_module(x).split(self.gate_up_proj(x), 2, axis=-1)
         elif isinstance(x, np.ndarray):
             gate, up = self._gate_up(self, x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self._act(gate, up))
-
-    def _gate_up_product(self, x: np.ndarray) -> np.ndarray:
-        """gate and up of host rows as one packed product `[rows, 2 * inner]`."""
-        if "gate_up_proj" in self:
-            return self.gate_up_proj(x)
-        return self._gate_up.product(self, x)
 
 
 class Attention(nn.Module):
@@ -219,7 +216,8 @@ class Attention(nn.Module):
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "qkv_proj" not in self:
             if isinstance(x, np.ndarray):
-                return tuple(self._qkv(self, x))
+                q, k, v = self._qkv(self, x)
+                return q, k, v
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim

@@ -1,4 +1,4 @@
-"""The one attention entry point the models call; picks a backend per device and variant.
+"""The attention entry points the models call; picks a backend per device and variant.
 
 On a Metal device the paged-attention kernels serve every call they support (dtype, head
 dim; float or int8/int4 quantized pools); on MLX's CPU backend a numpy implementation over

@@ -194,3 +194,38 @@ def test_a_parallel_decode_step_splits_long_contexts_into_key_ranges(monkeypatch
     q, k, v, meta, scale = shared_prefix_step(20, [3, 170, 1], [1, 1, 1])
     assert cpu_decode.split_count(len(meta.seq_lens)) > 1
     assert_matches_reference(q, k, v, meta, scale, window, softcap, sinks)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize(("window", "sinks"), [(None, None), (6, SINKS)])
+def test_the_host_write_and_attend_matches_an_mlx_write_then_the_reference(dtype, window, sinks):
+    """The host forward's one call (write K/V rows into the pools' buffers, then attend)
+    against MLX's scatter and the pure-MLX reference: same pools after, same outputs."""
+    from kernels_metal.attention import write_and_attend
+    from kernels_metal.reference import write_kv
+
+    q, k_pool, v_pool, meta, scale = shared_prefix_step(2, [5, 12, 20], [1, 1, 6])
+    bs, tables = meta.block_size, meta.block_tables
+    q_lens = np.diff(meta.cu_seqlens_q)
+    positions = [p for s, n in zip(meta.seq_lens, q_lens, strict=True) for p in range(s - n, s)]
+    requests = np.repeat(np.arange(len(q_lens)), q_lens)
+    slots = [tables[r, p // bs] * bs + p % bs for r, p in zip(requests, positions, strict=True)]
+    meta = AttentionMetadata(meta.cu_seqlens_q, meta.seq_lens, tables,
+                             np.array(slots, np.int64), bs)
+    rng = np.random.default_rng(7)
+    k_new, v_new = (rng.standard_normal((len(slots), *k_pool.shape[2:])).astype(np.float32)
+                    for _ in range(2))
+    k_pool, v_pool = k_pool.astype(dtype), v_pool.astype(dtype)
+
+    want_k = write_kv(mx.array(k_pool), mx.array(k_new), meta)
+    want_v = write_kv(mx.array(v_pool), mx.array(v_new), meta)
+    want = paged_attention_reference(q, want_k, want_v, meta, scale, window, sinks=sinks)
+
+    host_k, host_v = mx.array(np.array(k_pool)), mx.array(np.array(v_pool))
+    mx.eval(host_k, host_v)
+    got, host_k, host_v = write_and_attend(np.array(q), k_new, v_new, host_k, host_v, meta,
+                                           scale, window, sinks=sinks)
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_array_equal(np.array(host_k), np.array(want_k))
+    np.testing.assert_array_equal(np.array(host_v), np.array(want_v))
+    np.testing.assert_allclose(got, np.array(want), atol=2e-3 if dtype == mx.float16 else 1e-5)

@@ -83,8 +83,8 @@ class PackedLinears:
 
     def product(self, owner: nn.Module, x: np.ndarray) -> np.ndarray:
         """The packed product `[rows, sum of the linears' outputs]`, in their order."""
-        # Inline, not a method: a step checks ~60 times whether each linear still holds the
-        # view it was given.
+        # Packed again if a linear no longer holds the view it was given; checked inline, a
+        # step asks ~60 times.
         current = bool(self._views)
         for name, key, view in self._views:
             if owner[name].get(key) is not view:

@@ -83,8 +83,7 @@ def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel:
     """
     heads = kv_heads * group
 
-    @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, parallel=parallel,
-                boundscheck=False)
+    @cpu_threads.compile_loop(parallel)
     def kernel(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
                sinks, out):
         jobs = rows.shape[0] * splits

@@ -7,11 +7,10 @@ around them. Off Metal these hand the (already evaluated) array to numpy's vecto
 (~0.6 ns an element) and back; other devices use MLX's own ops. Each also takes numpy
 arrays, the CPU backend's host forward (metal_engine/models/host.py), and returns numpy then.
 
-Products go to numpy's BLAS over zero-copy views of the weights (those of 2 to 31 rows to
-cpu_gemm's compiled tiles), for two reasons. A one-row
-product (batch-1 decode) is memory-bound, and the CPU backend sends it through the general
-matmul, which streams weights at about half the rate of the matrix-vector kernel numpy picks.
-And numpy's wheel bundles its own OpenBLAS beside the one MLX binds to: OpenBLAS workers spin
+Products go to numpy's BLAS over zero-copy views of the weights (float32 ones of 1 to 31
+rows to cpu_gemm's compiled loops), not through MLX, for two reasons. A one-row product
+(batch-1 decode) is memory-bound, and the CPU backend sends it through the general matmul,
+which streams weights at about half the rate of a matrix-vector kernel. And numpy's wheel bundles its own OpenBLAS beside the one MLX binds to: OpenBLAS workers spin
 for a while after each call, so two libraries taking turns (numpy in the attention, MLX in the
 projections) fight over the same cores; one BLAS for every product avoids that (a batch-8
 decode step ran 2x slower with both).
@@ -114,15 +113,14 @@ def _host_or_none(x: mx.array | np.ndarray | None) -> np.ndarray | None:
 
 def host_linear(rows: np.ndarray, weight: np.ndarray,
                 bias: np.ndarray | None = None) -> np.ndarray:
-    """`rows @ weight.T + bias`: one row in numpy's BLAS (a matrix-vector product streams the
-    weight at the memory's rate), a few float32 rows in cpu_gemm's register tiles, more in
-    BLAS."""
-    if len(rows) == 1:
+    """`rows @ weight.T + bias`: one or a few float32 rows in cpu_gemm's compiled loops,
+    others in numpy's BLAS."""
+    if len(rows) < FEW_ROWS and rows.dtype == weight.dtype == np.float32:
+        y = cpu_gemm.few_rows(rows, weight)
+    elif len(rows) == 1:
         # BLAS streams the weight about twice as fast as the left operand of a matrix-vector
         # product as it does as the transposed right operand of a one-row product.
         y = (weight @ rows[0])[None]
-    elif len(rows) < FEW_ROWS and rows.dtype == weight.dtype == np.float32:
-        y = cpu_gemm.few_rows(rows, weight)
     else:
         y = rows @ weight.T
     return y if bias is None else np.add(y, bias, out=y)

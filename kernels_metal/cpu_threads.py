@@ -3,18 +3,55 @@ flags, how many threads a parallel loop may use, and one launch at a time."""
 
 from __future__ import annotations
 
+import importlib
+import logging
+import sys
 import threading
 from collections.abc import Callable
 
 import numba
 
+log = logging.getLogger(__name__)
+
 # IEEE-safe fast math: reassociated sums and contracted products, but -inf stays -inf (a
 # running maximum starts there, and a sink of -inf must weigh 0).
 FAST_MATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
-_threads = numba.config.NUMBA_NUM_THREADS
-# numba's default thread pool (workqueue) takes one parallel launch at a time.
+# numba's thread pools whose idle workers spin a while before they sleep. A one-request
+# decode step launches ~120 parallel products tens of microseconds apart; these find their
+# workers awake. The fallback pool (workqueue) wakes a sleeping worker at every launch: a
+# decode step ran 3x slower on it than on one thread.
+SPINNING_POOLS = {"omp": "omppool", "tbb": "tbbpool"}
+
+
+def _spinning_pool_available() -> bool:
+    chosen = numba.config.THREADING_LAYER
+    candidates = [chosen] if chosen in SPINNING_POOLS else []
+    if chosen in ("default", "safe", "threadsafe", "forksafe"):
+        candidates = list(SPINNING_POOLS)
+    for layer in candidates:
+        try:  # how numba itself probes a pool: its module loads only if its library does
+            importlib.import_module(f"numba.np.ufunc.{SPINNING_POOLS[layer]}")
+            return True
+        except ImportError:
+            continue
+    return False
+
+
+def _available_threads() -> int:
+    if numba.config.NUMBA_NUM_THREADS == 1 or _spinning_pool_available():
+        return numba.config.NUMBA_NUM_THREADS
+    if sys.platform.startswith("linux"):
+        log.warning("numba has no OpenMP or TBB thread pool here, so the CPU backend's compiled "
+                    "loops run on one thread. Install OpenMP: sudo apt-get install libgomp1")
+    return 1
+
+
+_available = _available_threads()
+_threads = _available
+# numba's workqueue pool takes one parallel launch at a time.
 _launch = threading.Lock()
+_launcher = threading.local()  # the thread count numba was last given on this thread
 
 
 def threads() -> int:
@@ -24,11 +61,31 @@ def threads() -> int:
 def use_threads(count: int) -> None:
     """Threads a parallel loop may use (ranks that share the cores take their share)."""
     global _threads
-    _threads = max(1, min(count, numba.config.NUMBA_NUM_THREADS))
+    _threads = max(1, min(count, _available))
+
+
+def compile_loop(parallel: bool) -> Callable[[Callable], Callable]:
+    """Compile a loop with these flags, cached on disk, on one thread or `parallel` (its
+    `numba.prange` spread over the threads).
+
+    numba's disk cache tells functions apart by module, name, line and the values they close
+    over, not by compile flags: the one-thread and the parallel build of one function would
+    load each other's machine code (a 16-request decode step ran 1.6x slower on the
+    one-thread tiles). Each build gets a name of its own.
+    """
+    def compile_(function: Callable) -> Callable:
+        function.__qualname__ += ".parallel" if parallel else ".one_thread"
+        return numba.njit(cache=True, fastmath=FAST_MATH, nogil=True, parallel=parallel,
+                          boundscheck=False)(function)
+
+    return compile_
 
 
 def launch(kernel: Callable, *args) -> None:
     """Run a kernel compiled with `parallel=True` on this process's share of the threads."""
     with _launch:
-        numba.set_num_threads(_threads)
+        # numba's count is per thread, and setting it costs more than a small product's launch.
+        if getattr(_launcher, "threads", None) != _threads:
+            numba.set_num_threads(_threads)
+            _launcher.threads = _threads
         kernel(*args)

@@ -1,4 +1,4 @@
-"""cpu_gemm's register tiles against numpy's product, on shapes that are not whole tiles."""
+"""cpu_gemm's compiled products against numpy's, on shapes that are not whole tiles."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from kernels_metal import cpu_gemm, cpu_threads
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("rows", "columns", "inner"), [(2, 8, 7), (5, 13, 33), (16, 832, 64),
-                                                        (31, 6, 150)])
+@pytest.mark.parametrize(("rows", "columns", "inner"), [(1, 13, 33), (1, 576, 1536), (2, 8, 7),
+                                                        (5, 13, 33), (16, 832, 64), (31, 6, 150)])
 def test_few_rows_match_numpy_with_partial_tiles_on_one_thread_or_two(monkeypatch, threads,
                                                                       rows, columns, inner):
     monkeypatch.setattr(cpu_threads, "_threads", threads)
@@ -28,3 +28,7 @@ def test_rows_of_a_strided_view_are_read_as_they_lie():
     weight = rng.standard_normal((12, 20)).astype(np.float32)
     x = packed[:, 10:30]  # a q/k/v slice of a packed product
     np.testing.assert_allclose(cpu_gemm.few_rows(x, weight), x @ weight.T, rtol=1e-5, atol=1e-4)
+    one = packed[:1, 10:30]
+    np.testing.assert_allclose(cpu_gemm.few_rows(one, weight), one @ weight.T, rtol=1e-5,
+                               atol=1e-4)
+

@@ -1,0 +1,67 @@
+"""cpu_threads: how the CPU backend's compiled loops are built, cached and launched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numba
+
+from kernels_metal import cpu_threads
+
+LOOPS = textwrap.dedent("""
+    import numba
+    import numpy as np
+
+    from kernels_metal import cpu_threads
+
+
+    def _threads_of(parallel):
+        @cpu_threads.compile_loop(parallel)
+        def threads_used(out):
+            for i in numba.prange(len(out)):
+                out[i] = numba.get_thread_id()
+
+        return threads_used
+
+
+    one_thread, parallel = _threads_of(False), _threads_of(True)
+
+
+    def used(loop):
+        out = np.zeros(64, np.int64)
+        loop(out)
+        return len(set(out.tolist()))
+""")
+
+
+def _run(script: str, module_dir, cache_dir) -> str:
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), NUMBA_NUM_THREADS="2",
+               PYTHONPATH=os.pathsep.join([str(module_dir), os.getcwd()]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    return done.stdout.strip()
+
+
+def test_a_loops_parallel_build_loaded_from_the_disk_cache_is_still_parallel(tmp_path):
+    (tmp_path / "loops.py").write_text(LOOPS)
+    cache = tmp_path / "cache"
+    # The parallel build is compiled and saved first, then the one-thread build of the same
+    # function: had they shared a cache entry, the second would have replaced the first.
+    compiled = _run("import loops; print(loops.used(loops.parallel), loops.used(loops.one_thread))",
+                    tmp_path, cache)
+    loaded = _run("import loops; print(loops.used(loops.parallel), loops.used(loops.one_thread),"
+                  " len(loops.parallel.stats.cache_hits))", tmp_path, cache)
+    assert compiled == "2 1"
+    assert loaded == "2 1 1"  # from the cache, each build its own
+
+
+def test_without_a_spinning_thread_pool_the_loops_take_one_thread(monkeypatch, caplog):
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
+    monkeypatch.setattr(numba.config, "THREADING_LAYER", "workqueue")
+    assert cpu_threads._available_threads() == 1
+    assert "libgomp1" in caplog.text
+    monkeypatch.setattr(numba.config, "THREADING_LAYER", "omp")
+    assert cpu_threads._available_threads() == 2

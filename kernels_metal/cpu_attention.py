@@ -8,7 +8,8 @@ softmax runs vectorized in numpy, and decode rows use cascade attention: decode 
 start with the same blocks (agents with one system prompt) are grouped, the blocks a group
 shares are gathered once and scored against all its rows in one product per KV head, joined
 to each request's own keys in one softmax. Decode rows over float32 pools skip all that: compiled
-loops read their keys where the pool holds them (cpu_decode).
+loops read their keys where the pool holds them (cpu_decode), as do the rows of short prefill
+chunks.
 
 Scores are built a bounded slice at a time (query tiles of a prefill chunk, batches of decode
 requests), so long contexts do not allocate `rows x heads x keys` at once; a slice's K/V are
@@ -35,6 +36,9 @@ NUMPY_DTYPES = (mx.float32, mx.float16)
 # of at least ALWAYS_SHIFT_BELOW scores.
 UNSHIFTED_MAX_RANGE = (-20.0, 60.0)
 ALWAYS_SHIFT_BELOW = 1 << 14
+# Prefill chunks of at most this many rows x keys go to cpu_decode's loops as rows of their
+# own (a chat prompt's first chunk): numpy's slices cost ~0.7 ms a layer at 60 x 60.
+COMPILED_PREFILL_SCORES = 1 << 13
 
 
 @dataclass(frozen=True)
@@ -287,12 +291,10 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
     starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
     decode, prefill = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
     prefixes, slices, compiled = [], [], None
-    if compiled_decode and len(decode):
-        seq_lens = meta.seq_lens[decode]
-        first_keys = np.zeros_like(seq_lens) if window is None else np.maximum(seq_lens - window, 0)
-        compiled = cpu_decode.DecodeRows(meta.cu_seqlens_q[decode].astype(np.int64),
-                                         meta.block_tables[decode], seq_lens, first_keys)
-        decode = decode[:0]
+    if compiled_decode:
+        short = prefill[q_lens[prefill] * meta.seq_lens[prefill] <= COMPILED_PREFILL_SCORES]
+        compiled = _compiled_rows(meta, decode, short, window)
+        decode, prefill = decode[:0], np.setdiff1d(prefill, short)
     for group, shared in _decode_groups(meta, decode, window):
         prefix = None
         if len(shared):
@@ -303,6 +305,30 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
         slices += _prefill_slices(meta, int(r), int(starts[r]), int(q_lens[r]), window,
                                   row_budget)
     return CpuPlan(prefixes, slices, compiled)
+
+
+def _compiled_rows(meta: AttentionMetadata, decode: np.ndarray, prefill: np.ndarray,
+                   window: int | None) -> cpu_decode.DecodeRows | None:
+    """The decode requests' rows and every row of the `prefill` chunks as cpu_decode's rows:
+    a chunk's row at position p attends to keys up to p, as a decode row there would."""
+    starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
+    requests = np.concatenate([decode, prefill]).astype(np.int64)
+    if not len(requests):
+        return None
+    counts = q_lens[requests]
+    owner = np.repeat(requests, counts)  # each row's request
+    rows = _ranges(starts[requests], counts)
+    last_rows = np.repeat(starts[requests] + counts - 1, counts)
+    seq_lens = (meta.seq_lens[owner] - (last_rows - rows)).astype(meta.seq_lens.dtype)
+    first_keys = np.zeros_like(seq_lens) if window is None else np.maximum(seq_lens - window, 0)
+    return cpu_decode.DecodeRows(rows, meta.block_tables[owner], seq_lens, first_keys)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """`starts[i] .. starts[i] + counts[i]` for every i, concatenated."""
+    if len(counts) and (counts == 1).all():
+        return starts.astype(np.int64)
+    return np.concatenate([np.arange(a, a + n) for a, n in zip(starts.tolist(), counts.tolist())])
 
 
 def _decode_groups(meta: AttentionMetadata, decode: np.ndarray,

@@ -35,8 +35,9 @@ NO_SINKS = np.zeros(0, np.float32)
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """A step's decode rows, one per request: row `rows[r]` attends to keys
-    `first_keys[r]..seq_lens[r] - 1` of block table `tables[r]`."""
+    """Rows that each attend to a range of their request's keys: row `rows[r]` to keys
+    `first_keys[r]..seq_lens[r] - 1` of block table `tables[r]` (a decode request's one row,
+    or a row of a short prefill chunk)."""
 
     rows: np.ndarray
     tables: np.ndarray
@@ -91,7 +92,8 @@ def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel:
         totals = np.empty((jobs, heads), np.float32)
         sums = np.empty((jobs, heads, head_dim), np.float32)
         for job in numba.prange(jobs):
-            r, part = divmod(job, splits)
+            # prange's index is unsigned in a parallel build: unsigned // signed is a float
+            r, part = divmod(np.int64(job), splits)
             span = -(-(seq_lens[r] - first_keys[r]) // splits)
             begin = first_keys[r] + part * span
             end = min(seq_lens[r], begin + span)

@@ -11,7 +11,7 @@ One row (a one-request decode step) is a matrix-vector product that only streams
 OpenBLAS runs those below ~500k weights (the default model's attention projections) on one
 thread, at half the memory's rate, and its workers spinning between calls kept the compiled
 loops' workers (other products, attention) off the second core. Every one-row product here on
-the same thread pool as the rest: the default model's products of one step 26 -> 22 ms.
+the same thread pool as the rest: the default model's products of one step 26 -> 23 ms.
 """
 
 from __future__ import annotations

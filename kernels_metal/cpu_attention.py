@@ -328,7 +328,8 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """`starts[i] .. starts[i] + counts[i]` for every i, concatenated."""
     if len(counts) and (counts == 1).all():
         return starts.astype(np.int64)
-    return np.concatenate([np.arange(a, a + n) for a, n in zip(starts.tolist(), counts.tolist())])
+    return np.concatenate([np.arange(a, a + n)
+                           for a, n in zip(starts.tolist(), counts.tolist(), strict=True)])
 
 
 def _decode_groups(meta: AttentionMetadata, decode: np.ndarray,

@@ -10,8 +10,9 @@ arrays, the CPU backend's host forward (metal_engine/models/host.py), and return
 Products go to numpy's BLAS over zero-copy views of the weights (float32 ones of 1 to 31
 rows to cpu_gemm's compiled loops), not through MLX, for two reasons. A one-row product
 (batch-1 decode) is memory-bound, and the CPU backend sends it through the general matmul,
-which streams weights at about half the rate of a matrix-vector kernel. And numpy's wheel bundles its own OpenBLAS beside the one MLX binds to: OpenBLAS workers spin
-for a while after each call, so two libraries taking turns (numpy in the attention, MLX in the
+which streams weights at about half the rate of a matrix-vector kernel. And numpy's wheel
+bundles its own OpenBLAS beside the one MLX binds to: OpenBLAS workers spin for a while after
+each call, so two libraries taking turns (numpy in the attention, MLX in the
 projections) fight over the same cores; one BLAS for every product avoids that (a batch-8
 decode step ran 2x slower with both).
 """

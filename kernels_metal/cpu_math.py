@@ -12,9 +12,9 @@ rows to cpu_gemm's compiled loops), not through MLX, for two reasons. A one-row 
 (batch-1 decode) is memory-bound, and the CPU backend sends it through the general matmul,
 which streams weights at about half the rate of a matrix-vector kernel. And numpy's wheel
 bundles its own OpenBLAS beside the one MLX binds to: OpenBLAS workers spin for a while after
-each call, so two libraries taking turns (numpy in the attention, MLX in the
-projections) fight over the same cores; one BLAS for every product avoids that (a batch-8
-decode step ran 2x slower with both).
+each call, so two libraries taking turns (numpy in the attention, MLX in the projections)
+fight over the same cores; one BLAS for every product avoids that (a batch-8 decode step ran
+2x slower with both).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ Loading OpenBLAS with RTLD_GLOBAL before `mlx.core` makes MLX bind to it instead
 OpenBLAS picks its kernels by CPU model; on a model newer than the library (common on cloud
 VMs) it falls back to generic SSE3 kernels, ~3x slower than its AVX-512 ones. When the user
 has not chosen a core type, one is chosen here from the CPU's feature flags.
+
+OpenBLAS's workers spin after each call until 2^28 cycles (~90 ms) pass without another, and
+the CPU backend's decode steps (compiled loops on the same cores) ran at 46 ms instead of 31
+for the first steps after each prompt's prefill. Unless the user chose, they spin 2^22 cycles
+(~1.5 ms): longer than the gaps between a prefill's products, shorter than a decode step.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 INSTALL_HINT = "sudo apt-get install libopenblas0-pthread  (Debian/Ubuntu)"
+WORKER_SPIN_LOG2_CYCLES = "22"
 
 _loaded: str | None = None
 
@@ -39,6 +45,8 @@ def load_optimized_blas() -> str | None:
         log.warning("mlx was imported before metal_engine; the optimized BLAS may not be used")
     if "OPENBLAS_CORETYPE" not in os.environ and (core := openblas_core_for_this_cpu()):
         os.environ["OPENBLAS_CORETYPE"] = core
+    # Read when each OpenBLAS loads: MLX's below, numpy's at numpy's import.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", WORKER_SPIN_LOG2_CYCLES)
     override = os.environ.get("METAL_SERVE_BLAS")
     for path in ((override,) if override else ()) + CANDIDATES:
         if os.path.exists(path):

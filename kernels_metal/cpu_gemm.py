@@ -28,20 +28,9 @@ INPUT_TILE, WEIGHT_TILE = 2, 4
 
 def few_rows(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """`rows @ weight.T` for float32 `rows [m, in]` and `weight [out, in]`."""
-    m = len(rows)
-    if m == 1:
-        return _one_row(rows[0], weight)[None]
-    tiled = -(-m // INPUT_TILE) * INPUT_TILE
-    x = rows
-    if tiled != m or not rows.flags.c_contiguous:  # whole tiles of contiguous rows
-        x = np.zeros((tiled, rows.shape[1]), np.float32)
-        x[:m] = rows
-    out = np.empty((tiled, weight.shape[0]), np.float32)
-    if cpu_threads.threads() > 1:
-        cpu_threads.launch(_parallel_tiles, x, weight, out)
-    else:
-        _tiles(x, weight, out)
-    return out[:m]
+    out = np.empty((len(rows), weight.shape[0]), np.float32)
+    cpu_threads.run(product, np.ascontiguousarray(rows), weight, out)
+    return out
 
 
 def _tiles_of(parallel: bool):
@@ -88,17 +77,6 @@ _tiles = _tiles_of(parallel=False)
 _parallel_tiles = _tiles_of(parallel=True)
 
 
-def _one_row(row: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """`weight @ row` for float32 `row [in]` and `weight [out, in]`."""
-    out = np.empty(weight.shape[0], np.float32)
-    row = np.ascontiguousarray(row)
-    if cpu_threads.threads() > 1:
-        cpu_threads.launch(_parallel_matvec, weight, row, out)
-    else:
-        _matvec(weight, row, out)
-    return out
-
-
 def _matvec_of(parallel: bool):
     @cpu_threads.compile_loop(parallel)
     def matvec(w, x, out):
@@ -117,3 +95,28 @@ def _matvec_of(parallel: bool):
 
 _matvec = _matvec_of(parallel=False)
 _parallel_matvec = _matvec_of(parallel=True)
+
+
+@numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
+def product(x, w, out, parallel):
+    """`out [m, out] = x @ w.T` for C-contiguous float32 `x [m, in]` and `w [out, in]`: one
+    row as a matrix-vector product, more in register tiles (whole tiles, padded with zero
+    rows); on the loops' parallel builds or one-thread ones (`cpu_threads.run`)."""
+    rows = x.shape[0]
+    if rows == 1:
+        if parallel:
+            _parallel_matvec(w, x[0], out[0])
+        else:
+            _matvec(w, x[0], out[0])
+        return
+    tiled, full = x, out
+    if rows % INPUT_TILE:
+        tiled = np.zeros((rows + INPUT_TILE - rows % INPUT_TILE, x.shape[1]), np.float32)
+        tiled[:rows] = x
+        full = np.empty((tiled.shape[0], w.shape[0]), np.float32)
+    if parallel:
+        _parallel_tiles(tiled, w, full)
+    else:
+        _tiles(tiled, w, full)
+    if rows % INPUT_TILE:
+        out[:] = full[:rows]

@@ -1,5 +1,5 @@
-"""What the CPU backend's compiled loops (cpu_decode, cpu_gemm) share: their fast-math
-flags, how many threads a parallel loop may use, and one launch at a time."""
+"""What the CPU backend's compiled loops (cpu_decode, cpu_gemm, cpu_layer) share: their
+fast-math flags, how many threads a parallel loop may use, and one launch at a time."""
 
 from __future__ import annotations
 
@@ -81,11 +81,21 @@ def compile_loop(parallel: bool) -> Callable[[Callable], Callable]:
     return compile_
 
 
-def launch(kernel: Callable, *args) -> None:
-    """Run a kernel compiled with `parallel=True` on this process's share of the threads."""
+def run(function: Callable, *args):
+    """`function(*args, parallel)`: compiled code that calls the parallel builds of its loops
+    when `parallel` (run here on this process's share of the threads), else the one-thread
+    ones. (Builds are chosen by a flag, not closed over: numba's disk cache cannot key a
+    function by the compiled functions it closes over, and compiled it again each process.)"""
+    if _threads > 1:
+        return launch(function, *args, True)
+    return function(*args, False)
+
+
+def launch(kernel: Callable, *args):
+    """Run a kernel of a parallel build on this process's share of the threads."""
     with _launch:
         # numba's count is per thread, and setting it costs more than a small product's launch.
         if getattr(_launcher, "threads", None) != _threads:
             numba.set_num_threads(_threads)
             _launcher.threads = _threads
-        kernel(*args)
+        return kernel(*args)

@@ -1,5 +1,6 @@
 """The CPU backend's host forward (metal_engine/models/host.py): layers on numpy arrays give the
-MLX path's logits and pack q/k/v and gate/up without copies."""
+MLX path's logits, a layer of a few rows in compiled calls (kernels_metal/cpu_layer) gives the
+module-by-module numbers, and q/k/v and gate/up are packed without copies."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from tiny_models import build_tiny_model
 
 import metal_engine.models.host as host
 from convert import convert_model
+from kernels_metal import cpu_threads
+from metal_engine.models.layers import PreNormDecoderLayer
 
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3"]  # plain, q/k/v biases, q/k norms, fused
 
@@ -32,13 +35,34 @@ def logits(model_dir, ids, chunk, on_host: bool, monkeypatch) -> tuple[np.ndarra
     return got, decoder.host_plan.layers_on_host(decoder.layers, runner.cache)
 
 
-@pytest.mark.parametrize("chunk", [45, 1], ids=["prefill", "decode"])
+@pytest.mark.parametrize("chunk", [45, 5, 1], ids=["prefill", "few-rows", "decode"])
 def test_host_layers_give_the_mlx_logits(model_dir, chunk, monkeypatch):
     ids = random_ids(3, 45)
     on_mlx, plan_off = logits(model_dir, ids, chunk, False, monkeypatch)
     on_host, plan_on = logits(model_dir, ids, chunk, True, monkeypatch)
     assert not any(plan_off) and all(plan_on)
     np.testing.assert_allclose(on_host, on_mlx, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("chunk", [7, 1], ids=["few-rows", "decode"])
+def test_compiled_layer_steps_give_the_module_path_numbers(model_dir, chunk, threads,
+                                                           monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_threads", threads)
+    ids = random_ids(4, 21)
+    steps_taken = []
+    host_step = PreNormDecoderLayer._host_step
+
+    def counted(self, *args):
+        steps_taken.append(1)
+        return host_step(self, *args)
+
+    monkeypatch.setattr(PreNormDecoderLayer, "_host_step", counted)
+    compiled, _ = logits(model_dir, ids, chunk, True, monkeypatch)
+    assert steps_taken
+    monkeypatch.setattr(PreNormDecoderLayer, "_host_steps", lambda self: False)
+    modules, _ = logits(model_dir, ids, chunk, True, monkeypatch)
+    np.testing.assert_allclose(compiled, modules, atol=1e-6, rtol=1e-6)
 
 
 def test_packing_makes_views(tmp_path, monkeypatch):

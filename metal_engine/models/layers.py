@@ -11,8 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kernels_metal import cpu_layer
 from kernels_metal.attention import AttentionMetadata, write_and_attend
 from kernels_metal.cpu_math import (
+    FEW_ROWS,
     array_module,
     gelu_tanh_mul,
     host_linear,
@@ -58,8 +60,12 @@ class Linear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if isinstance(x, np.ndarray):
-            return host_linear(x, *self._host(self))
+            return host_linear(x, *self.host_arrays())
         return linear(x, self.weight, self.get("bias"))
+
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Numpy views of the weight and bias (None if it has none)."""
+        return self._host(self)
 
 
 class PackedLinears:
@@ -83,6 +89,10 @@ class PackedLinears:
 
     def product(self, owner: nn.Module, x: np.ndarray) -> np.ndarray:
         """The packed product `[rows, sum of the linears' outputs]`, in their order."""
+        return host_linear(x, *self.arrays(owner))
+
+    def arrays(self, owner: nn.Module) -> tuple[np.ndarray, np.ndarray | None]:
+        """The packed weight and bias (None if they have none), packed first if need be."""
         # Packed again if a linear no longer holds the view it was given; checked inline, a
         # step asks ~60 times.
         current = bool(self._views)
@@ -92,7 +102,7 @@ class PackedLinears:
                 break
         if not current:
             self._pack([owner[name] for name in self._names])
-        return host_linear(x, self._weight, self._bias)
+        return self._weight, self._bias
 
     def _parameters(self, linears: list[Linear]) -> list[tuple[str, str, mx.array]]:
         return [(name, key, m[key]) for key in ("weight", "bias")
@@ -123,8 +133,11 @@ class RMSNorm(nn.RMSNorm):
 
     def __call__(self, x: mx.array) -> mx.array:
         if isinstance(x, np.ndarray):
-            return rms_norm(x, self._host(self)[0], self.eps)
+            return rms_norm(x, self.host_weight(), self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def host_weight(self) -> np.ndarray:
+        return self._host(self)[0]
 
 
 class OffsetRMSNorm(nn.Module):
@@ -162,6 +175,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=bias)
         self._act = GATED_ACTIVATIONS[cfg.hidden_act]
         self._act_halves = HOST_PACKED_ACTIVATIONS.get(cfg.hidden_act)
+        self.silu_gated = cfg.hidden_act == "silu"
 
     def __call__(self, x: mx.array) -> mx.array:
         fused = "gate_up_proj" in self
@@ -176,6 +190,12 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self._act(gate, up))
+
+    def host_gate_up(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The gate and up weights packed as one (gate first), and their bias."""
+        if "gate_up_proj" in self:
+            return self.gate_up_proj.host_arrays()
+        return self._gate_up.arrays(self)
 
 
 class Attention(nn.Module):
@@ -237,6 +257,13 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.attend(q, k, v, meta, cache, pool)
+        return self.o_proj(out.reshape(total, self.num_heads * self.head_dim))
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, meta: AttentionMetadata,
+               cache: KVCache, pool: int) -> mx.array:
+        """`[total, heads, head_dim]` rows of q, k, v (turned by rope): k and v written into
+        the layer's pool, q's rows attended over it."""
         meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
         sinks = self.get("sinks")
         k_pool, v_pool = cache.take(pool)
@@ -246,7 +273,13 @@ class Attention(nn.Module):
                 softcap=self.softcap, sinks=None if sinks is None else sinks.astype(mx.float32))
         finally:
             cache.put(pool, k_pool, v_pool)
-        return self.o_proj(out.reshape(total, self.num_heads * self.head_dim))
+        return out
+
+    def host_qkv(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The q, k and v weights packed as one (in that order), and their bias."""
+        if "qkv_proj" in self:
+            return self.qkv_proj.host_arrays()
+        return self._qkv.arrays(self)
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -262,5 +295,33 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, x, rope, meta, cache, pool):
+        if isinstance(x, np.ndarray) and len(x) < FEW_ROWS and self._host_steps():
+            return self._host_step(x, rope, meta, cache, pool)
         h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _host_steps(self) -> bool:
+        """Whether host rows take `_host_step`: a plain attention (its q/k norms, if any,
+        RMSNorms) and a SwiGLU MLP."""
+        attention, mlp = self.self_attn, self.mlp
+        return (type(attention) is Attention and type(mlp) is MLP and mlp.silu_gated
+                and ("q_norm" not in attention or type(attention.q_norm) is RMSNorm))
+
+    def _host_step(self, x, rope, meta, cache, pool):
+        """The layer in two compiled calls around its attention (kernels_metal/cpu_layer)."""
+        attention, mlp = self.self_attn, self.mlp
+        qk_norms = None
+        if "q_norm" in attention:
+            qk_norms = (attention.q_norm.host_weight(), attention.k_norm.host_weight(),
+                        attention.q_norm.eps)
+        cos, sin = rope
+        half = cos.shape[-1]
+        q, k, v = cpu_layer.attention_inputs(
+            x, (self.input_layernorm.host_weight(), self.input_layernorm.eps),
+            attention.host_qkv(), qk_norms, (cos.reshape(-1, half), sin.reshape(-1, half)),
+            (attention.num_heads, attention.num_kv_heads, attention.head_dim))
+        out = attention.attend(q, k, v, meta, cache, pool)
+        return cpu_layer.after_attention(
+            x, out.reshape(len(x), -1), attention.o_proj.host_arrays(),
+            (self.post_attention_layernorm.host_weight(), self.post_attention_layernorm.eps),
+            mlp.host_gate_up(), mlp.down_proj.host_arrays())

@@ -52,6 +52,7 @@ _threads = _available
 # numba's workqueue pool takes one parallel launch at a time.
 _launch = threading.Lock()
 _launcher = threading.local()  # the thread count numba was last given on this thread
+_pool_started = False
 
 
 def threads() -> int:
@@ -88,7 +89,18 @@ def run(function: Callable, *args):
     function by the compiled functions it closes over, and compiled it again each process.)"""
     if _threads > 1:
         return launch(function, *args, True)
+    if not _pool_started:
+        _start_pool()
     return function(*args, False)
+
+
+def _start_pool() -> None:
+    # Such code loaded from the disk cache crashed (SIGSEGV) before numba's thread pool was
+    # started, on its one-thread path too: the parallel loops linked into it need the pool's
+    # entry points. A parallel launch starts the pool; on one thread this does.
+    global _pool_started
+    numba.get_num_threads()
+    _pool_started = True
 
 
 def launch(kernel: Callable, *args):

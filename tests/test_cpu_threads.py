@@ -15,7 +15,7 @@ LOOPS = textwrap.dedent("""
     import numba
     import numpy as np
 
-    from kernels_metal import cpu_threads
+    from kernels_metal import cpu_gemm, cpu_threads
 
 
     def _threads_of(parallel):
@@ -28,6 +28,11 @@ LOOPS = textwrap.dedent("""
 
 
     one_thread, parallel = _threads_of(False), _threads_of(True)
+
+
+    @numba.njit(cache=True)
+    def ones_product(out, spread):  # compiled code calling cpu_gemm's, as cpu_layer's does
+        cpu_gemm.product(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32), out, spread)
 
 
     def used(loop):
@@ -56,6 +61,23 @@ def test_a_loops_parallel_build_loaded_from_the_disk_cache_is_still_parallel(tmp
                   " len(loops.parallel.stats.cache_hits))", tmp_path, cache)
     assert compiled == "2 1"
     assert loaded == "2 1 1"  # from the cache, each build its own
+
+
+def test_cached_code_that_calls_parallel_builds_runs_on_one_thread(tmp_path):
+    # Compiled code calling cpu_gemm's product (which calls parallel builds), compiled while
+    # those builds came from the cache and then loaded from the cache itself, crashed
+    # (SIGSEGV) at its first call, on its one-thread path too, unless numba's thread pool had
+    # been started (as a parallel launch does).
+    (tmp_path / "loops.py").write_text(LOOPS)
+    cache = tmp_path / "cache"
+    _run("import numpy as np; from kernels_metal import cpu_gemm; "
+         "cpu_gemm.few_rows(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32))",
+         tmp_path, cache)
+    script = ("import numpy as np, loops; from kernels_metal import cpu_threads; "
+              "cpu_threads.use_threads(1); out = np.zeros((2, 4), np.float32); "
+              "cpu_threads.run(loops.ones_product, out); print(out.sum())")
+    assert _run(script, tmp_path, cache) == "64.0"  # compiled, on cached builds
+    assert _run(script, tmp_path, cache) == "64.0"  # loaded from the cache
 
 
 def test_without_a_spinning_thread_pool_the_loops_take_one_thread(monkeypatch, caplog):

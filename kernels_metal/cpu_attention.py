@@ -118,6 +118,14 @@ def decodes_compiled(k_pool: mx.array | QuantizedPool) -> bool:
     return not isinstance(k_pool, QuantizedPool) and k_pool.dtype == mx.float32
 
 
+def compiled_rows(meta: AttentionMetadata, num_heads: int,
+                  window: int | None) -> cpu_decode.DecodeRows | None:
+    """The step's rows as cpu_decode's rows when every row over float32 pools goes there
+    (decode rows, short prefill chunks), else None."""
+    plan = _plan(meta, num_heads, window, True)
+    return None if plan.slices else plan.compiled
+
+
 def _plan(meta: AttentionMetadata, num_heads: int, window: int | None,
           compiled_decode: bool) -> CpuPlan:
     """The step's plan for these layers, built by the first of them."""

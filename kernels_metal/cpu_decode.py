@@ -3,9 +3,9 @@
 numpy's path (cpu_attention) gathers each request's blocks into fresh arrays and hands BLAS
 one tiny product per request and KV head, each paying microseconds of call and thread
 hand-off: 2.4 ms of a one-request decode step of the default model and ~30 ms of a
-16-request one. These loops, compiled by numba once per head layout (and cached on disk),
-score each decode row against its keys where the pool holds them, take the softmax and sum
-the values: one pass over each key and value of a float32 pool.
+16-request one. These loops, compiled by numba once (and cached on disk), score each decode
+row against its keys where the pool holds them, take the softmax and sum the values: one pass
+over each key and value of a float32 pool. Compiled callers (cpu_layer) call them as well.
 
 Large steps (long contexts, many requests) run in parallel; a context too long to share out
 by request is cut into key ranges whose partial sums are merged by their softmax maxima, as
@@ -48,23 +48,23 @@ class DecodeRows:
     def num_keys(self) -> int:
         return int((self.seq_lens - self.first_keys).sum())
 
+    def split(self, kv_heads: int) -> tuple[int, bool]:
+        """(key ranges per request, whether the threads share the jobs) for pools of
+        `kv_heads` KV heads."""
+        parallel = self.num_keys * kv_heads >= PARALLEL_FROM and cpu_threads.threads() > 1
+        return (split_count(len(self.rows)) if parallel else 1), parallel
+
 
 def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, decode: DecodeRows,
            scale: float, softcap: float | None, sinks: np.ndarray | None,
            out: np.ndarray) -> None:
     """The `decode` rows of `queries [total_q, H, D]` attend to their keys in the float32
     pools `[blocks, block_size, kv_heads, D]`; their outputs go to the same rows of `out`."""
-    _, block_size, kv_heads, head_dim = keys.shape
-    parallel = decode.num_keys * kv_heads >= PARALLEL_FROM and cpu_threads.threads() > 1
-    splits = split_count(len(decode.rows)) if parallel else 1
-    kernel = _kernel(kv_heads, queries.shape[1] // kv_heads, head_dim, block_size, parallel)
-    args = (queries, keys, values, decode.rows, decode.tables, decode.seq_lens,
-            decode.first_keys, splits, np.float32(scale), np.float32(softcap or 0.0),
-            NO_SINKS if sinks is None else sinks, out)
-    if parallel:
-        cpu_threads.launch(kernel, *args)
-    else:
-        kernel(*args)
+    splits, parallel = decode.split(keys.shape[2])
+    cpu_threads.run(attend_rows, queries, keys, values, decode.rows, decode.tables,
+                    decode.seq_lens, decode.first_keys, splits, np.float32(scale),
+                    np.float32(softcap or 0.0), NO_SINKS if sinks is None else sinks, out,
+                    parallel=parallel)
 
 
 def split_count(requests: int) -> int:
@@ -72,21 +72,24 @@ def split_count(requests: int) -> int:
     return max(1, math.ceil(JOBS_PER_THREAD * cpu_threads.threads() / requests))
 
 
-@functools.cache
-def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel: bool):
-    """The loops for `kv_heads` KV heads of `group` query heads each, of `head_dim`: constants
-    to the compiler, so the inner loops unroll and a row's sums stay in registers.
+@numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
+def attend_rows(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
+                sinks, out, parallel):
+    """`attend` for compiled callers (cpu_layer): the loops' parallel build or one-thread one."""
+    if parallel:
+        _parallel_rows(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale,
+                       softcap, sinks, out)
+    else:
+        _rows(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
+              sinks, out)
 
-    A job is one request's key range. It walks its keys in pool order, every head's part of
-    a key at once (each key read whole, in the order it lies in memory, which the prefetcher
-    follows; a loop per KV head read a quarter of each key per pass and ran several times
-    slower once the pool was out of cache).
-    """
-    heads = kv_heads * group
 
+def _rows_of(parallel: bool):
     @cpu_threads.compile_loop(parallel)
-    def kernel(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
-               sinks, out):
+    def rows_kernel(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale,
+                    softcap, sinks, out):
+        heads, head_dim = q.shape[1], q.shape[2]
+        group = heads // k_pool.shape[2]
         jobs = rows.shape[0] * splits
         maxima = np.empty((jobs, heads), np.float32)
         totals = np.empty((jobs, heads), np.float32)
@@ -97,43 +100,81 @@ def _kernel(kv_heads: int, group: int, head_dim: int, block_size: int, parallel:
             span = -(-(seq_lens[r] - first_keys[r]) // splits)
             begin = first_keys[r] + part * span
             end = min(seq_lens[r], begin + span)
-            q_rows = np.empty((heads, head_dim), np.float32)
-            for h in range(heads):
-                for d in range(head_dim):
-                    q_rows[h, d] = q[rows[r], h, d] * scale
-            scores = np.empty((max(end - begin, 0), heads), np.float32)
-            row_max = np.full(heads, -np.inf, np.float32)
-            for t in range(begin, end):
-                key = k_pool[tables[r, t // block_size], t % block_size]
-                for h in range(heads):
-                    s = np.float32(0.0)
-                    for d in range(head_dim):
-                        s += q_rows[h, d] * key[h // group, d]
-                    if softcap > 0:
-                        s = softcap * np.tanh(s / softcap)
-                    scores[t - begin, h] = s
-                    row_max[h] = max(row_max[h], s)
-            for i in range(end - begin):
-                for h in range(heads):
-                    scores[i, h] -= row_max[h]
-            cpu_loops.exp(scores.reshape(-1))  # vectorized; scalar exp cost more than the sums
-            total = np.zeros(heads, np.float32)
-            for i in range(end - begin):
-                for h in range(heads):
-                    total[h] += scores[i, h]
-            acc = sums[job]
-            acc[:] = 0.0
-            for t in range(begin, end):
-                value = v_pool[tables[r, t // block_size], t % block_size]
-                for h in range(heads):
-                    weight = scores[t - begin, h]
-                    for d in range(head_dim):
-                        acc[h, d] += weight * value[h // group, d]
-            maxima[job] = row_max
-            totals[job] = total
+            q_rows = q[rows[r]] * scale
+            # A head size the compiler knows unrolls the dot products and keeps a row's sums
+            # in registers: a runtime one ran ~1.3x slower.
+            if head_dim == 64:
+                _key_range(q_rows, k_pool, v_pool, tables[r], begin, end, softcap, group, 64,
+                           maxima[job], totals[job], sums[job])
+            elif head_dim == 128:
+                _key_range(q_rows, k_pool, v_pool, tables[r], begin, end, softcap, group, 128,
+                           maxima[job], totals[job], sums[job])
+            else:
+                _key_range(q_rows, k_pool, v_pool, tables[r], begin, end, softcap, group,
+                           head_dim, maxima[job], totals[job], sums[job])
         _merge(maxima, totals, sums, rows, splits, sinks, out)
 
-    return kernel
+    return rows_kernel
+
+
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _key_range(q_rows, k_pool, v_pool, table, begin, end, softcap, group, head_dim, row_max,
+               total, acc):
+    """One job: scaled query heads `q_rows [H, D]` over keys `begin..end - 1` of block table
+    `table`: the heads' running maxima, exp sums and weighted value sums.
+
+    It walks its keys in pool order, block by block, every head's part of a key at once (each
+    key read whole, in the order it lies in memory, which the prefetcher follows; a loop per
+    KV head read a quarter of each key per pass and ran several times slower once the pool
+    was out of cache).
+    """
+    heads = q_rows.shape[0]
+    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    scores = np.empty((max(end - begin, 0), heads), np.float32)
+    row_max[:] = -np.inf
+    t = begin
+    while t < end:
+        block, first = k_pool[table[t // block_size]], t % block_size
+        count = min(block_size - first, end - t)
+        for j in range(count):
+            key = block[first + j]
+            for kv in range(kv_heads):
+                for g in range(group):
+                    h = kv * group + g
+                    s = np.float32(0.0)
+                    for d in range(head_dim):
+                        s += q_rows[h, d] * key[kv, d]
+                    if softcap > 0:
+                        s = softcap * np.tanh(s / softcap)
+                    scores[t - begin + j, h] = s
+                    row_max[h] = max(row_max[h], s)
+        t += count
+    for i in range(end - begin):
+        for h in range(heads):
+            scores[i, h] -= row_max[h]
+    cpu_loops.exp(scores.reshape(-1))  # vectorized; scalar exp cost more than the sums
+    total[:] = 0.0
+    for i in range(end - begin):
+        for h in range(heads):
+            total[h] += scores[i, h]
+    acc[:] = 0.0
+    t = begin
+    while t < end:
+        block, first = v_pool[table[t // block_size]], t % block_size
+        count = min(block_size - first, end - t)
+        for j in range(count):
+            value = block[first + j]
+            for kv in range(kv_heads):
+                for g in range(group):
+                    h = kv * group + g
+                    weight = scores[t - begin + j, h]
+                    for d in range(head_dim):
+                        acc[h, d] += weight * value[kv, d]
+        t += count
+
+
+_rows = _rows_of(parallel=False)
+_parallel_rows = _rows_of(parallel=True)
 
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)

@@ -1,55 +1,157 @@
-"""A pre-norm decoder layer's step of a few host rows, around its attention, in two compiled
-calls.
+"""Pre-norm decoder layers' steps of a few host rows in compiled calls: a run of layers in
+one call, or one layer in two around its attention.
 
 Between its weight products a layer of a one-request decode step does a dozen small things
-(two RMSNorms, rope of q and k, biases, SwiGLU, two residual sums), each reached through its
-modules' Python: ~130 us a layer beside the products, ~4 ms of the default model's ~30-ms
-step. `attention_inputs` does everything before the attention (norm, q/k/v product, q/k
-norms, rope) in one call, `after_attention` everything after it (o product, residual, norm,
-gate/up product, SwiGLU, down product, residual) in another; the attention between them is
-the layer's own. The loops are the ones the module-by-module path calls (cpu_loops,
-cpu_gemm), in the same order, so the numbers are the same.
+(two RMSNorms, rope of q and k, biases, SwiGLU, two residual sums, the K/V write and the
+attention), each reached through Python: ~130 us a layer beside the products when each went
+through its module, still ~100 us in two calls around the attention (~3 ms of the default
+model's ~27-ms step). `step_layers` runs every layer of a `LayerStack` in one call when the
+step's attention is all cpu_decode's rows; otherwise `attention_inputs` does what comes before
+a layer's attention (norm, q/k/v product, q/k norms, rope) and `after_attention` what comes
+after (o product, residual, norm, gate/up product, SwiGLU, down product, residual). The loops
+are the ones the module-by-module path calls (cpu_loops, cpu_gemm, cpu_decode), in the same
+order, so the numbers are the same.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 
-from kernels_metal import cpu_gemm, cpu_loops, cpu_threads
+from kernels_metal import cpu_decode, cpu_gemm, cpu_loops, cpu_threads
 
 NONE = np.zeros(0, np.float32)  # no bias, no q/k norm
 
 
-def attention_inputs(x: np.ndarray, norm: tuple[np.ndarray, float],
-                     qkv: tuple[np.ndarray, np.ndarray | None],
-                     qk_norms: tuple[np.ndarray, np.ndarray, float] | None,
-                     rope: tuple[np.ndarray, np.ndarray],
-                     shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q, k, v `[rows, heads, head_dim]` of float32 rows `x [rows, hidden]`: `norm` (weight,
-    eps) of x times the packed q/k/v `qkv` (weight, bias); q and k normed per head by
-    `qk_norms` (q weight, k weight, eps) when given, then turned by `rope` (cos, sin
-    `[rows, half]`). `shape`: heads, KV heads, head_dim."""
-    q_norm, k_norm, qk_eps = (NONE, NONE, 0.0) if qk_norms is None else qk_norms
-    cos, sin = rope
-    return cpu_threads.run(_attention_inputs, np.ascontiguousarray(x), *norm, qkv[0],
-                           _or_none(qkv[1]), q_norm, k_norm, qk_eps, cos, sin, *shape)
+@dataclass(frozen=True)
+class LayerArrays:
+    """What a layer's compiled step takes besides its rows: its parameters as float32 numpy
+    arrays (weight, bias or eps; a bias or q/k norm that is absent is None) and its
+    attention's head shape and options."""
+
+    input_norm: tuple[np.ndarray, float]
+    qkv: tuple[np.ndarray, np.ndarray | None]  # q, k and v packed, in that order
+    qk_norms: tuple[np.ndarray, np.ndarray, float] | None  # q weight, k weight, eps
+    shape: tuple[int, int, int]  # heads, KV heads, head_dim
+    o: tuple[np.ndarray, np.ndarray | None]
+    post_norm: tuple[np.ndarray, float]
+    gate_up: tuple[np.ndarray, np.ndarray | None]  # gate and up packed, in that order
+    down: tuple[np.ndarray, np.ndarray | None]
+    attention: tuple[float, float | None, int | None, bool]  # scale, softcap, window, sinks
 
 
-def after_attention(x: np.ndarray, attended: np.ndarray,
-                    o: tuple[np.ndarray, np.ndarray | None], norm: tuple[np.ndarray, float],
-                    gate_up: tuple[np.ndarray, np.ndarray | None],
-                    down: tuple[np.ndarray, np.ndarray | None]) -> np.ndarray:
+def attention_inputs(x: np.ndarray, arrays: LayerArrays,
+                     rope: tuple[np.ndarray, np.ndarray]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, k, v `[rows, heads, head_dim]` of float32 rows `x [rows, hidden]`: the input norm
+    of x times the packed q/k/v; q and k normed per head when the layer has q/k norms, then
+    turned by `rope` (cos, sin `[rows, half]`)."""
+    q_norm, k_norm, qk_eps = arrays.qk_norms or (NONE, NONE, 0.0)
+    return cpu_threads.run(_attention_inputs, np.ascontiguousarray(x), *arrays.input_norm,
+                           arrays.qkv[0], _or_none(arrays.qkv[1]), q_norm, k_norm, qk_eps,
+                           *rope, *arrays.shape)
+
+
+def after_attention(x: np.ndarray, attended: np.ndarray, arrays: LayerArrays) -> np.ndarray:
     """The layer's output rows: `h = x + o(attended)`, then `h + down(silu(gate) * up)` of
-    `norm(h)`, with the gate and up halves of one packed product. Each product is
-    (weight, bias)."""
-    return cpu_threads.run(_after_attention, np.ascontiguousarray(x), attended, o[0],
-                           _or_none(o[1]), *norm, gate_up[0], _or_none(gate_up[1]), down[0],
-                           _or_none(down[1]))
+    the post-attention norm of h."""
+    return cpu_threads.run(_after_attention, np.ascontiguousarray(x), attended, arrays.o[0],
+                           _or_none(arrays.o[1]), *arrays.post_norm, arrays.gate_up[0],
+                           _or_none(arrays.gate_up[1]), arrays.down[0],
+                           _or_none(arrays.down[1]))
+
+
+class LayerStack:
+    """Consecutive layers' arrays as numba typed lists, one per kind in layer order: what
+    `step_layers` takes. Building one costs milliseconds (the lists' first use in a process
+    compiles them, ~1 s): it is made once and kept while its arrays are."""
+
+    def __init__(self, layers: Sequence[LayerArrays]) -> None:
+        self.shape = layers[0].shape
+        self.input_norms = listed(a.input_norm[0] for a in layers)
+        self.input_eps = np.array([a.input_norm[1] for a in layers])
+        self.qkv = listed(a.qkv[0] for a in layers)
+        self.qkv_biases = listed(_or_none(a.qkv[1]) for a in layers)
+        self.q_norms = listed((a.qk_norms or (NONE,))[0] for a in layers)
+        self.k_norms = listed((a.qk_norms or (NONE, NONE))[1] for a in layers)
+        self.qk_eps = np.array([(a.qk_norms or (NONE, NONE, 0.0))[2] for a in layers])
+        self.o = listed(a.o[0] for a in layers)
+        self.o_biases = listed(_or_none(a.o[1]) for a in layers)
+        self.post_norms = listed(a.post_norm[0] for a in layers)
+        self.post_eps = np.array([a.post_norm[1] for a in layers])
+        self.gate_up = listed(a.gate_up[0] for a in layers)
+        self.gate_up_biases = listed(_or_none(a.gate_up[1]) for a in layers)
+        self.down = listed(a.down[0] for a in layers)
+        self.down_biases = listed(_or_none(a.down[1]) for a in layers)
+
+    @staticmethod
+    def takes(layers: Sequence[LayerArrays]) -> bool:
+        """Whether these layers can share one: one head shape, every array C-contiguous (a
+        list holds arrays of one layout)."""
+        arrays = []
+        for a in layers:
+            arrays += [a.input_norm[0], *a.qkv, *(a.qk_norms or ())[:2], *a.o, a.post_norm[0],
+                       *a.gate_up, *a.down]
+        return (all(a.shape == layers[0].shape for a in layers)
+                and all(a is None or a.flags.c_contiguous for a in arrays))
+
+
+def pool_lists(k_pools: Sequence[np.ndarray], v_pools: Sequence[np.ndarray]) -> tuple:
+    """The layers' float32 K and V pools (numpy views) as the typed lists `step_layers`
+    takes."""
+    return listed(k_pools), listed(v_pools)
+
+
+def step_layers(x: np.ndarray, stack: LayerStack, pools: tuple,
+                rope: tuple[np.ndarray, np.ndarray], slots: np.ndarray,
+                decode: cpu_decode.DecodeRows, scale: float, softcap: float | None
+                ) -> np.ndarray:
+    """Float32 rows `x [rows, hidden]` through every layer of `stack`: each writes the rows'
+    k and v into slots `slots` of its pools (`pool_lists`), then its q rows attend as
+    cpu_decode's `decode` rows (which must be all of them). `rope`: cos, sin `[rows, half]`,
+    the same for every layer."""
+    splits, attend_parallel = decode.split(stack.shape[1])
+    s = stack
+    return cpu_threads.run(
+        _layers, np.ascontiguousarray(x), s.input_norms, s.input_eps, s.qkv, s.qkv_biases,
+        s.q_norms, s.k_norms, s.qk_eps, *rope, *s.shape, *pools, slots,
+        decode.rows, decode.tables, decode.seq_lens, decode.first_keys, splits,
+        attend_parallel, np.float32(scale), np.float32(softcap or 0.0), s.o, s.o_biases,
+        s.post_norms, s.post_eps, s.gate_up, s.gate_up_biases, s.down, s.down_biases)
 
 
 def _or_none(bias: np.ndarray | None) -> np.ndarray:
     return NONE if bias is None else bias
+
+
+def listed(arrays) -> object:
+    """Arrays of one dtype, rank and layout as a numba typed list."""
+    from numba.typed import List  # its first use compiles it: only where stacks are made
+
+    return List(arrays)
+
+
+@numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
+def _layers(x, input_norms, input_eps, qkv, qkv_biases, q_norms, k_norms, qk_eps, cos, sin,
+            heads, kv_heads, head_dim, k_pools, v_pools, slots, rows, tables, seq_lens,
+            first_keys, splits, attend_parallel, scale, softcap, o, o_biases, post_norms,
+            post_eps, gate_up, gate_up_biases, down, down_biases, parallel):
+    for i in range(len(qkv)):
+        q, k, v = _attention_inputs(x, input_norms[i], input_eps[i], qkv[i], qkv_biases[i],
+                                    q_norms[i], k_norms[i], qk_eps[i], cos, sin, heads,
+                                    kv_heads, head_dim, parallel)
+        cpu_loops.write_slots(k_pools[i], v_pools[i], slots, k, v)
+        attended = np.empty(q.shape, np.float32)
+        cpu_decode.attend_rows(q, k_pools[i], v_pools[i], rows, tables, seq_lens, first_keys,
+                               splits, scale, softcap, cpu_decode.NO_SINKS, attended,
+                               attend_parallel and parallel)
+        x = _after_attention(x, attended.reshape(x.shape[0], -1), o[i], o_biases[i],
+                             post_norms[i], post_eps[i], gate_up[i], gate_up_biases[i],
+                             down[i], down_biases[i], parallel)
+    return x
 
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)

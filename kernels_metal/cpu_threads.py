@@ -82,12 +82,13 @@ def compile_loop(parallel: bool) -> Callable[[Callable], Callable]:
     return compile_
 
 
-def run(function: Callable, *args):
+def run(function: Callable, *args, parallel: bool = True):
     """`function(*args, parallel)`: compiled code that calls the parallel builds of its loops
     when `parallel` (run here on this process's share of the threads), else the one-thread
-    ones. (Builds are chosen by a flag, not closed over: numba's disk cache cannot key a
-    function by the compiled functions it closes over, and compiled it again each process.)"""
-    if _threads > 1:
+    ones; `parallel=False` where the work is too small to share. (Builds are chosen by a
+    flag, not closed over: numba's disk cache cannot key a function by the compiled functions
+    it closes over, and compiled it again each process.)"""
+    if parallel and _threads > 1:
         return launch(function, *args, True)
     if not _pool_started:
         _start_pool()

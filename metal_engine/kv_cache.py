@@ -63,6 +63,10 @@ class KVCache:
         return empty_pool(num_blocks, self.block_size, *shape, self.quant, rotated=keys)
 
     states: RecurrentStates | None = None  # linear-attention layers' (see recurrent_states)
+    # What the host forward keeps of the pools between steps (numpy views, models/host.py):
+    # views pin their buffers, so they are dropped before a pool is taken or scattered into
+    # (MLX then writes in place instead of copying the pool).
+    host_views: object | None = None
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, plan: CachePlan, block_size: int,
@@ -91,6 +95,7 @@ class KVCache:
         self.k[layer] = self.v[layer] = None
         if k is None or v is None:
             raise RuntimeError(f"KV pool of layer {layer} was taken and not put back")
+        self.host_views = None  # the taker may write through MLX, which would copy a pinned pool
         return k, v
 
     def put(self, layer: int, k: Pool, v: Pool) -> None:
@@ -125,6 +130,7 @@ class KVCache:
     def write_blocks(self, block_ids: list[int], payloads: list[bytes],
                      windowed: bool = False) -> None:
         """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
+        self.host_views = None
         n, index = len(block_ids), mx.array(block_ids)
         raw = np.frombuffer(b"".join(payloads), np.uint8).reshape(n, -1)
         offset = 0

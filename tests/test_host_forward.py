@@ -1,6 +1,7 @@
 """The CPU backend's host forward (metal_engine/models/host.py): layers on numpy arrays give the
-MLX path's logits, a layer of a few rows in compiled calls (kernels_metal/cpu_layer) gives the
-module-by-module numbers, and q/k/v and gate/up are packed without copies."""
+MLX path's logits, layers of a few rows in compiled calls (kernels_metal/cpu_layer: all of
+them in one, or one in two) give the module-by-module numbers, and q/k/v and gate/up are
+packed without copies."""
 
 from __future__ import annotations
 
@@ -13,17 +14,21 @@ from tiny_models import build_tiny_model
 
 import metal_engine.models.host as host
 from convert import convert_model
-from kernels_metal import cpu_threads
+from kernels_metal import cpu_layer, cpu_threads
+from metal_engine.models.host import HostStack
 from metal_engine.models.layers import PreNormDecoderLayer
 
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3"]  # plain, q/k/v biases, q/k norms, fused
+# Whose layers step in one call: the tiny qwen2 mixes sliding-window and full layers, whose
+# attention rows differ, so its layers go one at a time.
+STACKED = {"llama", "qwen3", "phi3"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model_dir(request, tmp_path_factory):
     source = tmp_path_factory.mktemp(f"{request.param}-hf")
     build_tiny_model(request.param, source)
-    return convert_model(source, tmp_path_factory.mktemp(request.param) / "model",
+    return convert_model(source, tmp_path_factory.mktemp(f"{request.param}-model") / "model",
                          progress=False)
 
 
@@ -46,23 +51,34 @@ def test_host_layers_give_the_mlx_logits(model_dir, chunk, monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("chunk", [7, 1], ids=["few-rows", "decode"])
-def test_compiled_layer_steps_give_the_module_path_numbers(model_dir, chunk, threads,
-                                                           monkeypatch):
+def test_compiled_steps_give_the_module_path_numbers(model_dir, chunk, threads, monkeypatch):
+    """All layers in one call (the host stack), a layer in two calls, and module by module:
+    the same numbers."""
     monkeypatch.setattr(cpu_threads, "_threads", threads)
     ids = random_ids(4, 21)
-    steps_taken = []
-    host_step = PreNormDecoderLayer._host_step
-
-    def counted(self, *args):
-        steps_taken.append(1)
-        return host_step(self, *args)
-
-    monkeypatch.setattr(PreNormDecoderLayer, "_host_step", counted)
-    compiled, _ = logits(model_dir, ids, chunk, True, monkeypatch)
-    assert steps_taken
+    stacked_steps = count_calls(monkeypatch, cpu_layer, "step_layers")
+    stacked, _ = logits(model_dir, ids, chunk, True, monkeypatch)
+    assert bool(stacked_steps) == (model_dir.parent.name.split("-model")[0] in STACKED)
+    monkeypatch.setattr(HostStack, "step", lambda self, *args: None)
+    layer_steps = count_calls(monkeypatch, PreNormDecoderLayer, "_host_step")
+    by_layer, _ = logits(model_dir, ids, chunk, True, monkeypatch)
+    assert layer_steps
     monkeypatch.setattr(PreNormDecoderLayer, "_host_steps", lambda self: False)
     modules, _ = logits(model_dir, ids, chunk, True, monkeypatch)
-    np.testing.assert_allclose(compiled, modules, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(stacked, modules, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(by_layer, modules, atol=1e-6, rtol=1e-6)
+
+
+def count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """A list that grows by one at each call of `owner.name` from now on."""
+    calls, function = [], getattr(owner, name)
+
+    def counted(*args):
+        calls.append(1)
+        return function(*args)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
 
 
 def test_packing_makes_views(tmp_path, monkeypatch):
@@ -102,3 +118,23 @@ def test_replaced_weights_are_packed_again(tmp_path, monkeypatch):
     on_mlx = run_logits(runner, scheduler, "c", ids, chunk=20)
     assert np.abs(on_host - before).max() > 1e-3  # the new weights are in use
     np.testing.assert_allclose(on_host, on_mlx, atol=2e-5, rtol=2e-5)
+
+
+def test_pool_views_are_dropped_before_the_pools_change(tmp_path, monkeypatch):
+    """The host stack's views pin the pools' buffers: writing blocks (a prefix read back from
+    disk) or taking a pool drops them, so MLX writes in place and the next step views anew."""
+    source = tmp_path / "hf"
+    build_tiny_model("llama", source)
+    model_dir = convert_model(source, tmp_path / "model", progress=False)
+    monkeypatch.setattr(host, "numpy_serves", lambda: True)
+    runner, scheduler = make_runner_and_scheduler(model_dir)
+    run_logits(runner, scheduler, "a", random_ids(6, 12), chunk=1)
+    scheduler.finish_request("a", "abort")  # fed, never sampled: out of the next run's way
+    cache = runner.cache
+    assert cache.host_views is not None
+    cache.write_blocks([1], cache.read_blocks([1]))
+    assert cache.host_views is None
+    run_logits(runner, scheduler, "b", random_ids(7, 12), chunk=1)
+    assert cache.host_views is not None
+    cache.put(0, *cache.take(0))
+    assert cache.host_views is None

@@ -14,7 +14,7 @@ from kernels_metal.attention import AttentionMetadata
 from kernels_metal.cpu_math import linear, tanh_softcap
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
-from metal_engine.models.host import HostPlan, to_device, to_host
+from metal_engine.models.host import HostPlan, HostStack, to_device, to_host
 from metal_engine.models.layers import Linear, RMSNorm
 from metal_engine.models.rope import LayerRopes
 
@@ -35,6 +35,7 @@ class DecoderModel(nn.Module):
         self._ropes = LayerRopes(cfg)
         self._pools = [cfg.cache_index(i) for i in range(cfg.num_hidden_layers)]
         self.host_plan = HostPlan()
+        self.host_stack = HostStack()
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
                  cache: KVCache) -> mx.array:
@@ -45,10 +46,18 @@ class DecoderModel(nn.Module):
     def run_layers(self, h: mx.array, positions: mx.array, meta: AttentionMetadata,
                    cache: KVCache, layers: range) -> mx.array:
         """Layers `layers` over hidden states `h` (a pipeline stage runs its own), each on
-        the host or on MLX as the host plan says (models/host.py)."""
+        the host or on MLX as the host plan says, all in one call where the host stack can
+        take them (models/host.py)."""
         modules, pools = self.layers, self._pools
         on_host = self.host_plan.layers_on_host(modules, cache)
         tables = _StepRopes(self._ropes, positions, meta)
+        if all(on_host[i] for i in layers):
+            h = to_host(h)
+            stacked = self.host_stack.step(
+                h, [modules[i] for i in layers], [pools[i] for i in layers],
+                [tables.of_layer(i, True) for i in layers], meta, cache)
+            if stacked is not None:
+                return to_device(stacked)
         for i in layers:
             h = to_host(h) if on_host[i] else to_device(h)
             h = modules[i](h, tables.of_layer(i, on_host[i]), meta, cache, pools[i])

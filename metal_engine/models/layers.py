@@ -7,8 +7,6 @@ and returns the kind it gets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -315,61 +313,51 @@ class PreNormDecoderLayer(nn.Module):
         arrays = self._host_arrays(self)
         cos, sin = rope
         half = cos.shape[-1]
-        q, k, v = cpu_layer.attention_inputs(
-            x, arrays.input_norm, arrays.qkv, arrays.qk_norms,
-            (cos.reshape(-1, half), sin.reshape(-1, half)), arrays.shape)
+        q, k, v = cpu_layer.attention_inputs(x, arrays, (cos.reshape(-1, half),
+                                                         sin.reshape(-1, half)))
         out = self.self_attn.attend(q, k, v, meta, cache, pool)
-        return cpu_layer.after_attention(x, out.reshape(len(x), -1), arrays.o,
-                                         arrays.post_norm, arrays.gate_up, arrays.down)
+        return cpu_layer.after_attention(x, out.reshape(len(x), -1), arrays)
 
-    def host_step_arrays(self) -> HostLayerArrays:
+    def host_arrays(self) -> cpu_layer.LayerArrays | None:
+        """What its compiled host steps take (None: it has none): numpy views of its
+        parameters, gathered again once one changed."""
+        return self._host_arrays(self) if self._host_steps() else None
+
+    def gather_host_arrays(self) -> cpu_layer.LayerArrays:
         attention, mlp = self.self_attn, self.mlp
         qk_norms = None
         if "q_norm" in attention:
             qk_norms = (attention.q_norm.host_weight(), attention.k_norm.host_weight(),
                         attention.q_norm.eps)
-        return HostLayerArrays(
+        return cpu_layer.LayerArrays(
             input_norm=(self.input_layernorm.host_weight(), self.input_layernorm.eps),
             qkv=attention.host_qkv(), qk_norms=qk_norms,
             shape=(attention.num_heads, attention.num_kv_heads, attention.head_dim),
             o=attention.o_proj.host_arrays(),
             post_norm=(self.post_attention_layernorm.host_weight(),
                        self.post_attention_layernorm.eps),
-            gate_up=mlp.host_gate_up(), down=mlp.down_proj.host_arrays())
-
-
-@dataclass(frozen=True)
-class HostLayerArrays:
-    """What a PreNormDecoderLayer's compiled host step takes besides its rows (cpu_layer):
-    numpy views of its parameters (weight, bias or eps) and its attention's head shape."""
-
-    input_norm: tuple[np.ndarray, float]
-    qkv: tuple[np.ndarray, np.ndarray | None]
-    qk_norms: tuple[np.ndarray, np.ndarray, float] | None
-    shape: tuple[int, int, int]  # heads, KV heads, head_dim
-    o: tuple[np.ndarray, np.ndarray | None]
-    post_norm: tuple[np.ndarray, float]
-    gate_up: tuple[np.ndarray, np.ndarray | None]
-    down: tuple[np.ndarray, np.ndarray | None]
+            gate_up=mlp.host_gate_up(), down=mlp.down_proj.host_arrays(),
+            attention=(attention.scale, attention.softcap, attention.window,
+                       "sinks" in attention))
 
 
 class HostStepArrays:
-    """A layer's HostLayerArrays, gathered again when a parameter or module in it was replaced
+    """A layer's cpu_layer.LayerArrays, gathered again when a parameter or module in it was replaced
     (new weights, q/k/v packed anew, a new linear): gathering them cost ~35 us a layer at
     every step, checking them ~3."""
 
     def __init__(self) -> None:
         self._sources: tuple[tuple[nn.Module, str, mx.array | nn.Module], ...] = ()
-        self._arrays: HostLayerArrays | None = None
+        self._arrays: cpu_layer.LayerArrays | None = None
 
-    def __call__(self, layer: PreNormDecoderLayer) -> HostLayerArrays:
+    def __call__(self, layer: PreNormDecoderLayer) -> cpu_layer.LayerArrays:
         for module, key, held in self._sources:
             if module.get(key) is not held:
                 break
         else:
             if self._arrays is not None:
                 return self._arrays
-        self._arrays = layer.host_step_arrays()  # packs first: q/k/v become views
+        self._arrays = layer.gather_host_arrays()  # packs first: q/k/v become views
         self._sources = tuple((module, key, value) for module in layer.modules()
                               for key, value in module.items()
                               if isinstance(value, (mx.array, nn.Module)))

@@ -337,7 +337,8 @@ def _print_run(peer: str, workload: str, run: RunResult) -> None:
     print(
         f"[{peer}] {workload}: {m.completed} ok, {m.failed} failed, "
         f"{m.output_throughput:.1f} out tok/s, TTFT p50 {m.ttft.p50 or 0:.0f} ms, "
-        f"TPOT p50 {m.tpot.p50 or 0:.1f} ms",
+        f"TPOT p50 {m.tpot.p50 or 0:.1f} ms"
+        + (f"; first failure: {m.errors[0]}" if m.errors else ""),
         flush=True,
     )
 

@@ -42,6 +42,10 @@ class LayerArrays:
     down: tuple[np.ndarray, np.ndarray | None]
     attention: tuple[float, float | None, int | None, bool]  # scale, softcap, window, sinks
 
+    def qk_norm_arrays(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """q weight, k weight, eps as the compiled step takes them (empty: no q/k norms)."""
+        return self.qk_norms or (NONE, NONE, 0.0)
+
 
 def attention_inputs(x: np.ndarray, arrays: LayerArrays,
                      rope: tuple[np.ndarray, np.ndarray]
@@ -49,9 +53,8 @@ def attention_inputs(x: np.ndarray, arrays: LayerArrays,
     """q, k, v `[rows, heads, head_dim]` of float32 rows `x [rows, hidden]`: the input norm
     of x times the packed q/k/v; q and k normed per head when the layer has q/k norms, then
     turned by `rope` (cos, sin `[rows, half]`)."""
-    q_norm, k_norm, qk_eps = arrays.qk_norms or (NONE, NONE, 0.0)
     return cpu_threads.run(_attention_inputs, np.ascontiguousarray(x), *arrays.input_norm,
-                           arrays.qkv[0], _or_none(arrays.qkv[1]), q_norm, k_norm, qk_eps,
+                           arrays.qkv[0], _or_none(arrays.qkv[1]), *arrays.qk_norm_arrays(),
                            *rope, *arrays.shape)
 
 
@@ -75,9 +78,9 @@ class LayerStack:
         self.input_eps = np.array([a.input_norm[1] for a in layers])
         self.qkv = listed(a.qkv[0] for a in layers)
         self.qkv_biases = listed(_or_none(a.qkv[1]) for a in layers)
-        self.q_norms = listed((a.qk_norms or (NONE,))[0] for a in layers)
-        self.k_norms = listed((a.qk_norms or (NONE, NONE))[1] for a in layers)
-        self.qk_eps = np.array([(a.qk_norms or (NONE, NONE, 0.0))[2] for a in layers])
+        self.q_norms = listed(a.qk_norm_arrays()[0] for a in layers)
+        self.k_norms = listed(a.qk_norm_arrays()[1] for a in layers)
+        self.qk_eps = np.array([a.qk_norm_arrays()[2] for a in layers])
         self.o = listed(a.o[0] for a in layers)
         self.o_biases = listed(_or_none(a.o[1]) for a in layers)
         self.post_norms = listed(a.post_norm[0] for a in layers)
@@ -93,8 +96,8 @@ class LayerStack:
         list holds arrays of one layout)."""
         arrays = []
         for a in layers:
-            arrays += [a.input_norm[0], *a.qkv, *(a.qk_norms or ())[:2], *a.o, a.post_norm[0],
-                       *a.gate_up, *a.down]
+            arrays += [a.input_norm[0], *a.qkv, *a.qk_norm_arrays()[:2], *a.o,
+                       a.post_norm[0], *a.gate_up, *a.down]
         return (all(a.shape == layers[0].shape for a in layers)
                 and all(a is None or a.flags.c_contiguous for a in arrays))
 

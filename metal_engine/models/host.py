@@ -87,21 +87,20 @@ class HostStack:
         float_pools = cache.quant is None and cache.model_dtype == mx.float32
         if not float_pools or len(h) >= FEW_ROWS or any(r is not ropes[0] for r in ropes):
             return None
-        arrays = tuple(getattr(layer, "host_arrays", _none)() for layer in layers)
+        arrays = tuple(_host_arrays(layer) for layer in layers)
         if any(a is None or a.attention != arrays[0].attention for a in arrays):
             return None
         scale, softcap, window, sinks = arrays[0].attention
-        heads = arrays[0].shape[0]
-        decode = None if sinks else cpu_attention.compiled_rows(meta.for_window(window),
-                                                                heads, window)
+        meta = meta.for_window(window)
+        decode = None if sinks else cpu_attention.compiled_rows(meta, arrays[0].shape[0],
+                                                                window)
         if decode is None or not self._stack_of(arrays):
             return None
         cos, sin = ropes[0]
         half = cos.shape[-1]
         return cpu_layer.step_layers(h, self._stack, _pool_lists(cache, pools),
                                      (cos.reshape(-1, half), sin.reshape(-1, half)),
-                                     meta.for_window(window).slot_mapping, decode, scale,
-                                     softcap)
+                                     meta.slot_mapping, decode, scale, softcap)
 
     def _stack_of(self, arrays: tuple[cpu_layer.LayerArrays, ...]) -> bool:
         if len(arrays) != len(self._layers) or any(
@@ -112,8 +111,10 @@ class HostStack:
         return self._stack is not None
 
 
-def _none() -> None:
-    return None
+def _host_arrays(layer: nn.Module) -> cpu_layer.LayerArrays | None:
+    """A layer's compiled host step's arrays, or None: it has no such step."""
+    gather = getattr(layer, "host_arrays", None)
+    return None if gather is None else gather()
 
 
 def _pool_lists(cache: KVCache, pools: Sequence[int]) -> tuple:

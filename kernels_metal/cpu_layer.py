@@ -116,7 +116,7 @@ def step_layers(x: np.ndarray, stack: LayerStack, pools: tuple,
     k and v into slots `slots` of its pools (`pool_lists`), then its q rows attend as
     cpu_decode's `decode` rows (which must be all of them). `rope`: cos, sin `[rows, half]`,
     the same for every layer."""
-    splits, attend_parallel = decode.split(stack.shape[1])
+    splits, attend_parallel = decode.split(stack.shape[1], len(x))
     s = stack
     return cpu_threads.run(
         _layers, np.ascontiguousarray(x), s.input_norms, s.input_eps, s.qkv, s.qkv_biases,

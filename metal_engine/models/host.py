@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from kernels_metal import cpu_attention, cpu_layer
 from kernels_metal.attention import AttentionMetadata, numpy_serves
-from kernels_metal.cpu_math import FEW_ROWS
+from kernels_metal.cpu_math import TILED_ROWS
 from metal_engine.kv_cache import KVCache
 
 HOST_POOL_DTYPES = (mx.float32, mx.float16)
@@ -85,7 +85,7 @@ class HostStack:
         """`h` through `layers` (writing pools `pools`, turned by `ropes`, one per layer), or
         None where they cannot go in one call."""
         float_pools = cache.quant is None and cache.model_dtype == mx.float32
-        if not float_pools or len(h) >= FEW_ROWS or any(r is not ropes[0] for r in ropes):
+        if not float_pools or len(h) >= TILED_ROWS or any(r is not ropes[0] for r in ropes):
             return None
         arrays = tuple(_host_arrays(layer) for layer in layers)
         if any(a is None or a.attention != arrays[0].attention for a in arrays):

@@ -14,7 +14,7 @@ import numpy as np
 from kernels_metal import cpu_layer
 from kernels_metal.attention import AttentionMetadata, write_and_attend
 from kernels_metal.cpu_math import (
-    FEW_ROWS,
+    TILED_ROWS,
     array_module,
     gelu_tanh_mul,
     host_linear,
@@ -296,7 +296,7 @@ class PreNormDecoderLayer(nn.Module):
         self._host_arrays = HostStepArrays()
 
     def __call__(self, x, rope, meta, cache, pool):
-        if isinstance(x, np.ndarray) and len(x) < FEW_ROWS and self._host_steps():
+        if isinstance(x, np.ndarray) and len(x) < TILED_ROWS and self._host_steps():
             return self._host_step(x, rope, meta, cache, pool)
         h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)
         return h + self.mlp(self.post_attention_layernorm(h))

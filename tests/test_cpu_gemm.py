@@ -34,7 +34,6 @@ def test_rows_of_a_strided_view_are_read_as_they_lie():
                                atol=1e-4)
 
 
-
 @pytest.mark.parametrize(("tile", "rows"), [(cpu_gemm._tile_2x4, 2), (cpu_gemm._tile_4x4, 4)])
 def test_both_register_tiles_give_numpys_products(tile, rows):
     """The CPU picks one (`INPUT_TILE`); each is checked here whichever this one picks."""

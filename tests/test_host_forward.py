@@ -50,15 +50,16 @@ def test_host_layers_give_the_mlx_logits(model_dir, chunk, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("chunk", [7, 1], ids=["few-rows", "decode"])
+@pytest.mark.parametrize("chunk", [7, 1, 45], ids=["few-rows", "decode", "tiled-rows"])
 def test_compiled_steps_give_the_module_path_numbers(model_dir, chunk, threads, monkeypatch):
     """All layers in one call (the host stack), a layer in two calls, and module by module:
-    the same numbers."""
+    the same numbers (45 rows: past BLAS's old share of the products, below TILED_ROWS)."""
     monkeypatch.setattr(cpu_threads, "_threads", threads)
-    ids = random_ids(4, 21)
+    ids = random_ids(4, max(21, chunk + 5))
     stacked_steps = count_calls(monkeypatch, cpu_layer, "step_layers")
     stacked, _ = logits(model_dir, ids, chunk, True, monkeypatch)
-    assert bool(stacked_steps) == (model_dir.parent.name.split("-model")[0] in STACKED)
+    stacked_rows = {len(args[0]) for args in stacked_steps}  # step_layers(x, ...)
+    assert (chunk in stacked_rows) == (model_dir.parent.name.split("-model")[0] in STACKED)
     monkeypatch.setattr(HostStack, "step", lambda self, *args: None)
     layer_steps = count_calls(monkeypatch, PreNormDecoderLayer, "_host_step")
     by_layer, _ = logits(model_dir, ids, chunk, True, monkeypatch)
@@ -69,12 +70,12 @@ def test_compiled_steps_give_the_module_path_numbers(model_dir, chunk, threads, 
     np.testing.assert_allclose(by_layer, modules, atol=1e-6, rtol=1e-6)
 
 
-def count_calls(monkeypatch, owner, name: str) -> list[int]:
-    """A list that grows by one at each call of `owner.name` from now on."""
+def count_calls(monkeypatch, owner, name: str) -> list[tuple]:
+    """A list that gets the arguments of each call of `owner.name` from now on."""
     calls, function = [], getattr(owner, name)
 
     def counted(*args):
-        calls.append(1)
+        calls.append(args)
         return function(*args)
 
     monkeypatch.setattr(owner, name, counted)

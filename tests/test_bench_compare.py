@@ -121,6 +121,9 @@ def test_compare_doc_replaces_only_its_section(tmp_path, monkeypatch):
     assert ("| metal-serve | 3 | 1 | 2.0 | 4.5 | 1.50 | 200.0 | 200.0 | 280.0 | 298.0 | 75.0 "
             "| 75.0 | 100.0 | 198.0 | 400.0 |") in page
     assert "| llama-cpp-python | - | 26.7 min | - | pip install took more than 25 min |" in page
+    # The model line names what each peer of this run served, and no other peer.
+    assert ("metal-serve a float32 MLX conversion of the Q4_1 GGUF, llama-cpp-python the "
+            "Q4_1 GGUF itself.") in page and "mlx-lm" not in page
 
 
 def test_llama_server_is_skipped_with_a_reason_until_built(tmp_path):

@@ -66,6 +66,20 @@ def write_doc(
     return path
 
 
+# What each peer serves of the default model.
+WEIGHTS_SERVED = {
+    "metal-serve": "a float32 MLX conversion of the Q4_1 GGUF",
+    "mlx-lm": "the same float32 MLX conversion",
+    "llama-cpp-python": "the Q4_1 GGUF itself",
+    "llama-server": "a float32 GGUF made from the Q4_1 one",
+}
+
+
+def _weights_served(names: Sequence[str]) -> str:
+    """One clause per peer that ran: which weights it served."""
+    return ", ".join(f"{n} {WEIGHTS_SERVED[n]}" for n in names if n in WEIGHTS_SERVED)
+
+
 def _section(
     results: Sequence[PeerResult],
     engine: dict[str, dict | str],
@@ -79,11 +93,10 @@ def _section(
         f"Written by `metal-serve bench compare` on {time.strftime('%Y-%m-%d')}. "
         f"Machine: {_machine()}.",
         "",
-        "Model: SmolLM2-135M-Instruct; metal-serve and mlx-lm serve the same float32 MLX "
-        "conversion, llama-cpp-python the Q4_1 GGUF it was converted from, llama-server "
-        "a float32 GGUF made from that one. Every request "
-        f"asks for exactly {output_len} tokens (greedy, end-of-sequence disabled); output "
-        "tokens are counted by the client with the model's tokenizer. Latencies in ms.",
+        f"Model: SmolLM2-135M-Instruct; {_weights_served([r.name for r in results])}. "
+        f"Every request asks for exactly {output_len} tokens (greedy, end-of-sequence "
+        "disabled); output tokens are counted by the client with the model's tokenizer. "
+        "Latencies in ms.",
         "",
         "| server | version | install | startup | status |",
         "|---|---|---|---|---|",

@@ -3,27 +3,27 @@
 The pure-MLX reference gathers every request's K/V into fresh arrays, transposes them and runs
 batched tiny matmuls that the CPU backend dispatches one by one; at eight decode requests over
 1.3k-token contexts that cost ~6 ms a layer. Here each request's blocks are gathered once into
-`[keys, kv_heads, head_dim]` and handed to BLAS as strided views (no transposed copies), the
-softmax runs vectorized in numpy, and decode rows use cascade attention: decode requests that
-start with the same blocks (agents with one system prompt) are grouped, the blocks a group
-shares are gathered once and scored against all its rows in one product per KV head, joined
-to each request's own keys in one softmax. Decode rows over float32 pools skip all that: compiled
-loops read their keys where the pool holds them (cpu_decode), as do the rows of short prefill
-chunks.
+`[keys, kv_heads, head_dim]` and handed to BLAS as strided views (no transposed copies).
+Decode rows over float32 pools go to compiled loops that read their keys where the pool holds
+them (cpu_decode), as do the rows of short prefill chunks; longer prefill chunks fold blocks
+of their keys into a running softmax (cpu_prefill).
 
-Scores are built a bounded slice at a time (query tiles of a prefill chunk, batches of decode
-requests), so long contexts do not allocate `rows x heads x keys` at once; a slice's K/V are
-still gathered whole, one float32 copy of its keys.
+Decode rows over other pools (float16, quantized) run here, with the softmax vectorized in
+numpy and cascade attention: decode requests that start with the same blocks (agents with one
+system prompt) are grouped, the blocks a group shares are gathered once and scored against all
+its rows in one product per KV head, joined to each request's own keys in one softmax. Their
+scores are built a bounded batch of requests at a time, so long contexts do not allocate
+`rows x heads x keys` at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import cpu_decode, cpu_loops
+from kernels_metal import cpu_decode, cpu_loops, cpu_prefill
 from kernels_metal.cpu_math import DENORMAL_EXP_BOUND, FEW_ROWS
 from kernels_metal.kv_quant import HostPool, QuantizedPool, host_pool
 from kernels_metal.metadata import AttentionMetadata
@@ -43,21 +43,13 @@ COMPILED_PREFILL_SCORES = 1 << 13
 
 @dataclass(frozen=True)
 class Slice:
-    """Query rows that share one product: `requests` x `rows_each` rows over their own keys.
+    """Decode rows that share one product, one a request, each over the first `num_keys` keys
+    of its table (after any shared prefix), masked where `blocked` is True."""
 
-    A decode batch is several requests with one row each; a prefill tile is one request's
-    consecutive rows. The slice's keys are `first_key..num_keys` of what `tables` holds (a
-    windowed tile skips keys before its window); from its key `mask_from` on, a row's keys
-    are masked where `blocked` is True.
-    """
-
-    rows: np.ndarray  # packed row ids, request-major
-    tables: np.ndarray  # [requests, blocks] after any shared prefix; one array per chunk
-    first_key: int
+    rows: np.ndarray  # packed row ids
+    tables: np.ndarray  # [requests, blocks] after any shared prefix
     num_keys: int
-    mask_from: int
-    blocked: np.ndarray | None  # [requests, rows_each, num_keys - first_key - mask_from]
-    rows_each: int
+    blocked: np.ndarray | None  # [requests, num_keys]
     prefix: int | None  # index of the plan's shared prefix these rows also attend to
 
 
@@ -66,6 +58,8 @@ class CpuPlan:
     prefixes: list[np.ndarray]  # blocks a group of decode requests starts with
     slices: list[Slice]
     compiled: cpu_decode.DecodeRows | None = None  # decode rows for cpu_decode's loops
+    chunks: list[cpu_prefill.Chunk] = field(default_factory=list)  # longer prefill chunks
+    window: int | None = None
 
 
 def supports(q: mx.array, k_pool: mx.array | QuantizedPool) -> bool:
@@ -123,7 +117,7 @@ def compiled_rows(meta: AttentionMetadata, num_heads: int,
     """The step's rows as cpu_decode's rows when every row over float32 pools goes there
     (decode rows, short prefill chunks), else None."""
     plan = _plan(meta, num_heads, window, True)
-    return None if plan.slices else plan.compiled
+    return None if plan.slices or plan.chunks else plan.compiled
 
 
 def _plan(meta: AttentionMetadata, num_heads: int, window: int | None,
@@ -147,6 +141,9 @@ def _attend_all(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, plan:
         cpu_decode.attend(queries, keys, values, decode, scale, softcap, sinks, out)
     if plan.slices:
         _attend_slices(queries, keys, values, plan, scale, softcap, sinks, out)
+    for chunk in plan.chunks:
+        k, v = (_gather(pool, chunk.tables)[0] for pool in (keys, values))
+        cpu_prefill.attend(queries, k, v, chunk, scale, plan.window, softcap, sinks, out)
     return out
 
 
@@ -156,13 +153,9 @@ def _attend_slices(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, pl
     kv_heads = keys.shape[2]
     prefixes = [tuple(_gather(pool, blocks[None])[0] for pool in (keys, values))
                 for blocks in plan.prefixes]
-    gathered_for = None
     for part in plan.slices:
-        if part.tables is not gathered_for:  # a prefill chunk's tiles share one gather
-            k_all, v_all = _gather(keys, part.tables), _gather(values, part.tables)
-            gathered_for = part.tables
-        keys_seen = slice(part.first_key, part.num_keys)
-        k, v = k_all[:, keys_seen], v_all[:, keys_seen]
+        k = _gather(keys, part.tables)[:, :part.num_keys]
+        v = _gather(values, part.tables)[:, :part.num_keys]
         shared = None if part.prefix is None else prefixes[part.prefix]
         out[part.rows] = _attend(queries[part.rows], k, v, shared,
                                  part, kv_heads, scale, softcap, sinks)
@@ -185,48 +178,36 @@ def _gather(pool: np.ndarray | HostPool, tables: np.ndarray) -> np.ndarray:
 def _attend(rows: np.ndarray, k: np.ndarray, v: np.ndarray,
             shared: tuple[np.ndarray, np.ndarray] | None, part: Slice, kv_heads: int,
             scale: float, softcap: float | None, sinks: np.ndarray | None) -> np.ndarray:
-    """Softmax attention of `rows [R * n, H, D]` over their keys (and the shared ones, and
-    each head's sink logit)."""
-    num_requests, n = k.shape[0], part.rows_each
+    """Softmax attention of one decode row a request, `rows [R, H, D]`, over their keys (and
+    the shared ones, and each head's sink logit)."""
+    num_requests = k.shape[0]
     heads, head_dim = rows.shape[1], rows.shape[2]
     g = heads // kv_heads
-    cols = n * g
-    # [R, kvh, n * g, D]: a KV head's query rows together, so one product serves them all.
-    q = rows.reshape(num_requests, n, kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
-    q = q.reshape(num_requests, kv_heads, cols, head_dim) * np.float32(scale)
-    scores = _scores(q, k)  # [R, kvh, n * g, keys]
+    # [R, kvh, g, D]: a KV head's query heads together, so one product serves them all.
+    q = rows.reshape(num_requests, kv_heads, g, head_dim) * np.float32(scale)
+    scores = _scores(q, k)  # [R, kvh, g, keys]
     shared_scores = by_request = None
     if shared is not None:
-        # Every request's rows of a KV head against the shared keys: [kvh, R * n * g, Ls],
-        # and the same as a view by request, [R, kvh, n * g, Ls].
+        # Every request's heads of a KV head against the shared keys: [kvh, R * g, Ls],
+        # and the same as a view by request, [R, kvh, g, Ls].
         q_by_head = q.transpose(1, 0, 2, 3).reshape(1, kv_heads, -1, head_dim)
         shared_scores = _scores(q_by_head, shared[0][None])[0]
-        by_request = shared_scores.reshape(kv_heads, num_requests, cols, -1).transpose(1, 0, 2, 3)
+        by_request = shared_scores.reshape(kv_heads, num_requests, g, -1).transpose(1, 0, 2, 3)
     if softcap is not None:
         for s in (scores, shared_scores):
             if s is not None:
                 np.tanh(s / softcap, out=s)
                 s *= softcap
-    blocked = None
-    if part.blocked is not None:
-        masked = scores.reshape(num_requests, kv_heads, n, g, -1)[..., part.mask_from:]
-        blocked = masked, part.blocked[:, None, :, None, :]
-    sink_logits = None if sinks is None else _sinks_by_column(sinks, kv_heads, n)
+    blocked = None if part.blocked is None else (scores, part.blocked[:, None, None, :])
+    # Sink logits `[H]` laid out as the score rows: `[1, kvh, g, 1]`.
+    sink_logits = None if sinks is None else sinks.reshape(1, kv_heads, g, 1)
     total = _softmax(scores, by_request, blocked, sink_logits)
-    out = scores @ v.transpose(0, 2, 1, 3)  # [R, kvh, n * g, D]
+    out = scores @ v.transpose(0, 2, 1, 3)  # [R, kvh, g, D]
     if shared_scores is not None:
-        shared_out = shared_scores @ shared[1].transpose(1, 0, 2)  # [kvh, R * n * g, D]
-        out += shared_out.reshape(kv_heads, num_requests, cols, head_dim).transpose(1, 0, 2, 3)
+        shared_out = shared_scores @ shared[1].transpose(1, 0, 2)  # [kvh, R * g, D]
+        out += shared_out.reshape(kv_heads, num_requests, g, head_dim).transpose(1, 0, 2, 3)
     out /= total
-    out = out.reshape(num_requests, kv_heads, n, g, head_dim).transpose(0, 2, 1, 3, 4)
-    return out.reshape(num_requests * n, heads, head_dim)
-
-
-def _sinks_by_column(sinks: np.ndarray, kv_heads: int, n: int) -> np.ndarray:
-    """Sink logits `[H]` laid out as the score rows of `_attend`: `[1, kvh, n * g, 1]`."""
-    g = len(sinks) // kv_heads
-    by_head = np.broadcast_to(sinks.reshape(kv_heads, 1, g), (kv_heads, n, g))
-    return by_head.reshape(1, kv_heads, n * g, 1)
+    return out.reshape(num_requests, heads, head_dim)
 
 
 def _softmax(scores: np.ndarray, shared: np.ndarray | None,
@@ -289,14 +270,15 @@ def _scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = None,
                compiled_decode: bool = False) -> CpuPlan:
-    """Slice the step's rows once; every layer with this window reuses the slices. With
-    `compiled_decode` the decode rows go to cpu_decode instead.
+    """Plan the step's rows once; every layer with this window reuses the plan. Decode rows
+    go to slices, or with `compiled_decode` to cpu_decode (with the short prefill chunks);
+    prefill chunks to cpu_prefill.
 
     A slice holds at most SCORE_BUDGET scores (rows x `num_heads` x keys) unless one row
     alone needs more.
     """
     row_budget = SCORE_BUDGET // num_heads
-    starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
+    q_lens = np.diff(meta.cu_seqlens_q)
     decode, prefill = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
     prefixes, slices, compiled = [], [], None
     if compiled_decode:
@@ -309,10 +291,16 @@ def build_plan(meta: AttentionMetadata, num_heads: int, window: int | None = Non
             prefix = len(prefixes)
             prefixes.append(shared)
         slices += _decode_slices(meta, group, len(shared), prefix, window, row_budget)
-    for r in prefill:
-        slices += _prefill_slices(meta, int(r), int(starts[r]), int(q_lens[r]), window,
-                                  row_budget)
-    return CpuPlan(prefixes, slices, compiled)
+    chunks = [_chunk(meta, int(r)) for r in prefill]
+    return CpuPlan(prefixes, slices, compiled, chunks, window)
+
+
+def _chunk(meta: AttentionMetadata, r: int) -> cpu_prefill.Chunk:
+    """Request `r`'s prefill chunk, over the blocks that hold its keys."""
+    start, end = int(meta.cu_seqlens_q[r]), int(meta.cu_seqlens_q[r + 1])
+    seq_len = int(meta.seq_lens[r])
+    tables = meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]
+    return cpu_prefill.Chunk(start, end - start, seq_len - (end - start), tables)
 
 
 def _compiled_rows(meta: AttentionMetadata, decode: np.ndarray, prefill: np.ndarray,
@@ -403,45 +391,8 @@ def _decode_slices(meta: AttentionMetadata, decode: np.ndarray, num_shared: int,
         slices.append(Slice(
             rows=meta.cu_seqlens_q[requests].astype(np.int64),
             tables=meta.block_tables[requests, first:end],
-            first_key=0,
             num_keys=keys.shape[1],
-            mask_from=0,
-            blocked=blocked[:, None, :] if blocked.any() else None,
-            rows_each=1,
+            blocked=blocked if blocked.any() else None,
             prefix=prefix,
-        ))
-    return slices
-
-
-def _prefill_slices(meta: AttentionMetadata, r: int, start: int, q_len: int,
-                    window: int | None, row_budget: int) -> list[Slice]:
-    """One prefill chunk in query tiles; a tile sees keys up to its last row only (and from
-    its first row's window on)."""
-    seq_len = int(meta.seq_lens[r])
-    first_pos = seq_len - q_len
-    tile = max(1, min(q_len, row_budget // min(seq_len, window or seq_len)))
-    tables = meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]
-    slices = []
-    for a in range(0, q_len, tile):
-        b = min(a + tile, q_len)
-        num_keys = first_pos + b
-        q_pos = np.arange(first_pos + a, first_pos + b)[:, None]
-        if window is None:
-            first_key, mask_from = 0, first_pos + a
-        else:
-            first_key, mask_from = max(0, first_pos + a - window + 1), 0
-        keys = np.arange(first_key + mask_from, num_keys)[None, :]
-        blocked = keys > q_pos
-        if window is not None:
-            blocked |= keys <= q_pos - window
-        slices.append(Slice(
-            rows=np.arange(start + a, start + b),
-            tables=tables,
-            first_key=first_key,
-            num_keys=num_keys,
-            mask_from=mask_from,
-            blocked=blocked[None] if blocked.any() else None,
-            rows_each=b - a,
-            prefix=None,
         ))
     return slices

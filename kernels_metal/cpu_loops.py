@@ -84,17 +84,23 @@ EXP_LOW, EXP_HIGH = np.float32(-87.0), np.float32(88.0)
 def exp(values):
     """`values = exp(max(values, -87))` in place, for a contiguous 1-d float32 array (its
     arguments are at most 88: softmax scores after the shift)."""
+    exp_shifted(values, np.float32(0.0), np.empty(values.shape[0], np.int32))
+
+
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def exp_shifted(values, shift, powers):
+    """`values = exp(max(values - shift, -87))` in place, for a contiguous 1-d float32 array;
+    `powers`: an int32 scratch array at least as long."""
     c0, c1, c2, c3, c4, c5 = EXP_POLY  # locals: the loop vectorizes (a helper call did not)
     n = values.shape[0]
-    powers = np.empty(n, np.int32)  # 2^k as float32 bits
     for i in range(n):
-        v = min(max(values[i], EXP_LOW), EXP_HIGH)
+        v = min(max(values[i] - shift, EXP_LOW), EXP_HIGH)
         k = np.floor(v * LOG2E + np.float32(0.5))
         f = v - k * LN2_HIGH - k * LN2_LOW
         p = ((((c0 * f + c1) * f + c2) * f + c3) * f + c4) * f + c5
-        powers[i] = (np.int32(k) + 127) << 23
+        powers[i] = (np.int32(k) + 127) << 23  # 2^k as float32 bits
         values[i] = p * f * f + f + np.float32(1.0)
-    scale = powers.view(np.float32)
+    scale = powers[:n].view(np.float32)
     for i in range(n):
         values[i] *= scale[i]
 

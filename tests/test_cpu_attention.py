@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels_metal import cpu_attention, cpu_decode, cpu_threads
+from kernels_metal import cpu_attention, cpu_decode, cpu_prefill, cpu_threads
 from kernels_metal.cases import Case, check, grid
 from kernels_metal.cpu_math import TILED_ROWS
 from kernels_metal.metadata import AttentionMetadata
@@ -70,7 +70,7 @@ def test_decode_rows_share_their_common_prefix_in_one_cascade(softcap, sinks):
     q, k, v, meta, scale = shared_prefix_step(4, [1, 9, 30, 8, 17, 12], [1, 1, 1, 1, 1, 5])
     plan = cpu_attention.build_plan(meta, q.shape[1])
     assert [len(p) for p in plan.prefixes] == [4]
-    assert all(s.prefix == 0 for s in plan.slices if s.rows_each == 1)
+    assert all(s.prefix == 0 for s in plan.slices) and len(plan.chunks) == 1
     assert_matches_reference(q, k, v, meta, scale, softcap=softcap, sinks=sinks)
 
 
@@ -118,7 +118,7 @@ def test_decode_rows_of_two_system_prompts_get_a_cascade_each():
     meta.block_tables[2:4, :3] = other_prompt  # requests 2 and 3: another system prompt
     plan = cpu_attention.build_plan(meta, q.shape[1])
     assert sorted(len(p) for p in plan.prefixes) == [3, 3]
-    assert {s.prefix for s in plan.slices if s.rows_each == 1} == {0, 1}
+    assert {s.prefix for s in plan.slices} == {0, 1}
     assert_matches_reference(q, k, v, meta, scale)
 
 
@@ -127,9 +127,7 @@ def test_a_windowed_layer_scores_no_key_before_the_windows_of_its_rows():
     window = 10
     plan = cpu_attention.build_plan(meta, q.shape[1], window)
     for s in plan.slices:
-        keys_scored = (s.num_keys - s.first_key if s.rows_each > 1
-                       else s.tables.shape[1] * meta.block_size)
-        assert keys_scored <= window + s.rows_each - 1 + 2 * meta.block_size
+        assert s.tables.shape[1] * meta.block_size <= window + 2 * meta.block_size
     assert_matches_reference(q, k, v, meta, scale, window=window)
 
 
@@ -140,21 +138,47 @@ def test_a_windowed_layer_masks_per_request_instead_of_sharing_blocks():
 
 
 @pytest.mark.parametrize("window", [None, 12])
-def test_a_small_budget_splits_decode_batches_and_prefill_tiles_with_the_same_result(
-        monkeypatch, window):
+def test_a_small_budget_splits_decode_batches_with_the_same_result(monkeypatch, window):
     q, k, v, meta, scale = shared_prefix_step(2, [40, 3, 25, 7, 60], [1, 1, 1, 1, 37])
     whole = np.array(cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window))
     monkeypatch.setattr(cpu_attention, "SCORE_BUDGET", 6 * 160)  # 2 rows of 76 keys
     plan = cpu_attention.build_plan(meta, q.shape[1], window)
-    first_prefill_row = meta.cu_seqlens_q[4]
-    decode = [s for s in plan.slices if s.rows.max() < first_prefill_row]
-    tiles = [s for s in plan.slices if s.rows.min() >= first_prefill_row]
-    assert len(decode) > 1 and len(tiles) > 1
-    assert all(s.prefix is not None for s in decode) == (window is None)
-    assert sum(len(s.rows) for s in plan.slices) == q.shape[0]
+    assert len(plan.slices) > 1 and len(plan.chunks) == 1
+    assert all(s.prefix is not None for s in plan.slices) == (window is None)
+    assert sum(len(s.rows) for s in plan.slices) + plan.chunks[0].count == q.shape[0]
     got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window)
     np.testing.assert_allclose(np.array(got), whole, atol=1e-6, rtol=1e-6)
     assert_matches_reference(q, k, v, meta, scale, window)
+
+
+@pytest.mark.parametrize(("window", "softcap", "sinks"), [(None, None, None), (12, None, None),
+                                                          (None, 15.0, SINKS), (5, 15.0, SINKS)])
+def test_prefill_chunks_fold_blocks_of_keys_with_the_same_result(monkeypatch, window, softcap,
+                                                                 sinks):
+    # A chunk after 27 keys, a decode row and a whole 33-token prompt, all after 3 shared
+    # blocks; every chunk to cpu_prefill.
+    q, k, v, meta, scale = shared_prefix_step(3, [40, 61, 9], [37, 1, 33])
+    monkeypatch.setattr(cpu_attention, "COMPILED_PREFILL_SCORES", 0)
+    whole = np.array(cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap,
+                                                       sinks))
+    folded = []  # (first position, first key, score rows, keys) of each block
+    fold = cpu_prefill.fold_block
+
+    def recorded(scores, first_position, group, first_key, *args):
+        folded.append((first_position, first_key, *scores.shape))
+        fold(scores, first_position, group, first_key, *args)
+
+    monkeypatch.setattr(cpu_prefill, "fold_block", recorded)
+    monkeypatch.setattr(cpu_prefill, "MIN_BLOCK_KEYS", 16)
+    monkeypatch.setattr(cpu_prefill, "MAX_BLOCK_KEYS", 16)
+    got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap, sinks)
+    np.testing.assert_allclose(np.array(got), whole, atol=1e-6, rtol=1e-6)
+    assert all(keys <= 16 for *_, keys in folded) and len(folded) > 4
+    # The prompt's first block: every row sees it, unless their windows end before it.
+    first_block_rows = next(rows for p, key, rows, _ in folded if p == 0 and key == 0)
+    group = q.shape[1] // k.shape[2]  # a KV head's query heads
+    assert first_block_rows == group * (33 if window is None else 16 + window - 1)
+    assert_matches_reference(q, k, v, meta, scale, window, softcap, sinks)
 
 
 def test_fp16_pools_are_read_in_float32_and_bfloat16_is_not_taken():

@@ -1,5 +1,6 @@
-"""What the CPU backend's compiled loops (cpu_decode, cpu_gemm, cpu_layer) share: their
-fast-math flags, how many threads a parallel loop may use, and one launch at a time."""
+"""What the CPU backend's compiled loops (cpu_decode, cpu_gemm, cpu_layer, cpu_prefill)
+share: their fast-math flags, how many threads a parallel loop may use, one launch at a time,
+and Python threads for work that calls BLAS between loops."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import importlib
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 
@@ -93,6 +95,27 @@ def run(function: Callable, *args, parallel: bool = True):
     if not _pool_started:
         _start_pool()
     return function(*args, False)
+
+
+def map_on_threads(function: Callable, items: Iterable) -> list:
+    """`[function(item) for item in items]` on this process's share of the threads, from
+    Python threads, for work that calls BLAS between compiled loops (which release the GIL).
+    Meanwhile every BLAS runs its products on the calling thread: its own workers, spinning
+    between products, would take the cores the other threads need."""
+    from threadpoolctl import ThreadpoolController
+
+    global _blas
+    if _blas is None:
+        _blas = ThreadpoolController()
+    executor = _executors.get(_threads)
+    if executor is None:
+        executor = _executors[_threads] = ThreadPoolExecutor(_threads, "cpu-threads")
+    with _blas.limit(limits=1, user_api="blas"):
+        return list(executor.map(function, items))
+
+
+_executors: dict[int, ThreadPoolExecutor] = {}
+_blas = None  # threadpoolctl's controller of the BLAS libraries loaded, made on first use
 
 
 def _start_pool() -> None:

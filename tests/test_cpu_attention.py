@@ -169,6 +169,7 @@ def test_prefill_chunks_fold_blocks_of_keys_with_the_same_result(monkeypatch, wi
         fold(scores, first_position, group, first_key, *args)
 
     monkeypatch.setattr(cpu_prefill, "fold_block", recorded)
+    monkeypatch.setattr(cpu_threads, "threads", lambda: 2)  # two shares of blocks, merged
     monkeypatch.setattr(cpu_prefill, "MIN_BLOCK_KEYS", 16)
     monkeypatch.setattr(cpu_prefill, "MAX_BLOCK_KEYS", 16)
     got = cpu_attention.paged_attention_cpu(q, k, v, meta, scale, window, softcap, sinks)

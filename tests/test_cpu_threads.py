@@ -87,3 +87,17 @@ def test_without_a_spinning_thread_pool_the_loops_take_one_thread(monkeypatch, c
     assert "libgomp1" in caplog.text
     monkeypatch.setattr(numba.config, "THREADING_LAYER", "omp")
     assert cpu_threads._available_threads() == 2
+
+
+def test_work_mapped_on_threads_runs_each_blas_on_one_thread_meanwhile():
+    from threadpoolctl import threadpool_info
+
+    before = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    during = cpu_threads.map_on_threads(
+        lambda item: (item, [lib["num_threads"] for lib in threadpool_info()
+                             if lib["user_api"] == "blas"]), range(3))
+    assert [item for item, _ in during] == [0, 1, 2]
+    assert all(threads == [1] * len(before) for _, threads in during)
+    assert [lib["num_threads"] for lib in threadpool_info()
+            if lib["user_api"] == "blas"] == before
+

@@ -1,7 +1,7 @@
 """The CPU backend's host forward (metal_engine/models/host.py): layers on numpy arrays give the
-MLX path's logits, layers of a few rows in compiled calls (kernels_metal/cpu_layer: all of
-them in one, or one in two) give the module-by-module numbers, and q/k/v and gate/up are
-packed without copies."""
+MLX path's logits (long prefill chunks' attention in cpu_prefill included), layers of a few
+rows in compiled calls (kernels_metal/cpu_layer: all of them in one, or one in two) give the
+module-by-module numbers, and q/k/v and gate/up are packed without copies."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tiny_models import build_tiny_model
 
 import metal_engine.models.host as host
 from convert import convert_model
-from kernels_metal import cpu_layer, cpu_threads
+from kernels_metal import cpu_layer, cpu_prefill, cpu_threads
 from metal_engine.models.host import HostStack
 from metal_engine.models.layers import PreNormDecoderLayer
 
@@ -40,12 +40,16 @@ def logits(model_dir, ids, chunk, on_host: bool, monkeypatch) -> tuple[np.ndarra
     return got, decoder.host_plan.layers_on_host(decoder.layers, runner.cache)
 
 
-@pytest.mark.parametrize("chunk", [45, 5, 1], ids=["prefill", "few-rows", "decode"])
-def test_host_layers_give_the_mlx_logits(model_dir, chunk, monkeypatch):
-    ids = random_ids(3, 45)
+@pytest.mark.parametrize(("chunk", "length"), [(45, 45), (5, 45), (1, 45), (100, 200)],
+                         ids=["prefill", "few-rows", "decode", "long-chunks"])
+def test_host_layers_give_the_mlx_logits(model_dir, chunk, length, monkeypatch):
+    ids = random_ids(3, length)
     on_mlx, plan_off = logits(model_dir, ids, chunk, False, monkeypatch)
+    folded = count_calls(monkeypatch, cpu_prefill, "attend")
     on_host, plan_on = logits(model_dir, ids, chunk, True, monkeypatch)
     assert not any(plan_off) and all(plan_on)
+    # Chunks of 100 rows over 100 and 200 keys: past what cpu_decode's rows take.
+    assert bool(folded) == (chunk == 100)
     np.testing.assert_allclose(on_host, on_mlx, atol=2e-5, rtol=2e-5)
 
 

@@ -63,6 +63,16 @@ def test_logits_match_transformers(tiny_model, block_size, chunk):
     np.testing.assert_allclose(got, torch_logits(model, ids), atol=TOL, rtol=TOL)
 
 
+def test_a_long_prefill_chunk_matches_transformers(tiny_model):
+    """A 100-token chunk: on the CPU backend its attention folds blocks of keys (cpu_prefill)
+    where shorter chunks go to cpu_decode's rows."""
+    model, path = tiny_model
+    runner, scheduler = make_runner_and_scheduler(path, block_size=16)
+    ids = random_ids(100, 120)
+    got = run_logits(runner, scheduler, "a", ids, chunk=100)
+    np.testing.assert_allclose(got, torch_logits(model, ids), atol=TOL, rtol=TOL)
+
+
 def test_mixed_batch_greedy_matches_transformers(tiny_model):
     model, path = tiny_model
     prompts = {f"r{i}": random_ids(10 + i, n) for i, n in enumerate([3, 17, 40, 9, 26, 1])}

@@ -33,6 +33,10 @@ BLOCK_SCORES = 1 << 19
 MIN_BLOCK_KEYS, MAX_BLOCK_KEYS = 128, 1024
 
 
+# A KV head's rows folded over some blocks: each row's maximum, total and value sums.
+Folded = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass(frozen=True)
 class Chunk:
     """`count` consecutive rows from packed row `start`, at positions `first_position`
@@ -82,10 +86,6 @@ def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, chunk: Chu
         out[chunk_rows, kv * group:(kv + 1) * group] = sums.reshape(rows, group, head_dim)
 
 
-# A KV head's rows folded over some blocks: each row's maximum, total and value sums.
-Folded = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
 def _fold_blocks(q: np.ndarray, keys: np.ndarray, values: np.ndarray, begins: range,
                  block: int, chunk: Chunk, group: int, window: int | None,
                  softcap: float | None) -> Folded:
@@ -126,6 +126,7 @@ def _merged(parts: list[Folded]) -> Folded:
 
 
 def _block_keys(score_rows: int) -> int:
+    """Keys of a block whose product with `score_rows` query rows holds ~BLOCK_SCORES."""
     keys = BLOCK_SCORES // max(score_rows, 1)
     return min(MAX_BLOCK_KEYS, max(MIN_BLOCK_KEYS, keys // 64 * 64))
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
+from threadpoolctl import ThreadpoolController
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,6 @@ def map_on_threads(function: Callable, items: Iterable) -> list:
     Python threads, for work that calls BLAS between compiled loops (which release the GIL).
     Meanwhile every BLAS runs its products on the calling thread: its own workers, spinning
     between products, would take the cores the other threads need."""
-    from threadpoolctl import ThreadpoolController
-
     global _blas
     if _blas is None:
         _blas = ThreadpoolController()

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
-from transformers import AutoTokenizer
 
 from kernels_metal.kv_quant import KVQuant, kv_quant_of
 from metal_engine.cache_plan import CachePlan, plan_cache
@@ -23,6 +22,7 @@ from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.draft_model import DraftModel, load_draft_model
 from metal_engine.kv_cache import KVCache, PoolShape, bytes_per_block
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
+from metal_engine.kv_disk_dir import KVDiskDir
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
 from metal_engine.memory_plan import device_memory, plan_for
 from metal_engine.model_config import ModelConfig
@@ -32,6 +32,7 @@ from metal_engine.outputs import RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
+from metal_engine.tokenizer_loading import load_tokenizer
 from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.scheduler import RequestUpdate, SchedulerOutput
@@ -44,31 +45,28 @@ log = logging.getLogger(__name__)
 
 def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector | None:
     """The disk tier of the prefix cache, if `--kv-cache-dir` asks for one: a store per cache
-    kind (blocks, a sliding-window group's blocks, a hybrid model's state checkpoints), each
-    with a share of the size."""
+    kind (blocks, a sliding-window group's blocks, a hybrid model's state checkpoints), all
+    under the directory's one size bound."""
     if config.kv_cache_dir is None:
         return None
-    dtype = cache.storage
-    size, stores = config.kv_cache_dir_size, {}
+    disk = KVDiskDir(config.kv_cache_dir, config.kv_cache_dir_size)
+    stores = {}
     if cache.states is not None:
-        layout = cache.states.layout()
-        state_size = max(int(size * STATE_DISK_SHARE), layout.file_bytes)
-        stores["states"] = TierStore(_disk_store(config, "states", layout, state_size),
+        stores["states"] = TierStore(_disk_store(config, disk, "states", cache.states.layout()),
                                      cache.states.read_slots, cache.states.write_slots)
-        size -= state_size
     for kind, windowed in (("blocks", False), ("window", True)):
         shapes = cache.group_shapes(windowed)
         if not shapes:
             continue
-        layout = BlockLayout(tuple(shapes), cache.block_size, dtype)
-        share = len(shapes) / len(cache.shapes)  # in proportion to the pools it holds
-        stores[kind] = TierStore(
-            _disk_store(config, kind, layout, max(int(size * share), layout.file_bytes)),
-            partial(cache.read_blocks, windowed=windowed),
-            partial(cache.write_blocks, windowed=windowed))
+        layout = BlockLayout(tuple(shapes), cache.block_size, cache.storage)
+        stores[kind] = TierStore(_disk_store(config, disk, kind, layout),
+                                 partial(cache.read_blocks, windowed=windowed),
+                                 partial(cache.write_blocks, windowed=windowed))
     for kind, parts in stores.items():
         log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
                  parts.store.used_bytes / 2**20, parts.store.root)
+    log.info("KV disk cache: %.1f of %.1f MiB used in %s (every model's files)",
+             disk.used_bytes / 2**20, disk.max_bytes / 2**20, disk.root)
     return KVDiskConnector(stores, write_through=config.kv_write_through)
 
 
@@ -104,13 +102,8 @@ def _device_drafter(model: CausalLM, drafter: CausalLM | nn.Module, plan: CacheP
     return MtpDrafter(model, drafter, cache)
 
 
-# The share of --kv-cache-dir-size that a hybrid model's state checkpoints may fill.
-STATE_DISK_SHARE = 0.25
-
-
-def _disk_store(config: EngineConfig, kind: str, layout: Layout, size: int) -> KVDiskStore:
-    return KVDiskStore(config.kv_cache_dir, model_identity(config.model_dir, layout, kind),
-                       layout, size)
+def _disk_store(config: EngineConfig, disk: KVDiskDir, kind: str, layout: Layout) -> KVDiskStore:
+    return KVDiskStore(disk, model_identity(config.model_dir, layout, kind), layout)
 
 
 def _plan_pool(config: EngineConfig, cfg: ModelConfig, budget: int, dtype: mx.Dtype,
@@ -198,7 +191,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype)
         split = peers.split if peers is not None else None
         model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
-        tokenizer = AutoTokenizer.from_pretrained(str(config.model_dir))
+        tokenizer = load_tokenizer(config.model_dir)
         drafter = _load_drafter(config, model, tokenizer, dtype)
         spec = config.speculative_config
         if spec is not None and spec.method == "mtp":

@@ -1,43 +1,43 @@
 """Full KV blocks on disk, keyed by block hash, so a restarted server can reload them; and,
 for hybrid models, recurrent-state checkpoints keyed the same way, in a namespace of their own.
 
-    directory/<identity>/<hash[:2]>/<hash>.kvb      one file per block: header, then payload
+    DIR/<identity>/<name[:2]>/<name>.kvb    one file per block: header, then payload
+                                            name: the block hash keyed by DIR's secret
 
     header (little-endian, HEADER.size bytes, every field checked on load):
         magic | format version | dtype code | three sizes from the layout
-        | payload length | blake2b(block hash + payload)
+        | payload length | MAC (keyed blake2b of the fields before it, block hash, payload)
     payload: K and V of every pool, as the caller packed them (payload_bytes long); for a
         checkpoint, each layer's conv state then recurrent state
 
 The identity names the model, weights and layout, so a changed model never sees another's K/V.
 A file that fails any check is deleted and reported as a miss: the cache is an optimization,
-never a source of wrong tokens.
+never a source of wrong tokens. Names and MACs are keyed by the directory's secret
+(kv_disk_keys), so a file written without it fails too; the bound and scan are kv_disk_dir's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
+import stat
 import struct
 import tempfile
-import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kernels_metal.kv_quant import kv_quant_of
+from metal_engine.kv_disk_dir import TEMP_SUFFIX, FileKey, KVDiskDir
+from metal_engine.kv_disk_keys import MAC_SIZE, NamespaceKeys
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+# 3: names and MACs keyed by the directory's secret (2's files are a stale namespace).
+FORMAT_VERSION = 3
 MAGIC = b"MSKV"
-HEADER = struct.Struct("<4sHHIIIQ16s")
-CHECKSUM_SIZE = 16
-BLOCK_SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
-# A temp file this old is a crashed write, not another process's write in flight.
-STALE_TEMP_SECONDS = 60.0
+HEADER = struct.Struct(f"<4sHHIIIQ{MAC_SIZE}s")
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int8": 4, "int4": 5}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -133,59 +133,54 @@ def model_identity(model_dir: Path, layout: Layout, kind: str = "blocks") -> str
         h.update(f"\0{kind}".encode())
     h.update((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.glob("*.safetensors")):
-        stat = path.stat()
-        h.update(f"\0{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+        st = path.stat()
+        h.update(f"\0{path.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()
 
 
 class KVDiskStore:
-    """A size-bounded LRU of block files in one namespace directory.
+    """One namespace of a cache directory: the blocks (or checkpoints) of one model identity
+    and layout, saved and loaded by hash. The directory (`disk`) holds the index and the
+    bound, shared by every store of this process; a hash that misses it is looked for as a
+    file, so a block another process added since is found (a prefill server's, for a decode
+    server)."""
 
-    The in-memory index of hashes is built at startup by scanning the namespace; LRU order
-    lives in file mtimes, so it survives restarts. Several processes may share a directory: each
-    bounds what it knows of, a file another one removed is a miss, and a block another one
-    added since is found by its file (a prefill server handing blocks to a decode server).
-    """
-
-    def __init__(self, directory: Path, identity: str, layout: Layout,
-                 max_bytes: int) -> None:
-        if max_bytes < layout.file_bytes:
+    def __init__(self, disk: KVDiskDir, identity: str, layout: Layout) -> None:
+        if disk.max_bytes < layout.file_bytes:
             raise ValueError(
-                f"KV disk cache size {max_bytes} bytes cannot hold one block "
+                f"KV disk cache size {disk.max_bytes} bytes cannot hold one block "
                 f"({layout.file_bytes} bytes); give it at least that, or turn it off"
             )
-        self.layout, self.max_bytes = layout, max_bytes
-        self.root = Path(directory) / identity
-        _prepare_root(Path(directory), self.root)
-        self._index: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
-        self._last_stamp_ns = 0
-        self._warned = False
-        self._scan()
-        self._make_room(0)
+        self.disk, self.identity, self.layout = disk, identity, layout
+        self.root = disk.namespace(identity)
+        self._keys = NamespaceKeys(disk.secret, identity)
+        disk.remove_other_sizes(identity, layout.file_bytes)
 
     def __contains__(self, block_hash: bytes) -> bool:
-        if block_hash in self._index:
+        key = self._key(block_hash)
+        if key in self.disk:
             return True
-        try:  # one stat, for a hash that misses the index
-            size = self._path(block_hash).stat().st_size
+        try:  # one lstat, for a hash that misses the index; a symlink is not a block
+            st = os.lstat(self.disk.path(key))
         except OSError:
             return False
-        if size != self.layout.file_bytes:
-            return False  # being replaced, or another layout's: not a block to read
-        self._index[block_hash] = None  # room is made at this process's next save
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self.layout.file_bytes:
+            return False  # being replaced, or not a block to read
+        self.disk.add(key, st.st_size)
         return True
 
     @property
     def num_blocks(self) -> int:
-        return len(self._index)
+        return self.disk.usage(self.identity)[0]
 
     @property
     def used_bytes(self) -> int:
-        return len(self._index) * self.layout.file_bytes
+        return self.disk.usage(self.identity)[1]
 
     def save(self, block_hash: bytes, payload: bytes | memoryview) -> None:
         """Write the block unless present, evicting LRU files first. I/O errors only log."""
-        if block_hash in self._index:
+        key = self._key(block_hash)
+        if key in self.disk:
             return
         data = memoryview(payload).cast("B")
         if data.nbytes != self.layout.payload_bytes:
@@ -193,183 +188,76 @@ class KVDiskStore:
                 f"payload is {data.nbytes} bytes; this layout's blocks are "
                 f"{self.layout.payload_bytes}"
             )
-        self._make_room(self.layout.file_bytes)
+        self.disk.make_room(self.layout.file_bytes)
         try:
-            self._write(block_hash, data)
+            self._write(self.disk.path(key), block_hash, data)
         except OSError as err:
-            self._warn_once("could not write a KV block to %s (%s); continuing without it",
-                            self.root, err)
+            self.disk.warn_once("could not write a KV block to %s (%s); continuing without it",
+                                self.root, err)
             return
-        self._index[block_hash] = None
+        self.disk.add(key, self.layout.file_bytes)
 
     def load(self, block_hash: bytes) -> bytes | None:
         """The block's payload, or None. A file that fails a check is deleted; a hit is MRU."""
-        if block_hash not in self._index:
+        key = self._key(block_hash)
+        if key not in self.disk:
             return None
-        path = self._path(block_hash)
+        path = self.disk.path(key)
         try:
             payload, problem = self._read_checked(path, block_hash)
         except OSError as err:
-            self._forget(block_hash)
+            self.disk.forget(key)
             if not isinstance(err, FileNotFoundError):  # not found: another process evicted it
-                self._warn_once("could not read KV cache file %s (%s)", path, err)
+                self.disk.warn_once("could not read KV cache file %s (%s)", path, err)
             return None
         if payload is None:
             log.warning("dropping KV cache file %s: %s", path, problem)
-            self._forget(block_hash)
-            self._remove(path)
+            self.disk.remove(key)
             return None
-        self._touch(block_hash, path)
+        self.disk.touch(key)
         return payload
 
-    def _path(self, block_hash: bytes) -> Path:
-        name = block_hash.hex()
-        return self.root / name[:2] / (name + BLOCK_SUFFIX)
+    def _key(self, block_hash: bytes) -> FileKey:
+        return self.identity, self._keys.file_name(block_hash)
 
     def _header(self, block_hash: bytes, payload: memoryview) -> bytes:
         layout = self.layout
-        return HEADER.pack(
+        fields = HEADER.pack(
             MAGIC, FORMAT_VERSION, DTYPE_CODES[layout.dtype], *layout.header_sizes(),
-            layout.payload_bytes, _checksum(block_hash, payload),
-        )
+            layout.payload_bytes, bytes(MAC_SIZE),
+        )[:-MAC_SIZE]
+        return fields + self._keys.mac(fields, block_hash, payload)
 
-    def _write(self, block_hash: bytes, payload: memoryview) -> None:
-        """Write to a temp file beside the target, then rename: readers see all or nothing."""
-        path = self._path(block_hash)
-        path.parent.mkdir(exist_ok=True)
+    def _write(self, path: Path, block_hash: bytes, payload: memoryview) -> None:
+        """Write to a temp file (0600) beside the target, then rename: readers see all or
+        nothing."""
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=TEMP_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(self._header(block_hash, payload))
                 f.write(payload)
-            os.utime(tmp, ns=(self._next_stamp(),) * 2)
+            os.utime(tmp, ns=(self.disk.next_stamp(),) * 2)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
     def _read_checked(self, path: Path, block_hash: bytes) -> tuple[bytes | None, str]:
-        """(payload, "") if the file is whole and matches this store, else (None, why)."""
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != self.layout.file_bytes:
-                return None, f"{size} bytes, expected {self.layout.file_bytes}"
+        """(payload, "") if the file is whole and this directory's, else (None, why)."""
+        # No symlink is followed; O_NONBLOCK: a FIFO put in a file's place must not hang us.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.layout.file_bytes:
+                return None, f"{st.st_size} bytes, expected {self.layout.file_bytes}"
             header = f.read(HEADER.size)
             payload = f.read(self.layout.payload_bytes)
         expected = self._header(block_hash, memoryview(payload))
         if header[:4] != MAGIC:
             return None, "not a KV block file"
-        if header[:-CHECKSUM_SIZE] != expected[:-CHECKSUM_SIZE]:
+        if header[:-MAC_SIZE] != expected[:-MAC_SIZE]:
             return None, "written by another format version or block layout"
-        if header[-CHECKSUM_SIZE:] != expected[-CHECKSUM_SIZE:]:
-            return None, "checksum mismatch"
+        if not hmac.compare_digest(header[-MAC_SIZE:], expected[-MAC_SIZE:]):
+            return None, "MAC mismatch: corrupted, or not written with this directory's secret"
         return payload, ""
-
-    def _touch(self, block_hash: bytes, path: Path) -> None:
-        """Make the block most recently used, in memory and in the file's mtime."""
-        self._index.move_to_end(block_hash)
-        try:
-            os.utime(path, ns=(self._next_stamp(),) * 2)
-        except FileNotFoundError:
-            self._forget(block_hash)  # evicted by another process after the read
-        except OSError as err:
-            self._warn_once("could not refresh KV cache file %s (%s)", path, err)
-
-    def _make_room(self, nbytes: int) -> None:
-        while self._index and self.used_bytes + nbytes > self.max_bytes:
-            oldest = next(iter(self._index))
-            self._forget(oldest)
-            self._remove(self._path(oldest))
-
-    def _forget(self, block_hash: bytes) -> None:
-        self._index.pop(block_hash, None)
-
-    def _remove(self, path: Path) -> None:
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as err:
-            self._warn_once("could not delete KV cache file %s (%s)", path, err)
-
-    def _next_stamp(self) -> int:
-        # Strictly increasing: coarse filesystem clocks would otherwise tie, and lose LRU order.
-        self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
-        return self._last_stamp_ns
-
-    def _warn_once(self, message: str, *args: object) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning(message, *args)
-
-    def _scan(self) -> None:
-        """Index the namespace's block files, oldest mtime first; drop torn and stale files."""
-        found: list[tuple[int, bytes]] = []
-        for shard in _subdirs(self.root):
-            for entry in _entries(shard):
-                found += self._scan_entry(shard, entry)
-        for stamp, block_hash in sorted(found):
-            self._index[block_hash] = None
-            self._last_stamp_ns = max(self._last_stamp_ns, stamp)
-
-    def _scan_entry(self, shard: Path, entry: os.DirEntry) -> list[tuple[int, bytes]]:
-        """[(mtime ns, hash)] for a usable block file, [] for anything else; removes debris."""
-        try:
-            stat = entry.stat()
-        except FileNotFoundError:
-            return []
-        path = shard / entry.name
-        if entry.name.endswith(TEMP_SUFFIX):
-            if time.time() - stat.st_mtime > STALE_TEMP_SECONDS:
-                self._remove(path)
-            return []
-        block_hash = _parse_block_name(entry.name)
-        if block_hash is None or block_hash.hex()[:2] != shard.name:
-            return []  # not ours: leave it alone
-        if stat.st_size != self.layout.file_bytes:
-            self._remove(path)  # torn, or another layout's file
-            return []
-        return [(stat.st_mtime_ns, block_hash)]
-
-
-def _prepare_root(directory: Path, root: Path) -> None:
-    """Create the namespace dir and prove it writable, or raise a ValueError saying how to fix."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=root, prefix=".probe.", suffix=TEMP_SUFFIX)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise ValueError(
-            f"--kv-cache-dir {directory} is not a writable directory ({err}); "
-            "point it at a directory this user can create and write, or leave it unset"
-        ) from err
-
-
-def _checksum(block_hash: bytes, payload: memoryview) -> bytes:
-    # The hash is mixed in so a block file under another block's name fails too.
-    h = hashlib.blake2b(block_hash, digest_size=CHECKSUM_SIZE)
-    h.update(payload)
-    return h.digest()
-
-
-def _parse_block_name(name: str) -> bytes | None:
-    """The block hash a file name spells (as `_path` writes it), or None if it is not one."""
-    stem = name.removesuffix(BLOCK_SUFFIX)
-    if stem == name or not stem:
-        return None
-    try:
-        block_hash = bytes.fromhex(stem)
-    except ValueError:
-        return None
-    return block_hash if block_hash.hex() == stem else None
-
-
-def _subdirs(root: Path) -> list[Path]:
-    return [p for p in root.iterdir() if len(p.name) == 2 and p.is_dir()]
-
-
-def _entries(shard: Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(shard) as it:
-            return [e for e in it if e.is_file()]
-    except FileNotFoundError:
-        return []

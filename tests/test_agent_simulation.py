@@ -15,6 +15,7 @@ from engine_helpers import make_runner_and_scheduler
 from test_scheduler_block_store import blocks_connector
 
 from metal_engine.engine import LLMEngine
+from metal_engine.kv_disk_dir import KVDiskDir
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
 from scheduler import Request, Scheduler, SchedulerConfig
 
@@ -58,7 +59,8 @@ def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
     runner, _ = make_runner_and_scheduler(model_dir, num_blocks=1024, block_size=BLOCK)
     cache = runner.cache
     layout = BlockLayout(cache.shapes, BLOCK, "float32")
-    connector = blocks_connector(KVDiskStore(kv_dir, "tiny-agents", layout, 1 << 30), cache)
+    store = KVDiskStore(KVDiskDir(kv_dir, 1 << 30), "tiny-agents", layout)
+    connector = blocks_connector(store, cache)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS, max_num_batched_tokens=2048,
         max_model_len=2048,

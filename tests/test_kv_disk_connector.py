@@ -9,6 +9,7 @@ from test_scheduler_block_store import MemoryStore, PoolContents, blocks_connect
 
 from metal_engine.kv_cache import KVCache
 from metal_engine.kv_disk_connector import KVDiskConnector
+from metal_engine.kv_disk_dir import KVDiskDir
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.kv_connector import KVTransferPlan, TierMoves
@@ -58,7 +59,7 @@ def test_close_saves_the_cached_blocks_the_store_lacks():
 
 def engine_parts(kv_dir) -> tuple[Scheduler, KVCache, KVDiskConnector, KVDiskStore]:
     cache = KVCache(SHAPES, 16, BLOCK, mx.float16)
-    store = KVDiskStore(kv_dir, "test", BlockLayout(SHAPES, BLOCK, "float16"), 1 << 20)
+    store = KVDiskStore(KVDiskDir(kv_dir, 1 << 20), "test", BlockLayout(SHAPES, BLOCK, "float16"))
     connector = blocks_connector(store, cache)
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=BLOCK, max_num_seqs=2,
                                           max_num_batched_tokens=64, max_model_len=64), connector)

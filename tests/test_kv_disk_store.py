@@ -16,8 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from metal_engine import kv_disk_store
+from metal_engine import kv_disk_dir, kv_disk_store
 from metal_engine.kv_cache import bytes_per_block
+from metal_engine.kv_disk_dir import KVDiskDir
+from metal_engine.kv_disk_keys import NamespaceKeys, load_secret
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
 from scheduler.prefix_hash import hash_block
 
@@ -35,7 +37,9 @@ def payload(i: int, layout: BlockLayout = LAYOUT) -> bytes:
 
 
 def block_file(directory: Path, h: bytes, identity: str = IDENTITY) -> Path:
-    return directory / identity / h.hex()[:2] / f"{h.hex()}.kvb"
+    """Where a store keeps block `h`: its name keyed by the directory's secret."""
+    name = NamespaceKeys(load_secret(directory), identity).file_name(h)
+    return directory / identity / name[:2] / f"{name}.kvb"
 
 
 def block_files(directory: Path) -> list[Path]:
@@ -44,7 +48,7 @@ def block_files(directory: Path) -> list[Path]:
 
 def open_store(directory: Path, blocks: int = 100, layout: BlockLayout = LAYOUT,
                identity: str = IDENTITY) -> KVDiskStore:
-    return KVDiskStore(directory, identity, layout, max_bytes=blocks * layout.file_bytes)
+    return KVDiskStore(KVDiskDir(directory, blocks * layout.file_bytes), identity, layout)
 
 
 def filled_store(directory: Path, ids: list[int], blocks: int = 100) -> KVDiskStore:
@@ -178,8 +182,9 @@ def test_restart_finds_saved_blocks(tmp_path):
 def test_restart_indexes_only_block_files_where_they_belong(tmp_path):
     filled_store(tmp_path, [1])
     namespace = tmp_path / IDENTITY
-    misplaced = namespace / "00" / block_file(tmp_path, block_hash(2)).name
-    misplaced.parent.mkdir()
+    name = block_file(tmp_path, block_hash(2)).name
+    misplaced = namespace / ("00" if name[:2] != "00" else "01") / name
+    misplaced.parent.mkdir(exist_ok=True)
     shutil.copy(block_file(tmp_path, block_hash(1)), misplaced)
     (namespace / "00" / "notes.kvb").write_text("not a hash")
     (namespace / "README").write_text("left by a user")
@@ -198,7 +203,7 @@ def test_lru_evicts_least_recently_used_first(tmp_path):
     assert not block_file(tmp_path, block_hash(2)).exists()
     store.save(block_hash(5), payload(5))
     assert stored_ids(store, range(10)) == [1, 4, 5]
-    assert store.used_bytes == 3 * LAYOUT.file_bytes <= store.max_bytes
+    assert store.used_bytes == 3 * LAYOUT.file_bytes <= store.disk.max_bytes
     assert len(block_files(tmp_path)) == 3
 
 
@@ -224,7 +229,7 @@ def test_restart_with_a_smaller_bound_keeps_the_most_recent(tmp_path):
 
 def test_bound_smaller_than_one_block_is_rejected(tmp_path):
     with pytest.raises(ValueError, match=str(LAYOUT.file_bytes)):
-        KVDiskStore(tmp_path, IDENTITY, LAYOUT, max_bytes=LAYOUT.file_bytes - 1)
+        KVDiskStore(KVDiskDir(tmp_path, LAYOUT.file_bytes - 1), IDENTITY, LAYOUT)
 
 
 # --- corruption ------------------------------------------------------------------------------
@@ -329,7 +334,7 @@ def _temp_file(directory: Path, age_s: float) -> Path:
 
 
 def test_startup_removes_crashed_writes_but_not_writes_in_flight(tmp_path):
-    crashed = _temp_file(tmp_path, age_s=2 * kv_disk_store.STALE_TEMP_SECONDS)
+    crashed = _temp_file(tmp_path, age_s=2 * kv_disk_dir.STALE_TEMP_SECONDS)
     in_flight = _temp_file(tmp_path, age_s=0)
     store = filled_store(tmp_path, [1])
     open_store(tmp_path)
@@ -386,7 +391,7 @@ def test_file_removed_by_another_process_is_a_miss_one_it_added_a_hit(tmp_path):
     theirs.save(block_hash(4), payload(4))  # evicts 1, which `mine` still indexes
     assert mine.load(block_hash(1)) is None
     assert block_hash(1) not in mine and mine.num_blocks == 2
-    shutil.rmtree(tmp_path / IDENTITY / block_hash(2).hex()[:2])
+    block_file(tmp_path, block_hash(2)).unlink()
     mine.save(block_hash(5), payload(5))
     mine.save(block_hash(6), payload(6))  # evicts 2, already gone
     assert stored_ids(mine, range(10)) == [3, 4, 5, 6]  # 4: `theirs` saved it after we started
@@ -397,7 +402,7 @@ def test_file_removed_by_another_process_is_a_miss_one_it_added_a_hit(tmp_path):
 def test_file_removed_between_read_and_refresh_is_served_then_forgotten(tmp_path, monkeypatch):
     store = filled_store(tmp_path, [1])
 
-    def removed_by_another_process(path, ns):
+    def removed_by_another_process(path, ns, **kwargs):
         os.remove(path)
         raise FileNotFoundError(path)
 
@@ -408,11 +413,12 @@ def test_file_removed_between_read_and_refresh_is_served_then_forgotten(tmp_path
 WORKER = textwrap.dedent("""
     import random, sys
     from pathlib import Path
+    from metal_engine.kv_disk_dir import KVDiskDir
     from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
     from scheduler.prefix_hash import hash_block
 
     layout = BlockLayout(((2, 8),) * 2, 4, "float16")
-    store = KVDiskStore(Path(sys.argv[1]), "shared", layout, max_bytes=8 * layout.file_bytes)
+    store = KVDiskStore(KVDiskDir(Path(sys.argv[1]), 8 * layout.file_bytes), "shared", layout)
     rng = random.Random(int(sys.argv[2]))
     for _ in range(400):
         i = rng.randrange(24)

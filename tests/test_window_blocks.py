@@ -153,7 +153,8 @@ def test_a_restart_with_a_kv_cache_dir_keeps_the_window_groups_hits(
     assert engine.scheduler.window is not None
     answers, _ = serve(engine, first)
     engine.close()
-    assert len(list((tmp_path / "kv").iterdir())) == 2  # the full and the window group's stores
+    namespaces = [p for p in (tmp_path / "kv").iterdir() if p.is_dir()]
+    assert len(namespaces) == 2  # the full and the window group's stores
 
     follow_ups = {f"{rid}-2": ids + answers[rid] + [int(t) for t in rng.integers(3, VOCAB, 9)]
                   for rid, ids in first.items()}  # fmt: skip

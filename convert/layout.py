@@ -14,6 +14,11 @@ from metal_engine.weights import weight_shapes
 
 # Source checkpoints may carry these; they are derived from the config, so they are dropped.
 IGNORED_SUFFIXES = DERIVED_WEIGHTS
+# Source config keys not carried over: the rope is written from the ModelConfig alone (a
+# leftover Gemma 4 rope_scaling would override its rope_parameters in transformers), and an
+# auto_map would name code files the converted dir does not hold.
+NOT_CARRIED = ("rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq",
+               "partial_rotary_factor", "auto_map")
 
 
 def config_from_hf(config: dict[str, Any]) -> ModelConfig:
@@ -30,7 +35,7 @@ def config_from_hf(config: dict[str, Any]) -> ModelConfig:
 def config_dict(config: ModelConfig, dtype: str,
                 base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json to write: `base` (the source config, if any) plus every defining key."""
-    written = dict(base or {})
+    written = {k: v for k, v in (base or {}).items() if k not in NOT_CARRIED}
     written.update(config.to_hf_dict())
     written["torch_dtype"] = written["dtype"] = dtype
     return written

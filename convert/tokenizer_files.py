@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from convert.gguf_tokenizer import gguf_tokenizer
+from metal_engine.tokenizer_loading import CustomCodeRefused, files_with_auto_map, load_tokenizer
 
 # Copied as-is when present; generation_config.json rides along for its sampling defaults.
 HF_FILES = (
@@ -30,6 +31,9 @@ def copy_hf_tokenizer(src: Path, dst: Path) -> None:
     for name in HF_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+    if files_with_auto_map(src) and (dst / "tokenizer.json").exists():
+        # Refused here, not when served: a tokenizer that loads only with the source's code.
+        load_tokenizer(src, local_files_only=True)
     if not (dst / "tokenizer.json").exists():
         if not (src / "tokenizer.model").exists():
             raise ValueError(
@@ -47,10 +51,7 @@ def write_gguf_tokenizer(gguf_path: Path, dst: Path, eos_token_id: int | None) -
 
 
 def _save_with_transformers(folder: Path, dst: Path) -> None:
-    from transformers import AutoTokenizer  # imported here: it takes seconds to import
-
-    load = partial(AutoTokenizer.from_pretrained, folder, local_files_only=True)
-    _save_tokenizer(load, folder, dst)
+    _save_tokenizer(partial(load_tokenizer, folder, local_files_only=True), folder, dst)
 
 
 def _save_tokenizer(load: Callable[[], Any], source: Path, dst: Path,
@@ -58,6 +59,8 @@ def _save_tokenizer(load: Callable[[], Any], source: Path, dst: Path,
     # transformers raises assorted exception types for tokenizer kinds it cannot convert.
     try:
         tokenizer = load()
+    except CustomCodeRefused:
+        raise  # says what to do already
     except Exception as exc:
         raise ValueError(
             f"could not build a tokenizer from {source}: {exc}. The source needs a tokenizer "
@@ -81,6 +84,8 @@ def finalize_tokenizer_config(folder: Path) -> None:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
     for key in LOAD_OPTIONS:
         config.pop(key, None)
+    # Code files are never copied: an auto_map could only name missing code (or a Hub repo's).
+    config.pop("auto_map", None)
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

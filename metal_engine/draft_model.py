@@ -118,8 +118,7 @@ def load_draft_model(path: Path, dtype: mx.Dtype, target: CausalLM,
     """The draft model of `--speculative-config`'s "model", checked to draft for `target`:
     the same tokenizer and vocabulary, and only full-attention layers (its K/V share the
     target's block tables; a window or a recurrent state would need groups of their own)."""
-    from transformers import AutoTokenizer
-
+    from metal_engine.tokenizer_loading import load_tokenizer
     from metal_engine.weights import load_model
 
     path = Path(path)
@@ -132,7 +131,7 @@ def load_draft_model(path: Path, dtype: mx.Dtype, target: CausalLM,
         raise ValueError(f"--speculative-config: the draft model's vocabulary has "
                          f"{cfg.vocab_size} tokens, the served model's {target.config.vocab_size}:"
                          " use a draft of the same family and tokenizer")
-    if AutoTokenizer.from_pretrained(str(path)).get_vocab() != target_tokenizer.get_vocab():
+    if load_tokenizer(path).get_vocab() != target_tokenizer.get_vocab():
         raise ValueError("--speculative-config: the draft model's tokenizer differs from the "
                          "served model's: use a draft of the same family and tokenizer")
     if cfg.linear_attention is not None or cfg.sliding_window is not None:

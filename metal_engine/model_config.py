@@ -301,7 +301,9 @@ class ModelConfig:
         # transformers 5 reads only rope_parameters, older tools only rope_theta/rope_scaling.
         full = self.rope.to_hf()
         keys: dict[str, Any] = {"rope_theta": self.rope.rope_theta, "rope_parameters": full}
-        if self.rope.rope_type != "default":
+        # transformers' Gemma 4 config takes a rope_scaling as every layer's rope (replacing the
+        # per-layer-type dict, then refusing it: no rope_theta); Gemma 3's as the full layers'.
+        if self.rope.rope_type != "default" and self.model_type != "gemma4_text":
             keys["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
         if self.model_type in ROPE_PER_LAYER_TYPE:
             # Each layer type's dict holds its own partial_rotary_factor: a top-level one

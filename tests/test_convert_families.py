@@ -14,6 +14,7 @@ import pytest
 import tiny_models
 import torch
 import transformers
+from hf_configs import assert_transformers_reads_the_same_rope
 from safetensors.numpy import load_file
 from tiny_models import COMMON, TINY_MODELS, build_tiny_model
 from tokenizers import Tokenizer, models
@@ -58,6 +59,7 @@ def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Pa
         kind = source_config["rope_parameters"]["rope_type"]
         assert (config.get("rope_scaling") or {"rope_type": "default"})["rope_type"] == kind
     assert ModelConfig.from_dict(config) == ModelConfig.from_dict(source_config)
+    assert_transformers_reads_the_same_rope(out, source)
     if expected.keys() != _hf_tensors(source).keys():
         return  # stacked experts are mlx-lm's layout, which transformers does not read
     ids = torch.tensor([[5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6]])
@@ -168,6 +170,7 @@ def test_a_multimodal_checkpoint_converts_to_its_text_model(build, text_type,
     out = convert_model(tmp_path / "hf", tmp_path / "out", progress=False)
     written = json.loads((out / "config.json").read_text())
     assert written["model_type"] == text_type and "vision_config" not in written
+    assert_transformers_reads_the_same_rope(out, tmp_path / "hf")
     assert all(name.startswith(("model.layers.", "model.embed", "model.norm", "model.per_layer",
                                 "lm_head.")) for name in _hf_tensors(out))  # fmt: skip
     ids = [5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6]

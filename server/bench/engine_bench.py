@@ -142,7 +142,7 @@ class _StubModel:
 
 
 def _stub_engine(model_dir: Path, batch: int, context: int) -> LLMEngine:
-    from transformers import AutoTokenizer
+    from metal_engine.tokenizer_loading import load_tokenizer
 
     block_size = 16
     num_blocks = batch * (-(-context // block_size))
@@ -152,7 +152,7 @@ def _stub_engine(model_dir: Path, batch: int, context: int) -> LLMEngine:
         max_num_batched_tokens=max(batch * context, 1), max_model_len=context,
     ))
     model = _StubModel(ModelConfig.from_model_dir(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     return LLMEngine(ModelRunner(model, cache), scheduler, tokenizer, "stub")
 
 

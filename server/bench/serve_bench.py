@@ -166,7 +166,7 @@ async def run_serve_bench(config: ServeBenchConfig, tokenizer: Any) -> list[RunR
 
 def load_tokenizer(path: Path | None) -> Any:
     """The tokenizer of a local model dir; by default the converted default model's."""
-    from transformers import AutoTokenizer
+    from metal_engine.tokenizer_loading import load_tokenizer as load_model_tokenizer
 
     if path is None:
         from convert import ensure_default_model
@@ -174,4 +174,4 @@ def load_tokenizer(path: Path | None) -> Any:
         path = ensure_default_model(progress=False)
     if not Path(path).is_dir():
         raise ValueError(f"--tokenizer {path} is not a directory; pass a local model directory")
-    return AutoTokenizer.from_pretrained(str(path))
+    return load_model_tokenizer(path)

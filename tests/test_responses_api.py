@@ -303,9 +303,10 @@ def test_reasoning_comes_as_a_reasoning_item():
 # (fields, the error's param): requests that must get a 400.
 BAD_REQUESTS = [
     ({"input": []}, "input"),
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),  # not stored
     ({"background": True}, "background"),
+    ({"conversation": "conv_123"}, "conversation"),
+    ({"prompt": {"id": "pmpt_123"}}, "prompt"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0]"),
@@ -336,8 +337,8 @@ def test_bad_requests_get_openai_errors(scripted):
 def test_stateful_requests_are_refused_by_the_client_too(scripted):
     client, _, _ = scripted
     with pytest.raises(openai.BadRequestError) as raised:
-        client.responses.create(model="m", input=QUESTION, previous_response_id="resp_1")
-    assert "previous_response_id" in raised.value.message
+        client.responses.create(model="m", input=QUESTION, conversation="conv_1")
+    assert "conversation" in raised.value.message
 
 
 def test_an_engine_failure_fails_the_response():

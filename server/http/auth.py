@@ -2,7 +2,7 @@
 
 Accepted as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
 clients) on any route. The dashboard's state (`/dashboard/state`: every live request, with
-prompt text under --log-prompts) needs a key too; `/health`, `/metrics`, the API docs and the
+prompt text under --log-prompts) needs a key too; `/health`, `/metrics`, `/openapi.json` and the
 dashboard page itself stay open: probes and scrapers carry no secrets, the metrics hold no
 request content, and the page holds no data (it asks for the key and sends it in a header).
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.http.errors import APIError
-from server.http.tenants import TENANT
+from server.http.tenants import CALLER, TENANT
 
 PROTECTED_PREFIX = "/v1/"
 DASHBOARD_STATE_PATH = "/dashboard/state"
@@ -60,15 +60,16 @@ def presented_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
 
 class ApiKeyAuth:
     """Answer 401 (in the called API's error style) unless a presented key is one of
-    `api_keys`; serve the request with that key's tenant bound (none with
-    `share_prefix_cache`: all keys then share the prefix cache)."""
+    `api_keys`; serve the request with that key bound as its caller, and as its tenant
+    (none with `share_prefix_cache`: all keys then share the prefix cache)."""
 
     def __init__(
         self, app: ASGIApp, api_keys: Sequence[str], share_prefix_cache: bool = False
     ) -> None:
         self.app = app
         self._keys = [key.encode() for key in api_keys]
-        self._tenants = [None if share_prefix_cache else tenant_id(key) for key in api_keys]
+        self._callers = [tenant_id(key) for key in api_keys]
+        self._tenants = [None if share_prefix_cache else caller for caller in self._callers]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _is_protected(scope["path"]):
@@ -77,11 +78,12 @@ class ApiKeyAuth:
         presented = presented_keys(scope["headers"])
         index = self._matching_key(presented)
         if index is not None:
-            token = TENANT.set(self._tenants[index])
+            tenant, caller = TENANT.set(self._tenants[index]), CALLER.set(self._callers[index])
             try:
                 await self.app(scope, receive, send)
             finally:
-                TENANT.reset(token)
+                TENANT.reset(tenant)
+                CALLER.reset(caller)
             return
         problem = "Invalid API key" if presented else "Missing API key"
         error = APIError(f"{problem}: {_HOW_TO_SEND}.", status_code=401, code="invalid_api_key")

@@ -9,6 +9,7 @@ input is the one argument of a function). Errors name the Responses field (`inpu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from server.core.assistant_turn import validated_chat_request
@@ -38,11 +39,21 @@ _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 _LEFT_OUT_PART = "[{} left out: this server reads text only]"
 
 
-def chat_request(body: ResponsesRequest, tools: ToolSet) -> ChatCompletionRequest:
+def chat_request(
+    body: ResponsesRequest, tools: ToolSet, history: Sequence[InputItem] | None = None
+) -> ChatCompletionRequest:
     """The chat request; `max_tokens` stays None without `max_output_tokens`, so the chat
-    path caps the answer at what the context has left."""
+    path caps the answer at what the context has left. `history`: the stored conversation
+    that `previous_response_id` names, which comes before `input`."""
+    if body.previous_response_id is not None and history is None:
+        # A route without the store (render) would otherwise leave the conversation out.
+        raise APIError(
+            "previous_response_id is not read on this route; send the whole conversation in "
+            "input.",
+            param="previous_response_id",
+        )
     fields: dict[str, Any] = {
-        "messages": _messages(body),
+        "messages": _messages(body, history or ()),
         "max_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -73,14 +84,17 @@ def _response_format(text_format: TextFormat) -> dict:
     }
 
 
-def _messages(body: ResponsesRequest) -> list[dict]:
+def _messages(body: ResponsesRequest, history: Sequence[InputItem]) -> list[dict]:
+    """The instructions (not carried over from a previous response, as in OpenAI's API),
+    then the history, then the input."""
     messages: list[dict] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
-    for index, item in enumerate(body.input):
-        where = f"input[{index}]"
+    located = [
+        *((item, "previous_response_id") for item in history),
+        *((item, f"input[{index}]") for index, item in enumerate(body.input_items())),
+    ]
+    for item, where in located:
         if item.type == "message":
             messages.append(_message(item, where))
         elif item.type in ("function_call", "custom_tool_call"):

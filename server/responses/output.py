@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from server.core.assistant_turn import (
@@ -78,9 +79,15 @@ def _new_call(name: str, tools: ToolSet) -> CallItem:
 
 
 class ResponseBuilder:
-    def __init__(self, response: ResponseObject, tools: ToolSet) -> None:
+    def __init__(
+        self, response: ResponseObject, tools: ToolSet,
+        on_end: Callable[[ResponseObject], None] | None = None,
+    ) -> None:
         self.response = response  # status "in_progress", no output yet
         self._tools = tools
+        # Called with the response once it is completed or incomplete (not failed), before
+        # the event that says so: a client that saw it end finds it stored.
+        self._on_end = on_end
         self._sequence = itertools.count()
         self._open_item: TextItem | None = None  # the item taking text deltas
         self._open_call: CallItem | None = None  # the call taking argument fragments
@@ -180,9 +187,11 @@ class ResponseBuilder:
         if truncated:
             self.response.status = "incomplete"
             self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
-            return [*events, self._response_event("response.incomplete")]
-        self.response.status = "completed"
-        return [*events, self._response_event("response.completed")]
+        else:
+            self.response.status = "completed"
+        if self._on_end is not None:
+            self._on_end(self.response)
+        return [*events, self._response_event(f"response.{self.response.status}")]
 
     def _open_text_item(self, kind: type[TextItem]) -> list[Event]:
         item = self._open_item = _new_text_item(kind)

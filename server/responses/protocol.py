@@ -1,8 +1,9 @@
-"""Request and response shapes of the OpenAI Responses API (the stateless subset we serve).
+"""Request and response shapes of the OpenAI Responses API (the subset we serve).
 
 Unknown request fields are ignored (Codex sends `reasoning`, `include`, `prompt_cache_key`,
-`client_metadata`, ...). Fields that need responses kept on the server
-(`previous_response_id`, `store: true`, ...) are refused by name: this server keeps none.
+`client_metadata`, ...). `store` and `previous_response_id` are served (server.responses.store);
+the other fields that need state on the server (`background: true`, `conversation`, `prompt`)
+are refused by name.
 Input items and tools are loose here and checked when the request is translated, so that
 errors can name the item (`input[2]`, `tools[4].tools[0].name`).
 """
@@ -85,7 +86,10 @@ class ReasoningConfig(BaseModel):
     effort: str | None = None
 
 
-_STATE_HINT = "this server stores no responses; send the whole conversation in `input`"
+_STATE_HINT = (
+    "this server keeps no conversations or background responses; send the conversation in "
+    "`input`, or continue a stored response with `previous_response_id`"
+)
 # OpenAI's limits on `metadata`.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -106,10 +110,11 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     # As on chat requests: prompts of different salts share no prefix-cache blocks.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    # Server-side state: refused when asked for (validators run only on fields that were sent).
-    store: bool | None = None
+    store: bool | None = None  # None: server.responses.store.STORE_BY_DEFAULT
+    previous_response_id: str | None = Field(default=None, min_length=1)
+    # Server-side state we keep none of: refused when asked for (validators run only on
+    # fields that were sent).
     background: bool | None = None
-    previous_response_id: str | None = None
     conversation: Any = None
     prompt: Any = None
 
@@ -138,14 +143,20 @@ class ResponsesRequest(BaseModel):
             raise ValueError("input must not be empty")
         return value
 
-    @field_validator("store", "background")
+    def input_items(self) -> list[InputItem]:
+        """`input` as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [InputItem(type="message", role="user", content=self.input)]
+        return self.input
+
+    @field_validator("background")
     @classmethod
     def _not_true(cls, value: bool | None) -> bool | None:
         if value:
             raise ValueError(f"true is not supported: {_STATE_HINT}")
         return value
 
-    @field_validator("previous_response_id", "conversation", "prompt")
+    @field_validator("conversation", "prompt")
     @classmethod
     def _not_sent(cls, value: Any) -> Any:
         if value is not None:
@@ -263,8 +274,8 @@ class ResponseObject(BaseModel):
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool
-    previous_response_id: None = None
-    store: Literal[False] = False
+    previous_response_id: str | None = None
+    store: bool = False
     temperature: float | None
     text: TextConfig
     tool_choice: ToolChoice

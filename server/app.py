@@ -106,10 +106,11 @@ def build_app(
         yield
         async_engine.shutdown()
 
-    app = FastAPI(title="metal-serve", lifespan=lifespan)
+    # No /docs or /redoc: their pages load scripts from a CDN into this server's origin.
+    app = FastAPI(title="metal-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     _add_guards(app, options, Drain(async_engine))
-    metrics = ServerMetrics(async_engine.stats, served_model_name)
+    metrics = ServerMetrics(async_engine.stats, served_model_name, async_engine.prompts_waiting)
     async_engine.observe_requests(metrics.request)
     serving = Serving(async_engine, served_model_name, max_n, tool_call_parser)
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
@@ -137,6 +138,11 @@ def _service_router(
     @router.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @router.api_route("/api/hello", methods=["GET", "HEAD"])
+    async def hello() -> Response:
+        """Claude Code's reachability probe (`HEAD /api/hello`) before each run."""
+        return Response(status_code=200)
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -169,7 +175,7 @@ def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(options.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["*"],  # the SDKs send many of their own (x-stainless-*, ...)
             expose_headers=["x-request-id", "retry-after"],
         )  # fmt: skip

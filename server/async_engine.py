@@ -26,19 +26,21 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from metal_engine.outputs import RequestOutput
 from metal_engine.parallel.group import RankLost
 from server.engine_stats import EngineStats, read_engine_stats
 from server.http.logs import current_request_id
 from server.http.tenants import current_tenant
+from server.prompt_worker import PromptWorker, max_prompt_text_bytes
 from server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
     from scheduler.sampling_params import StructuredOutput
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -165,11 +167,11 @@ class _Add:
 class AsyncEngine:
     """Async front of an engine that only one thread may touch.
 
-    `generate` may be called from any event loop; `tokenizer`, `model_name`,
-    `max_model_len` and `sampling_defaults` (what requests get for the sampling fields they
-    leave unset) are read-only and safe to use from handlers; `stats()` is a snapshot the
-    engine thread publishes after every step, and `live_requests()` what the handlers have
-    seen of theirs. At most `max_queued_requests` requests (None:
+    `generate` and `prepare` may be called from any event loop; `tokenizer`, `model_name`,
+    `max_model_len`, `max_prompt_bytes` and `sampling_defaults` (what requests get for the
+    sampling fields they leave unset) are read-only and safe to use from handlers; `stats()`
+    is a snapshot the engine thread publishes after every step, and `live_requests()` what the
+    handlers have seen of theirs. At most `max_queued_requests` requests (None:
     no limit) may wait for their first output; more raise `QueueFull`. Without
     `report_cached_tokens`, every output says 0 cached tokens (the hits are still used).
     """
@@ -198,6 +200,9 @@ class AsyncEngine:
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         # One at a time: a client sending many slow schemas delays only other grammars.
         self._grammar_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._prompts = PromptWorker()
+        # Prompt text longer than this cannot fit the context: refused before tokenizing.
+        self.max_prompt_bytes = max_prompt_text_bytes(engine.tokenizer, engine.max_model_len)
 
     @property
     def tokenizer(self) -> Any:
@@ -210,6 +215,23 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def prompts_waiting(self) -> int:
+        """Prompts waiting to be rendered and tokenized, their clients still connected."""
+        return self._prompts.waiting()
+
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, which renders and tokenizes a prompt, on the prompt worker
+        (server.prompt_worker). Its request counts as waiting for its first token meanwhile:
+        past `max_queued_requests`, `QueueFull`; a client that leaves, `ClientGone`."""
+        with self._cond:
+            if self._queue_full_locked():
+                raise QueueFull(self.max_queued_requests)
+            self._num_awaiting_first += 1
+        try:
+            return await self._prompts.run(fn, *args)
+        finally:
+            self._release_queue_slot()
 
     async def _compile_grammar(self, structured: StructuredOutput) -> None:
         """Compile a request's grammar on the grammar worker, off the engine thread: a
@@ -251,6 +273,7 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         self._grammar_worker.shutdown(wait=False, cancel_futures=True)
+        self._prompts.stop()
         if self._thread is not None:
             self._thread.join(timeout)
 

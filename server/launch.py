@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,7 @@ def serve(args: argparse.Namespace) -> int:
     if (peers := engine.peers) is not None:
         peers.watch(bridge.report_fatal)
     run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
-               args.client_timeout)
+               args.client_timeout, args.max_connections)
     return 1 if bridge.fatal is not None else 0
 
 
@@ -100,14 +101,21 @@ def _resolve_model(args: argparse.Namespace) -> Path:
 def _sampling_defaults(model_dir: Path, args: argparse.Namespace) -> SamplingDefaults:
     """What requests get for the sampling fields they leave unset; logged, since a model's
     generation_config.json can change answers a lot."""
-    from server.sampling_defaults import generation_config_path, load_sampling_defaults
+    from server.sampling_defaults import (
+        MAX_NEW_TOKENS,
+        generation_config_path,
+        load_sampling_defaults,
+    )
 
-    choice, override = args.generation_config, args.override_generation_config
+    choice, override = args.generation_config, dict(args.override_generation_config)
+    if args.default_max_tokens is not None:
+        override[MAX_NEW_TOKENS] = args.default_max_tokens
     defaults = load_sampling_defaults(model_dir, choice, override)
+    defaults = replace(defaults, max_tokens_limit=args.max_tokens_limit)
     path = generation_config_path(model_dir, choice)
     origin = str(path) if path is not None else "the neutral defaults"
     if override:
-        origin += " under --override-generation-config"
+        origin += " under --override-generation-config / --default-max-tokens"
     log.info("sampling defaults for unset request fields: %s (from %s)", defaults.describe(),
              origin)
     return defaults

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,41 +23,69 @@ FROM_MODEL, NEUTRAL = "auto", "vllm"
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request gets for each of these it does not send. The neutral values (temperature
-    1, no top-k/top-p/min-p filter, no repetition penalty) are the OpenAI API's defaults."""
+    1, no top-k/top-p/min-p filter, no repetition penalty) are the OpenAI API's defaults.
+
+    Output length: a request without max_tokens may generate `max_new_tokens` (None: up to
+    the end of the context); no request more than `max_tokens_limit` (None: no limit but the
+    context). Agent CLIs ask for 32000-128000, which a small model lost in a loop fills.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    max_new_tokens: int | None = None
+    max_tokens_limit: int | None = None
 
     def __post_init__(self) -> None:
         check_sampling_ranges(
             self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty
         )
+        for name in ("max_new_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):  # fmt: skip
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SamplingDefaults:
         """The defaults `values` sets (generation_config.json keys); other keys are ignored,
         as are nulls. A negative top_k means off, as in vLLM."""
-        picked = {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
+        picked = {k: values[k] for k in DEFAULT_KEYS if values.get(k) is not None}
         for key, value in picked.items():
             _check_number(key, value)
+        for key in ("top_k", MAX_NEW_TOKENS):
+            if key in picked and picked[key] != int(picked[key]):
+                raise ValueError(f"{key} must be an integer, got {picked[key]}")
         if "top_k" in picked:
-            if picked["top_k"] != int(picked["top_k"]):
-                raise ValueError(f"top_k must be an integer, got {picked['top_k']}")
             picked["top_k"] = max(int(picked["top_k"]), 0)
+        if MAX_NEW_TOKENS in picked:
+            picked[MAX_NEW_TOKENS] = int(picked[MAX_NEW_TOKENS])
         return cls(**picked)
+
+    def max_tokens(self, requested: int | None) -> int | None:
+        """What a request asking for `requested` tokens (None: unset) may generate, before
+        the context caps it (None: the context alone)."""
+        asked = self.max_new_tokens if requested is None else requested
+        if self.max_tokens_limit is None:
+            return asked
+        return self.max_tokens_limit if asked is None else min(asked, self.max_tokens_limit)
 
     def merged(self, override: Mapping[str, Any]) -> SamplingDefaults:
         """These defaults with `override`'s keys replaced."""
-        return SamplingDefaults.from_mapping({**asdict(self), **override})
+        limit = {"max_tokens_limit": self.max_tokens_limit}
+        return replace(SamplingDefaults.from_mapping({**asdict(self), **override}), **limit)
 
     def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
+        return ", ".join(f"{k}={v}" for k, v in asdict(self).items() if v is not None)
 
 
-SAMPLING_KEYS = tuple(f.name for f in fields(SamplingDefaults))
+# The knobs a request may also set by the same name.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json's (and vLLM's) name for the default output length.
+MAX_NEW_TOKENS = "max_new_tokens"
+DEFAULT_KEYS = (*SAMPLING_KEYS, MAX_NEW_TOKENS)
 
 
 def _check_number(key: str, value: Any) -> None:
@@ -77,9 +105,9 @@ def parse_override(text: str) -> dict[str, Any]:
         raise ValueError(f"not valid JSON ({exc.msg}): {text!r}") from None
     if not isinstance(value, dict):
         raise ValueError(f'expected a JSON object such as \'{{"temperature": 0.5}}\', got {text!r}')
-    unknown = sorted(set(value) - set(SAMPLING_KEYS))
+    unknown = sorted(set(value) - set(DEFAULT_KEYS))
     if unknown:
-        raise ValueError(f"unknown keys {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
+        raise ValueError(f"unknown keys {', '.join(unknown)}; known: {', '.join(DEFAULT_KEYS)}")
     SamplingDefaults.from_mapping(value)  # a ValueError naming a bad value
     return value
 
@@ -104,7 +132,8 @@ def generation_config_path(model_dir: Path, choice: str) -> Path | None:
 def load_sampling_defaults(
     model_dir: Path, choice: str = FROM_MODEL, override: Mapping[str, Any] | None = None
 ) -> SamplingDefaults:
-    """The defaults in effect: the generation config `choice` names, under `override`."""
+    """The defaults in effect: the generation config `choice` names, under `override`
+    (where `--default-max-tokens` lands too, as `max_new_tokens`)."""
     path = generation_config_path(model_dir, choice)
     loaded = SamplingDefaults()
     if path is not None:

@@ -207,16 +207,29 @@ def _add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
         "--generation-config",
         default=FROM_MODEL,
         metavar="auto|vllm|DIR",
-        help="where requests that leave temperature, top_p, top_k, min_p or "
-        "repetition_penalty unset get them: auto (default) the model's generation_config.json, "
-        "vllm the neutral defaults (temperature 1, no filters), or DIR/generation_config.json",
+        help="where requests that leave temperature, top_p, top_k, min_p, "
+        "repetition_penalty or max_tokens unset get them: auto (default) the model's "
+        "generation_config.json, vllm the neutral defaults (temperature 1, no filters), or "
+        "DIR/generation_config.json",
     )
     group.add_argument(
         "--override-generation-config",
         type=_override,
         default={},
         metavar="JSON",
-        help='a JSON object over those defaults, e.g. \'{"temperature": 0.5}\'',
+        help='a JSON object over those defaults, e.g. \'{"temperature": 0.5}\' or '
+        '\'{"max_new_tokens": 4096}\'',
+    )
+    group.add_argument(
+        "--default-max-tokens", type=_positive_int, metavar="N",
+        help="most tokens an answer may have when its request sets no max_tokens (default: "
+        "the generation config's max_new_tokens, else up to the end of the context)",
+    )
+    group.add_argument(
+        "--max-tokens-limit", type=_positive_int, metavar="N",
+        help="most tokens any answer may have, whatever its request asks for (agent CLIs ask "
+        "for 32000-128000); past it the answer ends with finish_reason length (default: the "
+        "context's end)",
     )
 
 
@@ -363,6 +376,14 @@ def _add_limit_arguments(group: argparse._ArgumentGroup) -> None:
         default=DEFAULT_MAX_QUEUED_REQUESTS,
         help="most requests waiting for their first token; more get a 429 with Retry-After "
         f"(default {DEFAULT_MAX_QUEUED_REQUESTS})",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        metavar="N",
+        help="most open client connections; past it the longest-idle one is closed, or the "
+        "newcomer gets a 503 when all are busy (default: half the open-file limit, which the "
+        "server raises to its hard limit at start)",
     )
     group.add_argument(
         "--shutdown-timeout",

@@ -271,9 +271,11 @@ def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda bridge, name, max_n, options, **_: seen.update(
         bridge=bridge, options=options))  # fmt: skip
-    monkeypatch.setattr(shutdown, "run_server", lambda *args: seen.update(timeout=args[-2]))
+    monkeypatch.setattr(shutdown, "run_server", lambda *args: seen.update(
+        timeout=args[-3], max_connections=args[-1]))  # fmt: skip
     origins = ["--allowed-origins", "http://a.test, http://b.test"]
-    limits = ["--max-request-body", "1MiB", "--max-queued-requests", "5"]
+    limits = ["--max-request-body", "1MiB", "--max-queued-requests", "5",
+              "--max-connections", "300"]
     argv = ["serve", *origins, *limits, "--shutdown-timeout", "7.5", "--log-prompts"]
     assert main(argv) == 0
     assert seen["options"] == HttpOptions(
@@ -281,7 +283,7 @@ def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
         allowed_hosts=frozenset({"localhost", "127.0.0.1", "::1"}),
     )  # fmt: skip
     assert seen["bridge"].max_queued_requests == 5 and seen["bridge"].log_prompts
-    assert seen["timeout"] == 7.5
+    assert seen["timeout"] == 7.5 and seen["max_connections"] == 300
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,8 @@ from server.async_engine import AsyncEngine
 from server.cli import build_parser
 from server.http import body_limit
 from server.http.body_limit import MAX_JSON_VALUES, json_value_count
-from server.http.client_timeouts import ResponseDeadline, timed_protocol
+from server.http.client_timeouts import ResponseDeadline
+from server.http.connections import server_protocol
 from server.http.host_check import allowed_hosts, host_name
 from server.launch import _http_options
 
@@ -106,7 +107,7 @@ def _closed_within(sock: socket.socket, limit_s: float) -> bool:
 
 
 def test_headers_trickled_byte_by_byte_are_cut_off():
-    with serving(http=timed_protocol(TIMEOUT_S)) as (_, _, url):
+    with serving(http=server_protocol(TIMEOUT_S, 1024)) as (_, _, url):
         sock = _connect(url)
         start = time.monotonic()
         head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: "
@@ -123,14 +124,14 @@ def test_headers_trickled_byte_by_byte_are_cut_off():
 
 
 def test_a_silent_connection_is_closed():
-    with serving(http=timed_protocol(TIMEOUT_S)) as (_, _, url):
+    with serving(http=server_protocol(TIMEOUT_S, 1024)) as (_, _, url):
         sock = _connect(url)
         assert _closed_within(sock, TIMEOUT_S + SLACK_S)
 
 
 def test_a_trickled_body_gets_a_408_and_frees_the_drain():
     options = HttpOptions(client_timeout_s=TIMEOUT_S)
-    with serving(options, http=timed_protocol(TIMEOUT_S)) as (_, app, url):
+    with serving(options, http=server_protocol(TIMEOUT_S, 1024)) as (_, app, url):
         sock = _connect(url)
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -291,3 +292,30 @@ def test_a_body_of_too_many_values_is_refused_before_it_is_parsed():
         prose = "one, two, [three], {four}, " * 40_000  # commas in text are no values
         parsed = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": prose})
         assert parsed.json()["error"]["code"] == "context_length_exceeded"  # (a tiny context)
+
+
+# ---- what a web page can send without a preflight ---------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded"])
+def test_a_body_not_typed_as_json_is_refused(content_type):
+    """A page posts a JSON text as a plain-text, form or untyped body (a Blob) to a keyless
+    local server with no CORS preflight; each is refused before any route reads it."""
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    with serving() as (_, _, url):
+        for path in ("/v1/completions", "/v1/messages"):
+            answer = httpx.post(f"{url}{path}", content=json.dumps(COMPLETION).encode(),
+                                headers=headers)  # fmt: skip
+            assert answer.status_code == 415, answer.text
+            assert "Content-Type: application/json" in answer.text
+        typed = httpx.post(f"{url}/v1/completions", json=COMPLETION)
+        assert typed.status_code == 200, typed.text
+
+
+def test_no_api_docs_page_loads_scripts_from_elsewhere_and_claude_codes_probe_answers():
+    with serving() as (_, _, url):
+        assert httpx.get(f"{url}/docs").status_code == 404
+        assert httpx.get(f"{url}/redoc").status_code == 404
+        assert httpx.get(f"{url}/openapi.json").status_code == 200
+        assert httpx.head(f"{url}/api/hello").status_code == 200

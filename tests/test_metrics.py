@@ -93,7 +93,8 @@ def test_metrics_have_vllm_names_and_types(served):
         assert f"vllm:request_success_total{{finished_reason={reason}}}" in samples
     assert "vllm:time_to_first_token_seconds_bucket{le=2560.0}" in samples  # vLLM's buckets
     own = {name for name in types if name.startswith("metal_serve_")}
-    assert own <= {"metal_serve_requests_rejected", "metal_serve_requests_rejected_created"}
+    assert own <= {"metal_serve_requests_rejected", "metal_serve_requests_rejected_created",
+                   "metal_serve_prompts_waiting"}
     assert "vllm:external_prefix_cache_hits" not in types  # no disk tier here
 
 

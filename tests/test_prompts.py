@@ -1,5 +1,6 @@
-"""Where prompts are tokenized: on the prompt worker, never on the event loop, for every API;
-and only once the request's count of choices (`n` times its prompts) is known to fit `--max-n`."""
+"""Where prompts are tokenized: on the prompt worker's short lane for small bodies, never on the
+event loop, for every API; and only once the request's count of choices (`n` times its
+prompts) is known to fit `--max-n`."""
 
 from __future__ import annotations
 
@@ -53,9 +54,7 @@ def test_prompts_are_tokenized_on_the_prompt_worker(served, path, body):
     tokenizer, client = served
     tokenizer.threads.clear()
     assert client.post(path, json={"model": "m", **body}).status_code == 200
-    assert tokenizer.threads and {name.split("_")[0] for name in tokenizer.threads} == {
-        "prompt-worker"
-    }
+    assert tokenizer.threads and set(tokenizer.threads) == {"prompt-short"}
 
 
 @pytest.mark.parametrize("path, body", [

@@ -17,7 +17,7 @@ from victim import GAP_BOUND_S, Victim
 
 from server.app import HttpOptions, build_app
 from server.async_engine import AsyncEngine
-from server.http.client_timeouts import timed_protocol
+from server.http.connections import server_protocol
 from server.http.limits import MAX_LOGIT_BIAS
 
 HUGE_TOP_K = 2**40  # past int32: it was an OverflowError on the engine thread
@@ -187,7 +187,7 @@ def test_trickling_clients_spare_the_others(default_model_dir):
     long and slow no one down; each is cut off at the client timeout."""
     engine = small_engine(default_model_dir, 512)
     app = build_app(AsyncEngine(engine), "m", options=HttpOptions(client_timeout_s=1.0))
-    with running_app(app, http=timed_protocol(1.0)) as url, Victim(url) as victim:
+    with running_app(app, http=server_protocol(1.0, 1024)) as url, Victim(url) as victim:
         port = int(url.rsplit(":", 1)[1])
         socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
         for i, sock in enumerate(socks):

@@ -4,6 +4,7 @@ to the fields a request leaves unset, on every API; explicit values win."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import httpx
@@ -169,3 +170,70 @@ def test_model_cards_show_the_defaults_and_context(served):
     assert [card["sampling_defaults"]["temperature"] for card in cards] == [0.2, 0.2]
     assert cards[0]["sampling_defaults"]["top_k"] == 40
     assert cards[0]["max_model_len"] == engine.max_model_len
+
+
+# ---------------------------------------------------------------- output length
+
+
+def test_max_new_tokens_comes_from_the_generation_config_and_the_override(tmp_path):
+    model = _folder(tmp_path, "model", {**HF_GENERATION_CONFIG, "max_new_tokens": 256})
+    assert load_sampling_defaults(model).max_new_tokens == 256
+    assert load_sampling_defaults(model, override={"max_new_tokens": 64}).max_new_tokens == 64
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
+        parse_override('{"max_new_tokens": 1.5}')
+
+
+@pytest.mark.parametrize(("default", "limit", "requested", "expected"), [
+    (None, None, None, None), (100, None, None, 100), (100, None, 5000, 5000),
+    (None, 50, None, 50), (None, 50, 128000, 50), (100, 50, None, 50), (10, 50, 20, 20),
+])  # fmt: skip
+def test_what_a_request_may_generate(default, limit, requested, expected):
+    defaults = SamplingDefaults(max_new_tokens=default, max_tokens_limit=limit)
+    assert defaults.max_tokens(requested) == expected
+
+
+@pytest.fixture(scope="module")
+def length_served():
+    """(base URL, engine) of an app with a default output length of 7 and a limit of 50."""
+    engine = ScriptedEngine(["ok"])
+    defaults = SamplingDefaults(max_new_tokens=7, max_tokens_limit=50)
+    with running_app(build_app(AsyncEngine(engine, sampling_defaults=defaults), "m")) as url:
+        yield url, engine
+
+
+@pytest.mark.parametrize(("route", "fields", "expected"), [
+    ("/v1/chat/completions", {}, 7),
+    ("/v1/chat/completions", {"max_tokens": 32000}, 50),  # Qwen Code's
+    ("/v1/chat/completions", {"max_completion_tokens": 20}, 20),
+    ("/v1/completions", {}, 7),
+    ("/v1/responses", {}, 7),  # Codex sends none
+    ("/v1/responses", {"max_output_tokens": 128000}, 50),
+    ("/v1/messages", {"max_tokens": 128000}, 50),  # Claude Code's
+])  # fmt: skip
+def test_output_length_defaults_and_limit_reach_the_engine(length_served, route, fields,
+                                                           expected):
+    url, engine = length_served
+    engine.params.clear()
+    body = {"model": "m", **ROUTES[route], **fields}
+    assert httpx.post(f"{url}{route}", json=body).status_code == 200
+    (params,) = engine.params.values()
+    assert params.max_tokens == expected
+
+
+@pytest.mark.slow
+def test_a_request_without_max_tokens_stops_at_the_servers_default(default_model_dir, tmp_path):
+    import openai
+
+    from server.bench.server_process import free_port, running_server
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [str(Path(sys.executable).parent / "metal-serve"), "serve", str(default_model_dir),
+               "--port", str(port), "--max-model-len", "2048", "--kv-cache-memory", "128MiB",
+               "--default-max-tokens", "6"]  # fmt: skip
+    with running_server(command, url, tmp_path / "server.log", timeout_s=120):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        answer = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Write a long story about a cat."}])
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 6

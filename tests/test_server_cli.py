@@ -130,7 +130,8 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
         built.append({"max_n": max_n, "tool_call_parser": tool_call_parser})
 
     monkeypatch.setattr(launch, "_load_engine",
-                        lambda model_dir, args: SimpleNamespace(peers=None))
+                        lambda model_dir, args: SimpleNamespace(peers=None, tokenizer=None,
+                                                                 max_model_len=1))
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", build_app)
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
@@ -173,7 +174,8 @@ def _served_defaults(monkeypatch, argv):
 
     built = []
     monkeypatch.setattr(launch, "_load_engine",
-                        lambda model_dir, args: SimpleNamespace(peers=None))
+                        lambda model_dir, args: SimpleNamespace(peers=None, tokenizer=None,
+                                                                 max_model_len=1))
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda engine, *args, **kw: built.append(engine))
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)

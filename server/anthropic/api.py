@@ -17,7 +17,6 @@ from server.anthropic.protocol import CountTokensRequest, MessagesRequest, Token
 from server.async_engine import AsyncEngine
 from server.core import assistant_turn
 from server.core.chat_turn import prepare_chat
-from server.core.prompts import off_loop
 from server.core.turn_serving import serve_turn
 from server.http.limits import check_request_limits
 
@@ -42,7 +41,8 @@ def anthropic_router(
         """The prompt tokens a /v1/messages call with these fields reports."""
         check_request_limits(body)  # the same caps: counting renders every tool too
         chat = chat_request(body)
-        prepared = await off_loop(prepare_chat, engine.tokenizer, chat, tool_call_parser)
+        prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, tool_call_parser,
+                                        engine.max_prompt_bytes)
         return TokenCount(input_tokens=len(prepared.ids)).model_dump()
 
     return router

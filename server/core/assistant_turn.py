@@ -21,7 +21,7 @@ from scheduler.request import FinishReason
 from server.async_engine import AsyncEngine, EngineError
 from server.core import generation
 from server.core.chat_turn import prepare_chat
-from server.core.prompts import check_context, off_loop
+from server.core.prompts import check_context
 from server.core.tool_call_stream import CallPiece
 from server.http.errors import APIError
 from server.openai.choice_streams import ChatChoiceStream
@@ -111,10 +111,11 @@ async def start(
     still a 400; its `param` is renamed through `param_names` to the caller's field."""
     names = param_names or {}
     try:
-        prepared = await off_loop(prepare_chat, engine.tokenizer, chat, parser_name)
+        prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, parser_name,
+                                        engine.max_prompt_bytes)
         max_tokens = check_context(
             len(prepared.ids),
-            chat.requested_max_tokens(),
+            engine.sampling_defaults.max_tokens(chat.requested_max_tokens()),
             engine.max_model_len,
             names.get("messages", "messages"),
         )

@@ -57,13 +57,15 @@ def load_chat_format(tokenizer: Any) -> None:
 
 
 def prepare_chat(
-    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None
+    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None,
+    max_text_bytes: int | None = None,
 ) -> PreparedChat:
     """The request in the model's format; a 400 for what that format cannot carry.
-    `parser_name` (`--tool-call-parser`) only concerns chat templates."""
+    `parser_name` (`--tool-call-parser`) only concerns chat templates; a rendered template
+    past `max_text_bytes` is refused before it is tokenized."""
     if speaks_harmony(tokenizer):
         return _harmony_chat(tokenizer, chat)
-    prompt, plan = prompt_of(tokenizer, chat, parser_name)
+    prompt, plan = prompt_of(tokenizer, chat, parser_name, max_text_bytes)
     starts_inside = opens_reasoning(prompt.text)
 
     def new_parser() -> TurnParser:

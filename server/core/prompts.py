@@ -1,34 +1,22 @@
 """Turn chat conversations / prompts into token ids, and check them against the context.
 
-Rendering and tokenizing run on one worker thread (`off_loop`): a megabyte prompt keeps the
-tokenizer busy for a second, which on the event loop would stall every stream and `/health`.
+These run on the prompt worker (`AsyncEngine.prepare`), never on the event loop: a megabyte
+prompt keeps the tokenizer busy for a second. Text too long to fit the context whatever its
+tokens is refused before it is tokenized (`max_text_bytes`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import re
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
 from server.core.chat_tools import ToolPlan, plan_tools
 from server.http.errors import APIError, clip
 from server.openai.protocol import ChatCompletionRequest
-
-T = TypeVar("T")
-
-# One worker, as in vLLM: prompts are tokenized one at a time, so only one such thread competes
-# with the event loop and the engine for the GIL, and no two threads encode at once.
-_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-worker")
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on the prompt worker; the event loop serves other requests meanwhile."""
-    return await asyncio.get_running_loop().run_in_executor(_WORKER, fn, *args)
 
 
 class ChatPrompt(NamedTuple):
@@ -37,11 +25,13 @@ class ChatPrompt(NamedTuple):
 
 
 def prompt_of(
-    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None
+    tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None,
+    max_text_bytes: int | None = None,
 ) -> tuple[ChatPrompt, ToolPlan]:
     """The rendered prompt (tools described or passed to the template) and the tool plan."""
     plan = plan_tools(chat, chat_template(tokenizer), parser_name)
-    return chat_prompt(tokenizer, plan.conversation(chat.messages), plan.template_tools()), plan
+    conversation = plan.conversation(chat.messages)
+    return chat_prompt(tokenizer, conversation, plan.template_tools(), max_text_bytes), plan
 
 
 def chat_template(tokenizer: Any) -> str:
@@ -56,7 +46,8 @@ def chat_template(tokenizer: Any) -> str:
 
 
 def chat_prompt(
-    tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+    max_text_bytes: int | None = None,
 ) -> ChatPrompt:
     """Render the model's chat template (with the assistant turn opened) and tokenize it.
 
@@ -68,6 +59,7 @@ def chat_prompt(
     extra = {"tools": tools} if tools else {}
     text = _render(tokenizer, conversation, tokenize=False, **extra)
     _check_unicode(text, "messages")
+    check_text_fits(text, max_text_bytes, "messages")
     if not _holds_control_tokens(tokenizer, conversation, tools):
         # Nothing to sanitize: the template's text holds only its own special tokens.
         return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
@@ -134,10 +126,13 @@ def _strings(value: Any) -> Iterator[tuple[str, bool]]:
             yield from _strings(item)
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+def completion_prompt_ids(
+    tokenizer: Any, prompt: str | list[int], max_text_bytes: int | None = None
+) -> list[int]:
     """Token ids of one completion prompt: a string, or token ids."""
     if isinstance(prompt, str):
         _check_unicode(prompt, "prompt")
+        check_text_fits(prompt, max_text_bytes, "prompt")
         return list(tokenizer.encode(prompt))
     check_token_ids(tokenizer, prompt, "prompt")
     return [int(t) for t in prompt]
@@ -154,6 +149,26 @@ def _check_unicode(text: str, param: str) -> None:
             f"{param}: the text holds a lone UTF-16 surrogate (\\u{code:04x}); send valid Unicode.",
             param=param,
         ) from None
+
+
+def completion_prompts_ids(
+    tokenizer: Any, prompts: list[str] | list[list[int]], max_text_bytes: int | None = None
+) -> list[list[int]]:
+    """Token ids of each of a completion request's prompts."""
+    return [completion_prompt_ids(tokenizer, prompt, max_text_bytes) for prompt in prompts]
+
+
+def check_text_fits(text: str, max_text_bytes: int | None, param: str) -> None:
+    """A 400, before tokenizing, for text longer than any prompt the context holds."""
+    if max_text_bytes is None or len(text) * 4 <= max_text_bytes:  # 4: most bytes a char has
+        return
+    size = len(text.encode("utf-8"))
+    if size > max_text_bytes:
+        raise APIError(
+            f"The {param} is {size} bytes of text; at most {max_text_bytes} fit in this model's "
+            f"context; shorten the {param}.",
+            param=param, code="context_length_exceeded",
+        )  # fmt: skip
 
 
 def check_token_ids(tokenizer: Any, token_ids: Iterable[int], param: str) -> None:

@@ -7,6 +7,10 @@
 - `MAX_JSON_VALUES`: validating a body costs time on the event loop per JSON value, whatever
   the values are (a million small token ids took seconds, stalling every stream); bodies
   with more values get a 413 before they are parsed.
+
+A body must also say it is JSON (`Content-Type: application/json`), else a 415: a web page
+can post a body without that header to a local server without asking first (no CORS
+preflight), so a keyless server would otherwise run any page's prompts.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.http.client_presence import track_client
 from server.http.errors import APIError, request_too_large
 
 # Arrays, objects, strings and numbers all count. Room for a 128k-token prompt sent as ids,
@@ -50,6 +55,14 @@ def too_many_values(count: int) -> APIError:
     )
 
 
+def not_json(content_type: str) -> APIError:
+    return APIError(
+        f"The request body must be JSON sent with Content-Type: application/json; got "
+        f"{content_type or 'no Content-Type'}.",
+        status_code=415, code="unsupported_media_type",
+    )  # fmt: skip
+
+
 def body_late(timeout_s: float) -> APIError:
     return APIError(
         f"The request body did not arrive within {timeout_s:g}s of its headers.",
@@ -81,7 +94,7 @@ class RequestBody:
         try:
             if _content_length(scope) > self.max_bytes:
                 raise _Refused(request_too_large())
-            first = await self._read(receive)
+            first = await self._read(receive, _header(scope, b"content-type"))
         except _Refused as refused:
             await refused.error.response(scope["path"])(scope, receive, send)
             return
@@ -94,9 +107,10 @@ class RequestBody:
             delivered = True
             return first
 
+        track_client(receive, len(first.get("body", b"")))
         await self.app(scope, replay, send)
 
-    async def _read(self, receive: Receive) -> Message:
+    async def _read(self, receive: Receive, content_type: str) -> Message:
         """The body as one `http.request` message (or the disconnect that cut it short)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
@@ -117,14 +131,26 @@ class RequestBody:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
+        if body and not _is_json(content_type):
+            raise _Refused(not_json(content_type))
         values = json_value_count(body)
         if values > MAX_JSON_VALUES:
             raise _Refused(too_many_values(values))
         return {"type": "http.request", "body": body, "more_body": False}
 
 
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
 def _content_length(scope: Scope) -> int:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else 0  # uvicorn rejects malformed ones
-    return 0
+    value = _header(scope, b"content-length")
+    return int(value) if value.isdigit() else 0  # uvicorn rejects malformed ones
+
+
+def _is_json(content_type: str) -> bool:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")

@@ -24,7 +24,7 @@ class TimedH11Protocol(H11Protocol):
     time. uvicorn's keep-alive timer covers an idle connection, but stops at the first byte
     of the next request; this one runs from then until the headers are parsed."""
 
-    header_timeout_s: float  # set per server by `timed_protocol`
+    header_timeout_s: float  # set per server by `server.http.connections.server_protocol`
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -59,11 +59,6 @@ class TimedH11Protocol(H11Protocol):
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
-
-
-def timed_protocol(timeout_s: float) -> type[TimedH11Protocol]:
-    """The protocol class for `uvicorn.Config(http=...)` with this header deadline."""
-    return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout_s": timeout_s})
 
 
 class _ClientGone(Exception):

@@ -17,19 +17,20 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.async_engine import QueueFull
+from server.http.client_presence import ClientGone
 
 log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
     405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-    429: "rate_limit_error",
+    415: "invalid_request_error", 429: "rate_limit_error",
 }  # fmt: skip
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-    503: "overloaded_error", 529: "overloaded_error",
+    404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error",
 }  # fmt: skip
 
 
@@ -218,6 +219,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFull)
     async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
         return _queue_full_error(exc).response(request.url.path)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> JSONResponse:
+        # Nobody reads it; the status (nginx's "client closed request") is for the log.
+        error = APIError("The client disconnected before its request ran.", status_code=499,
+                         code="client_closed_request")
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -20,6 +20,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -45,7 +46,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class ServerMetrics:
     """The registry behind `/metrics` (one per app, so several apps can share a process)."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats], model_name: str,
+        prompts_waiting: Callable[[], int] | None = None,
+    ) -> None:  # fmt: skip
         self.registry = reg = CollectorRegistry()
         self._labels = labels = (model_name, ENGINE_INDEX)
         self.ttft = _histogram(reg, labels, "vllm:time_to_first_token_seconds",
@@ -73,6 +77,11 @@ class ServerMetrics:
             "metal_serve_requests_rejected", "Requests refused before they ran (invalid for "
             "the engine, or the waiting queue was full).", LABEL_NAMES, registry=reg,
         ).labels(*labels)  # fmt: skip
+        if prompts_waiting is not None:
+            Gauge(
+                "metal_serve_prompts_waiting", "Prompts waiting to be rendered and tokenized "
+                "(their clients still connected).", LABEL_NAMES, registry=reg,
+            ).labels(*labels).set_function(prompts_waiting)  # fmt: skip
         reg.register(_EngineCollector(engine_stats, labels))
         self.recent = RecentActivity()
 

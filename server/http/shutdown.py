@@ -22,7 +22,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.async_engine import AsyncEngine
 from server.heap import freeze_startup_objects
-from server.http.client_timeouts import timed_protocol
+from server.http.connections import (
+    AcceptErrorSummary,
+    default_max_connections,
+    raise_open_file_limit,
+    server_protocol,
+)
 from server.http.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -95,6 +100,7 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(AcceptErrorSummary())
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -120,15 +126,19 @@ _DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 def run_server(
     app: FastAPI, host: str, port: int, log_level: str, timeout_s: float,
-    client_timeout_s: float,
+    client_timeout_s: float, max_connections: int | None = None,
 ) -> None:  # fmt: skip
     """Serve `app` (built by `build_app`) until a signal, then drain it (see the module doc);
-    request headers must arrive within `client_timeout_s`."""
+    request headers must arrive within `client_timeout_s`; at most `max_connections` stay
+    open (default: from the open-file limit, see server.http.connections)."""
+    open_files = raise_open_file_limit()
+    max_connections = max_connections or default_max_connections(open_files)
+    log.info("open-file limit %d; at most %d connections", open_files, max_connections)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
         log_config=None,  # keep `configure_logging`'s handler, which stamps request ids
         timeout_graceful_shutdown=_ABORTED_REPLY_GRACE_S,  # after our drain, only stragglers
-        http=timed_protocol(client_timeout_s),
+        http=server_protocol(client_timeout_s, max_connections),
     )  # fmt: skip
     freeze_startup_objects()
     DrainingServer(config, app.state.drain, timeout_s).run()

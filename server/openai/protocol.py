@@ -497,7 +497,7 @@ class ModelCard(BaseModel):
     owned_by: str = "metal-serve"
     max_model_len: int | None = None  # as vLLM's cards say
     # What a request gets for the sampling fields it leaves unset (see --generation-config).
-    sampling_defaults: dict[str, float | int] | None = None
+    sampling_defaults: dict[str, float | int | None] | None = None
     # Parameters in all, and those each token runs through (fewer for a mixture of experts).
     num_parameters: int | None = None
     active_parameters: int | None = None

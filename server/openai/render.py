@@ -13,7 +13,7 @@ from fastapi import APIRouter
 
 from server.async_engine import AsyncEngine
 from server.core.chat_turn import prepare_chat
-from server.core.prompts import completion_prompt_ids, off_loop
+from server.core.prompts import completion_prompts_ids
 from server.http.limits import check_request_limits
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses.input import chat_request
@@ -28,7 +28,8 @@ def render_router(engine: AsyncEngine, tool_call_parser: str | None = None) -> A
 
     async def chat_ids(chat: ChatCompletionRequest) -> dict:
         check_request_limits(chat)
-        prepared = await off_loop(prepare_chat, tokenizer, chat, tool_call_parser)
+        prepared = await engine.prepare(prepare_chat, tokenizer, chat, tool_call_parser,
+                                        engine.max_prompt_bytes)
         return {"token_ids": prepared.ids}
 
     @router.post("/v1/chat/completions/render")
@@ -42,7 +43,8 @@ def render_router(engine: AsyncEngine, tool_call_parser: str | None = None) -> A
     @router.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict]:
         prompts = body.prompts()
-        ids = await off_loop(lambda: [completion_prompt_ids(tokenizer, p) for p in prompts])
+        ids = await engine.prepare(completion_prompts_ids, tokenizer, prompts,
+                                   engine.max_prompt_bytes)
         return [{"token_ids": prompt_ids} for prompt_ids in ids]
 
     return router

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from server.async_engine import AsyncEngine
 from server.core import generation
 from server.core.chat_turn import prepare_chat
-from server.core.prompts import check_context, check_token_ids, completion_prompt_ids, off_loop
+from server.core.prompts import check_context, check_token_ids, completion_prompts_ids
 from server.core.tool_parser_choice import parser_named
 from server.http.errors import APIError
 from server.http.sse import CLIENT_CLOSED, event_stream
@@ -76,7 +76,8 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         tokenizer = self.engine.tokenizer
         self._check_count(body.n, 1)
-        prepared = await off_loop(prepare_chat, tokenizer, body, self.tool_call_parser)
+        prepared = await self.engine.prepare(prepare_chat, tokenizer, body, self.tool_call_parser,
+                                             self.engine.max_prompt_bytes)
 
         def new_stream(_: int) -> ChatChoiceStream:
             return ChatChoiceStream(
@@ -104,7 +105,8 @@ class Serving:
         tokenizer = self.engine.tokenizer
         prompts = body.prompts()
         self._check_count(body.n, len(prompts))  # before a single prompt is tokenized
-        prompt_ids = await off_loop(lambda: [completion_prompt_ids(tokenizer, p) for p in prompts])
+        prompt_ids = await self.engine.prepare(completion_prompts_ids, tokenizer, prompts,
+                                               self.engine.max_prompt_bytes)
 
         def new_stream(k: int) -> CompletionChoiceStream:
             p = k // body.n
@@ -134,7 +136,8 @@ class Serving:
     ) -> Response:
         count = len(prompts) * body.n
         # One SamplingParams serves every prompt, so the longest one bounds max_tokens.
-        requested, context = body.requested_max_tokens(), self.engine.max_model_len
+        defaults, context = self.engine.sampling_defaults, self.engine.max_model_len
+        requested = defaults.max_tokens(body.requested_max_tokens())
         max_tokens = min(
             check_context(len(ids), requested, context, endpoint.prompt_param) for ids in prompts
         )

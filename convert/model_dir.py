@@ -16,10 +16,11 @@ from tqdm import tqdm
 from convert.layout import config_dict, stored_shapes, tensor_shapes
 from convert.quantize import TensorQuantizer, quantization_entries
 from convert.source import ModelSource, fingerprint
+from metal_engine.model_config import MANIFEST_FILE
+from metal_engine.model_dtype import source_dtype
 from metal_engine.quantization import QuantParams
 
 CONVERTER_VERSION = "1"
-MANIFEST_FILE = "metal_serve_manifest.json"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 MAX_SHARD_BYTES = 2 * 1024**3
@@ -153,6 +154,8 @@ def _manifest(source: ModelSource, dtype: str, num_params: int,
             "kind": source.kind,
             "path": str(source.path.resolve()),
             "files": fingerprint(source.files),
+            # What its publisher saved it in: `--dtype auto` runs it so on an Apple GPU.
+            "dtype": source_dtype(source.base_config),
         },
     }
 

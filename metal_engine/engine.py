@@ -26,6 +26,7 @@ from metal_engine.kv_disk_dir import KVDiskDir
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
 from metal_engine.memory_plan import device_memory, plan_for
 from metal_engine.model_config import ModelConfig
+from metal_engine.model_dtype import resolve_dtype
 from metal_engine.models.decoder import CausalLM
 from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.outputs import RequestOutput, TokenLogprobs
@@ -33,7 +34,7 @@ from metal_engine.parallel.group import RankLost
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
 from metal_engine.tokenizer_loading import load_tokenizer
-from metal_engine.weights import load_model, parameter_bytes, resolve_dtype
+from metal_engine.weights import load_model, parameter_bytes
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.scheduler import RequestUpdate, SchedulerOutput
 
@@ -188,7 +189,7 @@ class LLMEngine:
     def _build(cls, config: EngineConfig, peers: Peers | None) -> LLMEngine:
         """`peers`: the other ranks, with a share of the model each (this process is rank 0)."""
         device = device_memory()  # before loading: off a Mac, the weights take what is free
-        dtype = resolve_dtype(config.dtype)
+        dtype = resolve_dtype(config.dtype, config.model_dir)
         split = peers.split if peers is not None else None
         model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
         tokenizer = load_tokenizer(config.model_dir)

@@ -29,8 +29,8 @@ from metal_engine.cache_plan import window_blocks
 from metal_engine.config import default_token_budget
 from metal_engine.kv_cache import bytes_per_block
 from metal_engine.model_config import ModelConfig
+from metal_engine.model_dtype import resolve_dtype
 from metal_engine.recurrent_states import RecurrentStates
-from metal_engine.weights import resolve_dtype
 
 if TYPE_CHECKING:
     from metal_engine.config import EngineConfig
@@ -297,7 +297,7 @@ def plan_for(config: EngineConfig, model: ModelConfig, weights: int,
              device: DeviceMemory | None = None) -> MemoryPlan:
     """The plan for serving `model` (`weights` bytes) as `config` says, on `device` (default:
     this machine, measured now)."""
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_dtype(config.dtype, config.model_dir)
     token_budget = config.max_num_batched_tokens or default_token_budget(mx.metal.is_available())
     kv = kv_footprint(model, dtype, config.kv_cache_dtype, config.block_size,
                       config.max_num_seqs, token_budget)

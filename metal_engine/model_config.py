@@ -316,6 +316,10 @@ class ModelConfig:
         return keys
 
 
+# What `metal-serve convert` records of a dir it wrote (its source, dtypes, converter version).
+MANIFEST_FILE = "metal_serve_manifest.json"
+
+
 def read_config_json(model_dir: Path) -> dict[str, Any]:
     """A model dir's config.json as a dict."""
     path = Path(model_dir) / "config.json"

@@ -41,12 +41,6 @@ FUSED_PROJECTIONS = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
                      "in_proj_ba": ("in_proj_b", "in_proj_a")}
 
 
-def resolve_dtype(name: str) -> mx.Dtype:
-    if name == "auto":
-        return mx.float16 if mx.metal.is_available() else mx.float32
-    return getattr(mx, name)
-
-
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The dir's *.safetensors files; a dir with only pickle checkpoints is refused."""
     files = sorted(Path(model_dir).glob("*.safetensors"))

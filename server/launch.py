@@ -32,7 +32,7 @@ _ENGINE_OPTIONS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
     "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
-    "tensor_parallel_size", "pipeline_parallel_size", "kv_write_through",
+    "tensor_parallel_size", "pipeline_parallel_size", "kv_write_through", "dtype",
 )  # fmt: skip
 # Third-party import-time advice that a server operator cannot act on, e.g. transformers'
 # "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.
@@ -157,12 +157,12 @@ def _fit_memory(config: EngineConfig) -> None:
     """Before the weights load: refuse a model this machine cannot hold (in seconds, not
     after loading it), and set MLX's memory limits from the plan (metal_engine.memory_plan)."""
     from metal_engine.memory_plan import apply_memory_limits, plan_for
+    from metal_engine.model_dtype import resolve_dtype
     from metal_engine.weight_bytes import drafter_weight_bytes, model_dir_weight_bytes
-    from metal_engine.weights import resolve_dtype
 
     if not (config.model_dir / "config.json").is_file():
         return  # not a model dir: loading it names what is missing
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_dtype(config.dtype, config.model_dir)
     model, weights = model_dir_weight_bytes(config.model_dir, dtype)
     apply_memory_limits(plan_for(config, model, weights + drafter_weight_bytes(config, dtype)))
 
@@ -172,13 +172,13 @@ def dry_run(args: argparse.Namespace) -> int:
     reading only config.json and tensor headers. 0 if it fits; 2 if refused or unreadable."""
     from metal_engine.config import resolve_max_model_len
     from metal_engine.memory_plan import MemoryRefused, plan_for
+    from metal_engine.model_dtype import resolve_dtype
     from metal_engine.weight_bytes import drafter_weight_bytes
-    from metal_engine.weights import resolve_dtype
 
     try:
         path, model, weights = _planned_model(args)
         config = _engine_config(path, args)
-        weights += drafter_weight_bytes(config, resolve_dtype(config.dtype))
+        weights += drafter_weight_bytes(config, resolve_dtype(config.dtype, config.model_dir))
         label = path if args.model_dir is not None else f"the default model, {path}"
         print(f"memory plan for {label} ({model.model_type}):")
         plan = plan_for(config, model, weights)
@@ -199,10 +199,10 @@ def dry_run(args: argparse.Namespace) -> int:
 
 
 def _tensor_parallel_traffic(model: ModelConfig, config: EngineConfig) -> list[str]:
+    from metal_engine.model_dtype import resolve_dtype
     from metal_engine.parallel.traffic import step_traffic
-    from metal_engine.weights import resolve_dtype
 
-    dtype_bytes = resolve_dtype(config.dtype).size
+    dtype_bytes = resolve_dtype(config.dtype, config.model_dir).size
     return [line for tokens in (1, 16) for line in
             step_traffic(model, config.tensor_parallel_size, tokens, dtype_bytes).describe()]
 
@@ -212,12 +212,12 @@ def _planned_model(args: argparse.Namespace) -> tuple[Path, ModelConfig, int]:
     source, its config and weight bytes at the dtype it would run in."""
     from convert.api import open_source
     from convert.hub import is_repo_id
+    from metal_engine.model_dtype import resolve_dtype
     from metal_engine.weight_bytes import model_dir_weight_bytes, weight_bytes
-    from metal_engine.weights import resolve_dtype
 
-    dtype = resolve_dtype("auto")
     reference = args.model_dir
     path = _default_model(args.cache_dir) if reference is None else Path(reference).expanduser()
+    dtype = resolve_dtype("auto", path if path.is_dir() else None)
     if path.is_dir():
         return path, *model_dir_weight_bytes(path, dtype)
     if path.is_file():  # a .gguf: converted to float32, then loaded at `dtype`

@@ -139,6 +139,12 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         "the weights and a headroom; see docs/memory.md)",
     )
     group.add_argument(
+        "--dtype", choices=("auto", "float32", "float16", "bfloat16"),
+        help="what the weights and activations run in: auto (default) float32 on the CPU "
+        "backend; on a Mac the checkpoint's own half dtype (bfloat16 stays bfloat16), float16 "
+        "for a float32 one (bfloat16 for Gemma)",
+    )
+    group.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
         help="how the KV cache stores keys and values: auto (default) the model's dtype; int8 "
         "or int4 codes with float16 scales, ~2x or ~3.5x the tokens in the same memory",

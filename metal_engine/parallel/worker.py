@@ -12,10 +12,11 @@ import sys
 import metal_engine  # noqa: F401
 from metal_engine.config import EngineConfig
 from metal_engine.kv_cache import KVCache
+from metal_engine.model_dtype import resolve_dtype
 from metal_engine.parallel.group import RankGroup, RankLost
 from metal_engine.parallel.split import ModelSplit
 from metal_engine.runner import ModelRunner
-from metal_engine.weights import load_model, resolve_dtype
+from metal_engine.weights import load_model
 
 log = logging.getLogger("metal_serve")
 
@@ -42,7 +43,7 @@ def run_rank() -> int:
 
 
 def _load(group: RankGroup, config: EngineConfig) -> ModelRunner:
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_dtype(config.dtype, config.model_dir)
     split = ModelSplit.of(config, group)
     model = load_model(config.model_dir, dtype, shard=split.cut)
     plan, quant = group.broadcast()

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from convert.api import convert_model
-from convert.model_dir import read_manifest
+from convert.model_dir import CONVERTER_VERSION, read_manifest
 
 
 def default_cache_dir() -> Path:
@@ -33,10 +33,13 @@ def ensure_converted(source: Path, out: Path, progress: bool = True) -> Path:
 
 
 def is_current(out: Path, source: Path) -> bool:
-    """Whether `out` is a float32 conversion of this `source` (same path; same size for a file;
-    a dir source is a hub snapshot, which never changes under its commit's path)."""
+    """Whether `out` is a float32 conversion of this `source` by this converter (same path;
+    same size for a file; a dir source is a hub snapshot, which never changes under its
+    commit's path). An older converter's dir is made again: it may lack what serving reads."""
     manifest = read_manifest(out)
     if manifest is None or not (out / "config.json").is_file():
+        return False
+    if manifest.get("converter_version") != CONVERTER_VERSION:
         return False
     if manifest.get("dtype") != "float32" or manifest.get("quantization"):
         return False

@@ -20,7 +20,8 @@ from metal_engine.model_config import MANIFEST_FILE
 from metal_engine.model_dtype import source_dtype
 from metal_engine.quantization import QuantParams
 
-CONVERTER_VERSION = "1"
+# 2: Gemma 4 configs transformers' AutoConfig reads; the source's dtype in the manifest.
+CONVERTER_VERSION = "2"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 MAX_SHARD_BYTES = 2 * 1024**3

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, models
 from convert import DefaultModelMissing, convert_model, ensure_default_model, model_dir
 from convert.cli import add_convert_arguments, run_convert
 from convert.default_model import default_gguf_path
+from convert.model_dir import CONVERTER_VERSION
 from server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 2, 64, 4, 2, 256, 400
@@ -309,6 +310,13 @@ def test_default_model_converts_once_and_generates(tmp_path: Path) -> None:
     assert ensure_default_model(tmp_path) == out
     assert json.loads((out / "generation_config.json").read_text()) == generation
     assert json.loads((out / "metal_serve_manifest.json").read_text())["created"] == created
+
+    # A dir an older converter wrote is made again: it may lack what serving now reads.
+    manifest_path = out / "metal_serve_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "converter_version": "1"}))
+    assert ensure_default_model(tmp_path) == out
+    assert json.loads(manifest_path.read_text())["converter_version"] == CONVERTER_VERSION
 
 
 def test_gguf_tokenizer_equals_the_one_transformers_loads_from_the_gguf() -> None:

@@ -41,8 +41,9 @@ def anthropic_router(
         """The prompt tokens a /v1/messages call with these fields reports."""
         check_request_limits(body)  # the same caps: counting renders every tool too
         chat = chat_request(body)
-        prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, tool_call_parser,
-                                        engine.max_prompt_bytes)
+        # Counted in full whatever its length (no context to fit): clients size conversations
+        # past the context with it. Long ones take the prompt worker's long lane.
+        prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, tool_call_parser)
         return TokenCount(input_tokens=len(prepared.ids)).model_dump()
 
     return router

@@ -33,7 +33,7 @@ from metal_engine.parallel.group import RankLost
 from server.engine_stats import EngineStats, read_engine_stats
 from server.http.logs import current_request_id
 from server.http.tenants import current_tenant
-from server.prompt_worker import PromptWorker, max_prompt_text_bytes
+from server.prompt_worker import LONG_PROMPTS_WAITING_BYTES, PromptWorker, max_prompt_text_bytes
 from server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
@@ -61,9 +61,9 @@ class QueueFull(RuntimeError):
 
     retry_after_s = 1
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, what: str = "requests") -> None:
         super().__init__(
-            f"The server already has {limit} requests waiting to start; retry in a moment."
+            f"The server already has {limit} {what} waiting to start; retry in a moment."
         )
 
 
@@ -224,6 +224,8 @@ class AsyncEngine:
         """`fn(*args)`, which renders and tokenizes a prompt, on the prompt worker
         (server.prompt_worker). Its request counts as waiting for its first token meanwhile:
         past `max_queued_requests`, `QueueFull`; a client that leaves, `ClientGone`."""
+        if not self._prompts.admits():
+            raise QueueFull(LONG_PROMPTS_WAITING_BYTES >> 20, "MiB of long prompts")
         with self._cond:
             if self._queue_full_locked():
                 raise QueueFull(self.max_queued_requests)

@@ -10,7 +10,7 @@ every stream and `/health`. Two lanes, each one thread, take the jobs:
 so a short prompt never waits behind a long one (the Rust tokenizer releases the GIL while
 it encodes, so the two lanes do run side by side), and within a lane a flood of large bodies
 goes after everyone else's. A job whose client disconnects before it runs is dropped, and its
-handler stops waiting at once.
+handler stops waiting at once. The long lane's waiting bodies are bounded in bytes (`admits`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ T = TypeVar("T")
 
 # ~64k tokens of text: about a quarter second of tokenizing.
 LONG_PROMPT_BYTES = 256 << 10
+# The long lane's waiting bodies, held in memory until their turn: past this, a 429.
+LONG_PROMPTS_WAITING_BYTES = 256 << 20
 
 
 @dataclass(order=True)
@@ -77,6 +79,10 @@ class _Lane:
         with self._cond:
             return sum(not job.dropped for job in self._heap)
 
+    def waiting_bytes(self) -> int:
+        with self._cond:
+            return sum(job.size for job in self._heap if not job.dropped)
+
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -109,6 +115,13 @@ class PromptWorker:
     def stop(self) -> None:
         self._short.stop()
         self._long.stop()
+
+    def admits(self) -> bool:
+        """Whether the current request's prompt may wait: a long one only while the long
+        lane's waiting bodies stay under LONG_PROMPTS_WAITING_BYTES."""
+        size = request_body_bytes()
+        return (size < LONG_PROMPT_BYTES
+                or self._long.waiting_bytes() + size <= LONG_PROMPTS_WAITING_BYTES)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in the lane the current request's body size picks. Raises what `fn`

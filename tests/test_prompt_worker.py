@@ -14,6 +14,7 @@ import pytest
 from fake_engine import CharTokenizer, ScriptedEngine
 from server_helpers import running_app
 
+from server import prompt_worker
 from server.app import build_app
 from server.async_engine import AsyncEngine
 from server.prompt_worker import LONG_PROMPT_BYTES, max_prompt_text_bytes
@@ -150,3 +151,24 @@ def test_text_longer_than_the_context_can_hold_is_refused_untokenized():
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["code"] == "context_length_exceeded"
     assert encoded == []
+
+
+def test_long_prompts_wait_only_up_to_a_bound_on_their_bytes(served, monkeypatch):
+    tokenizer, bridge, url = served
+    monkeypatch.setattr(prompt_worker, "LONG_PROMPTS_WAITING_BYTES", 3 * LONG_PROMPT_BYTES // 2)
+    answers: list = []
+    long_text = "x" * LONG_PROMPT_BYTES
+    threads = [_post_in_background(url, "hold " + long_text, answers)]
+    assert tokenizer.holding.wait(WAIT_S)
+    threads.append(_post_in_background(url, long_text, answers))
+    _until(lambda: bridge.prompts_waiting() == 1, "the long prompt never queued")
+    refused = httpx.post(f"{url}/v1/chat/completions", content=_chat(long_text),
+                         headers={"content-type": "application/json"}, timeout=30)
+    assert refused.status_code == 429 and "MiB of long prompts" in refused.text
+    short = httpx.post(f"{url}/v1/chat/completions", content=_chat("short"),
+                       headers={"content-type": "application/json"}, timeout=WAIT_S)
+    assert short.status_code == 200
+    tokenizer.gate.set()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert [a.status_code for a in answers] == [200, 200]

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import make_runner_and_scheduler
-from test_model_parity import random_ids
+from test_model_parity import random_ids, run_logits
 from tiny_models import build_tiny_model
 
 from convert import convert_model
-from scheduler import Request, SamplingParams
 
 # Published in bfloat16 (Llama 3, Qwen3, Qwen3.5, Gemma 2 and 3). The MoE families (Qwen3-MoE,
 # GPT-OSS, Gemma 4's experts) run their experts in host loops on the CPU backend, which are
@@ -29,18 +28,8 @@ ULP = 2.0**-7  # bfloat16's spacing just below 2 (tiny random models' logits sta
 
 def _engine_logits(path, ids: list[int], chunk: int) -> np.ndarray:
     runner, scheduler = make_runner_and_scheduler(path, block_size=16, dtype=mx.bfloat16)
-    request = Request("a", ids, SamplingParams(max_tokens=1, temperature=0.0))
-    scheduler.add_request(request)
-    rows = []
-    while request.num_computed_tokens < len(ids):
-        out = scheduler.schedule()
-        out.scheduled[0].token_ids = out.scheduled[0].token_ids[:chunk]
-        out.scheduled[0].samples = False
-        logits = runner.forward_logits(out)
-        assert logits.dtype == mx.bfloat16
-        rows.append(np.array(logits.astype(mx.float32)))
-        request.num_computed_tokens += len(out.scheduled[0].token_ids)
-    return np.concatenate(rows)
+    assert runner.model.model.embed_tokens.weight.dtype == mx.bfloat16
+    return run_logits(runner, scheduler, "a", ids, chunk)
 
 
 def _torch_logits(model, ids: list[int], dtype: torch.dtype) -> np.ndarray:

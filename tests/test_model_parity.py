@@ -8,6 +8,7 @@ must equal `generate` per prompt. Prompts are several times longer than the slid
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
@@ -44,7 +45,7 @@ def run_logits(runner, scheduler, rid: str, ids: list[int], chunk: int) -> np.nd
         out = scheduler.schedule()
         out.scheduled[0].token_ids = out.scheduled[0].token_ids[:chunk]
         out.scheduled[0].samples = False
-        rows.append(np.array(runner.forward_logits(out)))
+        rows.append(np.array(runner.forward_logits(out).astype(mx.float32)))
         request.num_computed_tokens += len(out.scheduled[0].token_ids)
     return np.concatenate(rows)
 

@@ -34,7 +34,11 @@ import mlx.core as mx
 
 from kernels_metal.kv_quant import SCALE_DTYPE, QuantizedPool
 
-THREADGROUP_MEMORY = 32768
+THREADGROUP_MEMORY = 32768  # Apple GPUs' maxThreadgroupMemoryLength (Apple4 and later)
+# What a kernel here may declare: a 4 KB reserve under the limit, which Metal counts against
+# static and dynamic allocations together and which Xcode's shader validation was seen to
+# raise a kernel's need against; a kernel at exactly 32 KB has no margin for either.
+THREADGROUP_MEMORY_BUDGET = 28 * 1024
 MAX_HEADS_PER_THREADGROUP = 8
 
 # Fast math (faster exp2, divide and min/max, no IEEE special cases) in the decode and prefill
@@ -66,11 +70,11 @@ def decode_layout(dtype_size: int, head_dim: int) -> tuple[int, int, int, int]:
     """(KL, KW, LDK, TILE): the lane split, the staged row stride in elements (16 bytes of
     padding when one lane group's reads span less than 128 bytes, so the groups reading
     different rows hit different banks) and the keys per tile: the largest of 32/16/8 whose
-    K and V buffers fit in threadgroup memory."""
+    K and V buffers fit in the threadgroup memory budget."""
     kl, kw = decode_lanes(head_dim)
     ldk = head_dim + (16 // dtype_size if kl * kw * dtype_size < 128 else 0)
     for tile in (32, 16, 8):
-        if 2 * tile * ldk * dtype_size <= THREADGROUP_MEMORY:
+        if 2 * tile * ldk * dtype_size <= THREADGROUP_MEMORY_BUDGET:
             return kl, kw, ldk, tile
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
 

@@ -30,7 +30,7 @@ from kernels_metal.decode import (
     HEAD_GROUP_SOURCE,
     QUANTIZED_STAGING_HEADER,
     SINK_FOLD_SOURCE,
-    THREADGROUP_MEMORY,
+    THREADGROUP_MEMORY_BUDGET,
     index_type,
     pool_inputs,
     pool_template,
@@ -42,10 +42,11 @@ LARGE_HEAD_SIMDGROUPS = 4
 
 
 def prefill_tile(dtype_size: int, head_dim: int) -> int:
-    """Keys per tile: the largest of 32/16/8 whose K and V buffers fit in threadgroup memory."""
+    """Keys per tile: the largest of 32/16/8 whose K and V buffers fit in the threadgroup
+    memory budget."""
     ld = head_dim + 16 // dtype_size
     for tile in (32, 16, 8):
-        if 2 * tile * ld * dtype_size <= THREADGROUP_MEMORY:
+        if 2 * tile * ld * dtype_size <= THREADGROUP_MEMORY_BUDGET:
             return tile
     raise ValueError(f"head_dim {head_dim} is too large for the prefill kernel")
 

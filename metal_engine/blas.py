@@ -85,7 +85,35 @@ def _cpu_flags() -> set[str]:
 def blas_threads_for(ranks: int) -> int:
     """BLAS threads for each of `ranks` processes sharing this machine's cores: OpenBLAS
     threads spin while they wait, so more threads than cores starve the other ranks."""
-    return max(1, len(os.sched_getaffinity(0)) // ranks)
+    return max(1, usable_cores() // ranks)
+
+
+def usable_cores() -> int:
+    """Cores to spread this process's compute threads over.
+
+    Linux: the CPUs its affinity mask allows (a container or `taskset` narrows it). macOS has
+    no affinity mask; there it is the performance cores: a loop split into equal shares waits
+    for its slowest one, and an efficiency core runs a share at half the speed or less.
+    Elsewhere (or on an Intel Mac, which has one core type): every CPU.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    if sys.platform == "darwin" and (performance := _sysctl_int("hw.perflevel0.physicalcpu")):
+        return performance
+    return os.cpu_count() or 1
+
+
+def _sysctl_int(name: str) -> int | None:
+    """An integer of macOS's `sysctlbyname`, or None where the name or the call is missing."""
+    sysctlbyname = getattr(ctypes.CDLL(None), "sysctlbyname", None)
+    if sysctlbyname is None:
+        return None
+    sysctlbyname.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                             ctypes.c_void_p, ctypes.c_size_t]
+    value, size = ctypes.c_int(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_int))
+    if sysctlbyname(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        return None
+    return value.value
 
 
 def limit_blas_threads(threads: int) -> None:

@@ -145,12 +145,23 @@ def test_the_layer_runs_on_the_kernel(kernel):
                                np.array(expected.recurrent_state), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(mx.metal.is_available(), reason="on Metal the kernel serves")
+@pytest.mark.skipif(mx.metal.is_available(), reason="on Metal the kernel serves "
+                    "(test_on_metal_the_dispatcher_serves_the_kernel)")
 def test_off_metal_the_dispatcher_is_the_reference():
     problem = random_problem(Variant(F16, 32, 32, 1, 2, True), SHORT)
     got, want = gd.gated_delta_rule(*problem), reference.gated_delta_rule(*problem)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs Apple Silicon's Metal GPU")
+def test_on_metal_the_dispatcher_serves_the_kernel(monkeypatch):
+    monkeypatch.setattr(gd, "_state", gd._Dispatch())
+    variant = Variant(F16, 128, 128, 2, 4, True)
+    problem = random_problem(variant, MIXED)
+    assert worst_error(gd.gated_delta_rule(*problem), problem) <= 1.0
+    assert gd._state.kernel is not None and gd._state.passed == {variant}
+    assert not gd.kernel_fallbacks()
 
 
 def test_a_failing_variant_falls_back_alone(caplog):

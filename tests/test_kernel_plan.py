@@ -12,6 +12,7 @@ from kernels_metal.cases import Case, case_sinks, check, make_inputs
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import (
     SPLIT_BELOW_THREADGROUPS,
+    THREADGROUPS_PER_CORE,
     PlanOptions,
     build_plan,
     gpu_cores,
@@ -152,3 +153,5 @@ def test_the_split_threshold_decides_when_long_decodes_are_partitioned():
     assert PlanOptions(split_below_threadgroups=7).with_partition(32).split_below_threadgroups == 7
     if not mx.metal.is_available():  # no device to ask: the constant
         assert split_threshold() == SPLIT_BELOW_THREADGROUPS
+    else:  # a Mac's GPU says its name, hence its cores
+        assert split_threshold() == THREADGROUPS_PER_CORE * gpu_cores(mx.device_info())

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kernels_metal import attention
-from kernels_metal.cases import Case, make_inputs
+from kernels_metal.cases import Case, check, make_inputs
 from kernels_metal.cpu_attention import paged_attention_cpu
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.reference import paged_attention_reference
@@ -36,8 +36,9 @@ class RecordingKernels:
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
 
 
+@pytest.mark.skipif(mx.metal.is_available(), reason="on Metal the kernels serve these calls "
+                    "(test_on_metal_the_kernels_serve_every_dtype)")
 def test_off_metal_the_cpu_path_serves_and_the_reference_takes_bfloat16(fresh_dispatch):
-    assert not mx.metal.is_available()
     q, k, v, meta, scale = make_inputs(CASE)
     np.testing.assert_array_equal(np.array(attention.paged_attention(q, k, v, meta, scale)),
                                   np.array(paged_attention_cpu(q, k, v, meta, scale)))
@@ -46,6 +47,16 @@ def test_off_metal_the_cpu_path_serves_and_the_reference_takes_bfloat16(fresh_di
         np.array(attention.paged_attention(q, k, v, meta, scale).astype(mx.float32)),
         np.array(paged_attention_reference(q, k, v, meta, scale).astype(mx.float32)))
     assert fresh_dispatch.kernels is None
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs Apple Silicon's Metal GPU")
+def test_on_metal_the_kernels_serve_every_dtype(fresh_dispatch):
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        case = Case(dtype, 64, 16, 6, 2, ((20, 1), (0, 12)))
+        assert check(attention.paged_attention, case).passed
+    assert fresh_dispatch.kernels is not None and not attention.kernel_fallbacks()
+    assert {v.dtype for v in fresh_dispatch.verdicts.passed} == {mx.float32, mx.float16,
+                                                                 mx.bfloat16}
 
 
 def test_sinks_reach_every_backend_and_must_be_one_per_query_head(fresh_dispatch):
@@ -85,7 +96,8 @@ def test_a_kernel_that_fails_on_first_use_warns_once_then_reference(
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(attention, "on_cpu", lambda: False)  # a Mac's default device: the GPU
     monkeypatch.setattr(attention, "PagedAttentionKernels",
-                        lambda options=None: PagedAttentionKernels(broken_metal_kernel, options))
+                        lambda metal_kernel=None, options=None:
+                        PagedAttentionKernels(broken_metal_kernel, options))
     q, k, v, meta, scale = make_inputs(CASE)
     expected = np.array(paged_attention_reference(q, k, v, meta, scale))
     with caplog.at_level(logging.WARNING, logger="kernels_metal.attention"):

@@ -186,9 +186,13 @@ def test_device_memory_on_a_simulated_mac(monkeypatch):
     assert device_memory() == DeviceMemory(16 * GIB, 11453251584, metal=True)
 
 
-def test_device_memory_off_a_mac_is_the_available_ram():
+def test_device_memory_is_the_available_ram_or_on_a_mac_what_metal_says():
     got = device_memory()
-    assert not got.metal and 0 < got.usable <= got.total
+    assert got.metal == mx.metal.is_available() and 0 < got.usable <= got.total
+    if got.metal:  # a Mac: unified memory and Metal's recommended working set
+        info = mx.device_info()
+        assert (got.total, got.usable) == (info["memory_size"],
+                                           info["max_recommended_working_set_size"])
 
 
 def _record_limits(monkeypatch, previous_cache_limit: int) -> list:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 import convert
@@ -77,9 +78,18 @@ def test_help_does_not_load_mlx_or_the_converter():
     assert "serve" in result.stdout and "convert" in result.stdout
 
 
+@pytest.mark.skipif(mx.metal.is_available(),
+                    reason="this machine has Metal: test_doctor_on_metal_checks_the_gpu_kernels")
 def test_doctor_off_metal_says_so_and_exits_2(capsys):
     assert main(["doctor"]) == 2
     assert "No Metal device" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs Apple Silicon's Metal GPU")
+def test_doctor_on_metal_checks_the_gpu_kernels(capsys):
+    assert main(["doctor", "--only", "float16-d128-bs16-h8kv2", "--no-timing"]) == 0
+    out = capsys.readouterr().out
+    assert "Running the Metal kernels on " in out and "passes its first-use check" in out
 
 
 @pytest.mark.parametrize(
@@ -367,7 +377,8 @@ def test_dry_run_refusal_exits_2_with_the_numbers_and_the_flag(tiny_llama_with_t
     assert main(argv) == 2
     out = capsys.readouterr().out
     assert "does not fit: --kv-cache-memory 65536.0 GiB does not fit this machine" in out
-    assert "available RAM" in out and re.search(r"--kv-cache-memory \d+MiB", out)
+    usable = "Metal recommended working set" if mx.metal.is_available() else "available RAM"
+    assert usable in out and re.search(r"--kv-cache-memory \d+MiB", out)
 
 
 @pytest.mark.parametrize(("gb", "code", "said"), [

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from functools import cache
@@ -17,12 +18,30 @@ from kernels_metal.emulator.translate import MSLUnsupportedError
 
 HERE = Path(__file__).parent
 CLANG_NAMES = ("clang-19", "clang++-19", "clang")
+# A Mac's clang is Apple's (Xcode or its command line tools), as clang++ on PATH.
+MAC_CLANG_NAMES = ("clang-19", "clang++-19", "clang++", "clang")
+INSTALL_HINTS = {
+    "darwin": "a clang on PATH (xcode-select --install gives Apple's; Homebrew's llvm works too)",
+    "linux": "clang 19 (apt-get install clang-19)",
+}
 # No type-based aliasing: kernels view one buffer through several types (16-byte copies).
 CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti", "-w",
             "-fno-strict-aliasing")
+# macOS's linker refuses a library with unresolved symbols unless told they resolve at load
+# time: the kernels' calls into the runtime (libmslrt, loaded globally first).
+LINK_FLAGS = ("-Wl,-undefined,dynamic_lookup",) if sys.platform == "darwin" else ()
 # Bump when the launch ABI between msl_runtime.cpp and generated launchers changes.
 ABI_VERSION = "2"
 RUNTIME_SOURCES = ("msl_runtime.cpp", "msl_buffers.cpp")
+# What the availability check compiles: the headers' half and bfloat arithmetic, which every
+# kernel uses and an older clang may lack (arithmetic on `__bf16` is recent in clang).
+PROBE_SOURCE = """#include "msl_compat.h"
+extern "C" float msl_probe(float x) {
+  half h = half(x);
+  bfloat b = bfloat(x);
+  return float(h * h + h) + float(b * b + b);
+}
+"""
 
 
 class MSLCompileError(RuntimeError):
@@ -33,7 +52,30 @@ def find_clang() -> str | None:
     override = os.environ.get("METAL_SERVE_CLANG")
     if override:
         return override if shutil.which(override) else None
-    return next((path for name in CLANG_NAMES if (path := shutil.which(name))), None)
+    names = MAC_CLANG_NAMES if sys.platform == "darwin" else CLANG_NAMES
+    return next((path for name in names if (path := shutil.which(name))), None)
+
+
+@cache
+def unavailable_reason() -> str | None:
+    """Why the emulator cannot build kernels here, or None: a clang on PATH that compiles
+    `PROBE_SOURCE` (checked once per compiler and headers, the result cached on disk)."""
+    clang = find_clang()
+    if clang is None:
+        hint = INSTALL_HINTS.get(sys.platform, INSTALL_HINTS["linux"])
+        return f"The MSL emulator needs {hint}, or set METAL_SERVE_CLANG"
+    path = cache_dir() / f"probe-{_digest(PROBE_SOURCE, _headers(), clang, *CXXFLAGS)}.so"
+    if path.exists():
+        return None
+    try:
+        with _lock:
+            _compile([PROBE_SOURCE], path, LINK_FLAGS)
+    except (MSLCompileError, MSLUnsupportedError, OSError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = next((line for line in lines if "error:" in line),
+                     lines[-1] if len(lines) > 1 else "it failed without a message")
+        return f"{clang} cannot compile the MSL emulator's headers: {first}"
+    return None
 
 
 def cache_dir() -> Path:
@@ -46,9 +88,7 @@ def cache_dir() -> Path:
 def _clang() -> str:
     clang = find_clang()
     if clang is None:
-        raise RuntimeError(
-            "The MSL emulator needs clang 19 (apt-get install clang-19), or set METAL_SERVE_CLANG"
-        )
+        raise RuntimeError(unavailable_reason())
     return clang
 
 
@@ -142,5 +182,5 @@ def build_kernel(cpp: str) -> Path:
     """Compile (or find in the cache) the shared object for a full translated kernel TU."""
     path = kernel_library_path(cpp)
     if not path.exists():
-        _compile([cpp], path, ("-lm",))
+        _compile([cpp], path, ("-lm", *LINK_FLAGS))
     return path

@@ -2,6 +2,12 @@
 // thread, switched only at barriers and simdgroup functions, so barrier semantics are real.
 // Device buffers (msl_buffers.cpp) sit between PROT_NONE guard pages: an out-of-bounds access
 // faults, and the fault handler turns it into an error naming the buffer, instead of a crash.
+#if defined(__APPLE__)
+// macOS declares the ucontext functions only to X/Open code, and X/Open mode hides the BSD
+// names used here (MAP_ANONYMOUS, MAP_NORESERVE) unless Darwin's own are asked for too.
+#define _XOPEN_SOURCE 600
+#define _DARWIN_C_SOURCE
+#endif
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -11,9 +17,9 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
-// x86-64 switches fibers with a few instructions; elsewhere (or with MSL_USE_UCONTEXT) it
-// falls back to ucontext, which is portable but makes a system call per switch.
-#if defined(__x86_64__) && !defined(MSL_USE_UCONTEXT)
+// x86-64 ELF (Linux) switches fibers with a few instructions; elsewhere (Apple Silicon, or
+// with MSL_USE_UCONTEXT) it falls back to ucontext, portable but a system call per switch.
+#if defined(__x86_64__) && defined(__ELF__) && !defined(MSL_USE_UCONTEXT)
 #define MSL_FAST_SWITCH 1
 #else
 #include <ucontext.h>
@@ -342,7 +348,7 @@ void on_fault(int, siginfo_t* si, void* uctx) {
   Run* r = g_run;
   const char* addr = static_cast<const char*>(si->si_addr);
   const char* kind = "access";
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__linux__)
   const ucontext_t* uc = static_cast<const ucontext_t*>(uctx);
   kind = (uc->uc_mcontext.gregs[REG_ERR] & 2) ? "write" : "read";
 #else

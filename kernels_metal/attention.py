@@ -6,8 +6,10 @@ views of the pools does (fp32/fp16 pools); anything else goes to the pure-MLX re
 kernels are judged per `Variant` (element dtype, KV bits, head dim, block size, heads,
 whether the layer has a window / a soft-cap / attention sinks): the first call of a variant
 builds its kernels and checks them against the reference on a small step with the layer's
-options. A variant that fails that check, or whose kernels raise later, falls back (one
-warning naming it and the reason); every other variant stays on the kernels.
+options. A variant that fails that check, or whose kernels raise later (a launch that first
+compiles when evaluated included), falls back (one warning naming it and the reason); every
+other variant stays on the kernels. The state machine is kernels_metal/dispatch.py's, shared
+with the gated delta kernel.
 
 K/V are written by `write_kv`, an in-place MLX scatter: `mx.fast.metal_kernel` outputs are
 always fresh allocations, so a kernel cannot update the pool in place.
@@ -18,16 +20,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import cpu_attention
 from kernels_metal.cases import Case, check
-from kernels_metal.cpu_math import on_cpu
+from kernels_metal.cpu import attention as cpu_attention
+from kernels_metal.cpu.math import on_cpu
+from kernels_metal.dispatch import CheckedDispatch, describe
 from kernels_metal.kv_quant import QuantizedPool, queries_for
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.paged import PagedAttentionKernels, kernel_dtype, unsupported_reason
@@ -73,25 +74,11 @@ def variant_of(q: mx.array, k_pool: mx.array | QuantizedPool, window: int | None
                    window is not None, softcap is not None, sinks is not None, bits)
 
 
-@dataclass
-class _Verdicts:
-    """First-use results of one set of kernels: variants that passed, and those that fell back."""
-
-    passed: set[Variant] = field(default_factory=set)
-    fallbacks: dict[Variant, str] = field(default_factory=dict)
-
-
-class _Dispatch:
+class _Dispatch(CheckedDispatch[PagedAttentionKernels, Variant]):
     def __init__(self) -> None:
-        self.kernels: PagedAttentionKernels | None = None  # built at the first Metal call
-        self.verdicts = _Verdicts()
-        self.override: PagedAttentionKernels | None = None
-        self.override_verdicts: _Verdicts | None = None  # None: the override is not checked
-        self.metal: bool | None = None  # mx.metal.is_available(), asked once
-
-    @property
-    def active_verdicts(self) -> _Verdicts:
-        return self.verdicts if self.override is None else (self.override_verdicts or _Verdicts())
+        # Names looked up per call, so that tests can swap the kernels or the check.
+        super().__init__("attention", lambda factory: PagedAttentionKernels(metal_kernel=factory),
+                         lambda *args: check_variant(*args), log)
 
 
 _state = _Dispatch()
@@ -117,19 +104,20 @@ def paged_attention(
         return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window,
                                                  softcap, sinks)
     q = queries_for(q, k_pool)  # a quantized K pool holds turned keys (kv_quant.rotation)
-    route = _route(q, k_pool, window, softcap, sinks)
-    if route is not None:
-        kernels, verdicts = route
-        try:
-            return kernels(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
-        except Exception as exc:  # a launch the first-use check did not meet
-            if verdicts is None:  # kernels forced by `use_kernels`: the caller wants to see it
-                raise
-            _fall_back(verdicts, variant_of(q, k_pool, window, softcap, sinks), _describe(exc))
-    if on_cpu() and cpu_attention.supports(q, k_pool):
-        return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window, softcap,
-                                                 sinks)
-    return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+
+    def without_kernels() -> mx.array:
+        if on_cpu() and cpu_attention.supports(q, k_pool):
+            return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window,
+                                                     softcap, sinks)
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap,
+                                         sinks)
+
+    if not _state.on_kernels() or unsupported_reason(q, k_pool) is not None:
+        return without_kernels()
+    return _state.call(variant_of(q, k_pool, window, softcap, sinks),
+                       lambda kernels: kernels(q, k_pool, v_pool, meta, scale, window, softcap,
+                                               sinks),
+                       without_kernels, (window, softcap))
 
 
 def write_and_attend(
@@ -162,21 +150,16 @@ def _check_sinks(sinks: mx.array | None, num_heads: int) -> None:
                          f"({num_heads},)")
 
 
-@contextlib.contextmanager
-def use_kernels(kernels: PagedAttentionKernels, first_use_check: bool = False) -> Iterator[None]:
+def use_kernels(kernels: PagedAttentionKernels,
+                first_use_check: bool = False) -> contextlib.AbstractContextManager[None]:
     """Serve every supported call with `kernels` (e.g. built on the emulator in tests).
 
     With `first_use_check` each variant is checked and falls back as on a Mac, with verdicts
     of its own for the duration; without, every supported call goes to `kernels` and their
-    errors propagate.
+    errors propagate. Kernels built on `_state.recorded(factory)` also have each new launch
+    configuration evaluated inside the call (kernels_metal/dispatch.py).
     """
-    previous = _state.override, _state.override_verdicts
-    _state.override = kernels
-    _state.override_verdicts = _Verdicts() if first_use_check else None
-    try:
-        yield
-    finally:
-        _state.override, _state.override_verdicts = previous
+    return _state.use(kernels, first_use_check)
 
 
 def kernel_fallbacks() -> dict[Variant, str]:
@@ -190,44 +173,6 @@ def kernels_disabled_reason(variant: Variant | None = None) -> str | None:
     if variant is not None:
         return fallbacks.get(variant)
     return "; ".join(f"{v.name}: {why}" for v, why in fallbacks.items()) or None
-
-
-def _route(q: mx.array, k_pool: mx.array, window: int | None, softcap: float | None,
-           sinks: mx.array | None):
-    """(kernels, verdicts to record a failure in; None for unchecked ones), or None."""
-    if _state.override is None:
-        if _state.metal is None:
-            _state.metal = mx.metal.is_available()
-        if not _state.metal:
-            return None
-    if unsupported_reason(q, k_pool) is not None:
-        return None
-    if _state.override is not None and _state.override_verdicts is None:
-        return _state.override, None
-    verdicts = _state.active_verdicts
-    variant = variant_of(q, k_pool, window, softcap, sinks)
-    if variant in verdicts.fallbacks:
-        return None
-    kernels = _state.override or _built_kernels()
-    if variant not in verdicts.passed:
-        reason = check_variant(kernels, variant, window, softcap)
-        if reason is not None:
-            _fall_back(verdicts, variant, reason)
-            return None
-        verdicts.passed.add(variant)
-    return kernels, verdicts
-
-
-def _built_kernels() -> PagedAttentionKernels:
-    if _state.kernels is None:
-        _state.kernels = PagedAttentionKernels()
-    return _state.kernels
-
-
-def _fall_back(verdicts: _Verdicts, variant: Variant, reason: str) -> None:
-    verdicts.fallbacks[variant] = reason
-    log.warning("Metal attention kernels off for %s (other variants keep them): %s",
-                variant.name, reason)
 
 
 def first_use_case(variant: Variant, window: int | None = None,
@@ -255,12 +200,9 @@ def check_variant(kernels: PagedAttentionKernels, variant: Variant, window: int 
     try:
         results = [check(kernels, case), check(split, case)]
     except Exception as exc:  # a compile error surfaces here, at the first evaluation
-        return _describe(exc)
+        return describe(exc)
     for r in results:
         if not r.passed:
             return f"wrong result on {case.name}: max error {r.max_error:g}"
     return None
 
-
-def _describe(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kernels_metal import attention, cpu_attention, doctor_gated_delta
+from kernels_metal import attention, doctor_gated_delta
 from kernels_metal.attention import Variant
 from kernels_metal.cases import (
     DTYPES,
@@ -34,6 +34,7 @@ from kernels_metal.cases import (
     quantized_grid,
 )
 from kernels_metal.cost import step_cost
+from kernels_metal.cpu import attention as cpu_attention
 from kernels_metal.doctor_launches import LaunchLog, Timer, first_line, rate, time_on_gpu
 from kernels_metal.doctor_report import device_info, machine_line, write_report
 from kernels_metal.kv_quant import KVQuant

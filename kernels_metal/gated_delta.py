@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
+from kernels_metal.dispatch import CheckedDispatch, describe
 from metal_engine.models import gated_delta_rule as reference
 from metal_engine.models.gated_delta_rule import DeltaRuleResult
 
@@ -224,14 +224,19 @@ def _params(value_heads: int, key_heads: int, key_dim: int) -> mx.array:
 CHECK_LENS = (1, 5, 0, 2, 1)  # the first-use check's step: decodes, short runs, an idle request
 
 
-class _Dispatch:
+class _Dispatch(CheckedDispatch[GatedDeltaKernel, Variant]):
     def __init__(self) -> None:
-        self.kernel: GatedDeltaKernel | None = None  # built at the first Metal call
-        self.override: GatedDeltaKernel | None = None  # `use_kernel`
-        self.checked = True  # False: an unchecked override, whose errors propagate
-        self.passed: set[Variant] = set()
-        self.fallbacks: dict[Variant, str] = {}
-        self.metal: bool | None = None  # mx.metal.is_available(), asked once
+        # Names looked up per call, so that tests can swap the kernel or the check.
+        super().__init__("gated delta", lambda factory: GatedDeltaKernel(factory),
+                         lambda *args: check_variant(*args), log)
+
+    @property
+    def kernel(self) -> GatedDeltaKernel | None:  # the names tests read this family's state by
+        return self.kernels
+
+    @property
+    def passed(self) -> set[Variant]:
+        return self.verdicts.passed
 
 
 _state = _Dispatch()
@@ -241,70 +246,29 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state: mx.array,
                      normalize_qk: bool = True) -> DeltaRuleResult:
     """`reference.gated_delta_rule` (same arguments and result), on the kernel where it
     serves this variant: Metal, a supported shape, and a passed first-use check."""
-    kernel = _route(q, k, v, normalize_qk)
-    if kernel is not None:
-        try:
-            return kernel(q, k, v, g, beta, cu_seqlens, initial_state, normalize_qk)
-        except Exception as exc:  # a launch the first-use check did not meet
-            if not _state.checked:
-                raise
-            _fall_back(variant_of(q, v, normalize_qk), _describe(exc))
-    return reference.gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state,
-                                      normalize_qk)
+    def on_reference() -> DeltaRuleResult:
+        return reference.gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state,
+                                          normalize_qk)
+
+    if not _state.on_kernels() or unsupported_reason(q, k, v) is not None:
+        return on_reference()
+    return _state.call(variant_of(q, v, normalize_qk),
+                       lambda kernel: kernel(q, k, v, g, beta, cu_seqlens, initial_state,
+                                             normalize_qk),
+                       on_reference)
 
 
-@contextlib.contextmanager
-def use_kernel(kernel: GatedDeltaKernel, first_use_check: bool = False) -> Iterator[None]:
+def use_kernel(kernel: GatedDeltaKernel,
+               first_use_check: bool = False) -> contextlib.AbstractContextManager[None]:
     """Serve every supported call with `kernel` (e.g. on the emulator in tests). With
     `first_use_check` each variant is checked and falls back as on a Mac, with verdicts of
     its own for the duration; without, the kernel's errors propagate."""
-    saved = _state.override, _state.checked, _state.passed, _state.fallbacks
-    _state.override, _state.checked = kernel, first_use_check
-    _state.passed, _state.fallbacks = set(), {}
-    try:
-        yield
-    finally:
-        _state.override, _state.checked, _state.passed, _state.fallbacks = saved
+    return _state.use(kernel, first_use_check)
 
 
 def kernel_fallbacks() -> dict[Variant, str]:
     """The variants served by the reference because their kernel failed, with the reason."""
-    return dict(_state.fallbacks)
-
-
-def _route(q, k, v, normalize_qk: bool) -> GatedDeltaKernel | None:
-    if _state.override is None:
-        if _state.metal is None:
-            _state.metal = mx.metal.is_available()
-        if not _state.metal:
-            return None
-    if unsupported_reason(q, k, v) is not None:
-        return None
-    kernel = _state.override or _state.kernel or GatedDeltaKernel()
-    if _state.override is None:
-        _state.kernel = kernel
-    if not _state.checked:
-        return kernel
-    variant = variant_of(q, v, normalize_qk)
-    if variant in _state.fallbacks:
-        return None
-    if variant not in _state.passed:
-        reason = check_variant(kernel, variant)
-        if reason is not None:
-            _fall_back(variant, reason)
-            return None
-        _state.passed.add(variant)
-    return kernel
-
-
-def _fall_back(variant: Variant, reason: str) -> None:
-    _state.fallbacks[variant] = reason
-    log.warning("Metal gated-delta kernel off for %s (other variants keep it): %s",
-                variant.name, reason)
-
-
-def _describe(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return dict(_state.active_verdicts.fallbacks)
 
 
 # ---- random problems and the comparison, shared by the first-use check and the tests ----
@@ -356,7 +320,7 @@ def check_variant(kernel: GatedDeltaKernel, variant: Variant) -> str | None:
         worst = worst_error(kernel(*problem, variant.normalize_qk), problem,
                             variant.normalize_qk)
     except Exception as exc:  # a compile error surfaces here, at the first evaluation
-        return _describe(exc)
+        return describe(exc)
     if worst > 1.0:
         return f"wrong result on a {variant.name} step: {worst:.3g}x the tolerance"
     return None

@@ -1,4 +1,5 @@
-"""Pure-MLX paged attention and KV write: runs off Metal; every kernel is checked against it."""
+"""Pure-MLX paged attention, KV write and rotary embedding: the reference corner of each
+kernel triangle, which runs anywhere and every kernel is checked against."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu_attention import write_rows
-from kernels_metal.cpu_math import masked_softmax, tanh_softcap
 from kernels_metal.kv_quant import QuantizedPool, gather_blocks, write_quantized
 from kernels_metal.metadata import AttentionMetadata
 
@@ -20,13 +19,8 @@ def write_kv(pool: Pool, new: mx.array, meta: AttentionMetadata) -> Pool:
     quantized pool gets the rows' codes and scales).
 
     The caller must hold no other reference to `pool`, so MLX donates its buffer and the
-    scatter happens in place instead of copying the whole pool. Numpy rows (the CPU
-    backend's host forward, which runs after all queued work) are written into the
-    evaluated pool's buffer directly; the pool must hold floats.
+    scatter happens in place instead of copying the whole pool.
     """
-    if isinstance(new, np.ndarray):  # the host forward's: into the pool's buffer
-        write_rows(np.asarray(pool), new, meta.slot_mapping)
-        return pool
     dev = meta.device
     if isinstance(pool, QuantizedPool):
         return write_quantized(pool, new, dev.slot_block, dev.slot_offset)
@@ -88,7 +82,7 @@ def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float, cap: float |
     queries = queries.transpose(0, 2, 3, 1, 4).reshape(num_groups, kv_heads, -1, head_dim)
     scores = (queries @ mx.swapaxes(k, -1, -2)) * scale  # [G, kvh, g * n, L]
     if cap is not None:
-        scores = tanh_softcap(scores, cap)
+        scores = mx.tanh(scores / cap) * cap
     scores = scores.reshape(num_groups, kv_heads, heads_per_kv, n, num_keys)
     if sinks is None:
         probs = masked_softmax(scores, group.mask, axis=-1)
@@ -97,6 +91,11 @@ def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float, cap: float |
     probs = probs.reshape(num_groups, kv_heads, -1, num_keys)
     out = (probs @ v).reshape(num_groups, kv_heads, heads_per_kv, n, head_dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(-1, kv_heads * heads_per_kv, head_dim)
+
+
+def masked_softmax(x: mx.array, mask: mx.array, axis: int = -1) -> mx.array:
+    """Softmax over `axis` of `x` where `mask` (broadcastable bool) is True; 0 elsewhere."""
+    return mx.softmax(mx.where(mask, x, -mx.inf), axis=axis, precise=True)
 
 
 def _softmax_with_sinks(scores: mx.array, mask: mx.array, sinks: mx.array) -> mx.array:
@@ -170,3 +169,14 @@ def _prefill_group(meta: AttentionMetadata, r: int, window: int | None) -> Atten
         mask=mx.array(mask[None, None, None]),
         is_decode=False,
     )
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate the first `2 * cos.shape[-1]` features of `x [total_q, heads, head_dim]` by
+    tables `[total_q, 1, half]` (float32: the products run in float32)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if 2 * half < x.shape[-1]:
+        parts.append(x[..., 2 * half:])
+    return mx.concatenate(parts, axis=-1).astype(x.dtype)

@@ -121,7 +121,7 @@ def limit_blas_threads(threads: int) -> None:
     CPU backend's compiled loops with them."""
     from threadpoolctl import threadpool_limits
 
-    from kernels_metal import cpu_threads
+    from kernels_metal.cpu import threads as cpu_threads
 
     threadpool_limits(limits=threads, user_api="blas")
     cpu_threads.use_threads(threads)

@@ -63,7 +63,8 @@ class KVCache:
         return empty_pool(num_blocks, self.block_size, *shape, self.quant, rotated=keys)
 
     states: RecurrentStates | None = None  # linear-attention layers' (see recurrent_states)
-    # What the host forward keeps of the pools between steps (numpy views, models/host.py):
+    # What the host forward keeps of the pools between steps (numpy views,
+    # kernels_metal/cpu/host_forward.py):
     # views pin their buffers, so they are dropped before a pool is taken or scattered into
     # (MLX then writes in place instead of copying the pool).
     host_views: object | None = None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import cpu_math
+from kernels_metal.cpu import math as cpu_math
 from metal_engine.block_tables import BlockTables
 from metal_engine.draft_model import DraftModel
 from metal_engine.input_batch import StepInputs, build_step_inputs
@@ -107,6 +107,9 @@ class ModelRunner:
     MLX scatters into a pool in place only when nothing else holds the pool's buffer, and
     queued work holds its inputs' buffers until it has run: evaluated behind a step still in
     flight, each layer's K/V write would copy its pool (kernels_metal/README.md, KV writes).
+    No ordering of scatters avoids that by construction (the README's "Why no scatter can
+    be queued behind a step"); what the wait costs is one layer's encoding per step, since
+    MLX hands the GPU each command buffer as it fills.
     """
 
     def __init__(self, model: CausalLM, cache: KVCache,

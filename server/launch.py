@@ -150,7 +150,23 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
         )
     config = _engine_config(model_dir, args)
     _fit_memory(config)
-    return LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config)
+    _warm_up(engine)  # before the port opens: /health answers only a warm server
+    return engine
+
+
+def _warm_up(engine: LLMEngine) -> None:
+    """Run the model's steps once (metal_engine/warm_up.py) and log what fell back."""
+    from kernels_metal.dispatch import all_fallbacks
+    from metal_engine.warm_up import warm_up
+
+    seconds = warm_up(engine)
+    fallbacks = all_fallbacks()
+    log.info("warm-up: kernels built and checked, compiled loops loaded, in %.1f s; kernel "
+             "fallbacks: %s", seconds, len(fallbacks) or "none")
+    for fallback in fallbacks:
+        log.warning("kernel fallback: %s %s runs on the reference: %s", fallback.kernel,
+                    fallback.variant, fallback.reason)
 
 
 def _fit_memory(config: EngineConfig) -> None:

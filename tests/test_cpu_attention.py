@@ -9,9 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels_metal import cpu_attention, cpu_decode, cpu_prefill, cpu_threads
 from kernels_metal.cases import Case, check, grid
-from kernels_metal.cpu_math import TILED_ROWS
+from kernels_metal.cpu import attention as cpu_attention
+from kernels_metal.cpu import decode as cpu_decode
+from kernels_metal.cpu import prefill as cpu_prefill
+from kernels_metal.cpu import threads as cpu_threads
+from kernels_metal.cpu.math import TILED_ROWS
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import paged_attention_reference
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels_metal import cpu_gemm, cpu_threads
+from kernels_metal.cpu import gemm as cpu_gemm
+from kernels_metal.cpu import threads as cpu_threads
 
 
 @pytest.mark.parametrize("threads", [1, 2])

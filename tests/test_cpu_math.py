@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from kernels_metal import cpu_math
+from kernels_metal.cpu import math as cpu_math
 
 
 def test_exp_relative_error_is_below_1e_6_over_the_normal_float_range():

@@ -9,13 +9,15 @@ import textwrap
 
 import numba
 
-from kernels_metal import cpu_threads
+from kernels_metal.cpu import threads as cpu_threads
 
 LOOPS = textwrap.dedent("""
     import numba
     import numpy as np
 
-    from kernels_metal import cpu_gemm, cpu_threads
+    from kernels_metal.cpu import gemm as cpu_gemm
+
+    from kernels_metal.cpu import threads as cpu_threads
 
 
     def _threads_of(parallel):
@@ -70,10 +72,10 @@ def test_cached_code_that_calls_parallel_builds_runs_on_one_thread(tmp_path):
     # been started (as a parallel launch does).
     (tmp_path / "loops.py").write_text(LOOPS)
     cache = tmp_path / "cache"
-    _run("import numpy as np; from kernels_metal import cpu_gemm; "
+    _run("import numpy as np; from kernels_metal.cpu import gemm as cpu_gemm; "
          "cpu_gemm.few_rows(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32))",
          tmp_path, cache)
-    script = ("import numpy as np, loops; from kernels_metal import cpu_threads; "
+    script = ("import numpy as np, loops; from kernels_metal.cpu import threads as cpu_threads; "
               "cpu_threads.use_threads(1); out = np.zeros((2, 4), np.float32); "
               "cpu_threads.run(loops.ones_product, out); print(out.sum())")
     assert _run(script, tmp_path, cache) == "64.0"  # compiled, on cached builds

@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import mlx.core as mx
 import pytest
 from dashboard_helpers import (
     LONG_STREAM_TOKENS,
@@ -26,6 +27,7 @@ from server_helpers import running_app
 from tiny_models import build_tiny_model
 from tiny_server import CHAT_TEMPLATE
 
+from kernels_metal import attention
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from metal_engine.outputs import RequestOutput
@@ -35,10 +37,12 @@ from server.async_engine import AsyncEngine, LiveRequest
 from server.dashboard import SCHEMA
 from server.dashboard.history import INTERVAL_S, NUM_INTERVALS, RecentActivity
 from server.dashboard.state import requests_section
+from server.dashboard.status_text import format_status
 from server.engine_stats import EngineStats, RequestState, read_engine_stats
 
 SECTIONS = {"schema", "time", "uptime_s", "model", "requests", "kv_cache", "state_slots",
-            "prefix_cache", "totals", "recent", "history", "speculative", "memory"}  # fmt: skip
+            "prefix_cache", "totals", "recent", "history", "speculative", "memory",
+            "kernels"}  # fmt: skip
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"  # a name, never fetched
 ROW_FIELDS = {"id", "http_request_id", "api", "status", "age_s", "ttft_s", "prompt_tokens",
               "cached_tokens", "computed_tokens", "generated_tokens", "preemptions",
@@ -88,6 +92,20 @@ def test_state_agrees_with_metrics_when_idle(url):
     assert doc["prefix_cache"]["hit_tokens"] >= 32
     for path, value in metrics_view(samples).items():
         assert lookup(doc, path) == pytest.approx(value), path
+
+
+def test_kernel_fallbacks_show_in_the_state_the_status_and_metrics(url, monkeypatch):
+    dispatch = attention._Dispatch()  # verdicts as a Mac would have them after a failure
+    variant = attention.Variant(mx.float16, 128, 16, 8, 2)
+    dispatch.verdicts.fallbacks[variant] = "ValueError: Thread group size (1024) is greater"
+    monkeypatch.setattr(attention, "_state", dispatch)
+    doc, samples = state(url), scrape(url)
+    assert doc["kernels"]["fallbacks"] == [{"kernel": "attention", "variant": variant.name,
+                                            "reason": dispatch.verdicts.fallbacks[variant]}]
+    key = f"metal_serve_kernel_fallbacks_total{{kernel=attention,variant={variant.name}}}"
+    assert samples[key] == 1
+    assert ("kernels      1 fallbacks; attention float16-d128-bs16-h8kv2: ValueError: Thread "
+            "group size (1024) is greater") in format_status(doc, url).splitlines()
 
 
 def test_each_api_is_named(url):

@@ -1,6 +1,6 @@
-"""The CPU backend's host forward (metal_engine/models/host.py): layers on numpy arrays give the
-MLX path's logits (long prefill chunks' attention in cpu_prefill included), layers of a few
-rows in compiled calls (kernels_metal/cpu_layer: all of them in one, or one in two) give the
+"""The CPU backend's host forward (kernels_metal/cpu/host_forward.py): layers on numpy arrays
+give the MLX path's logits (long prefill chunks' attention in cpu_prefill included), layers of a few
+rows in compiled calls (kernels_metal/cpu/layer: all of them in one, or one in two) give the
 module-by-module numbers, and q/k/v and gate/up are packed without copies."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from mlx.utils import tree_unflatten
 from test_model_parity import random_ids, run_logits
 from tiny_models import build_tiny_model
 
-import metal_engine.models.host as host
+import kernels_metal.cpu.host_forward as host
 from convert import convert_model
-from kernels_metal import cpu_layer, cpu_prefill, cpu_threads
-from metal_engine.models.host import HostStack
-from metal_engine.models.layers import PreNormDecoderLayer
+from kernels_metal.cpu import layer as cpu_layer
+from kernels_metal.cpu import layer_arrays
+from kernels_metal.cpu import prefill as cpu_prefill
+from kernels_metal.cpu import threads as cpu_threads
+from kernels_metal.cpu.host_forward import HostStack
 
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3"]  # plain, q/k/v biases, q/k norms, fused
 # Whose layers step in one call: the tiny qwen2 mixes sliding-window and full layers, whose
@@ -37,7 +39,7 @@ def logits(model_dir, ids, chunk, on_host: bool, monkeypatch) -> tuple[np.ndarra
     runner, scheduler = make_runner_and_scheduler(model_dir)
     got = run_logits(runner, scheduler, "a", ids, chunk=chunk)
     decoder = runner.model.model
-    return got, decoder.host_plan.layers_on_host(decoder.layers, runner.cache)
+    return got, runner.model.ops.plan.layers_on_host(decoder.layers, runner.cache)
 
 
 @pytest.mark.parametrize(("chunk", "length"), [(45, 45), (5, 45), (1, 45), (100, 200)],
@@ -65,10 +67,10 @@ def test_compiled_steps_give_the_module_path_numbers(model_dir, chunk, threads, 
     stacked_rows = {len(args[0]) for args in stacked_steps}  # step_layers(x, ...)
     assert (chunk in stacked_rows) == (model_dir.parent.name.split("-model")[0] in STACKED)
     monkeypatch.setattr(HostStack, "step", lambda self, *args: None)
-    layer_steps = count_calls(monkeypatch, PreNormDecoderLayer, "_host_step")
+    layer_steps = count_calls(monkeypatch, host, "layer_step")
     by_layer, _ = logits(model_dir, ids, chunk, True, monkeypatch)
     assert layer_steps
-    monkeypatch.setattr(PreNormDecoderLayer, "_host_steps", lambda self: False)
+    monkeypatch.setattr(layer_arrays, "_has_step", lambda layer: False)
     modules, _ = logits(model_dir, ids, chunk, True, monkeypatch)
     np.testing.assert_allclose(stacked, modules, atol=1e-6, rtol=1e-6)
     np.testing.assert_allclose(by_layer, modules, atol=1e-6, rtol=1e-6)

@@ -13,7 +13,7 @@ import pytest
 
 from kernels_metal import attention
 from kernels_metal.cases import Case, check, make_inputs
-from kernels_metal.cpu_attention import paged_attention_cpu
+from kernels_metal.cpu.attention import paged_attention_cpu
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.reference import paged_attention_reference
 

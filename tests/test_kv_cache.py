@@ -20,7 +20,7 @@ def step_peak_bytes(runner, scheduler) -> int:
 def test_step_writes_kv_in_place(tiny_llama, monkeypatch):
     """MLX's scatter (the Metal path's K/V write) donates the pool; the CPU backend's host
     forward writes into the pool's buffer and is off here."""
-    import metal_engine.models.host as host
+    import kernels_metal.cpu.host_forward as host
 
     monkeypatch.setattr(host, "numpy_serves", lambda: False)
     _, path = tiny_llama

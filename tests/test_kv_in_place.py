@@ -16,7 +16,8 @@ from conftest import TINY_LLAMA
 from engine_helpers import make_runner_and_scheduler
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kernels_metal import attention, cpu_math
+from kernels_metal import attention
+from kernels_metal.cpu import math as cpu_math
 from metal_engine.engine import LLMEngine
 from scheduler import SamplingParams
 
@@ -35,7 +36,7 @@ def forward_path(request, monkeypatch):
     """Either the lazy pure-MLX graph or the CPU backend's numpy paths (evaluated eagerly),
     both writing K/V with MLX's scatter: the host forward, which writes into the pool's
     buffer and so cannot copy it, is off."""
-    import metal_engine.models.host as host
+    import kernels_metal.cpu.host_forward as host
 
     monkeypatch.setattr(host, "numpy_serves", lambda: False)
     if request.param == "pure-mlx":

@@ -15,7 +15,7 @@ from test_quantize import TEXT, text_ids  # noqa: F401 (a fixture)
 
 from convert.validate import prompt_logits
 from kernels_metal.attention import paged_attention
-from kernels_metal.cpu_attention import paged_attention_cpu
+from kernels_metal.cpu.attention import paged_attention_cpu
 from kernels_metal.kv_quant import (
     KVQuant,
     QuantizedPool,
@@ -216,7 +216,7 @@ def test_every_family_reads_quantized_kv_as_its_dequantized_values(family, tmp_p
 
     from tiny_models import build_tiny_model
 
-    import metal_engine.models.host as host
+    import kernels_metal.cpu.host_forward as host
     from convert import convert_model
     from kernels_metal import reference
 

@@ -94,7 +94,7 @@ def test_metrics_have_vllm_names_and_types(served):
     assert "vllm:time_to_first_token_seconds_bucket{le=2560.0}" in samples  # vLLM's buckets
     own = {name for name in types if name.startswith("metal_serve_")}
     assert own <= {"metal_serve_requests_rejected", "metal_serve_requests_rejected_created",
-                   "metal_serve_prompts_waiting"}
+                   "metal_serve_prompts_waiting", "metal_serve_kernel_fallbacks"}
     assert "vllm:external_prefix_cache_hits" not in types  # no disk tier here
 
 

@@ -12,8 +12,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.reference import apply_rope
 from metal_engine.model_config import ModelConfig
-from metal_engine.models.rope import RotaryEmbedding, apply_rope
+from metal_engine.models.rope import RotaryEmbedding
 from metal_engine.models.rope_parameters import RopeParameters
 
 SHAPE = dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=64,

@@ -8,20 +8,16 @@ Parameter names and shapes are Hugging Face's qwen3_5 ones (`conv1d.weight [conv
 
 from __future__ import annotations
 
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kernels_metal.cpu_math import exp
-from kernels_metal.gated_delta import gated_delta_rule  # the Metal kernel, else the reference
-from metal_engine.models.layers import Linear
+from metal_engine.models.layers import Linear, PackedLinears
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
-
-
-def silu(x: mx.array) -> mx.array:
-    return x / (1 + exp(-x))
+from metal_engine.models.ops_user import OpsUser
 
 
 def _conv_indices(cu_seqlens, kernel_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -45,31 +41,56 @@ def _conv_indices(cu_seqlens, kernel_size: int) -> tuple[np.ndarray, np.ndarray]
     return windows, new_state
 
 
-def causal_conv1d(x: mx.array, weight: mx.array, cu_seqlens,
-                  state: mx.array) -> tuple[mx.array, mx.array]:
+# Rows from which the conv takes one tap at a time: its temporaries stay `[total_q, C]`.
+ONE_TAP_ROWS = 64
+
+
+class ConvGathers(NamedTuple):
+    windows: list[mx.array]  # [total_q, K] of every tap together, or [total_q] per tap
+    new_state: mx.array  # [num_seqs, K - 1]
+
+
+@lru_cache(maxsize=8)
+def _conv_gathers(cu_bytes: bytes, kernel_size: int) -> ConvGathers:
+    """A step's conv indices on the device, made once for all its linear-attention layers
+    (`cu_bytes`: its int64 `cu_seqlens`)."""
+    windows, new_state = _conv_indices(np.frombuffer(cu_bytes, np.int64), kernel_size)
+    columns = ([windows] if len(windows) < ONE_TAP_ROWS
+               else [windows[:, j] for j in range(kernel_size)])
+    return ConvGathers([mx.array(c) for c in columns], mx.array(new_state))
+
+
+def causal_conv1d(x: mx.array, weight: mx.array, cu_seqlens, state: mx.array,
+                  silu=nn.silu) -> tuple[mx.array, mx.array]:
     """Depthwise causal conv of each request's rows `x [total_q, C]`, continuing from its
-    `state [num_seqs, K - 1, C]`, then SiLU. `weight [C, 1, K]`. Returns (out, new state)."""
+    `state [num_seqs, K - 1, C]`, then `silu`. `weight [C, 1, K]`. Returns (out, new state)."""
     kernel_size, channels = weight.shape[-1], x.shape[-1]
-    windows, new_state = _conv_indices(cu_seqlens, kernel_size)
+    gathers = _conv_gathers(np.asarray(cu_seqlens, np.int64).tobytes(), kernel_size)
     source = mx.concatenate([x, state.astype(x.dtype).reshape(-1, channels)])
     taps = weight.reshape(channels, kernel_size).T.astype(mx.float32)  # [K, C]
-    # One tap at a time keeps the temporaries at [total_q, C]; summed in float32, since
-    # taps rounded to bfloat16 add up to visible error.
-    out = sum(source[mx.array(windows[:, j])].astype(mx.float32) * taps[j]
-              for j in range(kernel_size))
-    return silu(out).astype(x.dtype), source[mx.array(new_state)]
+    # Summed in float32, since taps rounded to bfloat16 add up to visible error.
+    if len(gathers.windows) == 1:  # a few rows: every tap in one gather and one sum
+        out = _tapped(source[gathers.windows[0]], taps).sum(axis=1)
+    else:
+        out = sum(_tapped(source[w], taps[j]) for j, w in enumerate(gathers.windows))
+    return silu(out).astype(x.dtype), source[gathers.new_state]
 
 
-class CausalConv1d(nn.Module):
+@partial(mx.compile, shapeless=True)
+def _tapped(values: mx.array, taps: mx.array) -> mx.array:
+    return values.astype(mx.float32) * taps
+
+
+class CausalConv1d(nn.Module, OpsUser):
     def __init__(self, channels: int, kernel_size: int) -> None:
         super().__init__()
         self.weight = mx.zeros((channels, 1, kernel_size))
 
     def __call__(self, x: mx.array, cu_seqlens, state: mx.array) -> tuple[mx.array, mx.array]:
-        return causal_conv1d(x, self.weight, cu_seqlens, state)
+        return causal_conv1d(x, self.weight, cu_seqlens, state, self.ops.silu)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(nn.Module, OpsUser):
     """RMSNorm of each head's output, then times SiLU of the gate (norm before gate)."""
 
     def __init__(self, dims: int, eps: float) -> None:
@@ -78,8 +99,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x, self.weight, self.eps).astype(mx.float32)
-        return (normed * silu(gate.astype(mx.float32))).astype(x.dtype)
+        # silu(gate) * normed in the activation dtype, as mlx-lm does: one kernel on Metal
+        return self.ops.activation("silu", gate, self.ops.rms_norm(x, self.weight, self.eps))
 
 
 class DeltaNetStep(NamedTuple):
@@ -88,8 +109,9 @@ class DeltaNetStep(NamedTuple):
     recurrent_state: mx.array  # [num_seqs, Hv, Dk, Dv] float32
 
 
-class GatedDeltaNet(nn.Module):
-    """Qwen3.5's linear-attention layer over packed rows, with explicit per-request states."""
+class GatedDeltaNet(nn.Module, OpsUser):
+    """Qwen3.5's linear-attention layer over packed rows, with explicit per-request states.
+    Its four input projections run as one product where the backend packs them."""
 
     def __init__(self, cfg: GatedDeltaNetConfig) -> None:
         super().__init__()
@@ -104,6 +126,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((heads,))
         self.norm = GatedRMSNorm(cfg.value_head_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(cfg.value_dim, hidden, bias=False)
+        self._inputs = PackedLinears(self, "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                     "in_proj_a")
 
     def zero_states(self, num_seqs: int, dtype: mx.Dtype = mx.float32):
         """(conv state, recurrent state) of requests that have seen no rows yet."""
@@ -116,19 +140,25 @@ class GatedDeltaNet(nn.Module):
                  recurrent_state: mx.array) -> DeltaNetStep:
         """`x [total_q, hidden]` rows packed by `cu_seqlens`; states as `zero_states`."""
         cfg, total = self.cfg, x.shape[0]
-        mixed, conv_state = self.conv1d(self.in_proj_qkv(x), cu_seqlens, conv_state)
+        qkv, z, b, a = self.ops.linears(x, self._inputs)
+        mixed, conv_state = self.conv1d(qkv, cu_seqlens, conv_state)
         q, k, v = mx.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q = q.reshape(total, cfg.num_key_heads, cfg.key_head_dim)
         k = k.reshape(total, cfg.num_key_heads, cfg.key_head_dim)
         v = v.reshape(total, cfg.num_value_heads, cfg.value_head_dim)
-        beta = mx.sigmoid(self.in_proj_b(x))
-        rule = gated_delta_rule(q, k, v, self._log_decay(x), beta, cu_seqlens, recurrent_state)
-        z = self.in_proj_z(x).reshape(total, cfg.num_value_heads, cfg.value_head_dim)
+        g, beta = _decay_and_beta(a, b, self.dt_bias, self.A_log)
+        rule = self.ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens, recurrent_state)
+        z = z.reshape(total, cfg.num_value_heads, cfg.value_head_dim)
         out = self.norm(rule.out, z).reshape(total, cfg.value_dim)
         return DeltaNetStep(self.out_proj(out), conv_state, rule.state)
 
-    def _log_decay(self, x: mx.array) -> mx.array:
-        """g = -exp(A_log) * softplus(a + dt_bias), in float32 (exp(A_log) overflows fp16)."""
-        a = self.in_proj_a(x).astype(mx.float32) + self.dt_bias.astype(mx.float32)
-        return -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a)
+
+@partial(mx.compile, shapeless=True)
+def _decay_and_beta(a: mx.array, b: mx.array, dt_bias: mx.array,
+                    a_log: mx.array) -> tuple[mx.array, mx.array]:
+    """(g, beta) float32: g = -exp(A_log) * softplus(a + dt_bias) (exp(A_log) overflows fp16),
+    beta = sigmoid(b); one kernel on Metal."""
+    a = a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    g = -mx.exp(a_log.astype(mx.float32)) * nn.softplus(a)
+    return g, mx.sigmoid(b.astype(mx.float32))
 

@@ -23,8 +23,6 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu_math import exp
-
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
 
@@ -161,7 +159,7 @@ def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
     chunk_size, value_dim = q.shape[-2], v.shape[-1]
     decay = mx.cumsum(g, axis=-1)  # log decay from the chunk's start through each row
     causal = mx.tril(mx.ones((chunk_size, chunk_size), dtype=mx.bool_))
-    pairwise = exp(mx.where(causal, decay[..., :, None] - decay[..., None, :], -mx.inf))
+    pairwise = mx.exp(mx.where(causal, decay[..., :, None] - decay[..., None, :], -mx.inf))
     k_beta = k * beta[..., None]
     # Row i's write depends on the writes of rows j < i: a unit lower triangular system.
     earlier = mx.tril(mx.ones((chunk_size, chunk_size), dtype=mx.bool_), k=-1)

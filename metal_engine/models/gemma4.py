@@ -15,13 +15,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
+from kernels_metal.metadata import AttentionMetadata
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM, DecoderModel
-from metal_engine.models.layers import GATED_ACTIVATIONS, MLP, Linear
+from metal_engine.models.layers import MLP, Linear
 from metal_engine.models.moe import SwitchGLU, route
-from metal_engine.models.rope import apply_rope
+from metal_engine.models.ops_user import OpsUser
 
 PER_LAYER_INPUT_MIX = 2.0**-0.5  # (projection + embedding) of the per-layer inputs, averaged
 
@@ -31,7 +31,7 @@ def _unit_rms(x: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, None, eps)
 
 
-class Gemma4Attention(nn.Module):
+class Gemma4Attention(nn.Module, OpsUser):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -52,22 +52,22 @@ class Gemma4Attention(nn.Module):
                 self.v_proj = Linear(hidden, kv_out, bias=bias)
         self.o_proj = Linear(q_out, hidden, bias=bias)
 
-    def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
-                 cache: KVCache, pool: int) -> mx.array:
+    def __call__(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+                 pool: int) -> mx.array:
         total = x.shape[0]
         q = self.q_norm(self.q_proj(x).reshape(total, self.num_heads, self.head_dim))
-        q = apply_rope(q, *rope)
+        q = self.ops.rope(q, rope)
         meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
         if self.reads_shared_kv:
             k_pool, v_pool = cache.peek(pool)
         else:
             k = self.k_proj(x).reshape(total, self.num_kv_heads, self.head_dim)
             v = k if self.values_are_keys else self.v_proj(x).reshape(k.shape)
-            k, v = apply_rope(self.k_norm(k), *rope), _unit_rms(v, self.eps)
+            k, v = self.ops.rope(self.k_norm(k), rope), _unit_rms(v, self.eps)
             k_pool, v_pool = cache.take(pool)
-            k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
+            k_pool, v_pool = self.ops.write_kv(k_pool, k, meta), self.ops.write_kv(v_pool, v, meta)
             cache.put(pool, k_pool, v_pool)
-        out = paged_attention(q, k_pool, v_pool, meta, 1.0, window=self.window)
+        out = self.ops.paged_attention(q, k_pool, v_pool, meta, 1.0, window=self.window)
         return self.o_proj(out.reshape(total, -1))
 
 
@@ -89,7 +89,7 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale[experts].astype(mx.float32), experts
 
 
-class Gemma4DecoderLayer(nn.Module):
+class Gemma4DecoderLayer(nn.Module, OpsUser):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -103,7 +103,7 @@ class Gemma4DecoderLayer(nn.Module):
         if cfg.moe is not None:
             self.router = Gemma4Router(cfg)
             self.experts = SwitchGLU(hidden, cfg.moe.expert_intermediate_size,
-                                     cfg.moe.num_experts, GATED_ACTIVATIONS[cfg.hidden_act])
+                                     cfg.moe.num_experts, cfg.hidden_act)
             for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
                          "pre_feedforward_layernorm_2"):
                 setattr(self, name, nn.RMSNorm(hidden, eps=eps))
@@ -112,7 +112,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = Linear(hidden, size, bias=False)
             self.per_layer_projection = Linear(size, hidden, bias=False)
             self.post_per_layer_input_norm = nn.RMSNorm(hidden, eps=eps)
-            self._gate_act = GATED_ACTIVATIONS[cfg.hidden_act]
+            self.act = cfg.hidden_act
         self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x, rope, meta, cache, pool, per_layer_input=None):
@@ -125,8 +125,8 @@ class Gemma4DecoderLayer(nn.Module):
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(moe)
         h = h + self.post_feedforward_layernorm(out)
         if per_layer_input is not None:
-            # act(gate) * input, with GATED_ACTIVATIONS' (gate, up) form
-            gated = self._gate_act(self.per_layer_input_gate(h), per_layer_input)
+            # act(gate) * input, with a gated activation's (gate, up) form
+            gated = self.ops.activation(self.act, self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar.astype(h.dtype)
 
@@ -150,8 +150,8 @@ class Gemma4Decoder(DecoderModel):
                  cache: KVCache) -> mx.array:
         h = self.embed(input_ids)
         per_layer = self._per_layer_inputs(input_ids, h)
-        tables = self._ropes.tables(positions, meta)
-        for i, (layer, rope, pool) in enumerate(zip(self.layers, tables, self._pools,
+        ropes = self.ops.layer_ropes(self.ropes, positions, meta)
+        for i, (layer, rope, pool) in enumerate(zip(self.layers, ropes, self.pools,
                                                     strict=True)):
             h = layer(h, rope, meta, cache, pool,
                       None if per_layer is None else per_layer[:, i])

@@ -9,7 +9,6 @@ import mlx.nn as nn
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import (
-    GATED_ACTIVATIONS,
     MLP,
     Attention,
     PreNormDecoderLayer,
@@ -23,7 +22,7 @@ def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
     if not moe.is_moe_layer(layer):
         return MLP(cfg)
     shared = MLP(cfg, inner=moe.shared_intermediate_size) if moe.shared_intermediate_size else None
-    return SparseMoeBlock(cfg.hidden_size, moe, GATED_ACTIVATIONS[cfg.hidden_act],
+    return SparseMoeBlock(cfg.hidden_size, moe, cfg.hidden_act,
                           CorrectedGate(cfg.hidden_size, moe.num_experts), shared)
 
 

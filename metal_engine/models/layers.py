@@ -1,166 +1,145 @@
 """Layers the model families share: linear, RMSNorms, gated MLP, paged self-attention.
 
-Parameter names are Hugging Face's, so checkpoints load without renaming. Each of these takes
-MLX arrays, or numpy ones in the CPU backend's host forward (`HOST_ARRAYS`, models/host.py),
-and returns the kind it gets.
+Parameter names are Hugging Face's, so checkpoints load without renaming. Every layer computes
+through `self.ops`, the backend its model was built with (models/ops_user.py). A class marked
+`OPS_ONLY` does nothing to its inputs but through its ops and its `OPS_ONLY` children, so it
+runs on whatever arrays its backend hands it (the CPU backend's host forward: numpy ones).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from kernels_metal import cpu_layer
-from kernels_metal.attention import AttentionMetadata, write_and_attend
-from kernels_metal.cpu_math import (
-    TILED_ROWS,
-    array_module,
-    gelu_tanh_mul,
-    host_linear,
-    linear,
-    rms_norm,
-    silu_mul,
-    silu_mul_halves,
-)
+from kernels_metal.metadata import AttentionMetadata
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
-from metal_engine.models.rope import apply_rope
-
-# hidden_act -> act(gate) * up
-GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
-# hidden_act -> the same of a packed [rows, 2 * inner] host product, where there is one
-HOST_PACKED_ACTIVATIONS = {"silu": silu_mul_halves}
+from metal_engine.models.ops_user import OpsUser
 
 
-class HostViews:
-    """Numpy views of a module's `weight` and `bias` for the host forward, made again when
-    either was replaced: viewing an MLX array costs ~2.5 us, a few hundred times a step."""
+class Linear(nn.Linear, OpsUser):
+    """nn.Linear (same parameters), computed by the model's ops."""
 
-    def __init__(self) -> None:
-        self._arrays: tuple[mx.array | None, mx.array | None] = (None, None)
-        self._views: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
-
-    def __call__(self, owner: nn.Module) -> tuple[np.ndarray, np.ndarray | None]:
-        weight, bias = owner.get("weight"), owner.get("bias")
-        if weight is not self._arrays[0] or bias is not self._arrays[1]:
-            self._arrays = weight, bias
-            self._views = tuple(None if a is None else np.asarray(a) for a in self._arrays)
-        return self._views
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters) with the CPU backend's numpy fast path."""
-
-    HOST_ARRAYS = True
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._host = HostViews()
+    OPS_ONLY = True
 
     def __call__(self, x: mx.array) -> mx.array:
-        if isinstance(x, np.ndarray):
-            return host_linear(x, *self.host_arrays())
-        return linear(x, self.weight, self.get("bias"))
-
-    def host_arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """Numpy views of the weight and bias (None if it has none)."""
-        return self._host(self)
+        return self.ops.linear(x, self)
 
 
 class PackedLinears:
-    """Linears of one input as one product on the host (a layer's q/k/v, gate/up).
+    """Linears of one input (a layer's q/k/v, gate/up) that a backend may run as one product.
 
-    At their first product their weights (and biases) are packed into one buffer and become
-    views of it, so packing costs no memory; one product streams the weights faster than a
-    product each (each BLAS call costs ~25 us of thread hand-offs at one row). They are
-    packed again if a weight was replaced since.
+    At their first packed use their weights (and biases) are packed into one buffer and become
+    views of it, so packing costs no memory; they are packed again if a weight was replaced
+    since. Only plain float `Linear`s of one dtype pack (`packable`): quantized ones run apart.
     """
 
-    def __init__(self, *names: str) -> None:
-        self._names = names
+    def __init__(self, owner: nn.Module, *names: str) -> None:
+        self._owner, self._names = owner, names
         self._views: tuple[tuple[str, str, mx.array], ...] = ()  # (linear, key, packed view)
-        self._weight = self._bias = None
-        self._columns: list[slice] = []
+        self._packed: dict[str, mx.array] = {}
+        self.columns: list[slice] = []  # each linear's columns of the packed product
+        self._apart: list[nn.Module] = []  # the linears last found not to pack
+        self._ends: list[int] = []  # where each linear's columns end, the last one's aside
 
-    def __call__(self, owner: nn.Module, x: np.ndarray) -> list[np.ndarray]:
-        y = self.product(owner, x)
-        return [y[:, columns] for columns in self._columns]
+    def linears(self) -> list[nn.Module]:
+        return [self._owner[name] for name in self._names]
 
-    def product(self, owner: nn.Module, x: np.ndarray) -> np.ndarray:
-        """The packed product `[rows, sum of the linears' outputs]`, in their order."""
-        return host_linear(x, *self.arrays(owner))
+    def packable(self) -> bool:
+        linears = self.linears()
+        return (all(type(m) is Linear for m in linears)
+                and len({m.weight.dtype for m in linears}) == 1
+                and len({"bias" in m for m in linears}) == 1)
 
-    def arrays(self, owner: nn.Module) -> tuple[np.ndarray, np.ndarray | None]:
-        """The packed weight and bias (None if they have none), packed first if need be."""
-        # Packed again if a linear no longer holds the view it was given; checked inline, a
-        # step asks ~60 times.
+    def packed(self) -> tuple[mx.array, mx.array | None] | None:
+        """The packed weight and bias (None if they have none), packed first if need be; None
+        if the linears do not pack."""
+        # Current while each linear holds the view it was given; checked inline, a step
+        # asks ~60 times.
         current = bool(self._views)
         for name, key, view in self._views:
-            if owner[name].get(key) is not view:
+            if self._owner[name].get(key) is not view:
                 current = False
                 break
         if not current:
-            self._pack([owner[name] for name in self._names])
-        return self._weight, self._bias
+            linears = self.linears()
+            apart = len(self._apart) == len(linears) and all(
+                a is b for a, b in zip(self._apart, linears, strict=True))
+            if apart or not self.packable():
+                self._apart = linears  # asked again only once a linear was replaced
+                return None
+            self._pack(linears)
+        return self._packed["weight"], self._packed.get("bias")
 
-    def _parameters(self, linears: list[Linear]) -> list[tuple[str, str, mx.array]]:
-        return [(name, key, m[key]) for key in ("weight", "bias")
-                for name, m in zip(self._names, linears, strict=True) if key in m]
+    def get(self, key: str) -> mx.array | None:
+        """The packed "weight" or "bias", as a `Linear` has them (the linears must pack)."""
+        weight, bias = self.packed()
+        return weight if key == "weight" else bias
 
-    def _pack(self, linears: list[Linear]) -> None:
+    def split(self, y: mx.array) -> list[mx.array]:
+        """The packed product `y [rows, sum of outputs]` as each linear's output."""
+        return mx.split(y, self._ends, axis=-1)
+
+    def _pack(self, linears: list[nn.Module]) -> None:
         sizes = [m.weight.shape[0] for m in linears]
-        ends = np.cumsum(sizes).tolist()
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
         packed = {}
         for key in ("weight", "bias"):
             if key in linears[0]:
                 packed[key] = mx.concatenate([m[key] for m in linears])
                 for m, end, size in zip(linears, ends, sizes, strict=True):
                     m[key] = packed[key][end - size : end]
-        self._views = tuple(self._parameters(linears))
+        self._views = tuple((name, key, m[key]) for key in ("weight", "bias")
+                            for name, m in zip(self._names, linears, strict=True) if key in m)
         mx.eval(packed, [view for _, _, view in self._views])
-        self._weight = np.asarray(packed["weight"])
-        self._bias = np.asarray(packed["bias"]) if "bias" in packed else None
-        self._columns = [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
+        self._packed = packed
+        self.columns = [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
+        self._ends = ends[:-1]
 
 
-class RMSNorm(nn.RMSNorm):
-    HOST_ARRAYS = True
-
-    def __init__(self, dims: int, eps: float = 1e-5) -> None:
-        super().__init__(dims, eps)
-        self._host = HostViews()
+class RMSNorm(nn.RMSNorm, OpsUser):
+    OPS_ONLY = True
 
     def __call__(self, x: mx.array) -> mx.array:
-        if isinstance(x, np.ndarray):
-            return rms_norm(x, self.host_weight(), self.eps)
-        return rms_norm(x, self.weight, self.eps)
-
-    def host_weight(self) -> np.ndarray:
-        return self._host(self)[0]
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetScale:
+    """`1 + w` of an offset norm's weight, in the weight's dtype, made again when the weight
+    is replaced: computed per call, it is a kernel per norm per step."""
+
+    def __init__(self) -> None:
+        self._weight: mx.array | None = None
+        self._scale: mx.array | None = None
+
+    def __call__(self, weight: mx.array) -> mx.array:
+        if weight is not self._weight:
+            # In float32, rounded once (`1 + w` in bfloat16 would round w first).
+            self._weight = weight
+            self._scale = (1.0 + weight.astype(mx.float32)).astype(weight.dtype)
+        return self._scale
+
+
+class OffsetRMSNorm(nn.Module, OpsUser):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 (it scales by `1 + w`)."""
 
-    HOST_ARRAYS = True
+    OPS_ONLY = True
 
     def __init__(self, dims: int, eps: float) -> None:
         super().__init__()
         self.weight = mx.zeros((dims,))
         self.eps = eps
+        self._scale = OffsetScale()
 
     def __call__(self, x: mx.array) -> mx.array:
-        # In float32 like transformers: `1 + w` in bfloat16 would round w away.
-        scale = 1.0 + self.weight.astype(mx.float32)
-        return rms_norm(x, scale, self.eps).astype(x.dtype)
+        return self.ops.rms_norm(x, self._scale(self.weight), self.eps)
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, OpsUser):
     """`down(act(gate(x)) * up(x))`; Phi-3 stores gate and up as one `gate_up_proj`. `inner`:
     the width when not the config's intermediate_size (a MoE's shared expert)."""
 
-    HOST_ARRAYS = True
+    OPS_ONLY = True
 
     def __init__(self, cfg: ModelConfig, bias: bool = False, fused: bool = False,
                  inner: int | None = None) -> None:
@@ -171,34 +150,19 @@ class MLP(nn.Module):
         else:
             self.gate_proj = Linear(hidden, inner, bias=bias)
             self.up_proj = Linear(hidden, inner, bias=bias)
-            self._gate_up = PackedLinears("gate_proj", "up_proj")
+            self._gate_up = PackedLinears(self, "gate_proj", "up_proj")
         self.down_proj = Linear(inner, hidden, bias=bias)
-        self._act = GATED_ACTIVATIONS[cfg.hidden_act]
-        self._act_halves = HOST_PACKED_ACTIVATIONS.get(cfg.hidden_act)
-        self.silu_gated = cfg.hidden_act == "silu"
+        self.act = cfg.hidden_act
 
     def __call__(self, x: mx.array) -> mx.array:
-        fused = "gate_up_proj" in self
-        if isinstance(x, np.ndarray) and self._act_halves is not None:
-            # gate and up of host rows as one packed product [rows, 2 * inner]
-            gate_up = self.gate_up_proj(x) if fused else self._gate_up.product(self, x)
-            return self.down_proj(self._act_halves(gate_up))
-        if fused:
-            gate, up = array_module(x).split(self.gate_up_proj(x), 2, axis=-1)
-        elif isinstance(x, np.ndarray):
-            gate, up = self._gate_up(self, x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self._act(gate, up))
+        return self.down_proj(self.ops.gated(x, self.gate_up(), self.act))
 
-    def host_gate_up(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """The gate and up weights packed as one (gate first), and their bias."""
-        if "gate_up_proj" in self:
-            return self.gate_up_proj.host_arrays()
-        return self._gate_up.arrays(self)
+    def gate_up(self) -> Linear | PackedLinears:
+        """Gate and up: the fused linear, or the two as packed linears."""
+        return self.gate_up_proj if "gate_up_proj" in self else self._gate_up
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, OpsUser):
     """Self-attention of packed rows over the paged KV cache.
 
     Options by family: biases on q/k/v and on o, a per-head norm of q and k before rope
@@ -206,7 +170,7 @@ class Attention(nn.Module):
     head (`sinks`, GPT-OSS). Window, soft-capping and scale come from the config.
     """
 
-    HOST_ARRAYS = True
+    OPS_ONLY = True
 
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: type[nn.Module] | None = None,
@@ -225,7 +189,7 @@ class Attention(nn.Module):
             self.q_proj = Linear(hidden, q_out, bias=qkv_bias)
             self.k_proj = Linear(hidden, kv_out, bias=qkv_bias)
             self.v_proj = Linear(hidden, kv_out, bias=qkv_bias)
-            self._qkv = PackedLinears("q_proj", "k_proj", "v_proj")
+            self._qkv = PackedLinears(self, "q_proj", "k_proj", "v_proj")
         self.o_proj = Linear(q_out, hidden, bias=o_bias)
         if qk_norm is not None:
             self.q_norm = qk_norm(self.head_dim, eps=cfg.rms_norm_eps)
@@ -233,22 +197,23 @@ class Attention(nn.Module):
         if sinks:
             self.sinks = mx.zeros((self.num_heads,))
 
+    def qkv(self) -> Linear | PackedLinears:
+        """q, k and v: the fused linear, or the three as packed linears."""
+        return self.qkv_proj if "qkv_proj" in self else self._qkv
+
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        if "qkv_proj" not in self:
-            if isinstance(x, np.ndarray):
-                q, k, v = self._qkv(self, x)
-                return q, k, v
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q_out = self.num_heads * self.head_dim
-        kv_out = self.num_kv_heads * self.head_dim
-        q, k, v = array_module(x).split(self.qkv_proj(x), [q_out, q_out + kv_out], axis=-1)
+        if "qkv_proj" in self:  # head counts read per call: a tensor-parallel rank has fewer
+            q_end = self.num_heads * self.head_dim
+            k_end = q_end + self.num_kv_heads * self.head_dim
+            y = self.qkv_proj(x)
+            return y[..., :q_end], y[..., q_end:k_end], y[..., k_end:]
+        q, k, v = self.ops.linears(x, self._qkv)
         return q, k, v
 
-    def __call__(
-        self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
-        cache: KVCache, pool: int,
-    ) -> mx.array:
-        """`pool`: the KV pool this layer writes and attends over (ModelConfig.kv_pool)."""
+    def __call__(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+                 pool: int) -> mx.array:
+        """`rope`: the step's rope of this layer's kind (`Ops.rope_step`); `pool`: the KV
+        pool this layer writes and attends over (ModelConfig.kv_pool)."""
         total = x.shape[0]
         q, k, v = self._project(x)
         q = q.reshape(total, self.num_heads, self.head_dim)
@@ -256,7 +221,7 @@ class Attention(nn.Module):
         v = v.reshape(total, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
         out = self.attend(q, k, v, meta, cache, pool)
         return self.o_proj(out.reshape(total, self.num_heads * self.head_dim))
 
@@ -268,24 +233,18 @@ class Attention(nn.Module):
         sinks = self.get("sinks")
         k_pool, v_pool = cache.take(pool)
         try:
-            out, k_pool, v_pool = write_and_attend(
+            out, k_pool, v_pool = self.ops.write_and_attend(
                 q, k, v, k_pool, v_pool, meta, self.scale, window=self.window,
                 softcap=self.softcap, sinks=None if sinks is None else sinks.astype(mx.float32))
         finally:
             cache.put(pool, k_pool, v_pool)
         return out
 
-    def host_qkv(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """The q, k and v weights packed as one (in that order), and their bias."""
-        if "qkv_proj" in self:
-            return self.qkv_proj.host_arrays()
-        return self._qkv.arrays(self)
-
 
 class PreNormDecoderLayer(nn.Module):
     """`h = x + attn(norm(x)); h + mlp(norm(h))` (Llama, Mistral, Qwen, Phi-3)."""
 
-    HOST_ARRAYS = True
+    OPS_ONLY = True
 
     def __init__(self, cfg: ModelConfig, attention: Attention, mlp: MLP) -> None:
         super().__init__()
@@ -293,72 +252,7 @@ class PreNormDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self._host_arrays = HostStepArrays()
 
     def __call__(self, x, rope, meta, cache, pool):
-        if isinstance(x, np.ndarray) and len(x) < TILED_ROWS and self._host_steps():
-            return self._host_step(x, rope, meta, cache, pool)
         h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-    def _host_steps(self) -> bool:
-        """Whether host rows take `_host_step`: a plain attention (its q/k norms, if any,
-        RMSNorms) and a SwiGLU MLP."""
-        attention, mlp = self.self_attn, self.mlp
-        return (type(attention) is Attention and type(mlp) is MLP and mlp.silu_gated
-                and ("q_norm" not in attention or type(attention.q_norm) is RMSNorm))
-
-    def _host_step(self, x, rope, meta, cache, pool):
-        """The layer in two compiled calls around its attention (kernels_metal/cpu_layer)."""
-        arrays = self._host_arrays(self)
-        cos, sin = rope
-        half = cos.shape[-1]
-        q, k, v = cpu_layer.attention_inputs(x, arrays, (cos.reshape(-1, half),
-                                                         sin.reshape(-1, half)))
-        out = self.self_attn.attend(q, k, v, meta, cache, pool)
-        return cpu_layer.after_attention(x, out.reshape(len(x), -1), arrays)
-
-    def host_arrays(self) -> cpu_layer.LayerArrays | None:
-        """What its compiled host steps take (None: it has none): numpy views of its
-        parameters, gathered again once one changed."""
-        return self._host_arrays(self) if self._host_steps() else None
-
-    def gather_host_arrays(self) -> cpu_layer.LayerArrays:
-        attention, mlp = self.self_attn, self.mlp
-        qk_norms = None
-        if "q_norm" in attention:
-            qk_norms = (attention.q_norm.host_weight(), attention.k_norm.host_weight(),
-                        attention.q_norm.eps)
-        return cpu_layer.LayerArrays(
-            input_norm=(self.input_layernorm.host_weight(), self.input_layernorm.eps),
-            qkv=attention.host_qkv(), qk_norms=qk_norms,
-            shape=(attention.num_heads, attention.num_kv_heads, attention.head_dim),
-            o=attention.o_proj.host_arrays(),
-            post_norm=(self.post_attention_layernorm.host_weight(),
-                       self.post_attention_layernorm.eps),
-            gate_up=mlp.host_gate_up(), down=mlp.down_proj.host_arrays(),
-            attention=(attention.scale, attention.softcap, attention.window,
-                       "sinks" in attention))
-
-
-class HostStepArrays:
-    """A layer's cpu_layer.LayerArrays, gathered again when a parameter or module in it was replaced
-    (new weights, q/k/v packed anew, a new linear): gathering them cost ~35 us a layer at
-    every step, checking them ~3."""
-
-    def __init__(self) -> None:
-        self._sources: tuple[tuple[nn.Module, str, mx.array | nn.Module], ...] = ()
-        self._arrays: cpu_layer.LayerArrays | None = None
-
-    def __call__(self, layer: PreNormDecoderLayer) -> cpu_layer.LayerArrays:
-        for module, key, held in self._sources:
-            if module.get(key) is not held:
-                break
-        else:
-            if self._arrays is not None:
-                return self._arrays
-        self._arrays = layer.gather_host_arrays()  # packs first: q/k/v become views
-        self._sources = tuple((module, key, value) for module in layer.modules()
-                              for key, value in module.items()
-                              if isinstance(value, (mx.array, nn.Module)))
-        return self._arrays

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
-from metal_engine.models.layers import GATED_ACTIVATIONS, Attention, Linear, PreNormDecoderLayer
+from metal_engine.models.layers import Attention, Linear, PreNormDecoderLayer
 from metal_engine.models.moe import SparseMoeBlock
 
 
@@ -23,7 +23,7 @@ class MixtralDecoderLayer(PreNormDecoderLayer):
 
 class Model(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        moe, act = cfg.moe, GATED_ACTIVATIONS[cfg.hidden_act]
+        moe, act = cfg.moe, cfg.hidden_act
         layers = [
             MixtralDecoderLayer(cfg, Attention(cfg, i), SparseMoeBlock(
                 cfg.hidden_size, moe, act, Linear(cfg.hidden_size, moe.num_experts, bias=False)))

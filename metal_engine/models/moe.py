@@ -6,26 +6,28 @@ so its quantized checkpoints load as they are). Two ways to run the chosen exper
 - `gather`: gathered matmuls (`mx.gather_mm` / `mx.gather_qmm`), one product per (token,
   expert) pair, the pairs sorted by expert once there are enough of them that reading each
   expert's weights once pays for the sort. No host sync; the way on Metal.
-- `grouped`: one BLAS product per expert that any row chose, over those rows, in numpy on
-  the host. The CPU backend's way: its gather_mm copies the (transposed) stack out before
-  multiplying, about twice as slow at one row and more with more (see docs/benchmarks.md).
+- `grouped`: one product per expert that any row chose, over those rows, on the host: the
+  CPU backend's way (its ops' `grouped_experts`).
+
+The backend's `expert_dispatch` picks one unless `dispatch` is set.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from kernels_metal.cpu_math import host_linear, on_cpu
 from metal_engine.models.moe_config import MoeConfig
+from metal_engine.models.ops_user import OpsUser
 
 # (token, expert) pairs from which sorting by expert beats gathering in token order.
 SORT_PAIRS = 64
-Activation = Callable[[mx.array, mx.array], mx.array]  # (gate, up) -> hidden
+# (gate, up) -> hidden: a gated activation's name (the ops compute it) or a function
+Activation = str | Callable[[mx.array, mx.array], mx.array]
 Dispatch = Literal["gather", "grouped"]
 
 
@@ -43,12 +45,6 @@ class SwitchLinear(nn.Module):
         out = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts,
                            sorted_indices=sorted_experts)  # fmt: skip
         return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
-
-    def expert(self, x: np.ndarray, e: int) -> np.ndarray:
-        """x `[rows, in]` through expert `e` alone, on the host (float32)."""
-        # Index the zero-copy view of the whole stack: an MLX slice would be copied out.
-        out = host_linear(x, np.asarray(self.weight)[e])
-        return out if "bias" not in self else out + np.asarray(self.bias)[e]
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
                      **_: object) -> QuantizedSwitchLinear:
@@ -75,17 +71,10 @@ class QuantizedSwitchLinear(nn.Module):
                             mode=self.mode, sorted_indices=sorted_experts)  # fmt: skip
         return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
 
-    def expert(self, x: np.ndarray, e: int) -> np.ndarray:
-        biases = self.biases[e] if "biases" in self else None
-        weight = mx.dequantize(self.weight[e], self.scales[e], biases, self.group_size,
-                               self.bits, mode=self.mode)  # fmt: skip
-        out = host_linear(x, np.asarray(weight.astype(mx.float32)))
-        return out if "bias" not in self else out + np.asarray(self.bias[e].astype(mx.float32))
 
-
-class SwitchGLU(nn.Module):
+class SwitchGLU(nn.Module, OpsUser):
     """The experts: `down(act(gate(x), up(x)))`, each through its own weights. `dispatch`:
-    how they run (see the module docstring); None picks by backend and batch."""
+    how they run (see the module docstring); None: as the backend says."""
 
     dispatch: Dispatch | None = None
 
@@ -106,36 +95,22 @@ class SwitchGLU(nn.Module):
             flat = experts.flatten()
             order = mx.argsort(flat)
             x, experts = x.flatten(0, -3)[order // k], flat[order]
-        h = self._act(self.gate_proj(x, experts, sort), self.up_proj(x, experts, sort))
+        h = self.activate(self.gate_proj(x, experts, sort), self.up_proj(x, experts, sort))
         out = self.down_proj(h, experts, sort)
         if sort:
             out = out[mx.argsort(order)].reshape(rows, k, 1, -1)
         return out.squeeze(-2)
 
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:
+        act = self._act
+        return self.ops.activation(act, gate, up) if isinstance(act, str) else act(gate, up)
+
     def mix(self, x: mx.array, weights: mx.array, experts: mx.array) -> mx.array:
         """Each row's chosen experts' outputs, weighted and summed: `[rows, hidden]`."""
-        if (self.dispatch or ("grouped" if on_cpu() else "gather")) == "grouped":
-            return self.grouped(x, experts, weights)
+        if (self.dispatch or self.ops.expert_dispatch) == "grouped":
+            return self.ops.grouped_experts(self, x, experts, weights)
         y = self(x, experts)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-
-    def grouped(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
-        """The weighted sum over each row's experts, one product per chosen expert over the
-        rows that chose it (evaluates on the host)."""
-        k = experts.shape[1]
-        flat = np.asarray(experts).reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        starts = np.flatnonzero(np.diff(flat[order], prepend=-1))
-        x_host = np.asarray(x.astype(mx.float32))
-        pair_weights = np.asarray(weights.astype(mx.float32)).reshape(-1)
-        out = np.zeros_like(x_host)
-        for pairs in np.split(order, starts[1:]):
-            e, rows = int(flat[pairs[0]]), pairs // k
-            xe = x_host[rows]
-            gate, up = self.gate_proj.expert(xe, e), self.up_proj.expert(xe, e)
-            h = np.asarray(self._act(mx.array(gate), mx.array(up)))
-            np.add.at(out, rows, self.down_proj.expert(h, e) * pair_weights[pairs, None])
-        return mx.array(out).astype(x.dtype)
 
 
 class CorrectedGate(nn.Module):
@@ -162,13 +137,18 @@ def route(logits: mx.array, moe: MoeConfig,
     if moe.num_groups > 1:
         choice = _best_groups_only(choice, moe)
     k = moe.experts_per_token
-    experts = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]
+    experts = mx.argpartition(choice, kth=-k, axis=-1)[..., -k:]  # the k largest, any order
     weights = mx.take_along_axis(scores, experts, axis=-1)
     if moe.normalize_top_k:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        weights = _normalized(weights, weights.sum(axis=-1, keepdims=True))
     if moe.routed_scaling_factor != 1.0:
         weights = weights * moe.routed_scaling_factor
     return weights, experts.astype(mx.uint32)
+
+
+@partial(mx.compile, shapeless=True)
+def _normalized(weights: mx.array, total: mx.array) -> mx.array:
+    return weights / (total + 1e-20)
 
 
 def _best_groups_only(choice: mx.array, moe: MoeConfig) -> mx.array:

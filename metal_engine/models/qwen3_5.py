@@ -7,20 +7,31 @@ gate (Qwen3-Next may keep dense MLPs in some layers)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from kernels_metal.attention import AttentionMetadata, paged_attention, write_kv
+from kernels_metal.metadata import AttentionMetadata
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gated_delta import GatedDeltaNet
-from metal_engine.models.layers import GATED_ACTIVATIONS, MLP, Linear, OffsetRMSNorm
+from metal_engine.models.layers import MLP, Linear, OffsetRMSNorm, PackedLinears
 from metal_engine.models.moe import SwitchGLU, route
-from metal_engine.models.rope import RotaryEmbedding, apply_rope
+from metal_engine.models.ops_user import OpsUser
+from metal_engine.models.rope import RotaryEmbedding
 
 
-class GatedAttention(nn.Module):
+@partial(mx.compile, shapeless=True)
+def _sigmoid_gated(out: mx.array, gate: mx.array) -> mx.array:
+    return out * mx.sigmoid(gate)
+
+
+class GatedAttention(nn.Module, OpsUser):
+    """q, k, v as one product where the backend packs them (q and its gate are one output)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -32,26 +43,31 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(q_out, hidden, bias=bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self._qkv = PackedLinears(self, "q_proj", "k_proj", "v_proj")
 
-    def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
-                 cache: KVCache, pool: int) -> mx.array:
+    def __call__(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+                 pool: int) -> mx.array:
         total = x.shape[0]
-        q, gate = mx.split(self.q_proj(x).reshape(total, self.num_heads, 2 * self.head_dim), 2,
-                           axis=-1)
-        q = apply_rope(self.q_norm(q), *rope)
-        k_pool, v_pool = self.write_kv(x, rope, meta, cache, pool)
-        out = paged_attention(q, k_pool, v_pool, meta, self.head_dim**-0.5)
-        return self.o_proj((out * mx.sigmoid(gate)).reshape(total, -1))
+        q, k, v = self.ops.linears(x, self._qkv)
+        q, gate = mx.split(q.reshape(total, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        q = self.ops.rope(self.q_norm(q), rope)
+        k_pool, v_pool = self._write(k, v, rope, meta, cache, pool)
+        out = self.ops.paged_attention(q, k_pool, v_pool, meta, self.head_dim**-0.5)
+        return self.o_proj(_sigmoid_gated(out, gate).reshape(total, -1))
 
-    def write_kv(self, x: mx.array, rope: tuple[mx.array, mx.array], meta: AttentionMetadata,
-                 cache: KVCache, pool: int) -> tuple[mx.array, mx.array]:
+    def write_kv(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+                 pool: int) -> tuple[mx.array, mx.array]:
         """Write the rows' K and V into pool `pool`; return the pool pair."""
-        total = x.shape[0]
-        k = self.k_norm(self.k_proj(x).reshape(total, self.num_kv_heads, self.head_dim))
-        k = apply_rope(k, *rope)
-        v = self.v_proj(x).reshape(total, self.num_kv_heads, self.head_dim)
+        return self._write(self.k_proj(x), self.v_proj(x), rope, meta, cache, pool)
+
+    def _write(self, k: mx.array, v: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+               pool: int) -> tuple[mx.array, mx.array]:
+        total = k.shape[0]
+        k = self.k_norm(k.reshape(total, self.num_kv_heads, self.head_dim))
+        k = self.ops.rope(k, rope)
+        v = v.reshape(total, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = cache.take(pool)
-        k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
+        k_pool, v_pool = self.ops.write_kv(k_pool, k, meta), self.ops.write_kv(v_pool, v, meta)
         cache.put(pool, k_pool, v_pool)
         return k_pool, v_pool
 
@@ -63,12 +79,25 @@ def linear_attention(net: GatedDeltaNet, x: mx.array, meta: AttentionMetadata, c
     states = cache.states
     conv, recurrent = states.take(index)
     slots, keep = states.step_slots, states.step_keep
-    step = net(x, meta.cu_seqlens_q, conv[slots] * keep[:, None, None],
-               recurrent[slots] * keep[:, None, None, None])
+    conv_in, recurrent_in = conv[slots], recurrent[slots]
+    if _fresh_requests(meta):  # a request fed from position 0 starts from zeros
+        conv_in = conv_in * keep[:, None, None]
+        recurrent_in = recurrent_in * keep[:, None, None, None]
+    step = net(x, meta.cu_seqlens_q, conv_in, recurrent_in)
     conv[slots] = step.conv_state.astype(conv.dtype)
     recurrent[slots] = step.recurrent_state
     states.put(index, conv, recurrent)
     return step.out
+
+
+def _fresh_requests(meta: AttentionMetadata) -> bool:
+    """Whether a request of the step is fed from position 0 (host metadata, no sync; asked
+    once per step)."""
+    fresh = meta.backend_plans.get("fresh requests")
+    if fresh is None:
+        fresh = meta.backend_plans["fresh requests"] = bool(
+            (meta.seq_lens == np.diff(meta.cu_seqlens_q)).any())
+    return fresh
 
 
 class GatedSharedMoe(nn.Module):
@@ -80,7 +109,7 @@ class GatedSharedMoe(nn.Module):
         moe, hidden = cfg.moe, cfg.hidden_size
         self.gate = Linear(hidden, moe.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(hidden, moe.expert_intermediate_size, moe.num_experts,
-                                    GATED_ACTIVATIONS[cfg.hidden_act])
+                                    cfg.hidden_act)
         self.shared_expert = MLP(cfg, inner=moe.shared_intermediate_size)
         self.shared_expert_gate = Linear(hidden, 1, bias=False)
         self._moe = moe
@@ -138,14 +167,17 @@ class MultiTokenPredictor(nn.Module):
                  meta: AttentionMetadata, cache: KVCache) -> mx.array:
         """The head's final hidden states at the rows (`cache`: its one pool)."""
         x = self._input(embeds, hidden)
-        return self.norm(self.layers[0](x, self._rope.tables(positions, meta), meta, cache, 0))
+        layer = self.layers[0]
+        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
+        return self.norm(layer(x, rope, meta, cache, 0))
 
     def write_kv(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
                  meta: AttentionMetadata, cache: KVCache) -> None:
         """Only the rows' K and V, written into the head's pool."""
         layer = self.layers[0]
-        layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)),
-                                 self._rope.tables(positions, meta), meta, cache, 0)
+        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
+        layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)), rope, meta,
+                                 cache, 0)
 
     def pool_shape(self) -> tuple[int, int]:
         attention = self.layers[0].self_attn

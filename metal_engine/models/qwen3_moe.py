@@ -8,7 +8,6 @@ import mlx.nn as nn
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import (
-    GATED_ACTIVATIONS,
     MLP,
     Attention,
     Linear,
@@ -24,7 +23,7 @@ def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
     if moe is None or not moe.is_moe_layer(layer):
         return MLP(cfg)
     gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
-    return SparseMoeBlock(cfg.hidden_size, moe, GATED_ACTIVATIONS[cfg.hidden_act], gate)
+    return SparseMoeBlock(cfg.hidden_size, moe, cfg.hidden_act, gate)
 
 
 class Model(CausalLM):

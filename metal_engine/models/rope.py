@@ -1,8 +1,10 @@
-"""Rotary position embedding over packed rows, from cos/sin tables built once per step.
+"""Rotary position embedding over packed rows: each kind's frequencies, and its per-step
+cos/sin tables or `mx.fast.rope` periods, built once per step and shared by all layers of
+the kind (and by q and k).
 
-Every row carries its own position, so the tables are `[total_q, 1, rotary_dim / 2]` and all
-layers of a rope kind (and both q and k) share them. Rotation is the non-interleaved ("rotate
-half") form over the first `rotary_dim` features; the rest pass through (partial rotary).
+Every row carries its own position (tables are `[total_q, 1, rotary_dim / 2]`). Rotation is
+the non-interleaved ("rotate half") form over the first `rotary_dim` features; the rest pass
+through (partial rotary).
 
 Frequencies follow transformers' `modeling_rope_utils` for each kind. Two kinds depend on the
 sequence length: transformers recomputes them from the longest position of a forward; here a
@@ -17,8 +19,6 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import cpu_loops
-from kernels_metal.cpu_math import array_module
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.rope_parameters import RopeParameters
@@ -113,7 +113,8 @@ def _longrope(exponents: np.ndarray, p: RopeParameters, max_positions: int,
 
 
 class RotaryEmbedding:
-    """The cos/sin tables of one rope kind for a step's packed rows."""
+    """One rope kind: its frequencies, and each step's cos/sin tables or the periods
+    `mx.fast.rope` takes (the backend says which: kernels_metal.ops)."""
 
     def __init__(self, params: RopeParameters, head_dim: int, max_position_embeddings: int):
         self.params = params
@@ -122,28 +123,45 @@ class RotaryEmbedding:
         self.rotary_dim = int(head_dim * share)
         self.max_positions = max_position_embeddings
         inv_freq, self.scale = frequencies(params, self.rotary_dim, max_position_embeddings)
-        self._host_inv_freq = inv_freq.astype(np.float32)
-        self._inv_freq = mx.array(self._host_inv_freq)
+        self.inv_freq = inv_freq.astype(np.float32)
+        self._inv_freq = mx.array(self.inv_freq)
+        # LongRoPE's frequencies change past the pretraining length; dynamic NTK's base
+        # changes with every length.
+        self.switches_at_length = params.rope_type == "longrope"
+        self.switch_length = params.original_max_position_embeddings
+        self.base_per_length = params.rope_type == "dynamic"
+        self._periods = {long: self._periods_of(long) for long in (False, True)}
         # Evaluate now: a lazy array built here cannot be evaluated on the engine thread.
-        mx.eval(self._inv_freq)
+        mx.eval(self._inv_freq, self._periods)
 
-    def tables(self, positions: mx.array | np.ndarray,
+    def _periods_of(self, long: bool) -> mx.array:
+        context = self.switch_length + 1 if long and self.switches_at_length else None
+        inv_freq = frequencies(self.params, self.rotary_dim, self.max_positions, context)[0]
+        with np.errstate(divide="ignore"):  # a frequency of 0 (proportional) never turns
+            return mx.array((1.0 / inv_freq).astype(np.float32))
+
+    def periods(self, long: bool = False) -> mx.array:
+        """`[rotary_dim / 2]` float32 periods (`1 / inv_freq`), `mx.fast.rope`'s `freqs`;
+        `long`: LongRoPE's past the pretraining length."""
+        return self._periods[long]
+
+    def tables(self, positions: mx.array,
                meta: AttentionMetadata) -> tuple[mx.array, mx.array]:
-        """(cos, sin), each `[total_q, 1, rotary_dim / 2]`, for rows at `positions` (numpy
-        tables for numpy positions: the host forward's)."""
-        xp = array_module(positions)
-        inv_freq = (self._host_inv_freq if xp is np else self._inv_freq)[None, :]
-        if self.params.rope_type in CONTEXT_DEPENDENT:
-            inv_freq = self._per_row_frequencies(meta)
-            inv_freq = inv_freq if xp is np else mx.array(inv_freq)
-        angles = positions.astype(inv_freq.dtype)[:, None] * inv_freq
-        cos, sin = xp.cos(angles), xp.sin(angles)
+        """(cos, sin) float32, each `[total_q, 1, rotary_dim / 2]`, for rows at
+        `positions`."""
+        rows = self.row_frequencies(meta)
+        inv_freq = self._inv_freq[None, :] if rows is None else mx.array(rows)
+        angles = positions.astype(mx.float32)[:, None] * inv_freq
+        cos, sin = mx.cos(angles), mx.sin(angles)
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
         return cos[:, None, :], sin[:, None, :]
 
-    def _per_row_frequencies(self, meta: AttentionMetadata) -> np.ndarray:
-        """`[total_q, rotary_dim / 2]`: each row's frequencies for its request's context."""
+    def row_frequencies(self, meta: AttentionMetadata) -> np.ndarray | None:
+        """`[total_q, rotary_dim / 2]`: each row's frequencies for its request's context, for
+        the kinds that depend on it (None for the others: every row has `inv_freq`)."""
+        if self.params.rope_type not in CONTEXT_DEPENDENT:
+            return None
         contexts, table_row = np.unique(meta.seq_lens, return_inverse=True)
         table = np.stack([
             frequencies(self.params, self.rotary_dim, self.max_positions, int(c))[0]
@@ -154,8 +172,8 @@ class RotaryEmbedding:
 
 
 class LayerRopes:
-    """Each layer's rope; tables are built once per step for each distinct rope (Gemma 3 has a
-    local and a global one) and shared by the layers that use it."""
+    """Each layer's rope kind; a backend builds each kind's step once (Gemma 3 has a local and
+    a global one) and the layers of that kind share it."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         # A rope is its parameters and the head size it turns (Gemma 4's layers differ in both).
@@ -167,24 +185,8 @@ class LayerRopes:
         # Each layer's index into `embeddings` (hashing the parameters every step cost ~1 us
         # a layer).
         self._of_layer = [distinct.index(key) for key in layer_params]
+        self.num_layers = len(layer_params)
 
-    def tables(self, positions: mx.array | np.ndarray,
-               meta: AttentionMetadata) -> list[tuple[mx.array, mx.array]]:
-        """(cos, sin) for every layer, in layer order (numpy ones for numpy positions)."""
-        built = [rope.tables(positions, meta) for rope in self.embeddings]
-        return [built[i] for i in self._of_layer]
-
-
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate the first `2 * cos.shape[-1]` features of `x [total_q, heads, head_dim]` (MLX
-    or numpy arrays, all of one kind)."""
-    half = cos.shape[-1]
-    if isinstance(x, np.ndarray):
-        out = np.empty(x.shape, np.float32)
-        cpu_loops.rope(x, cos.reshape(-1, half), sin.reshape(-1, half), out)
-        return out
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-    if 2 * half < x.shape[-1]:
-        parts.append(x[..., 2 * half:])
-    return mx.concatenate(parts, axis=-1).astype(x.dtype)
+    def kind(self, layer: int) -> int:
+        """Layer `layer`'s index into `embeddings`."""
+        return self._of_layer[layer]

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu_math import on_cpu
+from kernels_metal.cpu.math import on_cpu
 
 # A message's first collective carries its length and up to this many bytes; a longer one
 # (a step with long prompt chunks) takes a second for the rest.

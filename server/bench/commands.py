@@ -27,6 +27,10 @@ BENCHMARKS = {
         "host overhead per engine step, with the model stubbed out",
         "server.bench.engine_bench", "add_step_arguments", "run_step",
     ),
+    "graph": Command(
+        "kernels, host build time and syncs of a Metal step beside mlx-lm's, traced (no GPU)",
+        "server.bench.graph", "add_graph_arguments", "run_graph",
+    ),
 }
 
 

@@ -59,6 +59,7 @@ def dashboard_state(engine: AsyncEngine, metrics: ServerMetrics, info: ServerInf
         "history": {"interval_s": INTERVAL_S, "points": metrics.recent.points()},
         "speculative": _speculative(stats),
         "memory": memory_in_use(),
+        "kernels": {"fallbacks": [f._asdict() for f in metrics.kernel_fallbacks()]},
     }  # fmt: skip
 
 

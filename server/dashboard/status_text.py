@@ -44,6 +44,9 @@ def _summary(state: dict, url: str) -> list[str]:
                           f"{spec['draft_tokens']:,} draft tokens accepted, "
                           f"{spec['mean_acceptance_length']:.2f} tokens per draft step"))
     lines.append(_row("memory", _memory(state["memory"])))
+    if (kernels := state.get("kernels")) is not None:  # servers before it have none
+        lines.append(_row("kernels", f"{len(kernels['fallbacks'])} fallbacks" + "".join(
+            f"; {f['kernel']} {f['variant']}: {f['reason']}" for f in kernels["fallbacks"])))
     return lines
 
 

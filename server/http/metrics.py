@@ -4,11 +4,13 @@ So existing vLLM dashboards and alerts work unchanged: every series is `vllm:*` 
 labels `model_name` (the served model name) and `engine` ("0": one engine per server), and
 histograms use vLLM's bucket boundaries. What vLLM has no name for stays `metal_serve_*`.
 
-Two sources: per-request timings and token counts, observed on the handlers' event loop as
-outputs arrive (`RequestTimer`); and the engine's gauges and counters, read from the snapshot
+Three sources: per-request timings and token counts, observed on the handlers' event loop as
+outputs arrive (`RequestTimer`); the engine's gauges and counters, read from the snapshot
 the engine thread publishes after each step (`AsyncEngine.stats()`), never from the engine
-itself. The request timings also feed the dashboard's charts (`recent`), and the dashboard
-reads its totals from this registry (`totals()`), so the two never disagree.
+itself; and the kernel variants that fell back to the reference (kernels_metal/dispatch.py),
+a copy of the dispatchers' verdicts. The request timings also feed the dashboard's charts
+(`recent`), and the dashboard reads its totals from this registry (`totals()`) and its
+fallbacks through it (`kernel_fallbacks`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kernels_metal.dispatch import Fallback, all_fallbacks
 from metal_engine.outputs import RequestOutput
 from scheduler.spec_decode.drafter import SpecDecodeStats
 from server.dashboard.history import RecentActivity
@@ -49,7 +52,9 @@ class ServerMetrics:
     def __init__(
         self, engine_stats: Callable[[], EngineStats], model_name: str,
         prompts_waiting: Callable[[], int] | None = None,
+        kernel_fallbacks: Callable[[], list[Fallback]] = all_fallbacks,
     ) -> None:  # fmt: skip
+        self.kernel_fallbacks = kernel_fallbacks
         self.registry = reg = CollectorRegistry()
         self._labels = labels = (model_name, ENGINE_INDEX)
         self.ttft = _histogram(reg, labels, "vllm:time_to_first_token_seconds",
@@ -82,7 +87,7 @@ class ServerMetrics:
                 "metal_serve_prompts_waiting", "Prompts waiting to be rendered and tokenized "
                 "(their clients still connected).", LABEL_NAMES, registry=reg,
             ).labels(*labels).set_function(prompts_waiting)  # fmt: skip
-        reg.register(_EngineCollector(engine_stats, labels))
+        reg.register(_EngineCollector(engine_stats, labels, kernel_fallbacks))
         self.recent = RecentActivity()
 
     def request(self) -> RequestTimer:
@@ -150,9 +155,11 @@ class RequestTimer:
 class _EngineCollector(Collector):
     """Gauges and counters from the engine thread's latest snapshot, read at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats], labels: Sequence[str]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], labels: Sequence[str],
+                 kernel_fallbacks: Callable[[], list[Fallback]]) -> None:
         self._engine_stats = engine_stats
         self._labels = labels
+        self._kernel_fallbacks = kernel_fallbacks
 
     def collect(self) -> Iterator[Metric]:
         s, gauge, counter = self._engine_stats(), self._gauge, self._counter
@@ -177,6 +184,18 @@ class _EngineCollector(Collector):
                       "engine.", s.num_preemptions)  # fmt: skip
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode)
+        yield self._fallbacks(self._kernel_fallbacks())
+
+    def _fallbacks(self, fallbacks: list[Fallback]) -> CounterMetricFamily:
+        """Each kernel variant that fell back: failed its first-use check, or a launch of it
+        failed when first evaluated; from then on the reference serves it."""
+        family = CounterMetricFamily(
+            "metal_serve_kernel_fallbacks", "Kernel variants served by the reference because "
+            "their Metal kernels failed, by kernel and variant.",
+            labels=(*LABEL_NAMES, "kernel", "variant"))  # fmt: skip
+        for fallback in fallbacks:
+            family.add_metric((*self._labels, fallback.kernel, fallback.variant), 1)
+        return family
 
     def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         """vLLM's counters; the acceptance rate and mean acceptance length that vLLM's log

@@ -94,6 +94,15 @@ function fillRequests(rows) {
   document.getElementById("no-requests").hidden = rows.length > 0;
 }
 
+function fillFallbacks(fallbacks) {
+  const items = fallbacks.map((f) => {
+    const li = document.createElement("li");
+    li.textContent = f.kernel + " " + f.variant + ": " + f.reason;
+    return li;
+  });
+  document.getElementById("kernel-fallbacks").replaceChildren(...items);
+}
+
 // ---- charts: small SVG line charts over the history's intervals -------------------------
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -217,6 +226,7 @@ function render(state) {
   document.getElementById("main").hidden = false;
   fillFields(state);
   fillRequests(state.requests.list);
+  fillFallbacks(state.kernels.fallbacks);
   drawCharts(state.history);
   const updated = new Date(state.time * 1000).toLocaleTimeString("en-GB");
   setConnection("live, updated " + updated, "live");

@@ -5,7 +5,7 @@ The CPU backend computes transcendental functions one scalar at a time (~16 ns a
 compiled or not), which made SiLU, tanh and the attention softmax cost more than the matmuls
 around them. Off Metal these hand the (already evaluated) array to numpy's vectorized math
 (~0.6 ns an element) and back; other devices use MLX's own ops. Each also takes numpy
-arrays, the CPU backend's host forward (metal_engine/models/host.py), and returns numpy then.
+arrays, the CPU backend's host forward (kernels_metal/cpu/host_forward.py), and returns numpy then.
 
 Products go to numpy's BLAS over zero-copy views of the weights (float32 ones of 1 to 63
 rows to cpu_gemm's compiled loops), not through MLX, for two reasons. A one-row product
@@ -25,7 +25,8 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from kernels_metal import cpu_gemm, cpu_loops
+from kernels_metal.cpu import gemm as cpu_gemm
+from kernels_metal.cpu import loops as cpu_loops
 
 # exp below this is a float32 denormal: flushed to 0, since denormals slow every later op.
 DENORMAL_EXP_BOUND = float(cpu_loops.EXP_LOW)

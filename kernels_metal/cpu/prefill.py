@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from kernels_metal import cpu_loops, cpu_threads
+from kernels_metal.cpu import loops as cpu_loops
+from kernels_metal.cpu import threads as cpu_threads
 
 # Scores of one block product: 2 MB of float32, which stays in a core's L2 between the
 # products and the softmax passes.

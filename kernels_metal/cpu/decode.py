@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from kernels_metal import cpu_loops, cpu_threads
-from kernels_metal.cpu_math import TILED_ROWS
+from kernels_metal.cpu import loops as cpu_loops
+from kernels_metal.cpu import threads as cpu_threads
+from kernels_metal.cpu.math import TILED_ROWS
 
 # Below this many keys x KV heads in a step one thread does the whole step: waking a second
 # costs more than it saves (on a 2-core Zen 5, two threads won from ~1200: 16 requests at

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from kernels_metal import cpu_decode, cpu_gemm, cpu_loops, cpu_threads
+from kernels_metal.cpu import decode as cpu_decode
+from kernels_metal.cpu import gemm as cpu_gemm
+from kernels_metal.cpu import loops as cpu_loops
+from kernels_metal.cpu import threads as cpu_threads
 
 NONE = np.zeros(0, np.float32)  # no bias, no q/k norm
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels_metal import cpu_threads
+from kernels_metal.cpu import threads as cpu_threads
 
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)

@@ -1,16 +1,16 @@
 """The host forward: on MLX's CPU backend, layers run on numpy arrays.
 
-There every op a layer calls ends in numpy anyway (kernels_metal.cpu_math, cpu_attention),
-so each MLX op between two of them only added an evaluation and a copy each way: ~500 of
-them a decode step, half as long as the weight products themselves. A layer whose modules
-all take numpy arrays (`HOST_ARRAYS` on their class), whose parameters are all float32 and
-whose K/V pools hold float32 or float16 runs on the host instead: its K/V are written into
-the pool's buffer in place and its output stays numpy for the next layer.
+There every op a layer calls ends in numpy anyway (cpu_math, cpu_attention), so each MLX op
+between two of them only added an evaluation and a copy each way: ~500 of them a decode step,
+half as long as the weight products themselves. A layer whose modules all compute through
+their ops alone (`OPS_ONLY` on their class), whose parameters are all float32 and whose K/V
+pools hold float32 or float16 runs on the host instead: its K/V are written into the pool's
+buffer in place and its output stays numpy for the next layer.
 
 Every other layer (quantized weights or K/V, kinds with no host form such as MoE or linear
 attention) runs on MLX as it does on Metal; the hidden state crosses between the two only
 where consecutive layers differ. The plan is made once per K/V storage and forgotten when
-the model's parameters change (`CausalLM.update`).
+the model's parameters change (`HostOps.parameters_changed`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kernels_metal import cpu_attention, cpu_layer
 from kernels_metal.attention import AttentionMetadata, numpy_serves
-from kernels_metal.cpu_math import TILED_ROWS
-from metal_engine.kv_cache import KVCache
+from kernels_metal.cpu import attention as cpu_attention
+from kernels_metal.cpu import layer as cpu_layer
+from kernels_metal.cpu.layer_arrays import step_arrays
+from kernels_metal.cpu.math import TILED_ROWS
 
 HOST_POOL_DTYPES = (mx.float32, mx.float16)
 
@@ -41,7 +42,7 @@ def to_device(x: mx.array | np.ndarray) -> mx.array:
 
 def takes_host_arrays(module: nn.Module) -> bool:
     """Whether `module` and everything in it run on numpy float32 arrays."""
-    if not all(getattr(type(m), "HOST_ARRAYS", False) for m in module.modules()):
+    if not all(getattr(type(m), "OPS_ONLY", False) for m in module.modules()):
         return False
     return all(p.dtype == mx.float32 for _, p in tree_flatten(module.parameters()))
 
@@ -52,7 +53,7 @@ class HostPlan:
     def __init__(self) -> None:
         self._by_storage: dict[str, list[bool]] = {}
 
-    def layers_on_host(self, layers: Sequence[nn.Module], cache: KVCache) -> list[bool]:
+    def layers_on_host(self, layers: Sequence[nn.Module], cache) -> list[bool]:
         if not numpy_serves():
             return [False] * len(layers)
         plan = self._by_storage.get(cache.storage)
@@ -80,14 +81,14 @@ class HostStack:
         self._stack: cpu_layer.LayerStack | None = None
 
     def step(self, h: np.ndarray, layers: Sequence[nn.Module], pools: Sequence[int],
-             ropes: Sequence[tuple[np.ndarray, np.ndarray]], meta: AttentionMetadata,
-             cache: KVCache) -> np.ndarray | None:
-        """`h` through `layers` (writing pools `pools`, turned by `ropes`, one per layer), or
-        None where they cannot go in one call."""
+             rope: tuple[np.ndarray, np.ndarray] | None, meta: AttentionMetadata,
+             cache) -> np.ndarray | None:
+        """`h` through `layers` (writing pools `pools`, all turned by `rope`: numpy cos, sin
+        `[rows, half]`; None if the layers differ), or None where they cannot go in one call."""
         float_pools = cache.quant is None and cache.model_dtype == mx.float32
-        if not float_pools or len(h) >= TILED_ROWS or any(r is not ropes[0] for r in ropes):
+        if not float_pools or len(h) >= TILED_ROWS or rope is None:
             return None
-        arrays = tuple(_host_arrays(layer) for layer in layers)
+        arrays = tuple(step_arrays(layer) for layer in layers)
         if any(a is None or a.attention != arrays[0].attention for a in arrays):
             return None
         scale, softcap, window, sinks = arrays[0].attention
@@ -96,10 +97,7 @@ class HostStack:
                                                                 window)
         if decode is None or not self._stack_of(arrays):
             return None
-        cos, sin = ropes[0]
-        half = cos.shape[-1]
-        return cpu_layer.step_layers(h, self._stack, _pool_lists(cache, pools),
-                                     (cos.reshape(-1, half), sin.reshape(-1, half)),
+        return cpu_layer.step_layers(h, self._stack, _pool_lists(cache, pools), rope,
                                      meta.slot_mapping, decode, scale, softcap)
 
     def _stack_of(self, arrays: tuple[cpu_layer.LayerArrays, ...]) -> bool:
@@ -111,13 +109,21 @@ class HostStack:
         return self._stack is not None
 
 
-def _host_arrays(layer: nn.Module) -> cpu_layer.LayerArrays | None:
-    """A layer's compiled host step's arrays, or None: it has no such step."""
-    gather = getattr(layer, "host_arrays", None)
-    return None if gather is None else gather()
+def layer_step(layer: nn.Module, x: np.ndarray, rope: tuple[np.ndarray, np.ndarray], meta,
+               cache, pool: int) -> np.ndarray | None:
+    """A pre-norm layer of a few host rows in two compiled calls around its attention
+    (cpu_layer), or None where it has no such step."""
+    if len(x) >= TILED_ROWS:
+        return None
+    arrays = step_arrays(layer)
+    if arrays is None:
+        return None
+    q, k, v = cpu_layer.attention_inputs(x, arrays, rope)
+    out = layer.self_attn.attend(q, k, v, meta, cache, pool)
+    return cpu_layer.after_attention(x, out.reshape(len(x), -1), arrays)
 
 
-def _pool_lists(cache: KVCache, pools: Sequence[int]) -> tuple:
+def _pool_lists(cache, pools: Sequence[int]) -> tuple:
     """The pools' numpy views as cpu_layer's lists, kept in the cache between steps."""
     held = cache.host_views
     if held is None or held[0] != tuple(pools):

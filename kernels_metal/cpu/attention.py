@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import cpu_decode, cpu_loops, cpu_prefill
-from kernels_metal.cpu_math import DENORMAL_EXP_BOUND, FEW_ROWS
+from kernels_metal.cpu import decode as cpu_decode
+from kernels_metal.cpu import loops as cpu_loops
+from kernels_metal.cpu import prefill as cpu_prefill
+from kernels_metal.cpu.math import DENORMAL_EXP_BOUND, FEW_ROWS
 from kernels_metal.kv_quant import HostPool, QuantizedPool, host_pool
 from kernels_metal.metadata import AttentionMetadata
 

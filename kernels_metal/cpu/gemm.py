@@ -23,7 +23,7 @@ import numba
 import numpy as np
 from llvmlite import binding as llvm
 
-from kernels_metal import cpu_threads
+from kernels_metal.cpu import threads as cpu_threads
 
 
 def _vector_registers() -> int:

@@ -1,0 +1,213 @@
+"""The operations model code calls, one implementation per backend, chosen once per model.
+
+    Ops             the interface: products, norms, rope, activations, attention, gated delta,
+                    KV writes, and how a decoder runs its layers
+    ReferenceOps    pure MLX: what every kernel is checked against; runs anywhere
+    MetalOps        the Metal path: `mx.fast` rope and norms, fused products, compiled
+                    elementwise chains, the paged-attention and gated-delta kernels
+    HostOps         the CPU host loops (kernels_metal.cpu.ops): MLX's CPU backend
+
+`ops_named(name)` builds one; `device_ops_name()` names the device's. A model takes its ops
+when it is built (`metal_engine.models.ops_user`); no model code asks which backend runs.
+Every method takes the arrays its backend's layers hand it and returns the same kind.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels_metal import attention, fast_rope, gated_delta
+from kernels_metal.fast_rope import RotaryTables
+from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.reference import paged_attention_reference, write_kv
+from metal_engine.models import gated_delta_rule as gated_delta_reference
+
+OpsName = Literal["metal", "reference", "host"]
+Activation = Literal["silu", "gelu_pytorch_tanh"]
+
+
+class Ops:
+    """What a layer computes with. `layer`s are anything with `get("weight")` and
+    `get("bias")` (a `Linear`, or `PackedLinears`: several as one)."""
+
+    name: OpsName
+    expert_dispatch: Literal["gather", "grouped"] = "gather"  # models/moe.py says how each runs
+
+    def linear(self, x, layer):
+        """`x @ weight.T + bias`."""
+        return product(x, layer.get("weight"), layer.get("bias"))
+
+    def linears(self, x, packed) -> list:
+        """`x` through each linear of a `PackedLinears`, in its order."""
+        return [linear(x) for linear in packed.linears()]  # quantized ones their own way
+
+    def gated(self, x, packed, act: Activation):
+        """`act(gate(x)) * up(x)`; `packed`: a gate/up `PackedLinears`, or one fused linear
+        whose output halves are gate and up."""
+        gate, up = self._gate_up(x, packed)
+        return self.activation(act, gate, up)
+
+    def _gate_up(self, x, packed):
+        if hasattr(packed, "linears"):
+            return self.linears(x, packed)
+        return mx.split(packed(x), 2, axis=-1)
+
+    def activation(self, act: Activation, gate, up):
+        return GATED[act](gate, up)
+
+    def silu(self, x):
+        return nn.silu(x)
+
+    def exp(self, x):
+        return mx.exp(x)
+
+    def softcap(self, x, cap: float):
+        """`cap * tanh(x / cap)`: squashes x smoothly into (-cap, cap)."""
+        return mx.tanh(x / cap) * cap
+
+    def rms_norm(self, x, weight, eps: float):
+        """`x / sqrt(mean(x^2) + eps) * weight` over the last axis (no weight: 1)."""
+        return mx.fast.rms_norm(x, weight, eps)
+
+    def rope_step(self, rope, positions: mx.array, meta: AttentionMetadata):
+        """What a `models.rope.RotaryEmbedding` needs for a step's rows at `positions`
+        (built once, used by every layer of its kind): here float32 cos/sin tables."""
+        return RotaryTables(rope, positions, meta)
+
+    def rope(self, x, step):
+        """`x [total_q, heads, head_dim]` turned by a `rope_step`."""
+        return step(x)
+
+    def layer_ropes(self, ropes, positions: mx.array, meta: AttentionMetadata) -> list:
+        """Each layer's rope step (`ropes`: a `models.rope.LayerRopes`), one per kind."""
+        steps = [self.rope_step(r, positions, meta) for r in ropes.embeddings]
+        return [steps[ropes.kind(i)] for i in range(ropes.num_layers)]
+
+    def write_kv(self, pool, new, meta: AttentionMetadata):
+        return write_kv(pool, new, meta)
+
+    def paged_attention(self, q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
+                        window=None, softcap=None, sinks=None):
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap,
+                                         sinks)
+
+    def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
+                         window=None, softcap=None, sinks=None):
+        """K/V rows written into the pools, then q attended over them: (out, k_pool, v_pool)."""
+        k_pool, v_pool = self.write_kv(k_pool, k, meta), self.write_kv(v_pool, v, meta)
+        out = self.paged_attention(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+        return out, k_pool, v_pool
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, initial_state,
+                         normalize_qk: bool = True):
+        return gated_delta_reference.gated_delta_rule(q, k, v, g, beta, cu_seqlens,
+                                                      initial_state, normalize_qk)
+
+    def grouped_experts(self, glu, x, experts, weights):
+        raise NotImplementedError(f"the {self.name} backend runs experts gathered")
+
+    def run_layers(self, decoder, h, positions: mx.array, meta: AttentionMetadata, cache,
+                   layers: range):
+        """`h` through a `models.decoder.DecoderModel`'s layers `layers` (each writing its
+        pool of `cache`), MLX arrays in and out."""
+        ropes = self.layer_ropes(decoder.ropes, positions, meta)
+        for i in layers:
+            h = decoder.layers[i](h, ropes[i], meta, cache, decoder.pools[i])
+        return h
+
+    def parameters_changed(self) -> None:
+        """The model's parameters were replaced (a backend may have derived from them)."""
+
+
+class ReferenceOps(Ops):
+    name = "reference"
+
+
+class MetalOps(Ops):
+    """The lean Metal graph: one kernel where MLX has one (`mx.fast`), products of several
+    linears of one input as one, and elementwise chains compiled into one kernel each."""
+
+    name = "metal"
+
+    def linears(self, x, packed) -> list:
+        weights = packed.packed()
+        if weights is None:
+            return super().linears(x, packed)
+        return packed.split(product(x, *weights))
+
+    def activation(self, act: Activation, gate, up):
+        return COMPILED_GATED[act](gate, up)
+
+    def softcap(self, x, cap: float):
+        return _compiled_softcap(x, mx.array(cap, x.dtype))
+
+    def rope_step(self, rope, positions: mx.array, meta: AttentionMetadata):
+        return fast_rope.rope_step(rope, positions, meta)
+
+    def write_kv(self, pool, new, meta: AttentionMetadata):
+        return attention.write_kv(pool, new, meta)
+
+    def paged_attention(self, q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
+                        window=None, softcap=None, sinks=None):
+        return attention.paged_attention(q, k_pool, v_pool, meta, scale, window, softcap,
+                                         sinks)
+
+    def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
+                         window=None, softcap=None, sinks=None):
+        return attention.write_and_attend(q, k, v, k_pool, v_pool, meta, scale, window,
+                                          softcap, sinks)
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, initial_state,
+                         normalize_qk: bool = True):
+        return gated_delta.gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state,
+                                            normalize_qk)
+
+
+def product(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """SwiGLU's `silu(gate) * up`."""
+    return nn.silu(gate) * up
+
+
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """GeGLU's `gelu_tanh(gate) * up` (transformers' `gelu_pytorch_tanh`, as in Gemma)."""
+    return nn.gelu_approx(gate) * up
+
+
+GATED = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+# One kernel each on Metal, as mlx-lm compiles its activations.
+COMPILED_GATED = {k: mx.compile(f, shapeless=True) for k, f in GATED.items()}
+
+
+@partial(mx.compile, shapeless=True)
+def _compiled_softcap(x: mx.array, cap: mx.array) -> mx.array:
+    return mx.tanh(x / cap) * cap
+
+
+def ops_named(name: OpsName) -> Ops:
+    """A fresh backend (each model gets its own: a backend may keep state per model)."""
+    if name == "host":
+        from kernels_metal.cpu.ops import HostOps
+
+        return HostOps()
+    if name not in BACKENDS:
+        raise ValueError(f"no ops backend {name!r}; there are {', '.join(BACKENDS)} and host")
+    return BACKENDS[name]()
+
+
+BACKENDS: dict[str, type[Ops]] = {"metal": MetalOps, "reference": ReferenceOps}
+
+
+def device_ops_name() -> OpsName:
+    """The backend for the default device: Metal kernels on a Mac, the host loops on MLX's
+    CPU backend, the pure-MLX reference elsewhere (CUDA)."""
+    if mx.metal.is_available():
+        return "metal"
+    return "host" if mx.default_device() == mx.cpu else "reference"

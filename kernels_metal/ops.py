@@ -127,7 +127,27 @@ class ReferenceOps(Ops):
     name = "reference"
 
 
-class MetalOps(Ops):
+class DispatchedKernels:
+    """Attention and the gated delta rule through their checked dispatchers
+    (kernels_metal.dispatch): kernels where they serve, else the backend's own path."""
+
+    def paged_attention(self, q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
+                        window=None, softcap=None, sinks=None):
+        return attention.paged_attention(q, k_pool, v_pool, meta, scale, window, softcap,
+                                         sinks)
+
+    def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
+                         window=None, softcap=None, sinks=None):
+        return attention.write_and_attend(q, k, v, k_pool, v_pool, meta, scale, window,
+                                          softcap, sinks)
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, initial_state,
+                         normalize_qk: bool = True):
+        return gated_delta.gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state,
+                                            normalize_qk)
+
+
+class MetalOps(DispatchedKernels, Ops):
     """The lean Metal graph: one kernel where MLX has one (`mx.fast`), products of several
     linears of one input as one, and elementwise chains compiled into one kernel each."""
 
@@ -151,20 +171,6 @@ class MetalOps(Ops):
     def write_kv(self, pool, new, meta: AttentionMetadata):
         return attention.write_kv(pool, new, meta)
 
-    def paged_attention(self, q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
-                        window=None, softcap=None, sinks=None):
-        return attention.paged_attention(q, k_pool, v_pool, meta, scale, window, softcap,
-                                         sinks)
-
-    def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
-                         window=None, softcap=None, sinks=None):
-        return attention.write_and_attend(q, k, v, k_pool, v_pool, meta, scale, window,
-                                          softcap, sinks)
-
-    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, initial_state,
-                         normalize_qk: bool = True):
-        return gated_delta.gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state,
-                                            normalize_qk)
 
 
 def product(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:

@@ -9,7 +9,7 @@ import pytest
 from tiny_models import build_tiny_model
 
 from convert import convert_model
-from metal_engine.models.moe import SwitchGLU
+from kernels_metal.cpu.ops import HostOps
 from server.bench import engine_bench
 
 
@@ -51,8 +51,8 @@ def test_bench_throughput_runs_a_moe_model_s_experts_the_way_asked(dispatch, def
     model_dir = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
     default_tokenizer.save_pretrained(model_dir)
     grouped_calls = []
-    original = SwitchGLU.grouped
-    monkeypatch.setattr(SwitchGLU, "grouped",
+    original = HostOps.grouped_experts  # the CPU backend's grouped dispatch
+    monkeypatch.setattr(HostOps, "grouped_experts",
                         lambda self, *a: grouped_calls.append(1) or original(self, *a))
     out = tmp_path / "throughput.json"
     args = parse(engine_bench.add_throughput_arguments, [

@@ -8,7 +8,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal import attention, gated_delta
 from kernels_metal.cpu import attention as cpu_attention
 from kernels_metal.cpu import host_forward
 from kernels_metal.cpu import loops as cpu_loops
@@ -16,14 +15,14 @@ from kernels_metal.cpu import math as cpu_math
 from kernels_metal.cpu.host_forward import HostPlan, HostStack, to_device, to_host
 from kernels_metal.cpu.layer_arrays import views
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.ops import Activation, Ops
+from kernels_metal.ops import Activation, DispatchedKernels, Ops
 from kernels_metal.reference import write_kv
 
 # hidden_act -> act(gate) * up, of numpy or MLX arrays
 GATED = {"silu": cpu_math.silu_mul, "gelu_pytorch_tanh": cpu_math.gelu_tanh_mul}
 
 
-class HostOps(Ops):
+class HostOps(DispatchedKernels, Ops):
     name = "host"
     # One BLAS product per chosen expert: MLX's CPU gather_mm copies the (transposed)
     # stack out before multiplying, about twice as slow at one row (docs/benchmarks.md).
@@ -87,22 +86,6 @@ class HostOps(Ops):
             cpu_attention.write_rows(np.asarray(pool), new, meta.slot_mapping)
             return pool
         return write_kv(pool, new, meta)
-
-    def paged_attention(self, q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
-                        window=None, softcap=None, sinks=None):
-        return attention.paged_attention(q, k_pool, v_pool, meta, scale, window, softcap,
-                                         sinks)
-
-    def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
-                         window=None, softcap=None, sinks=None):
-        return attention.write_and_attend(q, k, v, k_pool, v_pool, meta, scale, window,
-                                          softcap, sinks)
-
-    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, initial_state,
-                         normalize_qk: bool = True):
-        # The dispatcher: the reference here, unless a test put kernels in (`use_kernel`).
-        return gated_delta.gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state,
-                                            normalize_qk)
 
     def grouped_experts(self, glu, x, experts, weights):
         """The weighted sum over each row's experts, one product per chosen expert over the

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -88,6 +89,7 @@ def paged_attention(
     q: mx.array, k_pool: mx.array | QuantizedPool, v_pool: mx.array | QuantizedPool,
     meta: AttentionMetadata, scale: float, window: int | None = None,
     softcap: float | None = None, sinks: mx.array | None = None,
+    without_kernels: Callable | None = None,
 ) -> mx.array:
     """Packed varlen causal attention: `q [total_q, H, D]` -> `[total_q, H, D]`.
 
@@ -98,32 +100,62 @@ def paged_attention(
     to `softcap * tanh(s / softcap)` before the softmax. `sinks [H]` (GPT-OSS) joins one
     logit per head to every row's softmax, as is (no scale, no cap), with no value: the
     probability it takes is dropped; -inf is the same as no sink.
+
+    `without_kernels` serves what the kernels do not, with the reference's arguments: the
+    caller's backend's own (`Ops.attention_without_kernels`); None: the device's (numpy on
+    MLX's CPU backend where it can, else the reference).
     """
-    _check_sinks(sinks, q.shape[1])
     if isinstance(q, np.ndarray):  # the host forward's (float pools only: `numpy_serves`)
+        _check_sinks(sinks, q.shape[1])
         return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window,
                                                  softcap, sinks)
-    q = queries_for(q, k_pool)  # a quantized K pool holds turned keys (kv_quant.rotation)
+    # Layers of one kind make the same launches: the route and the launches are resolved by
+    # the first of them in a step and looked up by the rest.
+    kind = (q.dtype, q.shape[1], k_pool.shape, _pool_kind(k_pool), scale, window, softcap,
+            sinks is None, without_kernels)
+    served = meta.backend_plans.get(("attention", _state.generation, kind))
+    if served is not None:
+        return served(q, k_pool, v_pool, sinks)
+    out, served = _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
+                           without_kernels or _device_without_kernels())
+    meta.backend_plans["attention", _state.generation, kind] = served
+    return out
 
-    def without_kernels() -> mx.array:
-        if on_cpu() and cpu_attention.supports(q, k_pool):
-            return cpu_attention.paged_attention_cpu(q, k_pool, v_pool, meta, scale, window,
-                                                     softcap, sinks)
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap,
-                                         sinks)
 
+def _pool_kind(pool: mx.array | QuantizedPool) -> tuple | None:
+    return (pool.bits, pool.rotated) if isinstance(pool, QuantizedPool) else None
+
+
+def _device_without_kernels() -> Callable:
+    return cpu_attention.attention_or_reference if on_cpu() else paged_attention_reference
+
+
+def _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
+             fallback: Callable) -> tuple[mx.array, Any]:
+    """The first call of a kind of layer in a step: its output, and how its kind is served."""
+    _check_sinks(sinks, q.shape[1])
+
+    def without_kernels(q, k_pool, v_pool, sinks) -> mx.array:
+        q = queries_for(q, k_pool)  # a quantized K pool holds turned keys (kv_quant.rotation)
+        return fallback(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+
+    def prepare(kernels: PagedAttentionKernels):
+        launch = kernels.prepare(queries_for(q, k_pool), k_pool, meta, scale, window, softcap)
+        return lambda q, k_pool, v_pool, sinks: launch(queries_for(q, k_pool), k_pool, v_pool,
+                                                        sinks)
+
+    args = (q, k_pool, v_pool, sinks)
     if not _state.on_kernels() or unsupported_reason(q, k_pool) is not None:
-        return without_kernels()
-    return _state.call(variant_of(q, k_pool, window, softcap, sinks),
-                       lambda kernels: kernels(q, k_pool, v_pool, meta, scale, window, softcap,
-                                               sinks),
-                       without_kernels, (window, softcap))
+        return without_kernels(*args), without_kernels
+    return _state.serve(variant_of(q, k_pool, window, softcap, sinks), prepare, without_kernels,
+                        args, (window, softcap))
 
 
 def write_and_attend(
     q: mx.array, k: mx.array, v: mx.array, k_pool: mx.array | QuantizedPool,
     v_pool: mx.array | QuantizedPool, meta: AttentionMetadata, scale: float,
     window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
+    without_kernels: Callable | None = None,
 ) -> tuple[mx.array, mx.array | QuantizedPool, mx.array | QuantizedPool]:
     """A layer's attention step: `write_kv` of its new `k`, `v` rows into the pools it took,
     then `paged_attention` of `q` over them. Returns the output and the pools to put back.
@@ -135,7 +167,9 @@ def write_and_attend(
                                              softcap, sinks)
         return out, k_pool, v_pool
     k_pool, v_pool = write_kv(k_pool, k, meta), write_kv(v_pool, v, meta)
-    return paged_attention(q, k_pool, v_pool, meta, scale, window, softcap, sinks), k_pool, v_pool
+    out = paged_attention(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
+                          without_kernels)
+    return out, k_pool, v_pool
 
 
 def numpy_serves() -> bool:

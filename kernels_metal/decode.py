@@ -413,39 +413,53 @@ def make_decode_kernels(metal_kernel) -> tuple:
     return decode, reduce
 
 
+class DecodeLaunch:
+    """The decode kernel (and its reduce) of one step for one kind of layer: templates, grid
+    and output shapes made once, so each layer's launch only binds its arrays."""
+
+    def __init__(self, kernels, dtype: mx.Dtype, num_heads: int,
+                 k_pool: mx.array | QuantizedPool, work) -> None:
+        self.decode, self.reduce = kernels
+        _, block_size, kv_heads, head_dim = k_pool.shape
+        kl, kw, ldk, tile = decode_layout(dtype.size, head_dim)
+        n, parts = work.num_rows, work.num_parts
+        split = parts > 1
+        self.split = split
+        self.spec = dict(
+            template=[("T", dtype), ("D", head_dim), ("BS", block_size), ("TILE", tile),
+                      ("KL", kl), ("KW", kw), ("LDK", ldk), ("IDX", index_type(k_pool)),
+                      *pool_template(k_pool)],
+            grid=(32 * work.heads_per_group * kv_heads * work.chunks, n, parts),
+            threadgroup=(32 * work.heads_per_group, 1, 1),
+            output_shapes=[(1,) if split else (n, num_heads, head_dim),
+                           (parts, n, num_heads, head_dim) if split else (1,),
+                           (parts, n, num_heads, 2) if split else (1,)],
+            output_dtypes=[dtype, mx.float32, mx.float32],
+        )
+        self.reduce_spec = dict(
+            template=[("T", dtype), ("D", head_dim)],
+            grid=(32, num_heads, n),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(n, num_heads, head_dim)],
+            output_dtypes=[dtype],
+        )
+
+    def __call__(self, q: mx.array, pools: list[mx.array], block_tables: mx.array,
+                 rows: mx.array, params: mx.array, sinks: mx.array) -> mx.array:
+        """`pools`: `pool_inputs` of the layer's pools."""
+        out, part_out, part_ml = self.decode(
+            inputs=[q, *pools, block_tables, rows, params, sinks], **self.spec)
+        if not self.split:
+            return out
+        (out,) = self.reduce(inputs=[part_out, part_ml, rows, params, sinks],
+                             **self.reduce_spec)
+        return out
+
+
 def run_decode(kernels, q, k_pool, v_pool, block_tables, work, params,
                sinks: mx.array) -> mx.array:
     """Attention of `work.num_rows` single query rows: `[num_rows, H, D]` in the queries' dtype
     (a float pool's: `PagedAttentionKernels` casts them). `sinks` is the kernels' form of the
     layer's sinks (`plan.sink_input`)."""
-    decode, reduce = kernels
-    _, block_size, kv_heads, head_dim = k_pool.shape
-    num_heads = q.shape[1]
-    dtype = q.dtype
-    kl, kw, ldk, tile = decode_layout(dtype.size, head_dim)
-    template = [("T", dtype), ("D", head_dim), ("BS", block_size), ("TILE", tile),
-                ("KL", kl), ("KW", kw), ("LDK", ldk), ("IDX", index_type(k_pool)),
-                *pool_template(k_pool)]
-    split = work.num_parts > 1
-    n, parts = work.num_rows, work.num_parts
-    out, part_out, part_ml = decode(
-        inputs=[q, *pool_inputs(k_pool, v_pool), block_tables, work.rows, params, sinks],
-        template=template,
-        grid=(32 * work.heads_per_group * kv_heads * work.chunks, n, parts),
-        threadgroup=(32 * work.heads_per_group, 1, 1),
-        output_shapes=[(1,) if split else (n, num_heads, head_dim),
-                       (parts, n, num_heads, head_dim) if split else (1,),
-                       (parts, n, num_heads, 2) if split else (1,)],
-        output_dtypes=[dtype, mx.float32, mx.float32],
-    )
-    if not split:
-        return out
-    (out,) = reduce(
-        inputs=[part_out, part_ml, work.rows, params, sinks],
-        template=[("T", dtype), ("D", head_dim)],
-        grid=(32, num_heads, n),
-        threadgroup=(32, 1, 1),
-        output_shapes=[(n, num_heads, head_dim)],
-        output_dtypes=[dtype],
-    )
-    return out
+    launch = DecodeLaunch(kernels, q.dtype, q.shape[1], k_pool, work)
+    return launch(q, pool_inputs(k_pool, v_pool), block_tables, work.rows, params, sinks)

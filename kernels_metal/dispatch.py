@@ -61,14 +61,23 @@ def launch_key(name: str, call: dict) -> tuple:
             tuple(str(d) for d in call["output_dtypes"]))
 
 
-class _RecordedKernel:
-    """A `metal_kernel` that reports each launch's configuration to a log."""
+class _LaunchLog:
+    """Launch keys of recorded kernels, taken while the dispatcher resolves a call."""
 
-    def __init__(self, kernel: Callable, name: str, pending: list) -> None:
-        self._kernel, self._name, self._pending = kernel, name, pending
+    def __init__(self) -> None:
+        self.keys: list = []
+        self.active = False
+
+
+class _RecordedKernel:
+    """A `metal_kernel` that reports each launch's configuration while its log is active."""
+
+    def __init__(self, kernel: Callable, name: str, log: _LaunchLog) -> None:
+        self._kernel, self._name, self._log = kernel, name, log
 
     def __call__(self, **call):
-        self._pending.append(launch_key(self._name, call))
+        if self._log.active:
+            self._log.keys.append(launch_key(self._name, call))
         return self._kernel(**call)
 
     def __getattr__(self, attr: str) -> Any:
@@ -92,12 +101,15 @@ class CheckedDispatch(Generic[K, V]):
         self.override: K | None = None  # `use`
         self.override_verdicts: Verdicts | None = None  # None: the override is not checked
         self.metal: bool | None = None  # mx.metal.is_available(), asked once
-        self._pending: list = []  # launch keys of recorded kernels since last taken
+        self._launches = _LaunchLog()
+        # Changes whenever a route may: a fallback, an override set or lifted. Routes a step
+        # keeps (`serve`) are keyed by it.
+        self.generation = 0
 
     def recorded(self, factory: Callable) -> Callable:
         """`factory` whose kernels report their launches to this dispatcher."""
         def make(**spec):
-            return _RecordedKernel(factory(**spec), spec["name"], self._pending)
+            return _RecordedKernel(factory(**spec), spec["name"], self._launches)
         return make
 
     @property
@@ -112,33 +124,47 @@ class CheckedDispatch(Generic[K, V]):
             self.metal = mx.metal.is_available()
         return self.metal
 
-    def call(self, variant: V, run: Callable[[K], Any], reference: Callable[[], Any],
-             check_args: tuple = ()) -> Any:
-        """`run(kernels)` where the kernels serve `variant`, else `reference()`; a call that
-        raises (or makes a new launch that fails when evaluated) falls the variant back and
-        is served by `reference()`. An unchecked override's errors propagate."""
+    def serve(self, variant: V, prepare: Callable[[K], Callable], reference: Callable,
+              args: tuple, check_args: tuple = ()) -> tuple[Any, Callable]:
+        """`(output, how)`: `prepare(kernels)(*args)` where the kernels serve `variant`, else
+        `reference(*args)`; `how` is the function that served, for later calls of the step
+        that would make the same launches (its layers of one kind). A call that raises (or
+        makes a new launch that fails when evaluated) falls the variant back and is served by
+        `reference`. An unchecked override's errors propagate."""
         route = self._route(variant, check_args)
         if route is None:
-            return reference()
+            return reference(*args), reference
         kernels, verdicts = route
         try:
-            self._pending.clear()
-            out = run(kernels)
-            if verdicts is not None:
-                self._evaluate_new_launches(out, verdicts)
-            return out
+            with self._recording():
+                served = prepare(kernels)
+                out = served(*args)
+                new = [key for key in self._launches.keys if key not in verdicts.proven] \
+                    if verdicts is not None else []
+            if new:
+                mx.eval(out)
+                verdicts.proven.update(new)
+            return out, served
         except Exception as exc:  # compile errors and thread limits surface at evaluation
             if verdicts is None:
                 raise
             self.fall_back(verdicts, variant, describe(exc))
-        return reference()
+        return reference(*args), reference
 
-    def _evaluate_new_launches(self, out: Any, verdicts: Verdicts) -> None:
-        new = [key for key in self._pending if key not in verdicts.proven]
-        self._pending.clear()
-        if new:
-            mx.eval(out)
-            verdicts.proven.update(new)
+    def call(self, variant: V, run: Callable[[K], Any], reference: Callable[[], Any],
+             check_args: tuple = ()) -> Any:
+        """`serve` of one call: `run(kernels)` or `reference()`."""
+        return self.serve(variant, lambda kernels: lambda: run(kernels), reference, (),
+                          check_args)[0]
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        self._launches.keys.clear()
+        self._launches.active = True
+        try:
+            yield
+        finally:
+            self._launches.active = False
 
     def _route(self, variant: V, check_args: tuple) -> tuple[K, Verdicts | None] | None:
         """(kernels, verdicts to record a failure in; None for an unchecked override), or
@@ -152,14 +178,13 @@ class CheckedDispatch(Generic[K, V]):
             return None
         kernels = self.override if self.override is not None else self._built()
         if variant not in verdicts.passed:
-            self._pending.clear()
-            reason = self._check(kernels, variant, *check_args)
+            with self._recording():
+                reason = self._check(kernels, variant, *check_args)
             if reason is not None:
                 self.fall_back(verdicts, variant, reason)
                 return None
             verdicts.passed.add(variant)
-            verdicts.proven.update(self._pending)  # the check evaluated them
-            self._pending.clear()
+            verdicts.proven.update(self._launches.keys)  # the check evaluated them
         return kernels, verdicts
 
     def _built(self) -> K:
@@ -169,6 +194,7 @@ class CheckedDispatch(Generic[K, V]):
 
     def fall_back(self, verdicts: Verdicts, variant: V, reason: str) -> None:
         verdicts.fallbacks[variant] = reason
+        self.generation += 1
         self._log.warning("Metal %s kernels off for %s (other variants keep them): %s",
                           self.family, _name(variant), reason)
 
@@ -180,10 +206,12 @@ class CheckedDispatch(Generic[K, V]):
         previous = self.override, self.override_verdicts
         self.override = kernels
         self.override_verdicts = Verdicts() if first_use_check else None
+        self.generation += 1
         try:
             yield
         finally:
             self.override, self.override_verdicts = previous
+            self.generation += 1
 
     def fallbacks(self) -> list[Fallback]:
         return [Fallback(self.family, _name(v), why)

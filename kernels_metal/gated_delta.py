@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from functools import cache, lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -201,7 +202,7 @@ class GatedDeltaKernel:
         columns = nsg * (32 // kg)
         out, state = self.kernel(
             inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32),
-                    mx.array(np.asarray(cu_seqlens, np.int32)),
+                    _device_cu_seqlens(np.asarray(cu_seqlens, np.int32).tobytes()),
                     initial_state.astype(mx.float32),
                     _params(value_heads, q.shape[-2], key_dim)],
             template=[("T", v.dtype), ("DK", key_dim), ("DV", value_dim), ("KG", kg),
@@ -214,6 +215,13 @@ class GatedDeltaKernel:
         return DeltaRuleResult(out, state)
 
 
+@lru_cache(maxsize=4)
+def _device_cu_seqlens(cu_bytes: bytes) -> mx.array:
+    """A step's int32 `cu_seqlens` on the device, made once for all its layers."""
+    return mx.array(np.frombuffer(cu_bytes, np.int32))
+
+
+@cache
 def _params(value_heads: int, key_heads: int, key_dim: int) -> mx.array:
     scale_bits = int(np.array([key_dim**-0.5], np.float32).view(np.int32)[0])
     return mx.array([value_heads, key_heads, scale_bits], dtype=mx.int32)

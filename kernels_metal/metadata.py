@@ -43,20 +43,13 @@ class AttentionMetadata:
 
     @cached_property
     def device(self) -> DeviceMetadata:
-        """The same arrays on the device, built once per step and shared by all layers."""
-        return DeviceMetadata(
-            cu_seqlens_q=mx.array(self.cu_seqlens_q),
-            seq_lens=mx.array(self.seq_lens),
-            block_tables=mx.array(self.block_tables),
-            slot_block=mx.array((self.slot_mapping // self.block_size).astype(np.int32)),
-            slot_offset=mx.array((self.slot_mapping % self.block_size).astype(np.int32)),
-        )
+        """The KV writes' slots on the device, built once per step and shared by all layers."""
+        block, offset = np.divmod(self.slot_mapping, self.block_size)
+        return DeviceMetadata(slot_block=mx.array(block.astype(np.int32)),
+                              slot_offset=mx.array(offset.astype(np.int32)))
 
 
 @dataclass(frozen=True)
 class DeviceMetadata:
-    cu_seqlens_q: mx.array
-    seq_lens: mx.array
-    block_tables: mx.array
     slot_block: mx.array  # [total_q] block id of each new token's slot
     slot_offset: mx.array  # [total_q] offset inside that block

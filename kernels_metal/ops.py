@@ -36,6 +36,9 @@ class Ops:
 
     name: OpsName
     expert_dispatch: Literal["gather", "grouped"] = "gather"  # models/moe.py says how each runs
+    # Whether building a forward evaluates it (host loops read their inputs): the runner
+    # then waits for the step in flight first, or each K/V write would copy its pool.
+    evaluates_while_building: bool = False
 
     def linear(self, x, layer):
         """`x @ weight.T + bias`."""
@@ -92,6 +95,12 @@ class Ops:
 
     def paged_attention(self, q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
                         window=None, softcap=None, sinks=None):
+        return self.attention_without_kernels(q, k_pool, v_pool, meta, scale, window, softcap,
+                                              sinks)
+
+    def attention_without_kernels(self, q, k_pool, v_pool, meta: AttentionMetadata,
+                                  scale: float, window=None, softcap=None, sinks=None):
+        """Attention where no kernel serves (this backend's own): the pure-MLX reference."""
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap,
                                          sinks)
 
@@ -134,12 +143,12 @@ class DispatchedKernels:
     def paged_attention(self, q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
                         window=None, softcap=None, sinks=None):
         return attention.paged_attention(q, k_pool, v_pool, meta, scale, window, softcap,
-                                         sinks)
+                                         sinks, self.attention_without_kernels)
 
     def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
                          window=None, softcap=None, sinks=None):
         return attention.write_and_attend(q, k, v, k_pool, v_pool, meta, scale, window,
-                                          softcap, sinks)
+                                          softcap, sinks, self.attention_without_kernels)
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, initial_state,
                          normalize_qk: bool = True):

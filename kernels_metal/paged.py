@@ -13,7 +13,14 @@ import mlx.core as mx
 from kernels_metal.decode import make_decode_kernels
 from kernels_metal.kv_quant import QuantizedPool
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.plan import KernelPlan, PlanOptions, build_plan, params_for, run_plan
+from kernels_metal.plan import (
+    KernelPlan,
+    PlanLaunch,
+    PlanOptions,
+    build_plan,
+    params_for,
+    sink_input,
+)
 from kernels_metal.prefill import make_prefill_kernel
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -59,17 +66,37 @@ class PagedAttentionKernels:
             meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, self.options, window)
         return meta.backend_plans[key]
 
+    def prepare(self, q: mx.array, k_pool: mx.array | QuantizedPool, meta: AttentionMetadata,
+                scale: float, window: int | None = None,
+                softcap: float | None = None) -> PreparedAttention:
+        """The step's launches for layers of this kind (`q`'s dtype and heads, the pool's
+        shape and kind, `scale`, `window`, `softcap`): made once, run by every such layer."""
+        num_heads, kv_heads = q.shape[1], k_pool.shape[2]
+        plan = self.plan(meta, num_heads, kv_heads, window)
+        params = params_for(plan, num_heads, kv_heads, scale, softcap)
+        dtype = kernel_dtype(q, k_pool)
+        launch = PlanLaunch(plan, self.decode_kernels, self.prefill_kernel, dtype, num_heads,
+                            k_pool, params)
+        return PreparedAttention(launch, dtype, num_heads)
+
     def __call__(self, q: mx.array, k_pool: mx.array | QuantizedPool,
                  v_pool: mx.array | QuantizedPool, meta: AttentionMetadata, scale: float,
                  window: int | None = None, softcap: float | None = None,
                  sinks: mx.array | None = None) -> mx.array:
         """Same contract as `paged_attention_reference`; the pools are float arrays or
         `QuantizedPool`s (both of one kind)."""
-        num_heads, kv_heads = q.shape[1], k_pool.shape[2]
-        plan = self.plan(meta, num_heads, kv_heads, window)
-        params = params_for(plan, num_heads, kv_heads, scale, softcap)
-        dtype = kernel_dtype(q, k_pool)
-        queries = q.astype(dtype) if q.dtype != dtype else q
-        out = run_plan(plan, self.decode_kernels, self.prefill_kernel, queries, k_pool, v_pool,
-                       params, sinks)
+        return self.prepare(q, k_pool, meta, scale, window, softcap)(q, k_pool, v_pool, sinks)
+
+
+class PreparedAttention:
+    """`PagedAttentionKernels` of one step for one kind of layer: `(q, k_pool, v_pool, sinks)`
+    of a layer -> its output, as the kernels' call."""
+
+    def __init__(self, launch: PlanLaunch, dtype: mx.Dtype, num_heads: int) -> None:
+        self.launch, self.dtype, self.num_heads = launch, dtype, num_heads
+
+    def __call__(self, q: mx.array, k_pool: mx.array | QuantizedPool,
+                 v_pool: mx.array | QuantizedPool, sinks: mx.array | None = None) -> mx.array:
+        queries = q.astype(self.dtype) if q.dtype != self.dtype else q
+        out = self.launch(queries, k_pool, v_pool, sink_input(sinks, self.num_heads))
         return out.astype(q.dtype) if out.dtype != q.dtype else out

@@ -20,14 +20,14 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.decode import MAX_HEADS_PER_THREADGROUP, run_decode
+from kernels_metal.decode import MAX_HEADS_PER_THREADGROUP, DecodeLaunch, pool_inputs
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.prefill import (
     LARGE_HEAD_DIM,
     LARGE_HEAD_SIMDGROUPS,
     MAX_SIMDGROUPS,
+    PrefillLaunch,
     query_block,
-    run_prefill,
 )
 
 DECODE_MAX_QUERY_LEN = 4
@@ -158,27 +158,46 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
     return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), window, {})
 
 
+class PlanLaunch:
+    """A plan's kernels for one kind of layer (queries' dtype, heads, pool shape and kind,
+    scale, soft-cap), made once per step: a layer's call then only binds its arrays."""
+
+    def __init__(self, plan: KernelPlan, decode_kernels, prefill_kernel, dtype: mx.Dtype,
+                 num_heads: int, k_pool, params: mx.array) -> None:
+        self.plan, self.params = plan, params
+        self.decode = self.prefill = None
+        if plan.decode is not None:
+            self.decode = DecodeLaunch(decode_kernels, dtype, num_heads, k_pool, plan.decode)
+        if plan.prefill is not None:
+            merged = (plan.decode.num_rows + plan.prefill.num_rows
+                      if plan.decode is not None else None)
+            self.prefill = PrefillLaunch(prefill_kernel, dtype, num_heads, k_pool, plan.prefill,
+                                         merged)
+
+    def __call__(self, q: mx.array, k_pool, v_pool, sinks: mx.array) -> mx.array:
+        """Both kernels of the step, the output `[total_q, H, D]` in packed order (the
+        queries' dtype). `sinks`: the kernels' form (`sink_input`).
+
+        A step of decodes only or of prefill chunks only comes out of its kernel in packed
+        order; in a mixed step the prefill launch writes its rows at their packed rows and
+        copies the decode kernel's rows into place: no concatenate and no gather per layer.
+        """
+        plan, pools = self.plan, pool_inputs(k_pool, v_pool)
+        if self.decode is None:
+            return self.prefill(q, pools, plan.block_tables, self.params, sinks)
+        decode = self.decode(q, pools, plan.block_tables, plan.decode.rows, self.params, sinks)
+        if self.prefill is None:
+            return decode
+        return self.prefill(q, pools, plan.block_tables, self.params, sinks, decode,
+                            plan.decode.rows)
+
+
 def run_plan(plan: KernelPlan, decode_kernels, prefill_kernel, q: mx.array, k_pool: mx.array,
              v_pool: mx.array, params: mx.array, sinks: mx.array | None = None) -> mx.array:
-    """Both kernels of the step, the output `[total_q, H, D]` in packed order (pool dtype).
-
-    A step of decodes only or of prefill chunks only comes out of its kernel in packed order;
-    in a mixed step the prefill launch writes its rows at their packed rows and copies the
-    decode kernel's rows into place: no concatenate and no gather per layer. `sinks`: the
-    layer's `[H]` sink logits, or None.
-    """
-    sink_logits = sink_input(sinks, q.shape[1])
-    decode = None
-    if plan.decode is not None:
-        decode = run_decode(decode_kernels, q, k_pool, v_pool, plan.block_tables, plan.decode,
-                            params, sink_logits)
-        if plan.prefill is None:
-            return decode
-    if decode is None:
-        return run_prefill(prefill_kernel, q, k_pool, v_pool, plan.block_tables, plan.prefill,
-                           params, sink_logits)
-    return run_prefill(prefill_kernel, q, k_pool, v_pool, plan.block_tables, plan.prefill,
-                       params, sink_logits, decode, plan.decode.rows)
+    """`PlanLaunch` made and run once: `sinks` the layer's `[H]` sink logits, or None."""
+    launch = PlanLaunch(plan, decode_kernels, prefill_kernel, q.dtype, q.shape[1], k_pool,
+                        params)
+    return launch(q, k_pool, v_pool, sink_input(sinks, q.shape[1]))
 
 
 def sink_input(sinks: mx.array | None, num_heads: int) -> mx.array:

@@ -35,6 +35,7 @@ from kernels_metal.decode import (
     pool_inputs,
     pool_template,
 )
+from kernels_metal.kv_quant import QuantizedPool
 
 MAX_SIMDGROUPS = 8
 LARGE_HEAD_DIM = 192  # from here on at most LARGE_HEAD_SIMDGROUPS per threadgroup (plan.py)
@@ -252,6 +253,42 @@ def make_prefill_kernel(metal_kernel):
     )
 
 
+class PrefillLaunch:
+    """The tiled kernel of one step for one kind of layer, made once (as `DecodeLaunch`).
+    `merged_rows`: the step's packed rows when the launch also copies the decode kernel's
+    rows into place (MERGE), else None."""
+
+    def __init__(self, kernel, dtype: mx.Dtype, num_heads: int,
+                 k_pool: mx.array | QuantizedPool, work, merged_rows: int | None) -> None:
+        self.kernel = kernel
+        _, block_size, kv_heads, head_dim = k_pool.shape
+        self.work = work = work.for_head_dim(head_dim)
+        threads = 32 * work.heads_per_group * work.block_q // 8
+        merge = merged_rows is not None
+        copies = merged_rows - work.num_rows if merge else 0
+        self.spec = dict(
+            template=[("T", dtype), ("D", head_dim), ("BS", block_size),
+                      ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool)),
+                      ("NH", work.heads_per_group), ("CHUNKS", work.chunks),
+                      ("BQ", work.block_q), ("MERGE", merge), *pool_template(k_pool)],
+            grid=(threads * kv_heads * work.chunks, work.num_tiles + copies, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[(merged_rows if merge else work.num_rows, num_heads, head_dim)],
+            output_dtypes=[dtype],
+        )
+
+    def __call__(self, q: mx.array, pools: list[mx.array], block_tables: mx.array,
+                 params: mx.array, sinks: mx.array, decode_out: mx.array | None = None,
+                 decode_rows: mx.array | None = None) -> mx.array:
+        """`pools`: `pool_inputs` of the layer's pools; `decode_out`, `decode_rows` with MERGE."""
+        tiles = self.work.tiles
+        merge = decode_out is not None
+        (out,) = self.kernel(
+            inputs=[q, *pools, block_tables, tiles, params, decode_out if merge else q,
+                    decode_rows if merge else tiles, sinks], **self.spec)
+        return out
+
+
 def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params, sinks: mx.array,
                 decode_out: mx.array | None = None, decode_rows: mx.array | None = None,
                 ) -> mx.array:
@@ -263,22 +300,7 @@ def run_prefill(kernel, q, k_pool, v_pool, block_tables, work, params, sinks: mx
     indices are `decode_rows[:n, 0]`) the result is every packed row in packed order instead:
     `[q.shape[0], H, D]`, the decode rows copied into place by the same launch.
     """
-    _, block_size, kv_heads, head_dim = k_pool.shape
-    dtype = q.dtype
-    work = work.for_head_dim(head_dim)
-    threads = 32 * work.heads_per_group * work.block_q // 8
-    merge = decode_out is not None
-    copies = decode_out.shape[0] if merge else 0
-    (out,) = kernel(
-        inputs=[q, *pool_inputs(k_pool, v_pool), block_tables, work.tiles, params,
-                decode_out if merge else q, decode_rows if merge else work.tiles, sinks],
-        template=[("T", dtype), ("D", head_dim), ("BS", block_size),
-                  ("TK", prefill_tile(dtype.size, head_dim)), ("IDX", index_type(k_pool)),
-                  ("NH", work.heads_per_group), ("CHUNKS", work.chunks), ("BQ", work.block_q),
-                  ("MERGE", merge), *pool_template(k_pool)],
-        grid=(threads * kv_heads * work.chunks, work.num_tiles + copies, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(q.shape[0] if merge else work.num_rows, q.shape[1], head_dim)],
-        output_dtypes=[dtype],
-    )
-    return out
+    merged_rows = q.shape[0] if decode_out is not None else None
+    launch = PrefillLaunch(kernel, q.dtype, q.shape[1], k_pool, work, merged_rows)
+    return launch(q, pool_inputs(k_pool, v_pool), block_tables, params, sinks, decode_out,
+                  decode_rows)

@@ -42,19 +42,16 @@ class BlockTables:
                 self.table[row.index] = 0
                 self._free_rows.append(row.index)
 
-    def max_blocks(self, scheduled: list[ScheduledRequest]) -> int:
-        return max(len(self._ids(s)) for s in scheduled)
+    def step_table(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
+        """The scheduled requests' rows, brought up to date, in their order: `[num_reqs,
+        max_blocks]` (a copy)."""
+        ids = [s.window_block_ids if self.group == "window" else s.block_ids for s in scheduled]
+        width = max(map(len, ids))
+        self._fit(width)
+        rows = [self._update(s, block_ids) for s, block_ids in zip(scheduled, ids, strict=True)]
+        return self.table[rows, :width]
 
-    def rows_for(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
-        """Bring each scheduled request's row up to date; return the rows in that order."""
-        self._fit(self.max_blocks(scheduled))
-        return np.fromiter((self._update(s) for s in scheduled), np.int64, count=len(scheduled))
-
-    def _ids(self, s: ScheduledRequest) -> list[int]:
-        return s.window_block_ids if self.group == "window" else s.block_ids
-
-    def _update(self, s: ScheduledRequest) -> int:
-        block_ids = self._ids(s)
+    def _update(self, s: ScheduledRequest, block_ids: list[int]) -> int:
         row = self._rows.get(s.request_id)
         if row is None:
             row = self._rows[s.request_id] = _Row(self._take_row(), s.block_table_epoch, 0)

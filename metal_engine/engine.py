@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels_metal.kv_quant import KVQuant, kv_quant_of
+from kernels_metal.ops import device_ops_name
 from metal_engine.cache_plan import CachePlan, plan_cache
 from metal_engine.config import (
     EngineConfig,
@@ -188,8 +189,9 @@ class LLMEngine:
     @classmethod
     def _build(cls, config: EngineConfig, peers: Peers | None) -> LLMEngine:
         """`peers`: the other ranks, with a share of the model each (this process is rank 0)."""
-        device = device_memory()  # before loading: off a Mac, the weights take what is free
-        dtype = resolve_dtype(config.dtype, config.model_dir)
+        metal = device_ops_name() == "metal"  # the one backend decision: the rest follows it
+        device = device_memory(metal)  # before loading: off a Mac, the weights take what is free
+        dtype = resolve_dtype(config.dtype, config.model_dir, metal=metal)
         split = peers.split if peers is not None else None
         model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
         tokenizer = load_tokenizer(config.model_dir)
@@ -207,8 +209,7 @@ class LLMEngine:
         for line in memory.describe():
             log.info("memory plan: %s", line)
         budget = memory.budget
-        token_budget = (config.max_num_batched_tokens
-                        or default_token_budget(mx.metal.is_available()))
+        token_budget = config.max_num_batched_tokens or default_token_budget(metal)
         quant = kv_quant_of(config.kv_cache_dtype)
         plan = _plan_pool(config, planned, budget, dtype, token_budget, quant, drafter)
         kv_tokens = plan.num_blocks * config.block_size
@@ -236,7 +237,7 @@ class LLMEngine:
         device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
                           if drafter is not None else None)
         async_scheduling = (  # several ranks: each step's plan carries its tokens, so it waits
-            mx.metal.is_available() and peers is None
+            metal and peers is None
             if config.async_scheduling is None else config.async_scheduling
         )
         name = config.model_name or config.model_dir.name

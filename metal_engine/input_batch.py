@@ -98,8 +98,7 @@ def _sample_rows(cu_seqlens: np.ndarray, samples: np.ndarray,
 def _paging(tables: BlockTables, scheduled, request_of_row: np.ndarray, positions: np.ndarray,
             block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The step's block tables `[num_reqs, max_blocks]` and each row's KV slot."""
-    rows = tables.rows_for(scheduled)  # may grow `tables.table`: read it after
-    block_tables = tables.table[rows, : tables.max_blocks(scheduled)]
+    block_tables = tables.step_table(scheduled)
     slots = (
         block_tables[request_of_row, positions // block_size].astype(np.int64) * block_size
         + positions % block_size

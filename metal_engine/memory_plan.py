@@ -71,10 +71,13 @@ class DeviceMemory:
         return "Metal recommended working set" if self.metal else "available RAM"
 
 
-def device_memory() -> DeviceMemory:
-    """This machine's memory. Off a Mac `usable` is what is free now: measure it before the
-    weights are loaded, or they count twice."""
-    if mx.metal.is_available():
+def device_memory(metal: bool | None = None) -> DeviceMemory:
+    """This machine's memory: Metal's if `metal` (None: whether this machine has Metal),
+    else the host's. Off a Mac `usable` is what is free now: measure it before the weights
+    are loaded, or they count twice."""
+    if metal is None:
+        metal = mx.metal.is_available()
+    if metal:
         info = mx.device_info()
         total = info["memory_size"]
         return DeviceMemory(total, info.get("max_recommended_working_set_size", total), True)
@@ -296,12 +299,13 @@ def size(n: int) -> str:
 def plan_for(config: EngineConfig, model: ModelConfig, weights: int,
              device: DeviceMemory | None = None) -> MemoryPlan:
     """The plan for serving `model` (`weights` bytes) as `config` says, on `device` (default:
-    this machine, measured now)."""
-    dtype = resolve_dtype(config.dtype, config.model_dir)
-    token_budget = config.max_num_batched_tokens or default_token_budget(mx.metal.is_available())
+    this machine, measured now); its dtype and step budget are a Mac's if `device.metal`."""
+    device = device or device_memory()
+    dtype = resolve_dtype(config.dtype, config.model_dir, metal=device.metal)
+    token_budget = config.max_num_batched_tokens or default_token_budget(device.metal)
     kv = kv_footprint(model, dtype, config.kv_cache_dtype, config.block_size,
                       config.max_num_seqs, token_budget)
-    return plan_memory(device or device_memory(), weights, kv,
+    return plan_memory(device, weights, kv,
                        trained_context=model.trained_context_len,
                        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                        kv_cache_memory=config.kv_cache_memory)

@@ -24,11 +24,15 @@ HALF_DTYPES = ("float16", "bfloat16")
 _BFLOAT16_FAMILIES = ("gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text")
 
 
-def resolve_dtype(name: str, model_dir: Path | None = None) -> mx.Dtype:
-    """`--dtype`: a dtype's name, or "auto" for `model_dir`'s (see the module doc)."""
+def resolve_dtype(name: str, model_dir: Path | None = None, *,
+                  metal: bool | None = None) -> mx.Dtype:
+    """`--dtype`: a dtype's name, or "auto" for `model_dir`'s (see the module doc).
+    `metal`: whether the engine runs on an Apple GPU (None: whether this machine has one)."""
     if name != "auto":
         return getattr(mx, name)
-    if not mx.metal.is_available():
+    if metal is None:
+        metal = mx.metal.is_available()
+    if not metal:
         return mx.float32
     return getattr(mx, auto_half_dtype(model_dir))
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from kernels_metal.cpu import math as cpu_math
 from metal_engine.block_tables import BlockTables
 from metal_engine.draft_model import DraftModel
 from metal_engine.input_batch import StepInputs, build_step_inputs
@@ -176,7 +175,7 @@ class ModelRunner:
         """
         step = build_step_inputs(out, self.cache.block_size, self.block_tables,
                                  self.window_tables)
-        if cpu_math.on_cpu():  # the numpy fast paths evaluate the forward as it is built
+        if self.model.ops.evaluates_while_building:  # read per step: `use_ops` may swap it
             self._wait_for_device()
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]

@@ -50,6 +50,24 @@ def test_model_code_neither_imports_the_host_backend_nor_tests_the_backend(path)
     assert not backend_tests(tree), f"{path.name} tests the backend: {backend_tests(tree)}"
 
 
+# The engine decides the backend once, when it is built; the runner reads its model's ops.
+SERVING_FILES = {"runner.py": 0, "engine.py": 1}  # each file's calls of device_ops_name
+
+
+def device_ops_name_calls(tree: ast.AST) -> int:
+    return sum(isinstance(node, ast.Call) and ast.unparse(node.func).endswith("device_ops_name")
+               for node in ast.walk(tree))
+
+
+@pytest.mark.parametrize(("name", "decisions"), SERVING_FILES.items())
+def test_the_engine_and_runner_choose_the_backend_once_and_never_test_it(name, decisions):
+    tree = ast.parse((ROOT / "metal_engine" / name).read_text())
+    host_imports = [m for m in imported_modules(tree) if m.startswith(HOST_BACKEND)]
+    assert not host_imports, f"{name} imports the CPU host backend: {host_imports}"
+    assert not backend_tests(tree), f"{name} tests the backend: {backend_tests(tree)}"
+    assert device_ops_name_calls(tree) <= decisions, f"{name} asks for the device's backend"
+
+
 @pytest.mark.parametrize("name", ["reference.py", "fast_rope.py"])
 def test_the_reference_is_pure_mlx(name):
     tree = ast.parse((ROOT / "kernels_metal" / name).read_text())
@@ -65,3 +83,6 @@ def test_the_check_finds_what_it_looks_for():
                      "    return on_cpu() or isinstance(x, np.ndarray)\n")
     assert [m for m in imported_modules(tree) if m.startswith(HOST_BACKEND)]
     assert len(backend_tests(tree)) == 2  # the call of on_cpu, the isinstance
+    tree = ast.parse("if cpu_math.on_cpu() or mx.metal.is_available():\n"
+                     "    name = device_ops_name()\n")
+    assert len(backend_tests(tree)) == 2 and device_ops_name_calls(tree) == 1

@@ -47,18 +47,15 @@ def test_rows_track_appends_restarts_releases_and_growth():
             continue
         chosen = [rid for rid in sorted(live) if rng.random() < 0.7] or sorted(live)[:1]
         items = [scheduled(rid, *live[rid]) for rid in chosen]
-        rows = tables.rows_for(items)
-        width = max(len(s.block_ids) for s in items)
-        np.testing.assert_array_equal(tables.table[rows, :width], from_scratch(items))
+        np.testing.assert_array_equal(tables.step_table(items), from_scratch(items))
     assert tables.table.shape[0] > 2 and tables.table.shape[1] > 2
 
 
 def test_a_step_writes_only_the_blocks_appended_since_the_last():
     tables = BlockTables()
-    tables.rows_for([scheduled("a", [5, 6], 1)])
-    (row,) = tables.rows_for([scheduled("a", [5, 6], 1)])
+    tables.step_table([scheduled("a", [5, 6], 1)])
+    (row,) = np.flatnonzero(tables.table[:, 1] == 6)
     tables.table[row, 0] = 99  # not rewritten while the epoch holds
-    tables.rows_for([scheduled("a", [5, 6, 7], 1)])
-    assert list(tables.table[row, :3]) == [99, 6, 7]
-    tables.rows_for([scheduled("a", [8], 2)])  # a new epoch rewrites the row
+    assert list(tables.step_table([scheduled("a", [5, 6, 7], 1)])[0]) == [99, 6, 7]
+    tables.step_table([scheduled("a", [8], 2)])  # a new epoch rewrites the row
     assert list(tables.table[row, :3]) == [8, 0, 0]

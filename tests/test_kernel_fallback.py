@@ -94,10 +94,14 @@ class RecordingKernels(PagedAttentionKernels):
         super().__init__(metal_kernel)
         self.served: list[tuple[Variant, object]] = []
 
-    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None, sinks=None):
-        out = super().__call__(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
-        self.served.append((variant_of(q, k_pool, window, softcap, sinks), meta))
-        return out
+    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None):
+        launch = super().prepare(q, k_pool, meta, scale, window, softcap)
+
+        def served(*args):
+            out = launch(*args)  # recorded once it launched
+            self.served.append((variant_of(q, k_pool, window, softcap), meta))
+            return out
+        return served
 
 
 @pytest.fixture

@@ -27,13 +27,18 @@ def fresh_dispatch(monkeypatch):
 
 
 class RecordingKernels:
+    """Kernels (their `prepare` interface) that are the reference, counting layer calls."""
+
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, q, k_pool, v_pool, meta, scale, window=None, softcap=None, sinks=None):
-        self.calls += 1
-        self.sinks = sinks
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
+    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None):
+        def launch(q, k_pool, v_pool, sinks=None):
+            self.calls += 1
+            self.sinks = sinks
+            return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap,
+                                             sinks)
+        return launch
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="on Metal the kernels serve these calls "

@@ -16,9 +16,8 @@ from conftest import TINY_LLAMA
 from engine_helpers import make_runner_and_scheduler
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kernels_metal import attention
-from kernels_metal.cpu import math as cpu_math
 from metal_engine.engine import LLMEngine
+from metal_engine.models import decoder
 from scheduler import SamplingParams
 
 NUM_BLOCKS = 16384  # a 32 MiB pool per layer and K/V: a copy stands out from activations
@@ -26,9 +25,10 @@ NUM_BLOCKS = 16384  # a 32 MiB pool per layer and K/V: a copy stands out from ac
 
 @pytest.fixture
 def pure_mlx(monkeypatch):
-    """The forward as one lazy graph, as on Metal: no numpy fast paths, reference attention."""
-    monkeypatch.setattr(cpu_math, "on_cpu", lambda: False)
-    monkeypatch.setattr(attention, "on_cpu", lambda: False)
+    """The forward as one lazy graph, as on Metal: models built with the pure-MLX reference
+    ops (no numpy fast paths, reference attention), whose steps are built while the
+    previous one runs."""
+    monkeypatch.setattr(decoder, "device_ops_name", lambda: "reference")
 
 
 @pytest.fixture(params=["pure-mlx", "cpu-fast-paths"])

@@ -29,6 +29,7 @@ from kernels_metal.cpu import prefill as cpu_prefill
 from kernels_metal.cpu.math import DENORMAL_EXP_BOUND, FEW_ROWS
 from kernels_metal.kv_quant import HostPool, QuantizedPool, host_pool
 from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.reference import paged_attention_reference
 
 # Most score elements (rows x query heads x keys) one slice of work holds: 4 MB of fp32, small
 # enough that the softmax passes over it mostly stay in cache.
@@ -67,6 +68,14 @@ class CpuPlan:
 def supports(q: mx.array, k_pool: mx.array | QuantizedPool) -> bool:
     stored = isinstance(k_pool, QuantizedPool) or k_pool.dtype in NUMPY_DTYPES
     return stored and q.shape[1] % k_pool.shape[2] == 0
+
+
+def attention_or_reference(q, k_pool, v_pool, meta: AttentionMetadata, scale: float,
+                           window=None, softcap=None, sinks=None) -> mx.array:
+    """`paged_attention_cpu` where it takes the pools (`supports`), else the pure-MLX
+    reference: the CPU backend's attention where no kernel serves."""
+    attend = paged_attention_cpu if supports(q, k_pool) else paged_attention_reference
+    return attend(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
 
 
 def paged_attention_cpu(

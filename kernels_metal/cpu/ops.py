@@ -27,6 +27,7 @@ class HostOps(DispatchedKernels, Ops):
     # One BLAS product per chosen expert: MLX's CPU gather_mm copies the (transposed)
     # stack out before multiplying, about twice as slow at one row (docs/benchmarks.md).
     expert_dispatch = "grouped"
+    evaluates_while_building = True  # the numpy fast paths read the forward's arrays
 
     def __init__(self) -> None:
         self.plan = HostPlan()
@@ -80,6 +81,11 @@ class HostOps(DispatchedKernels, Ops):
             cpu_loops.rope(x, cos, sin, out)
             return out
         return step.tables(x)
+
+    def attention_without_kernels(self, q, k_pool, v_pool, meta: AttentionMetadata,
+                                  scale: float, window=None, softcap=None, sinks=None):
+        return cpu_attention.attention_or_reference(q, k_pool, v_pool, meta, scale, window,
+                                                    softcap, sinks)
 
     def write_kv(self, pool, new, meta: AttentionMetadata):
         if isinstance(new, np.ndarray):  # into the (evaluated) float pool's buffer

@@ -34,13 +34,14 @@ class RankGroup:
     def __init__(self) -> None:
         self.group = mx.distributed.init(backend="ring", strict=True)
         self.rank, self.size = self.group.rank(), self.group.size()
+        # The CPU path reads its arrays through numpy, and MLX 0.32 never returns from such
+        # a read of a sum whose peer is gone (mx.eval raises). Its forward evaluates as it
+        # goes anyway, so evaluating each sum at once costs nothing.
+        self.evaluates_sums = on_cpu()
 
     def all_sum(self, x: mx.array) -> mx.array:
         summed = mx.distributed.all_sum(x, group=self.group)
-        if on_cpu():
-            # The CPU path reads its arrays through numpy, and MLX 0.32 never returns from
-            # such a read of a sum whose peer is gone (mx.eval raises). Its forward
-            # evaluates as it goes anyway, so evaluating here costs nothing.
+        if self.evaluates_sums:
             evaluate(summed)
         return summed
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from kernels_metal.cost import decode_step, step_cost
 from kernels_metal.metadata import AttentionMetadata
+from kernels_metal.ops import ReferenceOps
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from metal_engine.kv_cache import KVCache
@@ -130,6 +131,8 @@ def kernel_cost(config: ModelConfig, meta: AttentionMetadata, itemsize: int = 2)
 
 class _StubModel:
     """Stands in for the model: no layers, a tiny vocabulary, no device work to speak of."""
+
+    ops = ReferenceOps()  # a lazy MLX forward: nothing evaluated while it is built
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config

@@ -68,6 +68,9 @@ class SamplingBatch:
         that rounds to 0 keeps the top token, a min_p that does is off."""
         params = [r.params for r in rows]
         basic = all(r.params.is_basic and r.allowed_tokens is None for r in rows)
+        if basic and all(p.greedy and p.seed is None and p.top_k == 0 and p.top_p == 1
+                         for p in params):
+            return cls.greedy(len(rows))  # the same arrays, in short
         log_min_p = np.full(len(rows), -np.inf, np.float32)
         if not basic:
             min_p = np.array([p.min_p for p in params], np.float32)
@@ -90,6 +93,14 @@ class SamplingBatch:
             penalties=None if basic else Penalties.build(rows),
             allowed=None if basic else _allowed_bitmask(rows),
         )
+
+    @classmethod
+    def greedy(cls, num_rows: int) -> SamplingBatch:
+        """`build` of rows that are all greedy with nothing else (the common step), in short."""
+        return cls(temperature=np.zeros(num_rows, np.float32),
+                   top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32),
+                   log_min_p=np.full(num_rows, -np.inf, np.float32), seeds=[None] * num_rows,
+                   all_greedy=True, additions=None, penalties=None, allowed=None)
 
 
 def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.scheduler import ScheduledRequest
+from scheduler.output import ScheduledRequest
 
 
 @dataclass

@@ -29,7 +29,7 @@ from metal_engine.input_batch import build_step_inputs
 from metal_engine.kv_cache import KVCache
 from metal_engine.models.decoder import CausalLM
 from metal_engine.rejection_sampler import DraftBatch, draw_drafts
-from scheduler.scheduler import SchedulerOutput
+from scheduler.output import SchedulerOutput
 
 
 class Drafts(NamedTuple):

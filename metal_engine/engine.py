@@ -37,7 +37,7 @@ from metal_engine.structured import StructuredOutputs
 from metal_engine.tokenizer_loading import load_tokenizer
 from metal_engine.weights import load_model, parameter_bytes
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.scheduler import RequestUpdate, SchedulerOutput
+from scheduler.output import RequestUpdate, SchedulerOutput
 
 if TYPE_CHECKING:
     from metal_engine.parallel.peers import Peers

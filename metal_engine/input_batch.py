@@ -8,8 +8,8 @@ import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.block_tables import BlockTables
+from scheduler.output import SchedulerOutput
 from scheduler.request import DRAFT_TOKEN, PENDING_TOKEN
-from scheduler.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from metal_engine.kv_disk_store import KVDiskStore
-from scheduler.kv_connector import CacheKind, KVTransferPlan, TierLookup
+from scheduler.kv_connector import TierLookup
+from scheduler.output import CacheKind, KVTransferPlan
 from scheduler.prefix_hash import BlockHash
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from metal_engine.model_config import read_config_json
 from metal_engine.models.decoder import CausalLM
 from metal_engine.rejection_sampler import DraftBatch, draw_drafts
 from metal_engine.weights import MTP_PREFIX, safetensors_files, stack_per_expert
-from scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 
 

@@ -24,8 +24,8 @@ from metal_engine.rejection_sampler import (
     rejection_sample,
 )
 from metal_engine.sampler import SamplingBatch, SamplingRow, sample
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
-from scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from metal_engine.parallel.peers import Peers

@@ -18,42 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
+from scheduler.output import CacheKind, KVTransferPlan
 from scheduler.prefix_hash import BlockHash
-
-# What a tier holds, each in memory under its own ids: "blocks" (KV pool block ids),
-# "states" (state slots holding checkpoints), "window" (a sliding-window group's block ids).
-CacheKind = Literal["blocks", "states", "window"]
-
-
-@dataclass
-class TierMoves:
-    """One kind's moves in a step: (id in memory, hash) saved and loaded, hashes read."""
-
-    saves: list[tuple[int, BlockHash]] = field(default_factory=list)
-    loads: list[tuple[int, BlockHash]] = field(default_factory=list)
-    reads: list[BlockHash] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.saves or self.loads or self.reads)
-
-
-@dataclass
-class KVTransferPlan:
-    """One step's moves between memory and the tier, per cache kind. Plain data."""
-
-    blocks: TierMoves = field(default_factory=TierMoves)
-    states: TierMoves = field(default_factory=TierMoves)
-    window: TierMoves = field(default_factory=TierMoves)
-
-    def of(self, kind: CacheKind) -> TierMoves:
-        return getattr(self, kind)
-
-    @property
-    def is_empty(self) -> bool:
-        return self.blocks.is_empty and self.states.is_empty and self.window.is_empty
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass
 from typing import Literal
 
 from scheduler.sampling_params import SamplingParams
-from scheduler.state_cache import PendingSave
 
 # "error": the request failed on its own (its grammar broke while generating); the others ran on.
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -24,6 +24,18 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint a step in flight is writing: its slot, the boundary (in tokens) and
+    whether it is a decode checkpoint (superseded by the request's next one). Its block hash
+    is known once the step resolves: the last token before the boundary may be pending."""
+
+    slot: int
+    boundary: int
+    decode: bool
+
 
 
 class Request:

@@ -10,73 +10,18 @@ request that policy ranks last is preempted and recomputed later.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from scheduler.block_pool import BlockPool, cdiv
 from scheduler.config import SchedulerConfig
-from scheduler.kv_connector import KVConnectorScheduler, KVTransferPlan, TierLookup
+from scheduler.kv_connector import KVConnectorScheduler, TierLookup
+from scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
 from scheduler.spec_decode.drafter import Drafter
-from scheduler.state_cache import StateCache, StatePlan
+from scheduler.state_cache import StateCache
 from scheduler.waiting_queue import WaitingQueue
 from scheduler.window_blocks import WindowBlocks
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    The step feeds `token_ids` at positions `start_position ..` and writes their K/V into
-    the slots of `block_ids`; it samples the next token iff `samples`. The last
-    `len(draft_token_ids)` of `token_ids` are drafts: the step verifies them and samples
-    after the ones it accepts.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    start_position: int
-    block_ids: list[int]
-    block_table_epoch: int  # changes when the request's blocks were replaced, not appended to
-    samples: bool
-    params: SamplingParams
-    num_output_tokens: int
-    state_slot: int | None = None  # hybrid models: the slot of its recurrent state
-    # Sliding-window group: its block table (null entries out of the window).
-    window_block_ids: list[int] = field(default_factory=list)
-    draft_token_ids: list[int] = field(default_factory=list)
-    token_epoch: int = 0  # the request's when scheduled (see Request.token_epoch)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-    # Moves between the pool and the KV tier past it, for the connector's runner side.
-    kv_plan: KVTransferPlan = field(default_factory=KVTransferPlan)
-    # Copies between recurrent-state slots around the step (hybrid models).
-    state_plan: StatePlan = field(default_factory=StatePlan)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request: tokens appended and, at the end, why it stopped."""
-
-    request: Request
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_output_tokens: int  # the request's outputs up to and including these
-    num_draft_tokens: int = 0  # drafts the step verified (len(new_token_ids) - 1 accepted)
 
 
 class Scheduler:

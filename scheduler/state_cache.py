@@ -28,42 +28,16 @@ from its end).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler.block_pool import BlockPool
+from scheduler.output import StatePlan
 from scheduler.prefix_hash import BlockHash
+from scheduler.request import PendingSave
 
 if TYPE_CHECKING:
     from scheduler.kv_connector import KVConnectorScheduler
     from scheduler.request import Request
-
-
-@dataclass
-class StatePlan:
-    """One step's copies between state slots, for the runner. Plain data.
-
-    `restores` run before the step's forward (checkpoint -> a request's live slot),
-    `saves` after it (live slot -> checkpoint), each as (source slot, target slot).
-    """
-
-    restores: list[tuple[int, int]] = field(default_factory=list)
-    saves: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.restores or self.saves)
-
-
-@dataclass
-class PendingSave:
-    """A checkpoint a step in flight is writing: its slot, the boundary (in tokens) and
-    whether it is a decode checkpoint (superseded by the request's next one). Its block hash
-    is known once the step resolves: the last token before the boundary may be pending."""
-
-    slot: int
-    boundary: int
-    decode: bool
 
 
 class StateCache:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from metal_engine.block_tables import BlockTables
+from scheduler.output import ScheduledRequest
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import ScheduledRequest
 
 
 def scheduled(request_id: str, block_ids: list[int], epoch: int) -> ScheduledRequest:

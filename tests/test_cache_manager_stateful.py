@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import cdiv
-from scheduler.scheduler import SchedulerOutput
+from scheduler.output import SchedulerOutput
 from scheduler.window_blocks import NULL_BLOCK
 
 BLOCK_SIZE = 4

@@ -12,7 +12,7 @@ from metal_engine.kv_disk_connector import KVDiskConnector
 from metal_engine.kv_disk_dir import KVDiskDir
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.kv_connector import KVTransferPlan, TierMoves
+from scheduler.output import KVTransferPlan, TierMoves
 from scheduler.prefix_hash import hash_block
 
 SHAPES = ((2, 8), (1, 16), (2, 8))  # pools may differ in shape

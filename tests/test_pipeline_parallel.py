@@ -14,7 +14,7 @@ from metal_engine.config import EngineConfig
 from metal_engine.parallel.pipeline import keep_stage, micro_batches, stage_layers, stage_pools
 from metal_engine.weights import load_model
 from scheduler import SamplingParams
-from scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
 
 
 def _scheduled(lengths: list[int]) -> SchedulerOutput:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.scheduler import SchedulerOutput
+from scheduler.output import SchedulerOutput
 
 
 class MemoryStore:

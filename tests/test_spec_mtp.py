@@ -29,7 +29,7 @@ from metal_engine.kv_cache import KVCache
 from metal_engine.mtp import load_mtp_head
 from metal_engine.weights import load_model
 from scheduler import SamplingParams
-from scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]

@@ -15,7 +15,7 @@ from metal_engine.config import EngineConfig
 from metal_engine.parallel.group import RankGroup, RankLost
 from metal_engine.parallel.local_ranks import LocalRanks, launched_by_mlx
 from metal_engine.parallel.split import ModelSplit
-from scheduler.scheduler import SchedulerOutput
+from scheduler.output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from metal_engine.kv_cache import KVCache
 from metal_engine.models.decoder import CausalLM, DecoderModel
 from metal_engine.parallel.group import RankGroup, evaluate
 from metal_engine.parallel.shard import share
-from scheduler.scheduler import SchedulerOutput
+from scheduler.output import SchedulerOutput
 
 
 def stage_layers(num_layers: int, rank: int, size: int) -> range:

@@ -25,7 +25,7 @@ from scheduler.spec_decode.draft_length import AcceptanceHistory, DraftLength
 from scheduler.spec_decode.ngram import NgramProposer, SuffixIndex, pick_draft
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import ScheduledRequest
+    from scheduler.output import ScheduledRequest
 
 
 @dataclass

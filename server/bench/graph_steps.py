@@ -26,7 +26,7 @@ from metal_engine.model_config import ModelConfig
 from metal_engine.models.registry import model_class
 from metal_engine.runner import ModelRunner
 from scheduler import SamplingParams
-from scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from server.bench.graph_trace import StandInKernel, gpu_default_device
 
 BLOCK_SIZE = 16

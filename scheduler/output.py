@@ -1,0 +1,118 @@
+"""The step contract: what the scheduler hands the runner each step and what a step did.
+
+    SchedulerOutput    the step: each scheduled request's share (`ScheduledRequest`), the
+                       requests finished since the last step, and the step's plans: moves
+                       to and from the KV tier (`KVTransferPlan`) and copies between
+                       recurrent-state slots (`StatePlan`)
+    RequestUpdate      what one step did to one request
+
+Plain data, imported by both sides; it imports no scheduler machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from scheduler.prefix_hash import BlockHash
+from scheduler.request import FinishReason, Request
+from scheduler.sampling_params import SamplingParams
+
+# What a tier holds, each in memory under its own ids: "blocks" (KV pool block ids),
+# "states" (state slots holding checkpoints), "window" (a sliding-window group's block ids).
+CacheKind = Literal["blocks", "states", "window"]
+
+
+@dataclass
+class TierMoves:
+    """One kind's moves in a step: (id in memory, hash) saved and loaded, hashes read."""
+
+    saves: list[tuple[int, BlockHash]] = field(default_factory=list)
+    loads: list[tuple[int, BlockHash]] = field(default_factory=list)
+    reads: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.saves or self.loads or self.reads)
+
+
+@dataclass
+class KVTransferPlan:
+    """One step's moves between memory and the tier, per cache kind. Plain data."""
+
+    blocks: TierMoves = field(default_factory=TierMoves)
+    states: TierMoves = field(default_factory=TierMoves)
+    window: TierMoves = field(default_factory=TierMoves)
+
+    def of(self, kind: CacheKind) -> TierMoves:
+        return getattr(self, kind)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.blocks.is_empty and self.states.is_empty and self.window.is_empty
+
+
+@dataclass
+class StatePlan:
+    """One step's copies between state slots, for the runner. Plain data.
+
+    `restores` run before the step's forward (checkpoint -> a request's live slot),
+    `saves` after it (live slot -> checkpoint), each as (source slot, target slot).
+    """
+
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.restores or self.saves)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step feeds `token_ids` at positions `start_position ..` and writes their K/V into
+    the slots of `block_ids`; it samples the next token iff `samples`. The last
+    `len(draft_token_ids)` of `token_ids` are drafts: the step verifies them and samples
+    after the ones it accepts.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    block_table_epoch: int  # changes when the request's blocks were replaced, not appended to
+    samples: bool
+    params: SamplingParams
+    num_output_tokens: int
+    state_slot: int | None = None  # hybrid models: the slot of its recurrent state
+    # Sliding-window group: its block table (null entries out of the window).
+    window_block_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+    token_epoch: int = 0  # the request's when scheduled (see Request.token_epoch)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    # Moves between the pool and the KV tier past it, for the connector's runner side.
+    kv_plan: KVTransferPlan = field(default_factory=KVTransferPlan)
+    # Copies between recurrent-state slots around the step (hybrid models).
+    state_plan: StatePlan = field(default_factory=StatePlan)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: tokens appended and, at the end, why it stopped."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_output_tokens: int  # the request's outputs up to and including these
+    num_draft_tokens: int = 0  # drafts the step verified (len(new_token_ids) - 1 accepted)

@@ -218,14 +218,6 @@ class CheckedDispatch(Generic[K, V]):
                 for v, why in dict(self.active_verdicts.fallbacks).items()]
 
 
-def all_fallbacks() -> list[Fallback]:
-    """Every family's fallbacks: what /metrics counts and the dashboard lists."""
-    # Imported here: the families import this module for their dispatch.
-    from kernels_metal import attention, gated_delta
-
-    return attention._state.fallbacks() + gated_delta._state.fallbacks()
-
-
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 

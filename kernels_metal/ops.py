@@ -7,7 +7,7 @@
                     elementwise chains, the paged-attention and gated-delta kernels
     HostOps         the CPU host loops (kernels_metal.cpu.ops): MLX's CPU backend
 
-`ops_named(name)` builds one; `device_ops_name()` names the device's. A model takes its ops
+`kernels_metal.backends` builds one by name and names the device's. A model takes its ops
 when it is built (`metal_engine.models.ops_user`); no model code asks which backend runs.
 Every method takes the arrays its backend's layers hand it and returns the same kind.
 """
@@ -204,25 +204,3 @@ COMPILED_GATED = {k: mx.compile(f, shapeless=True) for k, f in GATED.items()}
 @partial(mx.compile, shapeless=True)
 def _compiled_softcap(x: mx.array, cap: mx.array) -> mx.array:
     return mx.tanh(x / cap) * cap
-
-
-def ops_named(name: OpsName) -> Ops:
-    """A fresh backend (each model gets its own: a backend may keep state per model)."""
-    if name == "host":
-        from kernels_metal.cpu.ops import HostOps
-
-        return HostOps()
-    if name not in BACKENDS:
-        raise ValueError(f"no ops backend {name!r}; there are {', '.join(BACKENDS)} and host")
-    return BACKENDS[name]()
-
-
-BACKENDS: dict[str, type[Ops]] = {"metal": MetalOps, "reference": ReferenceOps}
-
-
-def device_ops_name() -> OpsName:
-    """The backend for the default device: Metal kernels on a Mac, the host loops on MLX's
-    CPU backend, the pure-MLX reference elsewhere (CUDA)."""
-    if mx.metal.is_available():
-        return "metal"
-    return "host" if mx.default_device() == mx.cpu else "reference"

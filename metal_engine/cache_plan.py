@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels_metal.kv_quant import KVQuant
-from metal_engine.kv_cache import bytes_per_block
 from metal_engine.model_config import ModelConfig
+from metal_engine.pool_bytes import bytes_per_block
 from metal_engine.recurrent_states import RecurrentStates
 
 # Checkpoints for prefix hits take at most this share of the cache budget, and at most two

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels_metal.backends import device_ops_name
 from kernels_metal.kv_quant import KVQuant, kv_quant_of
-from kernels_metal.ops import device_ops_name
 from metal_engine.cache_plan import CachePlan, plan_cache
 from metal_engine.config import (
     EngineConfig,
@@ -21,7 +21,7 @@ from metal_engine.config import (
 )
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.draft_model import DraftModel, load_draft_model
-from metal_engine.kv_cache import KVCache, PoolShape, bytes_per_block
+from metal_engine.kv_cache import KVCache, PoolShape
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk_dir import KVDiskDir
 from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
@@ -32,6 +32,7 @@ from metal_engine.models.decoder import CausalLM
 from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.outputs import RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
+from metal_engine.pool_bytes import bytes_per_block
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
 from metal_engine.tokenizer_loading import load_tokenizer

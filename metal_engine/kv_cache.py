@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels_metal.kv_quant import KVQuant, QuantizedPool, empty_pool
+from metal_engine.pool_bytes import RAW_BITS, bytes_per_block
 
 if TYPE_CHECKING:
     from metal_engine.cache_plan import CachePlan
@@ -155,17 +156,5 @@ class KVCache:
         return [i for i in range(len(self.shapes)) if (i in self.windowed) == windowed]
 
 
-# Unsigned ints of each element size (MLX, numpy): blocks and states travel as raw bits.
-RAW_BITS = {4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16), 1: (mx.uint8, np.uint8)}
-
-
 def _arrays(pool: Pool) -> list[mx.array]:
     return pool.arrays() if isinstance(pool, QuantizedPool) else [pool]
-
-
-def bytes_per_block(shapes: Sequence[PoolShape], block_size: int, dtype: mx.Dtype,
-                    quant: KVQuant | None = None) -> int:
-    """K and V of one block of every pool: `dtype` elements, or `quant`'s codes and scales."""
-    if quant is not None:
-        return 2 * block_size * sum(heads * quant.bytes_per_row(dim) for heads, dim in shapes)
-    return 2 * block_size * sum(heads * dim for heads, dim in shapes) * dtype.size

@@ -27,9 +27,9 @@ import mlx.core as mx
 from kernels_metal.kv_quant import kv_quant_of
 from metal_engine.cache_plan import window_blocks
 from metal_engine.config import default_token_budget
-from metal_engine.kv_cache import bytes_per_block
 from metal_engine.model_config import ModelConfig
 from metal_engine.model_dtype import resolve_dtype
+from metal_engine.pool_bytes import bytes_per_block
 from metal_engine.recurrent_states import RecurrentStates
 
 if TYPE_CHECKING:

@@ -23,7 +23,8 @@ from metal_engine.rejection_sampler import (
     VerifiedTokens,
     rejection_sample,
 )
-from metal_engine.sampler import SamplingBatch, SamplingRow, sample
+from metal_engine.sampler import SamplingBatch, sample
+from metal_engine.sampling_row import SamplingRow
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 

@@ -157,7 +157,7 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
 
 def _warm_up(engine: LLMEngine) -> None:
     """Run the model's steps once (metal_engine/warm_up.py) and log what fell back."""
-    from kernels_metal.dispatch import all_fallbacks
+    from kernels_metal.fallbacks import all_fallbacks
     from metal_engine.warm_up import warm_up
 
     seconds = warm_up(engine)

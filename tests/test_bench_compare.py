@@ -10,8 +10,7 @@ import pytest
 from test_bench import RECORDS  # the metric tests' hand-checked records
 
 from server.bench import llama_server
-from server.bench.compare import PeerResult
-from server.bench.compare_doc import BEGIN, END, write_doc
+from server.bench.compare_doc import BEGIN, END, PeerResult, write_doc
 from server.bench.metrics import compute_metrics
 from server.bench.peers import Peer, install, peers, server_command
 from server.bench.runner import RunResult

@@ -17,7 +17,8 @@ from engine_helpers import generate_greedy, make_runner_and_scheduler
 from markers import requires_emulator
 
 from kernels_metal import attention, emulator
-from kernels_metal.dispatch import CheckedDispatch, Fallback, all_fallbacks
+from kernels_metal.dispatch import CheckedDispatch, Fallback
+from kernels_metal.fallbacks import all_fallbacks
 from kernels_metal.paged import PagedAttentionKernels
 
 log = logging.getLogger("test_dispatch_fallback")

@@ -22,7 +22,8 @@ from metal_engine.rejection_sampler import (
     rejection_sample,
     verification_rows,
 )
-from metal_engine.sampler import SamplingBatch, SamplingRow, sample
+from metal_engine.sampler import SamplingBatch, sample
+from metal_engine.sampling_row import SamplingRow
 from scheduler import SamplingParams
 
 # ---- the chi-square test (scipy is not a dependency) ---------------------------------------

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from metal_engine.logprobs import compute_logprobs
-from metal_engine.sampler import SamplingBatch, SamplingRow, process_logits, sample
+from metal_engine.sampler import SamplingBatch, process_logits, sample
+from metal_engine.sampling_row import SamplingRow
 from scheduler import SamplingParams
 
 

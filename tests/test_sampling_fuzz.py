@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from metal_engine.logprobs import compute_logprobs
 from metal_engine.outputs import TokenLogprobs
-from metal_engine.sampler import SamplingBatch, SamplingRow, process_logits, sample
+from metal_engine.sampler import SamplingBatch, process_logits, sample
+from metal_engine.sampling_row import SamplingRow
 from scheduler.sampling_params import (
     GREEDY_BELOW_TEMPERATURE,
     MAX_LOGPROBS,

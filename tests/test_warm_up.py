@@ -16,7 +16,7 @@ from tiny_server import CHAT_TEMPLATE
 
 from kernels_metal import attention, emulator
 from kernels_metal import gated_delta as gd
-from kernels_metal.dispatch import all_fallbacks
+from kernels_metal.fallbacks import all_fallbacks
 from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import DECODE_MAX_QUERY_LEN
 from metal_engine.config import EngineConfig

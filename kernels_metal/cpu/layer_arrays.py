@@ -21,13 +21,8 @@ def step_arrays(layer: nn.Module) -> cpu_layer.LayerArrays | None:
 
 
 def _has_step(layer: nn.Module) -> bool:
-    from metal_engine.models.layers import MLP, Attention, PreNormDecoderLayer, RMSNorm
-
-    if type(layer) is not PreNormDecoderLayer:
-        return False
-    attention, mlp = layer.self_attn, layer.mlp
-    return (type(attention) is Attention and type(mlp) is MLP and mlp.act == "silu"
-            and ("q_norm" not in attention or type(attention.q_norm) is RMSNorm))
+    plain = getattr(type(layer), "is_plain", None)  # models.layers.PreNormDecoderLayer's
+    return plain is not None and plain(layer)
 
 
 class _HeldArrays:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels_metal.backends import device_ops_name, ops_named
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.ops import OpsName, device_ops_name, ops_named
+from kernels_metal.ops import OpsName
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models import ops_user
@@ -68,7 +69,7 @@ class DecoderModel(nn.Module, OpsUser):
 class CausalLM(nn.Module, OpsUser):
     """`__call__` gives final hidden states for every packed row; `logits` only for chosen rows.
 
-    Its ops backend is the device's (`kernels_metal.ops.device_ops_name`) unless `use_ops`
+    Its ops backend is the device's (`kernels_metal.backends.device_ops_name`) unless `use_ops`
     names another."""
 
     decoder_class: type[DecoderModel] = DecoderModel

@@ -256,3 +256,11 @@ class PreNormDecoderLayer(nn.Module):
     def __call__(self, x, rope, meta, cache, pool):
         h = x + self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def is_plain(self) -> bool:
+        """This class exactly, a plain `Attention` (its q/k norms RMSNorms if any) and a
+        SwiGLU `MLP`: a layer a backend may run as one fused step (the CPU host loops do)."""
+        attention, mlp = self.self_attn, self.mlp
+        return (type(self) is PreNormDecoderLayer and type(attention) is Attention
+                and type(mlp) is MLP and mlp.act == "silu"
+                and ("q_norm" not in attention or type(attention.q_norm) is RMSNorm))

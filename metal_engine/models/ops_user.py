@@ -12,7 +12,8 @@ from functools import cache
 
 import mlx.nn as nn
 
-from kernels_metal.ops import Ops, device_ops_name, ops_named
+from kernels_metal.backends import device_ops_name, ops_named
+from kernels_metal.ops import Ops
 
 
 @cache

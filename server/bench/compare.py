@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from server.bench.compare_doc import PeerResult, write_doc
+
 if TYPE_CHECKING:
     from server.bench.peers import Peer
     from server.bench.runner import RunResult
@@ -102,18 +104,6 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         loads.add_argument(flag, type=int, default=default, help=help_text)
 
 
-@dataclass(frozen=True)
-class PeerResult:
-    name: str
-    version: str | None
-    install_s: float | None
-    startup_s: float | None = None
-    runs: dict[str, RunResult] = field(default_factory=dict)  # by workload: the median round
-    error: str | None = None
-    # by workload: output tokens/s of each round, in the order they ran
-    rounds: dict[str, list[float]] = field(default_factory=dict)
-
-
 def workloads(args: argparse.Namespace) -> dict[str, dict]:
     """Workload name -> ServeBenchConfig fields of the `--workloads` asked for; every one
     generates `--output-len` tokens."""
@@ -149,7 +139,6 @@ def workloads(args: argparse.Namespace) -> dict[str, dict]:
 def run_compare(args: argparse.Namespace) -> int:
     from convert import ensure_default_model
     from convert.default_model import default_gguf_path
-    from server.bench.compare_doc import write_doc
     from server.bench.peers import peers
 
     names = [n.strip() for n in args.peers.split(",") if n.strip()]

@@ -11,14 +11,28 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server.bench.report import ttft_by_turn
 
 if TYPE_CHECKING:
-    from server.bench.compare import PeerResult
     from server.bench.runner import RunResult
+
+@dataclass(frozen=True)
+class PeerResult:
+    """One peer's part of a comparison, as the doc shows it."""
+
+    name: str
+    version: str | None
+    install_s: float | None
+    startup_s: float | None = None
+    runs: dict[str, RunResult] = field(default_factory=dict)  # by workload: the median round
+    error: str | None = None
+    # by workload: output tokens/s of each round, in the order they ran
+    rounds: dict[str, list[float]] = field(default_factory=dict)
+
 
 BEGIN = "<!-- bench-compare:begin -->"
 END = "<!-- bench-compare:end -->"

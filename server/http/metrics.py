@@ -29,7 +29,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kernels_metal.dispatch import Fallback, all_fallbacks
+from kernels_metal.dispatch import Fallback
+from kernels_metal.fallbacks import all_fallbacks
 from metal_engine.outputs import RequestOutput
 from scheduler.spec_decode.drafter import SpecDecodeStats
 from server.dashboard.history import RecentActivity

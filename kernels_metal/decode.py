@@ -79,11 +79,6 @@ def decode_layout(dtype_size: int, head_dim: int) -> tuple[int, int, int, int]:
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
 
 
-def decode_tile(dtype_size: int, head_dim: int) -> int:
-    """Keys per staged tile of the decode kernel."""
-    return decode_layout(dtype_size, head_dim)[3]
-
-
 def index_type(pool: mx.array | QuantizedPool) -> mx.Dtype:
     """Type of the kernels' K/V offsets: 32-bit unless one could pass 2^32. They count 16 bytes
     in a float pool; loads of codes (8 bytes or more) and scales in a quantized one."""

@@ -159,11 +159,6 @@ class ModelRunner:
             states.copy(out.state_plan.saves)
         return hidden
 
-    def execute(self, out: SchedulerOutput,
-                context: SamplingContext | None = None) -> dict[str, int]:
-        """Run the forward for every scheduled token; return the sampled id per sampling request."""
-        return self.launch(out, context=context).sampled()
-
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None,
                context: SamplingContext | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling on the device and return without waiting.

@@ -50,9 +50,6 @@ class BlockPool:
     def refcount(self, block_id: int) -> int:
         return self._refcounts[block_id]
 
-    def hash_of(self, block_id: int) -> BlockHash | None:
-        return self._hash_of.get(block_id)
-
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash`'s contents, used or free, or None. Changes nothing."""
         return self._block_of.get(block_hash)

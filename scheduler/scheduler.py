@@ -308,11 +308,6 @@ class Scheduler:
             token_epoch=request.token_epoch,
         )
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
-        """`advance` then `resolve`: the whole bookkeeping of a step whose tokens are known."""
-        self.advance(out)
-        return self.resolve(out, sampled)
-
     def advance(self, out: SchedulerOutput) -> None:
         """Count the step's tokens as computed once the step is launched, before its samples
         are known: each sampling request gets a pending output token, which the next step

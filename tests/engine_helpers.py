@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import mlx.core as mx
+from scheduler_helpers import run_step
 
 from metal_engine.cache_plan import CachePlan, window_blocks
 from metal_engine.draft_model import DraftModel
@@ -63,5 +64,5 @@ def generate_greedy(runner, scheduler, prompts: dict[str, list[int]], max_tokens
         scheduler.add_request(requests[rid])
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        scheduler.update(out, runner.execute(out))
+        run_step(runner, scheduler, out)
     return {rid: r.output_token_ids for rid, r in requests.items()}

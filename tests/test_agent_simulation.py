@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, TURNS, Agents, run_turns
 from engine_helpers import make_runner_and_scheduler
+from scheduler_helpers import run_step
 from test_scheduler_block_store import blocks_connector
 
 from metal_engine.engine import LLMEngine
@@ -39,7 +40,7 @@ def test_agent_sessions_reuse_the_system_prompt_and_their_history(tiny_llama):
             num_prompt = scheduler.requests[item.request_id].num_prompt_tokens
             computed_prompt_tokens += max(0, min(len(item.token_ids),
                                                  num_prompt - item.start_position))
-        for update in scheduler.update(out, runner.execute(out)):
+        for update in run_step(runner, scheduler, out):
             if update.finish_reason is not None:
                 agents.next_turn(update.request.request_id, update.request.all_token_ids)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from scheduler_helpers import hash_of
 
 from scheduler.block_pool import BlockPool
 from scheduler.prefix_hash import hash_block
@@ -80,7 +81,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         was = self.pool.lookup(r.hashes[i])
         ok = self.pool.cache(r.blocks[i], r.hashes[i])
-        assert ok == (was is None and self.pool.hash_of(r.blocks[i]) == r.hashes[i])
+        assert ok == (was is None and hash_of(self.pool, r.blocks[i]) == r.hashes[i])
         r.registered.append(ok)
         self.seen.add(r.hashes[i])
 
@@ -118,7 +119,7 @@ class PoolMachine(RuleBasedStateMachine):
         found = [b for b in blocks if b is not None]
         assert len(found) == len(set(found))
         for h, b in zip(self.seen, blocks, strict=True):
-            assert b is None or self.pool.hash_of(b) == h
+            assert b is None or hash_of(self.pool, b) == h
 
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -18,6 +18,7 @@ from collections import Counter
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from scheduler_helpers import hash_of, resolve_step
 
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import cdiv
@@ -50,7 +51,7 @@ def check_held(pool, block_ids, tables: list[list[int]], requests: list[Request]
     for request, table in zip(requests, full_tables or tables, strict=True):
         for index, block_id in enumerate(table):
             if holders[block_id] > 1:
-                assert pool.hash_of(block_id) == request.block_hashes[index], "shared unequal"
+                assert hash_of(pool, block_id) == request.block_hashes[index], "shared unequal"
     return holders
 
 
@@ -213,7 +214,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
             if rid not in slots_before and item.start_position:  # a prefix hit
                 assert item.start_position % BLOCK_SIZE == 0
                 for i in range(item.start_position // BLOCK_SIZE):
-                    assert self.scheduler.pool.hash_of(item.block_ids[i]) == request.block_hashes[i]
+                    block_hash = hash_of(self.scheduler.pool, item.block_ids[i])
+                    assert block_hash == request.block_hashes[i]
         self.check_window_tables(out, slots_before)
         if not self.hybrid:
             assert out.state_plan.is_empty
@@ -271,7 +273,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
             assert NULL_BLOCK not in table[first:], "a block its rows see was freed"
             if item.request_id not in slots_before:  # admitted: a hit's blocks are cached
                 for i in range(first, item.start_position // BLOCK_SIZE):
-                    assert window.pool.hash_of(table[i]) == request.block_hashes[i]
+                    assert hash_of(window.pool, table[i]) == request.block_hashes[i]
 
     # -- invariants ----------------------------------------------------------------------------
 
@@ -414,9 +416,9 @@ def test_a_request_preempted_in_a_step_leaves_no_save_in_its_plan():
     low = Request("low", list(range(100, 116)), SamplingParams(max_tokens=4), priority=1)
     high = Request("high", list(range(200, 216)), SamplingParams(max_tokens=3), priority=0)
     scheduler.add_request(low)
-    scheduler.update(scheduler.schedule(), {})  # low: tokens 0..8
+    resolve_step(scheduler, scheduler.schedule(), {})  # low: tokens 0..8
     scheduler.add_request(high)
-    scheduler.update(scheduler.schedule(), {})  # low: 8..12; high: 0..4
+    resolve_step(scheduler, scheduler.schedule(), {})  # low: 8..12; high: 0..4
     out = scheduler.schedule()  # low: 12..16 (a save), then high: 4..8 preempts it
     assert scheduler.num_preemptions == 1 and [s.request_id for s in out.scheduled] == ["high"]
     [(source, target)] = out.state_plan.saves

@@ -10,6 +10,7 @@ import shutil
 
 import numpy as np
 from engine_helpers import make_runner_and_scheduler
+from scheduler_helpers import run_step
 from tiny_models import VOCAB, hf_greedy
 
 from metal_engine.config import EngineConfig
@@ -41,7 +42,7 @@ def test_preempted_and_finished_requests_leave_their_slots_right(tiny_hybrid):
         running_before = set(scheduler.running)
         out = scheduler.schedule()
         preemptions += len(running_before - set(scheduler.running))
-        scheduler.update(out, runner.execute(out))
+        run_step(runner, scheduler, out)
         runner.release(out.finished_ids)
     assert preemptions > 0
     for request in requests:

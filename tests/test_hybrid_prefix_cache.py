@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, Agents
 from engine_helpers import make_runner_and_scheduler
+from scheduler_helpers import run_step
 from tiny_models import hf_greedy
 
 from metal_engine.config import EngineConfig
@@ -40,7 +41,7 @@ def run_agents(model_dir, enable_prefix_caching: bool):
     outputs, cached = {}, {}
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        for update in scheduler.update(out, runner.execute(out)):
+        for update in run_step(runner, scheduler, out):
             request = update.request
             if update.finish_reason is None:
                 continue
@@ -75,7 +76,7 @@ def run_restoring(runner, scheduler, requests: list[Request]) -> list[tuple[int,
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         restores += out.state_plan.restores
-        scheduler.update(out, runner.execute(out))
+        run_step(runner, scheduler, out)
     return restores
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from engine_helpers import make_runner_and_scheduler
+from scheduler_helpers import run_step
 
 from metal_engine.kv_cache import KVCache, bytes_per_block
 from scheduler import Request, SamplingParams
@@ -13,7 +14,7 @@ def step_peak_bytes(runner, scheduler) -> int:
     mx.reset_peak_memory()
     active = mx.get_active_memory()
     out = scheduler.schedule()
-    scheduler.update(out, runner.execute(out))
+    run_step(runner, scheduler, out)
     return mx.get_peak_memory() - active
 
 
@@ -40,7 +41,7 @@ def test_written_slots_hold_the_new_keys(tiny_llama):
     runner, scheduler = make_runner_and_scheduler(path, num_blocks=8, block_size=4)
     scheduler.add_request(Request("a", list(range(3, 13)), SamplingParams(max_tokens=2)))
     out = scheduler.schedule()
-    runner.execute(out)
+    runner.launch(out).sampled()
     blocks = out.scheduled[0].block_ids
     k = runner.cache.k[0]
     written = mx.abs(k[mx.array(blocks)]).sum(axis=(-1, -2)).reshape(-1)  # per slot

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from scheduler_helpers import hash_of, resolve_step
 from test_scheduler_block_store import MemoryStore, PoolContents, blocks_connector
 
 from metal_engine.kv_cache import KVCache
@@ -82,7 +83,7 @@ def serve(scheduler: Scheduler, cache: KVCache, connector: KVDiskConnector, requ
             payload_len = 2 * BLOCK * sum(h * d for h, d in SHAPES) * 2
             cache.write_blocks(computed, [rng.bytes(payload_len) for _ in computed])
         connector.after_launch(out.kv_plan)
-        scheduler.update(out, {x.request_id: 7 for x in out.scheduled if x.samples})
+        resolve_step(scheduler, out, {x.request_id: 7 for x in out.scheduled if x.samples})
     return loaded
 
 
@@ -101,6 +102,6 @@ def test_a_restart_loads_the_blocks_the_last_run_saved_at_close(tmp_path):
     loaded = serve(scheduler, cache, connector,
                    Request("b", prompt, SamplingParams(max_tokens=1)), rng)
     assert len(loaded) == 3 and scheduler.prefix_cache.stats.stored_hit_tokens == 3 * BLOCK
-    after = dict(zip((scheduler.pool.hash_of(b) for b in loaded), cache.read_blocks(loaded),
+    after = dict(zip((hash_of(scheduler.pool, b) for b in loaded), cache.read_blocks(loaded),
                      strict=True))  # fmt: skip
     assert after == before  # bit for bit, every pool

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from engine_helpers import generate_greedy, make_runner_and_scheduler
+from scheduler_helpers import run_step
 
 from scheduler import Request, SamplingParams
 
@@ -41,7 +42,7 @@ def step(runner, scheduler, logits_of: str | None = None):
         ends = np.cumsum([len(s.token_ids) for s in out.scheduled]) - 1
         ids = [s.request_id for s in out.scheduled]
         logits = rows[ends[ids.index(logits_of)]]
-    scheduler.update(out, runner.execute(out))
+    run_step(runner, scheduler, out)
     counts = {s.request_id: (s.start_position, len(s.token_ids)) for s in out.scheduled}
     return counts if logits_of is None else (counts, logits)
 

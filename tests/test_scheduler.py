@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from scheduler_helpers import resolve_step
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
@@ -28,7 +29,7 @@ def req(rid: str, n: int, max_tokens: int = 4, first: int = 10, priority: int = 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
     sampled = {x.request_id: token for x in out.scheduled if x.samples}
-    return out, s.update(out, sampled)
+    return out, resolve_step(s, out, sampled)
 
 
 def counts(out) -> dict[str, int]:
@@ -354,7 +355,7 @@ def test_waiter_computes_the_prefix_itself_when_the_computing_request_is_aborted
     out = s.schedule()
     assert counts(out) == {"a": 14}
     s.finish_request("a", "abort")  # while its step runs: its blocks are never cached
-    s.update(out, {"a": 7})
+    resolve_step(s, out, {"a": 7})
     out, _ = step(s)
     assert counts(out) == {"b": 14} and s.requests["b"].num_cached_tokens == 0
     run_to_end(s)

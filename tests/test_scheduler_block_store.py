@@ -4,6 +4,8 @@ instead of computing it. `schedule()` itself never reads the store."""
 
 from __future__ import annotations
 
+from scheduler_helpers import resolve_step
+
 from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.output import SchedulerOutput
@@ -81,7 +83,7 @@ class Tier:
             for block_id in item.block_ids[item.start_position // 4 : -(-end // 4)]:
                 self.pool.compute(block_id)
         self.connector.after_launch(out.kv_plan)
-        self.scheduler.update(out, {x.request_id: 7 for x in out.scheduled if x.samples})
+        resolve_step(self.scheduler, out, {x.request_id: 7 for x in out.scheduled if x.samples})
         return out
 
     def run(self, request: Request) -> list[SchedulerOutput]:
@@ -200,6 +202,6 @@ def test_without_a_store_evictions_are_not_reported():
     s.add_request(req("a", 14))
     while s.has_unfinished_requests():
         out = s.schedule()
-        s.update(out, {x.request_id: 7 for x in out.scheduled if x.samples})
+        resolve_step(s, out, {x.request_id: 7 for x in out.scheduled if x.samples})
     s.add_request(req("filler", 31, first=100))
     assert s.schedule().kv_plan.blocks.saves == []

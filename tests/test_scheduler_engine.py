@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from engine_helpers import generate_greedy, make_runner_and_scheduler
+from scheduler_helpers import run_step
 
 from metal_engine.config import EngineConfig, default_token_budget
 from metal_engine.engine import LLMEngine
@@ -58,7 +59,7 @@ def test_identical_prompts_arriving_together_compute_their_prefix_once(tiny_llam
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         prefill += prompt_tokens_scheduled(scheduler, out)
-        scheduler.update(out, runner.execute(out))
+        run_step(runner, scheduler, out)
     assert prefill == {"first": len(prompt), "second": len(prompt) - 3 * BLOCK}
     assert second.num_cached_tokens == 3 * BLOCK
     assert scheduler.prefix_cache.stats.hit_tokens == 3 * BLOCK
@@ -92,7 +93,7 @@ def test_pool_too_small_for_all_requests_at_once_finishes_them_all(tiny_llama, p
         running_before = set(scheduler.running)
         out = scheduler.schedule()
         preemptions += len(running_before - set(scheduler.running))  # finishing is in update
-        scheduler.update(out, runner.execute(out))
+        run_step(runner, scheduler, out)
         steps += 1
         assert steps < 400, "the requests did not all finish: deadlock or starvation"
     assert preemptions > 0

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 from engine_helpers import make_runner_and_scheduler
+from scheduler_helpers import run_step
 from tiny_models import build_tiny_model
 
 from metal_engine.engine import LLMEngine
@@ -452,7 +453,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, tiny_draft, d
             scheduler.add_request(request)
         while scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            scheduler.update(out, runner.execute(out))
+            run_step(runner, scheduler, out)
 
     generate([Request("warm", prompt, params)])  # caches the prompt's first block
     drafter.stats = type(drafter.stats)()

@@ -4,6 +4,8 @@ step scheduled behind drafts that are then rejected."""
 
 from __future__ import annotations
 
+from scheduler_helpers import resolve_step
+
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.request import PENDING_TOKEN
 from scheduler.spec_decode.config import SpeculativeConfig
@@ -28,7 +30,7 @@ def add(s: Scheduler, rid: str, prompt=LOOP, max_tokens=20, **params) -> Request
 
 def prefill(s: Scheduler, token: int = 5):
     out = s.schedule()
-    s.update(out, {x.request_id: token for x in out.scheduled if x.samples})
+    resolve_step(s, out, {x.request_id: token for x in out.scheduled if x.samples})
 
 
 def test_a_decoding_request_feeds_its_drafts_after_its_last_token():
@@ -39,7 +41,7 @@ def test_a_decoding_request_feeds_its_drafts_after_its_last_token():
     (item,) = out.scheduled
     assert item.token_ids == [5, 6, 7, 8] and item.draft_token_ids == [6, 7, 8]
     assert item.start_position == 16 and len(item.block_ids) == 5  # up to position 19
-    updates = s.update(out, {"a": [6, 7, 9]})  # two accepted, then 9
+    updates = resolve_step(s, out, {"a": [6, 7, 9]})  # two accepted, then 9
     assert [u.new_token_ids for u in updates] == [[6, 7, 9]]
     assert updates[0].num_output_tokens == 4 and updates[0].num_draft_tokens == 3
     assert request.output_token_ids == [5, 6, 7, 9]
@@ -53,7 +55,7 @@ def test_only_accepted_tokens_reach_the_prefix_cache():
     request = add(s, "a")
     prefill(s)
     out = s.schedule()
-    s.update(out, {"a": [9]})  # the first draft rejected: 5 computed, 9 next
+    resolve_step(s, out, {"a": [9]})  # the first draft rejected: 5 computed, 9 next
     assert request.num_computed_tokens == 17
     assert request.num_hashed_blocks == 4  # block 4 (16..19) is not full of accepted tokens
     assert request.all_token_ids[16:] == [5, 9]
@@ -64,7 +66,7 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_request_there():
     request = add(s, "a", stop_token_ids=[7])
     prefill(s)
     out = s.schedule()
-    (update,) = s.update(out, {"a": [6, 7, 8, 5]})
+    (update,) = resolve_step(s, out, {"a": [6, 7, 8, 5]})
     assert update.new_token_ids == [6, 7] and update.finish_reason == "stop"
     assert request.output_token_ids == [5, 6, 7]
     assert s.pool.num_free_blocks == 64
@@ -168,7 +170,7 @@ def test_after_a_rejection_the_snapshot_becomes_the_live_state():
     live, snapshot = request.state_slot, request.state_snapshot
     assert out.scheduled[0].draft_token_ids and (live, snapshot) in out.state_plan.restores
     free = s.states.num_free_slots
-    s.update(out, {"a": [9]})  # the first draft rejected
+    resolve_step(s, out, {"a": [9]})  # the first draft rejected
     assert request.state_slot == snapshot and request.state_snapshot is None
     assert s.states.num_free_slots == free + 1  # the state past the drafts is dropped
     assert request.num_computed_tokens == 12  # recompute from the last known token
@@ -186,6 +188,6 @@ def test_no_drafts_in_a_step_that_preempts():
         if s.num_preemptions:
             assert all(not x.draft_token_ids for x in out.scheduled)
             return
-        s.update(out, {x.request_id: [8] * (len(x.draft_token_ids) + 1)
+        resolve_step(s, out, {x.request_id: [8] * (len(x.draft_token_ids) + 1)
                        for x in out.scheduled if x.samples})
     raise AssertionError("the pool never ran short")

@@ -59,7 +59,7 @@ def test_variants_once_at_exactly_32_kb_take_the_next_smaller_tile(kernel, dtype
                                                                      before, tile):
     if kernel == "paged_attention_decode":
         row = decode.decode_layout(dtype.size, head_dim)[2]
-        assert decode.decode_tile(dtype.size, head_dim) == tile
+        assert decode.decode_layout(dtype.size, head_dim)[3] == tile
     else:
         row = head_dim + 16 // dtype.size
         assert prefill.prefill_tile(dtype.size, head_dim) == tile
@@ -69,7 +69,7 @@ def test_variants_once_at_exactly_32_kb_take_the_next_smaller_tile(kernel, dtype
 
 def test_variants_up_to_the_budget_keep_32_key_tiles():
     for dtype, head_dim in ((mx.float16, 216), (mx.bfloat16, 208), (mx.float32, 104)):
-        assert decode.decode_tile(dtype.size, head_dim) == 32
+        assert decode.decode_layout(dtype.size, head_dim)[3] == 32
         assert prefill.prefill_tile(dtype.size, head_dim) == 32
     for kernel in ("paged_attention_decode", "paged_attention_prefill"):
         assert threadgroup_bytes(KernelVariant(kernel, mx.float16, 216)) == \

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_helpers import make_runner_and_scheduler
+from scheduler_helpers import resolve_step, run_step
 from tiny_models import VOCAB, build_tiny_model, hf_greedy
 
 from convert import convert_model
@@ -38,7 +39,7 @@ def run(scheduler: Scheduler, requests: list[Request], check=None) -> None:
         out = scheduler.schedule()
         if check is not None:
             check(out)
-        scheduler.update(out, {s.request_id: 5 for s in out.scheduled if s.samples})
+        resolve_step(scheduler, out, {s.request_id: 5 for s in out.scheduled if s.samples})
 
 
 def test_a_request_holds_the_blocks_its_rows_see_and_no_more():
@@ -107,7 +108,7 @@ def test_32_requests_at_4x_the_window_hold_window_sized_kv(tmp_path):
         if decoding:  # all 32 past 4x the window: what each holds
             peak_full = max(peak_full, scheduler.pool.num_used_blocks)
             peak_window = max(peak_window, scheduler.window.pool.num_used_blocks - 1)
-        scheduler.update(out, runner.execute(out))
+        run_step(runner, scheduler, out)
     per_request = peak_window / 32 * block
     print(f"\n32 requests at {4 * window} tokens, window {window}: each holds "
           f"{per_request:.0f} tokens of KV per windowed layer, "

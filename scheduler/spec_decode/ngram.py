@@ -74,10 +74,6 @@ class NgramProposer:
         self._tokens: list[int] = []
         self._last_end: dict[tuple[int, ...], int] = {}
 
-    @property
-    def num_indexed_tokens(self) -> int:
-        return len(self._tokens)
-
     def index(self, token_ids: Sequence[int]) -> None:
         """Index the tokens new since the last call: O(new tokens * w * max_n).
 

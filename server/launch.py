@@ -141,7 +141,7 @@ def _engine_config(model_dir: Path, args: argparse.Namespace) -> EngineConfig:
 
 
 def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
-    from metal_engine.engine import LLMEngine
+    from metal_engine.engine_build import build_engine
 
     if not model_dir.is_dir():
         raise ValueError(
@@ -150,7 +150,7 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
         )
     config = _engine_config(model_dir, args)
     _fit_memory(config)
-    engine = LLMEngine.from_config(config)
+    engine = build_engine(config)
     _warm_up(engine)  # before the port opens: /health answers only a warm server
     return engine
 

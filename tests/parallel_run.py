@@ -14,7 +14,7 @@ from pathlib import Path
 
 import metal_engine  # noqa: F401  (first: it picks mlx's BLAS)
 from metal_engine.config import EngineConfig
-from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
 
 # A prompt longer than the step's token budget (chunked over steps, with decodes beside it),
@@ -25,7 +25,7 @@ MAX_TOKENS = 10
 
 
 def greedy_tokens(model_dir: Path, tensor: int = 1, pipeline: int = 1) -> dict[str, list[int]]:
-    engine = LLMEngine.from_config(EngineConfig(
+    engine = build_engine(EngineConfig(
         model_dir=model_dir, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
         kv_cache_memory=16 << 20, max_num_batched_tokens=16))
     for i, prompt in enumerate(PROMPTS):

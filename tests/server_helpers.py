@@ -12,6 +12,7 @@ import uvicorn
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from server.app import build_app
 from server.async_engine import AsyncEngine
 
@@ -20,7 +21,7 @@ TEST_KV_CACHE_MEMORY = 128 << 20
 
 
 def small_engine(model_dir, max_model_len: int) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, max_model_len=max_model_len, kv_cache_memory=TEST_KV_CACHE_MEMORY
     ))
 

@@ -40,8 +40,8 @@ ENGINE = """
 import sys
 from pathlib import Path
 from metal_engine.config import EngineConfig
-from metal_engine.engine import LLMEngine
-LLMEngine.from_config(EngineConfig(model_dir=Path(sys.argv[1]), kv_cache_memory=2**20))
+from metal_engine.engine_build import build_engine
+build_engine(EngineConfig(model_dir=Path(sys.argv[1]), kv_cache_memory=2**20))
 """
 CONVERT = """
 import sys

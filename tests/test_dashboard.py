@@ -29,7 +29,7 @@ from tiny_server import CHAT_TEMPLATE
 
 from kernels_metal import attention
 from metal_engine.config import EngineConfig
-from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from metal_engine.outputs import RequestOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 from server.app import build_app
@@ -177,7 +177,7 @@ def test_speculative_acceptance_shows_when_drafting(tmp_path):
     build_tiny_model("llama", tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
-    drafting = LLMEngine.from_config(EngineConfig(
+    drafting = build_engine(EngineConfig(
         model_dir=tmp_path, max_model_len=256, kv_cache_memory=16 << 20, speculative_config=spec,
     ))  # fmt: skip
     with running_app(build_app(AsyncEngine(drafting), "tiny")) as base:
@@ -190,7 +190,7 @@ def test_speculative_acceptance_shows_when_drafting(tmp_path):
 
 
 def test_hybrid_models_report_their_state_slots(tiny_hybrid):
-    engine = LLMEngine.from_config(EngineConfig(
+    engine = build_engine(EngineConfig(
         model_dir=tiny_hybrid[1], max_model_len=256, kv_cache_memory=16 << 20
     ))  # fmt: skip
     stats = read_engine_stats(engine)

@@ -14,7 +14,7 @@ from scheduler_helpers import run_step
 from tiny_models import VOCAB, hf_greedy
 
 from metal_engine.config import EngineConfig
-from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import Request, SamplingParams
 
 MAX_TOKENS = 12
@@ -57,8 +57,8 @@ def test_the_engine_serves_a_hybrid_model_with_prefix_caching(tiny_hybrid, defau
     served = tmp_path / "model"
     shutil.copytree(path, served)
     default_tokenizer.save_pretrained(served)
-    with caplog.at_level(logging.INFO, logger="metal_engine.engine"):
-        engine = LLMEngine.from_config(EngineConfig(model_dir=served, dtype="float32",
+    with caplog.at_level(logging.INFO, logger="metal_engine.engine_build"):
+        engine = build_engine(EngineConfig(model_dir=served, dtype="float32",
                                                     max_num_seqs=4, kv_cache_memory=1 << 22))
     assert engine.scheduler.config.enable_prefix_caching
     assert "recurrent state: 12 slots" in caplog.text  # 4 live, 8 for checkpoints

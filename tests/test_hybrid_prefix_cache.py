@@ -18,6 +18,7 @@ from tiny_models import hf_greedy
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import Request, SamplingParams
 
 MIN_TURN_REUSE = 0.9
@@ -112,7 +113,7 @@ def test_n_choices_fork_from_the_prompt_checkpoint(tiny_hybrid):
 
 
 def hybrid_engine(model_dir, kv_dir, enable_prefix_caching: bool = True) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, dtype="float32", max_num_seqs=SESSIONS, kv_cache_memory=64 << 20,
         max_num_batched_tokens=512, max_model_len=2048, allow_long_max_model_len=True,
         kv_cache_dir=kv_dir,

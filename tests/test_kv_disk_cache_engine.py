@@ -12,6 +12,7 @@ from conftest import TINY_LLAMA
 from kernels_metal.kv_quant import kv_quant_of
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from metal_engine.kv_cache import bytes_per_block
 from scheduler import SamplingParams
 from scheduler.prefix_hash import extend_block_hashes
@@ -30,7 +31,7 @@ def engine(model_dir, kv_dir, num_blocks: int = 64, kv_cache_dtype: str = "auto"
     per_block = bytes_per_block([(TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"])]
                                 * TINY_LLAMA["num_hidden_layers"], BLOCK, mx.float32,
                                 kv_quant_of(kv_cache_dtype))
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, block_size=BLOCK, kv_cache_memory=num_blocks * per_block,
         max_model_len=min(256, num_blocks * BLOCK), kv_cache_dir=kv_dir,
         kv_cache_dtype=kv_cache_dtype,

@@ -269,11 +269,11 @@ def test_the_default_model_writes_the_same_greedy_tokens_with_int8_kv(default_mo
     """The first 16 greedy tokens of each prompt, batched, equal those with float K/V; the
     int8 pool holds 1.9x the blocks at the same --kv-cache-memory."""
     from metal_engine.config import EngineConfig
-    from metal_engine.engine import LLMEngine
+    from metal_engine.engine_build import build_engine
     from scheduler import SamplingParams
 
     def generate(kv_cache_dtype):
-        engine = LLMEngine.from_config(EngineConfig(default_model_dir, kv_cache_memory=32 << 20,
+        engine = build_engine(EngineConfig(default_model_dir, kv_cache_memory=32 << 20,
                                                     kv_cache_dtype=kv_cache_dtype))
         for i, text in enumerate(PROMPTS):
             ids = default_tokenizer.apply_chat_template(

@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY_LLAMA
 
 from metal_engine.config import EngineConfig, check_kv_cache_blocks, resolve_max_model_len
-from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from metal_engine.kv_cache import bytes_per_block
 from metal_engine.model_config import ModelConfig
 
@@ -67,4 +67,4 @@ def test_an_engine_with_a_one_block_kv_cache_names_the_flag(tiny_llama_with_toke
     config = EngineConfig(model_dir=tiny_llama_with_tokenizer, dtype="float32",
                           kv_cache_memory=per_block)
     with pytest.raises(ValueError, match="holds 1 blocks.*raise --kv-cache-memory"):
-        LLMEngine.from_config(config)
+        build_engine(config)

@@ -13,6 +13,7 @@ from tiny_models import build_tiny_model
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
 from server.app import build_app
 from server.async_engine import AsyncEngine
@@ -45,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_engine(model_dir, **config) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, max_model_len=256, kv_cache_memory=16 << 20, **config
     ))  # fmt: skip
 

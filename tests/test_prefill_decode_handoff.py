@@ -9,6 +9,7 @@ import pytest
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
 
 BLOCK = 16
@@ -21,7 +22,7 @@ def model_dir(tiny_llama_with_tokenizer):
 
 
 def engine(model_dir, kv_dir=None, write_through: bool = False) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, block_size=BLOCK, kv_cache_memory=8 << 20, max_model_len=256,
         kv_cache_dir=kv_dir, kv_write_through=write_through))
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
 from server.app import HttpOptions, build_app
 from server.async_engine import AsyncEngine
@@ -50,7 +51,7 @@ def tiny_dir(path):
 
 
 def tiny_engine(model_dir, kv_cache_dir=None) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, max_model_len=256, kv_cache_memory=16 << 20,
         kv_cache_dir=kv_cache_dir,
     ))  # fmt: skip

@@ -14,7 +14,7 @@ from engine_helpers import generate_greedy, make_runner_and_scheduler
 from scheduler_helpers import run_step
 
 from metal_engine.config import EngineConfig, default_token_budget
-from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 BLOCK = 8
@@ -106,7 +106,7 @@ def test_pool_too_small_for_all_requests_at_once_finishes_them_all(tiny_llama, p
 
 def test_the_step_token_budget_defaults_by_device_unless_set(tiny_llama_with_tokenizer):
     def budget(**options) -> int:
-        engine = LLMEngine.from_config(EngineConfig(
+        engine = build_engine(EngineConfig(
             model_dir=tiny_llama_with_tokenizer, kv_cache_memory=4 << 20, max_model_len=256,
             **options))
         return engine.scheduler.config.max_num_batched_tokens

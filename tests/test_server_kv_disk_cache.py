@@ -8,6 +8,7 @@ from server_helpers import TEST_KV_CACHE_MEMORY, running_server
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 
 SYSTEM = ("You are a coding agent. Tools: read_file(path), write_file(path, text), "
           "run_tests(), search(query). Answer with one tool call per turn. ") * 3
@@ -23,7 +24,7 @@ def ask(base_url: str):
 
 
 def server_engine(model_dir, kv_dir) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, max_model_len=512, kv_cache_memory=TEST_KV_CACHE_MEMORY,
         kv_cache_dir=kv_dir,
     ))

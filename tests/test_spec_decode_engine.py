@@ -18,6 +18,7 @@ from scheduler_helpers import run_step
 from tiny_models import build_tiny_model
 
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
 from scheduler.request import PENDING_TOKEN
 from scheduler.spec_decode.config import SpeculativeConfig
@@ -199,7 +200,7 @@ def default_engine_parts(default_model_dir, default_tokenizer):
 def default_engine(model_dir, speculative=None, async_scheduling=False) -> LLMEngine:
     from metal_engine.config import EngineConfig
 
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir, kv_cache_memory=32 << 20, max_num_batched_tokens=64,
         speculative_config=speculative, async_scheduling=async_scheduling))
 
@@ -245,7 +246,7 @@ def test_the_openai_api_answers_the_same_with_n_seeds_and_streamed_logprobs(
     from server.async_engine import AsyncEngine
 
     def answers(speculative):
-        engine = LLMEngine.from_config(EngineConfig(tiny_llama_with_tokenizer,
+        engine = build_engine(EngineConfig(tiny_llama_with_tokenizer,
                                                     kv_cache_memory=8 << 20,
                                                     speculative_config=speculative))
         with running_app(build_app(AsyncEngine(engine), "tiny")) as url:
@@ -385,7 +386,7 @@ def test_the_engine_loads_a_draft_model_of_the_same_tokenizer(tiny_llama_with_to
 
     def engine(model=None):
         spec = None if model is None else replace(DRAFT_MODEL, model=str(model))
-        return LLMEngine.from_config(EngineConfig(tiny_llama_with_tokenizer,
+        return build_engine(EngineConfig(tiny_llama_with_tokenizer,
                                                   kv_cache_memory=8 << 20,
                                                   speculative_config=spec))
 

@@ -24,6 +24,7 @@ from test_spec_decode_engine import LOOPY, TINY_PROMPTS, hybrid_engine, mixed_pa
 from tiny_models import VOCAB, build_tiny_model
 
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from metal_engine.input_batch import build_step_inputs
 from metal_engine.kv_cache import KVCache
 from metal_engine.mtp import load_mtp_head
@@ -206,7 +207,7 @@ def test_mtp_gives_the_same_greedy_tokens(with_head, default_tokenizer, async_sc
 def from_config(model_dir: Path, spec: SpeculativeConfig | None = MTP) -> LLMEngine:
     from metal_engine.config import EngineConfig
 
-    return LLMEngine.from_config(EngineConfig(model_dir, kv_cache_memory=8 << 20,
+    return build_engine(EngineConfig(model_dir, kv_cache_memory=8 << 20,
                                               speculative_config=spec))
 
 

@@ -152,10 +152,10 @@ def test_a_two_rank_server_answers_and_drains_both_ranks_on_sigterm(two_rank_ser
 
 def _one_rank_text(tokenizer, prompt: str, max_tokens: int) -> str:
     import convert
-    from metal_engine.engine import LLMEngine
+    from metal_engine.engine_build import build_engine
     from scheduler import SamplingParams
 
-    engine = LLMEngine.from_config(EngineConfig(model_dir=convert.ensure_default_model(
+    engine = build_engine(EngineConfig(model_dir=convert.ensure_default_model(
         progress=False), kv_cache_memory=64 << 20))
     engine.add_request("r", tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens,
                                                                      temperature=0))

@@ -21,6 +21,7 @@ from kernels_metal.paged import PagedAttentionKernels
 from kernels_metal.plan import DECODE_MAX_QUERY_LEN
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from metal_engine.warm_up import warm_up
 from scheduler import SamplingParams
 
@@ -30,7 +31,7 @@ MAX_MODEL_LEN = 1024  # room for a context past one split-K partition (see the s
 def tiny_engine(path, model_type: str = "llama", **config) -> LLMEngine:
     build_tiny_model(model_type, path)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=path, max_model_len=MAX_MODEL_LEN, allow_long_max_model_len=True,
         kv_cache_memory=16 << 20, **config))  # fmt: skip
 

@@ -18,6 +18,7 @@ from tiny_models import VOCAB, build_tiny_model, hf_greedy
 from convert import convert_model
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import cdiv
 from scheduler.window_blocks import NULL_BLOCK
@@ -120,7 +121,7 @@ def test_32_requests_at_4x_the_window_hold_window_sized_kv(tmp_path):
 
 
 def window_engine(model_dir, kv_dir, enable_prefix_caching: bool = True) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         model_dir=model_dir, dtype="float32", max_num_seqs=4, kv_cache_memory=8 << 20,
         max_num_batched_tokens=64, kv_cache_dir=kv_dir,
         enable_prefix_caching=enable_prefix_caching,

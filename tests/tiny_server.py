@@ -10,6 +10,7 @@ from tiny_models import build_tiny_model
 
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 
 # The checkpoint's word-level tokenizer has no chat template; this one renders any roles.
 CHAT_TEMPLATE = (
@@ -24,7 +25,7 @@ def tiny_engine(path: Path, max_model_len: int = 256) -> LLMEngine:
     is allowed (for streams that must last, not for their text)."""
     build_tiny_model("llama", path)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return LLMEngine.from_config(
+    return build_engine(
         EngineConfig(model_dir=path, max_model_len=max_model_len, kv_cache_memory=16 << 20,
                      allow_long_max_model_len=max_model_len > 256)
     )

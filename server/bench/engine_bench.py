@@ -17,6 +17,7 @@ from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.ops import ReferenceOps
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
+from metal_engine.engine_build import build_engine
 from metal_engine.kv_cache import KVCache
 from metal_engine.model_config import ModelConfig
 from metal_engine.models.moe import set_dispatch
@@ -40,7 +41,7 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_throughput(args: argparse.Namespace) -> int:
     model_dir = args.model_dir or _default_model_dir()
-    engine = LLMEngine.from_config(EngineConfig(
+    engine = build_engine(EngineConfig(
         model_dir=model_dir,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,207 @@
+"""Building an engine from its config: the backend and dtype, the model and tokenizer, the
+memory and cache plans, the cache and its disk tier, the drafters, the scheduler and the
+runner, wired into an `LLMEngine` (engine.py runs it)."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels_metal.backends import device_ops_name
+from kernels_metal.kv_quant import KVQuant, kv_quant_of
+from metal_engine.cache_plan import CachePlan, plan_cache
+from metal_engine.config import (
+    EngineConfig,
+    check_kv_cache_blocks,
+    default_token_budget,
+    resolve_max_model_len,
+)
+from metal_engine.draft_model import DraftModel, load_draft_model
+from metal_engine.engine import LLMEngine
+from metal_engine.kv_cache import KVCache, PoolShape
+from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
+from metal_engine.kv_disk_dir import KVDiskDir
+from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
+from metal_engine.memory_plan import device_memory, plan_for
+from metal_engine.model_config import ModelConfig
+from metal_engine.model_dtype import resolve_dtype
+from metal_engine.models.decoder import CausalLM
+from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
+from metal_engine.parallel.peers import Peers
+from metal_engine.pool_bytes import bytes_per_block
+from metal_engine.runner import ModelRunner
+from metal_engine.tokenizer_loading import load_tokenizer
+from metal_engine.weights import load_model, parameter_bytes
+from scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """The engine `config` describes: on this process alone, or as rank 0 of several."""
+    if config.parallel_size == 1:
+        return _build(config, None)
+    peers = Peers.start(config)
+    try:
+        return _build(config, peers)
+    except BaseException:
+        peers.abandon()
+        raise
+
+
+def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
+    """`peers`: the other ranks, with a share of the model each (this process is rank 0)."""
+    metal = device_ops_name() == "metal"  # the one backend decision: the rest follows it
+    device = device_memory(metal)  # before loading: off a Mac, the weights take what is free
+    dtype = resolve_dtype(config.dtype, config.model_dir, metal=metal)
+    split = peers.split if peers is not None else None
+    model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
+    tokenizer = load_tokenizer(config.model_dir)
+    drafter = _load_drafter(config, model, tokenizer, dtype)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp":
+        spec = with_draft_length(spec)
+    mc = model.config
+    held = mc if split is None else split.cache_config(mc)  # what this rank's cache holds
+    weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
+    planned = held if split is None or not split.by_layers else mc
+    if peers is not None and peers.one_host:  # every rank's share and pool on this machine
+        weights, planned = weights * peers.size, mc
+    memory = plan_for(config, mc, weights, device)
+    for line in memory.describe():
+        log.info("memory plan: %s", line)
+    budget = memory.budget
+    token_budget = config.max_num_batched_tokens or default_token_budget(metal)
+    quant = kv_quant_of(config.kv_cache_dtype)
+    plan = _plan_pool(config, planned, budget, dtype, token_budget, quant, drafter)
+    kv_tokens = plan.num_blocks * config.block_size
+    check_kv_cache_blocks(plan.num_blocks, budget)
+    max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
+    if peers is not None:
+        peers.send((plan, quant))
+    cache = KVCache.for_model(held, plan, config.block_size, dtype, quant,
+                              split.held_pools(model) if split else None)
+    _log_plan(plan, cache.storage, config, max_model_len, mc.trained_context_len)
+    connector = _kv_disk_connector(config, cache)
+    scheduler = Scheduler(SchedulerConfig(
+        num_blocks=plan.num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=token_budget,
+        max_model_len=max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy=config.scheduling_policy,
+        window=plan.window,
+        num_window_blocks=plan.num_window_blocks,
+        num_state_slots=plan.num_state_slots,
+        speculative=spec,
+    ), connector)
+    device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
+                      if drafter is not None else None)
+    async_scheduling = (  # several ranks: each step's plan carries its tokens, so it waits
+        metal and peers is None
+        if config.async_scheduling is None else config.async_scheduling
+    )
+    name = config.model_name or config.model_dir.name
+    stage = split.stage(model, cache, dtype) if split else None
+    runner = ModelRunner(model, cache, device_drafter, peers, stage)
+    return LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
+
+
+def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector | None:
+    """The disk tier of the prefix cache, if `--kv-cache-dir` asks for one: a store per cache
+    kind (blocks, a sliding-window group's blocks, a hybrid model's state checkpoints), all
+    under the directory's one size bound."""
+    if config.kv_cache_dir is None:
+        return None
+    disk = KVDiskDir(config.kv_cache_dir, config.kv_cache_dir_size)
+    stores = {}
+    if cache.states is not None:
+        stores["states"] = TierStore(_disk_store(config, disk, "states", cache.states.layout()),
+                                     cache.states.read_slots, cache.states.write_slots)
+    for kind, windowed in (("blocks", False), ("window", True)):
+        shapes = cache.group_shapes(windowed)
+        if not shapes:
+            continue
+        layout = BlockLayout(tuple(shapes), cache.block_size, cache.storage)
+        stores[kind] = TierStore(_disk_store(config, disk, kind, layout),
+                                 partial(cache.read_blocks, windowed=windowed),
+                                 partial(cache.write_blocks, windowed=windowed))
+    for kind, parts in stores.items():
+        log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
+                 parts.store.used_bytes / 2**20, parts.store.root)
+    log.info("KV disk cache: %.1f of %.1f MiB used in %s (every model's files)",
+             disk.used_bytes / 2**20, disk.max_bytes / 2**20, disk.root)
+    return KVDiskConnector(stores, write_through=config.kv_write_through)
+
+
+def _load_drafter(config: EngineConfig, model: CausalLM, tokenizer,
+                  dtype: mx.Dtype) -> CausalLM | nn.Module | None:
+    """The weights speculative decoding drafts with on the device: a draft model, or the
+    model's MTP head; None for the host's methods (or none)."""
+    spec = config.speculative_config
+    if spec is None or spec.method not in ("draft_model", "mtp"):
+        return None
+    if spec.method == "draft_model":
+        return load_draft_model(Path(spec.model), dtype, model, tokenizer)
+    return load_mtp_head(Path(spec.model or config.model_dir), model, dtype)
+
+
+def _drafter_pool_shapes(drafter: CausalLM | nn.Module) -> list[PoolShape]:
+    if isinstance(drafter, CausalLM):
+        return drafter.config.kv_pool_shapes()
+    return [drafter.pool_shape()]
+
+
+def _device_drafter(model: CausalLM, drafter: CausalLM | nn.Module, plan: CachePlan,
+                    config: EngineConfig, dtype: mx.Dtype) -> DraftModel | MtpDrafter:
+    """The drafter with its K/V pools, one block per block of the model's pool."""
+    shapes = _drafter_pool_shapes(drafter)
+    cache = KVCache(shapes, plan.num_blocks, config.block_size, dtype)
+    size = plan.num_blocks * bytes_per_block(shapes, config.block_size, dtype) / 2**20
+    if isinstance(drafter, CausalLM):
+        log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's",
+                 config.speculative_config.model, drafter.config.num_hidden_layers, size)
+        return DraftModel(drafter, cache)
+    log.info("MTP head: its K/V in %.1f MiB beside the pool's", size)
+    return MtpDrafter(model, drafter, cache)
+
+
+def _disk_store(config: EngineConfig, disk: KVDiskDir, kind: str, layout: Layout) -> KVDiskStore:
+    return KVDiskStore(disk, model_identity(config.model_dir, layout, kind), layout)
+
+
+def _plan_pool(config: EngineConfig, cfg: ModelConfig, budget: int, dtype: mx.Dtype,
+               token_budget: int, quant: KVQuant | None,
+               drafter: CausalLM | nn.Module | None) -> CachePlan:
+    """The cache plan for `budget` bytes. A drafter on the device keeps its K/V (unquantized)
+    beside each block: the budget then splits between the two by bytes per block."""
+    def plan(size: int) -> CachePlan:
+        return plan_cache(cfg, size, dtype, config.block_size, config.max_num_seqs,
+                          token_budget, config.enable_prefix_caching, quant)
+
+    if drafter is None:
+        return plan(budget)
+    block = plan(budget).bytes_per_block
+    drafter_bytes = bytes_per_block(_drafter_pool_shapes(drafter), config.block_size, dtype)
+    return plan(int(budget * block / (block + drafter_bytes)))
+
+
+def _log_plan(plan: CachePlan, storage: str, config: EngineConfig, max_model_len: int,
+              trained: int) -> None:
+    tokens = plan.num_blocks * config.block_size
+    log.info("KV cache (%s): %d tokens (%d blocks of %d, %.1f MiB), %d concurrent requests at "
+             "the context length %d tokens (trained: %d)", storage, tokens, plan.num_blocks,
+             config.block_size, plan.num_blocks * plan.bytes_per_block / 2**20,
+             min(config.max_num_seqs, tokens // max_model_len), max_model_len, trained)
+    if plan.num_window_blocks:
+        log.info("sliding-window layers (window %d): %d blocks of their own (%.1f MiB)",
+                 plan.window, plan.num_window_blocks,
+                 plan.num_window_blocks * plan.bytes_per_window_block / 2**20)
+    if plan.num_state_slots:
+        log.info("recurrent state: %d slots of %.1f MiB", plan.num_state_slots,
+                 plan.bytes_per_state_slot / 2**20)

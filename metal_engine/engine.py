@@ -163,11 +163,11 @@ class LLMEngine:
         drafted = {s.request_id: self.structured.draft_bitmasks(s.request_id, s.draft_token_ids)
                    for s in sampling if s.draft_token_ids and s.request_id in self.structured}
         plain = [s.request_id for s in sampling if s.request_id not in drafted]
-        return SamplingContext(self.scheduler.requests, self.structured.bitmasks(plain), drafted)
+        return SamplingContext(self.structured.bitmasks(plain), drafted)
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
-        sampled, logprobs = launched.sampled(), launched.sampled_logprobs()
+        sampled, logprobs = self.runner.sampled(launched), launched.sampled_logprobs()
         updates = self.scheduler.resolve(launched.out, sampled)
         if self.kv_connector is not None:  # before the outputs go out (write-through)
             self.kv_connector.save_computed()

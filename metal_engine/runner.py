@@ -25,8 +25,7 @@ from metal_engine.rejection_sampler import (
 )
 from metal_engine.sampler import SamplingBatch, sample
 from metal_engine.sampling_row import SamplingRow
-from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request
+from scheduler.output import ScheduledRequest, SchedulerOutput, TokenHistory
 
 if TYPE_CHECKING:
     from metal_engine.parallel.peers import Peers
@@ -35,15 +34,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingContext:
-    """What the sampler needs beyond each request's params, from the engine.
+    """The grammars' part of a step's sampling, from the engine: `allowed_tokens` holds the
+    bitmask of each structured request that samples this step, and `draft_allowed_tokens`
+    those of one that verifies drafts: a bitmask per verified row."""
 
-    `requests` gives token histories (penalties) and EOS ids (min_tokens); a request that
-    samples with penalties or a grammar must have no output still pending. `allowed_tokens`
-    holds the grammar bitmask of each structured request that samples this step, and
-    `draft_allowed_tokens` those of one that verifies drafts: a bitmask per verified row.
-    """
-
-    requests: Mapping[str, Request]
     allowed_tokens: Mapping[str, np.ndarray] = field(default_factory=dict)
     draft_allowed_tokens: Mapping[str, list[np.ndarray]] = field(default_factory=dict)
 
@@ -128,6 +122,9 @@ class ModelRunner:
         self.window_tables = BlockTables(group="window")
         self._queued = False  # work queued on the device and not waited for since
         self._released: list[str] = []  # for the peers, with the next step
+        # Token histories of the requests whose sampling reads them, from their admission
+        # (ScheduledRequest.history) on, with what this runner sampled for them since.
+        self._histories: dict[str, TokenHistory] = {}
 
     def release(self, request_ids: list[str]) -> None:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
@@ -135,6 +132,8 @@ class ModelRunner:
             self._released += request_ids
         self.block_tables.release(request_ids)
         self.window_tables.release(request_ids)
+        for request_id in request_ids:
+            self._histories.pop(request_id, None)
         if self.draft is not None:
             self.draft.release(request_ids)
 
@@ -174,7 +173,10 @@ class ModelRunner:
         if self.model.ops.evaluates_while_building:  # read per step: `use_ops` may swap it
             self._wait_for_device()
         by_id = {s.request_id: s for s in out.scheduled}
-        rows = [_sampling_row(by_id[r], context) for r in step.sample_request_ids]
+        for s in out.scheduled:
+            if s.history is not None:
+                self._histories[s.request_id] = _own_copy(s.history)
+        rows = [self._sampling_row(by_id[r], context) for r in step.sample_request_ids]
         batch = _draft_batch(step, by_id, rows, context) if step.has_drafts else None
         input_ids = _with_pending_tokens(step, previous)
         drafted = None
@@ -216,6 +218,41 @@ class ModelRunner:
             mx.synchronize()
             self._queued = False
 
+    def sampled(self, launched: LaunchedStep) -> dict[str, list[int]]:
+        """`launched.sampled()`, kept in the histories of the requests that sample from them."""
+        sampled = launched.sampled()
+        for request_id, token_ids in sampled.items():
+            history = self._histories.get(request_id)
+            if history is not None:
+                history.output_token_ids.extend(token_ids)
+        return sampled
+
+    def _sampling_row(self, item: ScheduledRequest,
+                      context: SamplingContext | None) -> SamplingRow:
+        params = item.params
+        if params.is_basic:
+            return SamplingRow(params, item.num_output_tokens)
+        if params.structured is not None and context is None:
+            raise ValueError(f"request {item.request_id!r} has a grammar: launch its step with "
+                             "a SamplingContext")
+        allowed = context.allowed_tokens.get(item.request_id) if context is not None else None
+        history = self._histories.get(item.request_id)
+        if history is None:
+            if params.needs_token_history:
+                raise ValueError(f"request {item.request_id!r} samples from its history, which "
+                                 "no step gave this runner (ScheduledRequest.history)")
+            return SamplingRow(params, item.num_output_tokens, allowed_tokens=allowed)
+        outputs = history.output_token_ids
+        if params.needs_token_history:
+            if len(outputs) < item.num_output_tokens:
+                raise RuntimeError(
+                    f"request {item.request_id!r} reads its earlier tokens to sample but the "
+                    "last one is still being sampled: resolve the step in flight before "
+                    "launching")
+            del outputs[item.num_output_tokens:]  # what its request dropped (stops, rejections)
+        return SamplingRow(params, item.num_output_tokens, history.prompt_token_ids, outputs,
+                           history.eos_token_ids, allowed)
+
     def forward_step(self, out: SchedulerOutput) -> None:
         """Run a step's forward and K/V writes only: a rank other than 0 (which samples)."""
         step = build_step_inputs(out, self.cache.block_size, self.block_tables,
@@ -233,29 +270,10 @@ class ModelRunner:
         return logits
 
 
-def _sampling_row(item: ScheduledRequest, context: SamplingContext | None) -> SamplingRow:
-    params = item.params
-    if params.is_basic:
-        return SamplingRow(params, item.num_output_tokens)
-    if context is None:
-        if params.needs_token_history:
-            raise ValueError(
-                f"request {item.request_id!r} has penalties or a grammar: launch its step "
-                "with a SamplingContext"
-            )
-        return SamplingRow(params, item.num_output_tokens)
-    request = context.requests.get(item.request_id)
-    if request is None:
-        return SamplingRow(params, item.num_output_tokens)
-    if params.needs_token_history and request.has_pending_output:
-        raise RuntimeError(
-            f"request {item.request_id!r} reads its earlier tokens to sample but the last one "
-            "is still being sampled: resolve the step in flight before launching"
-        )
-    return SamplingRow(
-        params, item.num_output_tokens, request.prompt_token_ids, request.output_token_ids,
-        request.eos_token_ids, context.allowed_tokens.get(item.request_id),
-    )
+def _own_copy(history: TokenHistory) -> TokenHistory:
+    """The runner's copy, whose outputs it extends."""
+    return TokenHistory(history.prompt_token_ids, list(history.output_token_ids),
+                        history.eos_token_ids)
 
 
 def _draft_batch(step: StepInputs, by_id: Mapping[str, ScheduledRequest],

@@ -1,6 +1,7 @@
 """The step contract: what the scheduler hands the runner each step and what a step did.
 
-    SchedulerOutput    the step: each scheduled request's share (`ScheduledRequest`), the
+    SchedulerOutput    the step: each scheduled request's share (`ScheduledRequest`, with the
+                       `TokenHistory` of one admitted that samples from its history), the
                        requests finished since the last step, and the step's plans: moves
                        to and from the KV tier (`KVTransferPlan`) and copies between
                        recurrent-state slots (`StatePlan`)
@@ -68,6 +69,16 @@ class StatePlan:
         return not (self.restores or self.saves)
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """What a request that samples from its history (penalties, min_tokens, a grammar) has
+    seen when it is admitted: the runner keeps it from there, adding what it samples."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step.
@@ -91,6 +102,8 @@ class ScheduledRequest:
     window_block_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
     token_epoch: int = 0  # the request's when scheduled (see Request.token_epoch)
+    # Set in the step that admits a request whose sampling reads its history (not basic).
+    history: TokenHistory | None = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from scheduler.block_pool import BlockPool, cdiv
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnectorScheduler, TierLookup
-from scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput, TokenHistory
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request, RequestStatus
@@ -231,7 +231,11 @@ class Scheduler:
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        out.scheduled.append(self._scheduled(request, num_new))
+        item = self._scheduled(request, num_new)
+        if not request.params.is_basic:  # its sampling reads its history: the runner keeps it
+            item.history = TokenHistory(list(request.prompt_token_ids),
+                                        list(request.output_token_ids), request.eos_token_ids)
+        out.scheduled.append(item)
 
     def _num_new(self, request: Request, num_cached_blocks: int, budget: int) -> int:
         """Tokens the request computes in its first step after `num_cached_blocks` blocks."""

@@ -108,6 +108,15 @@ def test_the_scheduler_imports_neither_mlx_nor_numpy(path):
     assert not package_imports(names, NOT_IN_SCHEDULER)
 
 
+def test_the_runner_takes_the_step_contract_and_no_scheduler_state():
+    """The runner builds what it samples from (token histories included) out of what the
+    step contract carries: it imports scheduler.output and nothing else of the scheduler."""
+    path = ROOT / "metal_engine" / "runner.py"
+    names = imported_names(ast.parse(path.read_text()), "metal_engine.runner", False)
+    assert {n.rpartition(".")[0] for n in package_imports(names, ("scheduler",))} == {
+        "scheduler.output"}
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
     """A loop closed by a function-level import and one closed under TYPE_CHECKING are both
     found; a relative import resolves; numpy is seen in any form."""

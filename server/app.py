@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from server.anthropic.api import anthropic_router
 from server.async_engine import AsyncEngine
-from server.core.chat_turn import load_chat_format
+from server.core.chat_format import load_chat_format
 from server.dashboard.routes import dashboard_router
 from server.http.auth import ApiKeyAuth
 from server.http.body_limit import RequestBody

@@ -10,7 +10,8 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from server.anthropic.output import MessageBuilder
-from server.core.assistant_turn import (
+from server.core.chat_request import Usage
+from server.core.turn_events import (
     TextDelta,
     ToolCallArguments,
     ToolCallEnd,
@@ -18,7 +19,6 @@ from server.core.assistant_turn import (
     Turn,
     TurnEnd,
 )
-from server.openai.protocol import Usage
 
 
 def built_stream(*events) -> tuple[list[dict], object, object]:

@@ -23,12 +23,12 @@ from openai_harmony import (
     ToolDescription,
 )
 
-from server.core.chat_turn import prepare_chat
+from server.core.chat_format import prepare_chat
+from server.core.chat_request import ChatCompletionRequest
 from server.core.harmony_encoding import harmony_encoding, load_offline, speaks_harmony
 from server.core.harmony_encoding import o200k_vocab_file as derived_vocab_file
 from server.core.harmony_prompts import harmony_prompt
 from server.http.errors import APIError
-from server.openai.protocol import ChatCompletionRequest
 
 TODAY = "2026-12-01"
 WEATHER = {

@@ -13,8 +13,9 @@ from metal_engine.outputs import RequestOutput
 from scheduler.sampling_params import StructuredOutput
 from server.app import build_app
 from server.async_engine import AsyncEngine
-from server.core import generation
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.core import engine_choices
+from server.core.chat_request import ChatCompletionRequest
+from server.openai.protocol import CompletionRequest
 from server.sampling_defaults import SamplingDefaults
 
 CONTEXT = 32
@@ -369,11 +370,11 @@ def test_choices_get_derived_seeds_and_the_request_priority(client, engine):
 def test_usage_of_several_choices():
     lasts = [RequestOutput("a", [], "", "length", 10, 3, num_cached_tokens=8),
              RequestOutput("b", [], "", "stop", 10, 5, num_cached_tokens=0)]
-    usage = generation.usage_of(lasts, n=2)
+    usage = engine_choices.usage_of(lasts, n=2)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (10, 8, 18)
     assert usage.prompt_tokens_details.cached_tokens == 0
     # Two prompts of one choice each: both prompts count, and both cache hits.
-    usage = generation.usage_of(lasts, n=1)
+    usage = engine_choices.usage_of(lasts, n=1)
     assert (usage.prompt_tokens, usage.completion_tokens) == (20, 8)
     assert usage.prompt_tokens_details.cached_tokens == 8
 

@@ -16,9 +16,9 @@ import pytest
 from fake_engine import ReplyingEngine, ToolTemplateTokenizer, hermes_call
 from server_helpers import running_server
 
-from server.core.assistant_turn import ToolCallArguments, ToolCallEnd, ToolCallStart, TurnEnd
+from server.core.chat_request import Usage
+from server.core.turn_events import ToolCallArguments, ToolCallEnd, ToolCallStart, TurnEnd
 from server.http.limits import MAX_TOOLS
-from server.openai.protocol import Usage
 from server.responses.output import ResponseBuilder
 from server.responses.protocol import ResponseObject, TextConfig
 from server.responses.tools import ToolSet, read_tools
@@ -402,7 +402,7 @@ def test_tools_of_the_wrong_shape_are_a_400_naming_the_field():
 
 
 def test_a_namespace_member_takes_the_chat_apis_tool_names():
-    from server.openai.protocol_tools import MAX_TOOL_NAME_LENGTH
+    from server.core.chat_request_tools import MAX_TOOL_NAME_LENGTH
 
     member = {"type": "function", "name": "m" * (MAX_TOOL_NAME_LENGTH - 3)}
     tools = read_tools([{"type": "namespace", "name": "ns", "tools": [member]}])

@@ -13,7 +13,7 @@ from metal_engine.outputs import RequestOutput
 from scheduler import SamplingParams
 from scheduler.sampling_params import StructuredOutput
 from server.async_engine import AsyncEngine, EngineError, QueueFull
-from server.core import generation
+from server.core import engine_choices
 
 
 class GarbledOutput:
@@ -208,9 +208,9 @@ def test_shutdown_fails_live_requests_and_refuses_new_ones(engine):
     assert scripted.closed_on == "engine-loop"  # closed last, where the engine lives
 
 
-async def _start_three_choices(bridge: AsyncEngine) -> generation.Choices:
+async def _start_three_choices(bridge: AsyncEngine) -> engine_choices.Choices:
     params = SamplingParams(max_tokens=100_000)
-    return await generation.start(bridge, [1, 2, 3], params, "multi", n=3)
+    return await engine_choices.start(bridge, [1, 2, 3], params, "multi", n=3)
 
 
 async def _all_three_aborted(scripted: ScriptedEngine) -> None:
@@ -242,7 +242,7 @@ def test_cancelled_collection_of_several_choices_aborts_every_choice(engine):
     scripted, bridge = engine
 
     async def cancel_midway():
-        task = asyncio.create_task(generation.collect(await _start_three_choices(bridge), 3))
+        task = asyncio.create_task(engine_choices.collect(await _start_three_choices(bridge), 3))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -15,9 +15,9 @@ from server.anthropic.input import chat_request
 from server.anthropic.output import MessageBuilder
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from server.async_engine import AsyncEngine
-from server.core import assistant_turn
-from server.core.chat_turn import prepare_chat
-from server.core.turn_serving import serve_turn
+from server.core import turn_events
+from server.core.chat_format import prepare_chat
+from server.core.turn_http import serve_turn
 from server.http.limits import check_request_limits
 
 
@@ -31,7 +31,7 @@ def anthropic_router(
     async def messages(body: MessagesRequest, request: Request) -> Response:
         check_request_limits(body)
         message_id = f"msg_{uuid.uuid4().hex}"
-        start = assistant_turn.start(engine, chat_request(body), message_id, tool_call_parser)
+        start = turn_events.start(engine, chat_request(body), message_id, tool_call_parser)
         return await serve_turn(
             request, start, lambda turn: MessageBuilder(message_id, model_name, turn), body.stream
         )

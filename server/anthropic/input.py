@@ -21,9 +21,9 @@ from server.anthropic.protocol import (
     ToolChoice,
 )
 from server.anthropic.tools import TOOL_CHANGES, offered_tools
-from server.core.assistant_turn import validated_chat_request
+from server.core.chat_request import ChatCompletionRequest
+from server.core.turn_events import validated_chat_request
 from server.http.errors import APIError
-from server.openai.protocol import ChatCompletionRequest
 
 # Earlier turns' reasoning: Anthropic itself leaves it out of the context, and so do we.
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}

@@ -25,7 +25,8 @@ from server.anthropic.protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from server.core.assistant_turn import (
+from server.core.tool_parsers import partial_json
+from server.core.turn_events import (
     ReasoningDelta,
     TextDelta,
     ToolCallArguments,
@@ -35,8 +36,7 @@ from server.core.assistant_turn import (
     TurnEnd,
     TurnEvent,
 )
-from server.core.tool_parsers import partial_json
-from server.core.turn_serving import Event
+from server.core.turn_http import Event
 from server.http.errors import APIError
 
 

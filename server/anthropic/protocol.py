@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from server.openai.protocol_tools import ToolName
+from server.core.chat_request_tools import ToolName
 
 # ---- requests -------------------------------------------------------------------------------
 

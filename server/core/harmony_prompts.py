@@ -31,11 +31,11 @@ from openai_harmony import (
     ToolDescription,
 )
 
-from server.core.chat_tools import forced_functions
+from server.core.chat_request import ChatCompletionRequest, ChatMessage
+from server.core.chat_request_tools import FunctionDefinition, Tool
 from server.core.harmony_parsing import FUNCTIONS
+from server.core.tool_plan import forced_functions
 from server.http.errors import APIError, clip
-from server.openai.protocol import ChatCompletionRequest, ChatMessage
-from server.openai.protocol_tools import FunctionDefinition, Tool
 
 # Harmony has three efforts; OpenAI's other names land on the nearest.
 _EFFORTS = {

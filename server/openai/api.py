@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from server.core.chat_request import ChatCompletionRequest
 from server.http.limits import check_priority, check_request_limits
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.protocol import CompletionRequest
 from server.openai.serving import Serving
 
 

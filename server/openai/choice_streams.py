@@ -6,9 +6,9 @@ streaming response does one output at a time, so both say the same thing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from server.core.chat_choice import ChatChoiceSplitter, ChatPiece
 from server.core.tool_call_stream import CallPiece
 from server.core.turn_parsing import TurnParser
 from server.openai.logprobs import LogprobsAligner, TokenEntry, chat_logprobs, completion_logprobs
@@ -17,41 +17,20 @@ from server.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatDelta,
-    ChatFinishReason,
     ChatLogprobs,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCallDelta,
+    ToolCallDelta,
 )
-from server.openai.protocol_tools import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
 
 
-@dataclass
-class ChatPiece:
-    """What one output adds to a chat choice."""
-
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[CallPiece] = field(default_factory=list)
-    logprobs: list[TokenEntry] = field(default_factory=list)
-    finish_reason: ChatFinishReason | None = None
-
-    def shown_calls(self) -> list[CallPiece]:
-        """The pieces a stream shows: a call's end adds nothing a client sees."""
-        return [piece for piece in self.tool_calls if piece.name is not None or piece.arguments]
-
-    def is_empty(self) -> bool:
-        return not (
-            self.reasoning or self.content or self.shown_calls() or self.logprobs
-            or self.finish_reason
-        )  # fmt: skip
-
-
 class ChatChoiceStream:
-    """Splits a chat choice into reasoning, content and tool calls (through the model
-    format's `parser`), with logprobs."""
+    """A chat choice as the chat API shows it: the core's split into reasoning, content and
+    tool calls (through the model format's `parser`), with logprobs."""
 
     def __init__(
         self,
@@ -59,30 +38,16 @@ class ChatChoiceStream:
         logprobs: LogprobsAligner | None,
         parallel_calls: bool = True,
     ) -> None:
-        self.parser = parser
+        self.splitter = ChatChoiceSplitter(parser, parallel_calls)
         self.logprobs = logprobs
-        self.parallel_calls = parallel_calls
-        self.calls: list[ToolCall] = []  # the calls so far, their arguments as streamed
-        self.num_complete = 0  # calls that ended whole (not cut by the end of the text)
 
-    def feed(self, output: RequestOutput) -> ChatPiece:
-        turn = self.parser.feed(output)
-        reasoning, content, pieces = turn.reasoning, turn.content, turn.calls
-        if not self.parallel_calls:
-            pieces = [piece for piece in pieces if piece.index == 0]
-        for piece in pieces:
-            if piece.name is not None:
-                self.calls.append(ToolCall(function=FunctionCall(name=piece.name, arguments="")))
-            self.calls[piece.index].function.arguments += piece.arguments
-            self.num_complete += piece.done and piece.complete
-        finish: ChatFinishReason | None = output.finish_reason
-        if finish == "stop" and self.num_complete:
-            finish = "tool_calls"
+    def feed(self, output: RequestOutput) -> tuple[ChatPiece, list[TokenEntry]]:
+        piece = self.splitter.feed(output)
         entries = self.logprobs.feed(output) if self.logprobs is not None else []
-        return ChatPiece(reasoning, content, pieces, entries, finish)
+        return piece, entries
 
     def _delta(self, piece: CallPiece) -> ToolCallDelta:
-        call = self.calls[piece.index]
+        call = self.splitter.calls[piece.index]
         first = piece.name is not None
         return ToolCallDelta(
             index=piece.index,
@@ -93,8 +58,8 @@ class ChatChoiceStream:
 
     def chunk_choice(self, index: int, output: RequestOutput) -> ChatChunkChoice | None:
         """The stream chunk's choice for one output; None when it adds nothing."""
-        piece = self.feed(output)
-        if piece.is_empty():
+        piece, entries = self.feed(output)
+        if piece.is_empty() and not entries:
             return None
         delta = ChatDelta(
             content=piece.content or None,
@@ -105,12 +70,13 @@ class ChatChoiceStream:
             index=index,
             delta=delta,
             finish_reason=piece.finish_reason,
-            logprobs=self._logprobs(piece.logprobs),
+            logprobs=self._logprobs(entries),
         )
 
     def whole_choice(self, index: int, outputs: list[RequestOutput]) -> ChatChoice:
-        pieces = [self.feed(output) for output in outputs]
-        calls = self.calls
+        fed = [self.feed(output) for output in outputs]
+        pieces = [piece for piece, _ in fed]
+        calls = self.splitter.calls
         content = "".join(p.content for p in pieces)
         reasoning = "".join(p.reasoning for p in pieces)
         message = AssistantMessage(
@@ -118,7 +84,7 @@ class ChatChoiceStream:
             reasoning_content=reasoning or None,
             tool_calls=calls or None,
         )
-        entries = [entry for piece in pieces for entry in piece.logprobs]
+        entries = [entry for _, piece_entries in fed for entry in piece_entries]
         return ChatChoice(
             index=index,
             message=message,

@@ -1,10 +1,11 @@
 """vLLM's render routes: a request's prompt token ids, without generating.
 
-`POST /v1/chat/completions/render`, `/v1/completions/render` and `/v1/responses/render` take
-the body of their generating route and answer `{"token_ids": [...]}` (completions: one such
-object per prompt). A prefix-aware router (vllm-router's `cache_aware` policy) renders each
-request on the replicas to learn which one already holds its prefix; the ids are exactly those
-the generating route would schedule, so its prefix matches are the replica's cache hits.
+`POST /v1/chat/completions/render` and `/v1/completions/render` (and the Responses API's
+`/v1/responses/render`, in server.responses.api) take the body of their generating route and
+answer `{"token_ids": [...]}` (completions: one such object per prompt). A prefix-aware
+router (vllm-router's `cache_aware` policy) renders each request on the replicas to learn which
+one already holds its prefix; the ids are exactly those the generating route would schedule, so
+its prefix matches are the replica's cache hits.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from server.async_engine import AsyncEngine
-from server.core.chat_turn import prepare_chat
-from server.core.prompts import completion_prompts_ids
+from server.core.chat_format import render_ids
+from server.core.chat_request import ChatCompletionRequest
+from server.core.prompt_ids import completion_prompts_ids
 from server.http.limits import check_request_limits
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.responses.input import chat_request
-from server.responses.protocol import ResponsesRequest
-from server.responses.tools import read_tools
+from server.openai.protocol import CompletionRequest
 
 
 def render_router(engine: AsyncEngine, tool_call_parser: str | None = None) -> APIRouter:
@@ -26,19 +25,10 @@ def render_router(engine: AsyncEngine, tool_call_parser: str | None = None) -> A
     router = APIRouter()
     tokenizer = engine.tokenizer
 
-    async def chat_ids(chat: ChatCompletionRequest) -> dict:
-        check_request_limits(chat)
-        prepared = await engine.prepare(prepare_chat, tokenizer, chat, tool_call_parser,
-                                        engine.max_prompt_bytes)
-        return {"token_ids": prepared.ids}
-
     @router.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest) -> dict:
-        return await chat_ids(body)
-
-    @router.post("/v1/responses/render")
-    async def render_response(body: ResponsesRequest) -> dict:
-        return await chat_ids(chat_request(body, read_tools(body.tools)))
+        check_request_limits(body)
+        return {"token_ids": await render_ids(engine, body, tool_call_parser)}
 
     @router.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict]:

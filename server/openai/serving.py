@@ -14,9 +14,10 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from server.async_engine import AsyncEngine
-from server.core import generation
-from server.core.chat_turn import prepare_chat
-from server.core.prompts import check_context, check_token_ids, completion_prompts_ids
+from server.core import engine_choices
+from server.core.chat_format import prepare_chat
+from server.core.chat_request import ChatCompletionRequest, Usage
+from server.core.prompt_ids import check_context, check_token_ids, completion_prompts_ids
 from server.core.tool_parser_choice import parser_named
 from server.http.errors import APIError
 from server.http.sse import CLIENT_CLOSED, event_stream
@@ -26,11 +27,9 @@ from server.openai.protocol import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatDelta,
     Completion,
     CompletionRequest,
-    Usage,
 )
 from server.serve_args import MAX_N
 
@@ -147,21 +146,21 @@ class Serving:
             params = dataclasses.replace(params, stop_token_ids=stops)
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-        start = generation.start_prompts(
+        start = engine_choices.start_prompts(
             self.engine, prompts, params, request_id, body.n, body.priority, body.cache_salt
         )
-        choices = await generation.unless_disconnected(request, start)
+        choices = await engine_choices.unless_disconnected(request, start)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
         streams = [endpoint.new_stream(k) for k in range(count)]
         if body.stream:
             return event_stream(self._events(endpoint, request_id, choices, streams, body))
-        collect = generation.collect(choices, count)
-        outputs = await generation.unless_disconnected(request, collect)
+        collect = engine_choices.collect(choices, count)
+        outputs = await engine_choices.unless_disconnected(request, collect)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         whole = [stream.whole_choice(k, outputs[k]) for k, stream in enumerate(streams)]
-        usage = generation.usage_of([choice_outputs[-1] for choice_outputs in outputs], body.n)
+        usage = engine_choices.usage_of([choice_outputs[-1] for choice_outputs in outputs], body.n)
         return JSONResponse(
             endpoint.response(request_id, int(time.time()), whole, usage).model_dump()
         )
@@ -180,7 +179,7 @@ class Serving:
         self,
         endpoint: _Endpoint,
         request_id: str,
-        choices: generation.Choices,
+        choices: engine_choices.Choices,
         streams: list[ChoiceStream],
         body: ChatCompletionRequest | CompletionRequest,
     ) -> AsyncIterator[str]:
@@ -194,7 +193,7 @@ class Serving:
             return None if item is None else chunk([item])
 
         head = endpoint.head
-        return generation.sse_stream(
+        return engine_choices.sse_stream(
             choices,
             len(streams),
             body.n,

@@ -1,5 +1,6 @@
 """The OpenAI Responses API: `POST /v1/responses`, and `GET` / `DELETE /v1/responses/{id}`
-for the responses kept in memory (server.responses.store, one store per app).
+for the responses kept in memory (server.responses.store, one store per app); and vLLM's
+`POST /v1/responses/render`, a request's prompt token ids (see server.openai.render).
 
 A request is served on its `input`, after the stored conversation that `previous_response_id`
 names. Requests as Codex sends them (namespace, custom and built-in tools, reasoning sent
@@ -18,9 +19,11 @@ from fastapi.responses import Response
 from starlette.requests import Request
 
 from server.async_engine import AsyncEngine
-from server.core import assistant_turn
-from server.core.turn_serving import serve_turn
+from server.core import turn_events
+from server.core.chat_format import render_ids
+from server.core.turn_http import serve_turn
 from server.http.errors import APIError
+from server.http.limits import check_request_limits
 from server.http.tenants import current_caller
 from server.responses.input import RESPONSES_PARAMS, chat_request
 from server.responses.output import ResponseBuilder
@@ -45,10 +48,16 @@ def responses_router(
         tools = read_tools(body.tools)
         chat = chat_request(body, tools, previous.conversation if previous else ())
         in_progress = _in_progress(body, response_id, model_name)
-        start = assistant_turn.start(engine, chat, response_id, tool_call_parser, RESPONSES_PARAMS)
+        start = turn_events.start(engine, chat, response_id, tool_call_parser, RESPONSES_PARAMS)
         on_end = _storing(store, owner, body, previous) if in_progress.store else None
         builder = ResponseBuilder(in_progress, tools, on_end)
         return await serve_turn(request, start, lambda _: builder, body.stream)
+
+    @router.post("/v1/responses/render")
+    async def render_response(body: ResponsesRequest) -> dict:
+        chat = chat_request(body, read_tools(body.tools))
+        check_request_limits(chat)
+        return {"token_ids": await render_ids(engine, chat, tool_call_parser)}
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False) -> dict:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from server.core.assistant_turn import validated_chat_request
+from server.core.chat_request import ChatCompletionRequest
+from server.core.turn_events import validated_chat_request
 from server.http.errors import APIError
-from server.openai.protocol import ChatCompletionRequest
 from server.responses.custom_input import arguments_of
 from server.responses.protocol import ContentPart, InputItem, ResponsesRequest, TextFormat
 from server.responses.tools import ToolSet, exposed_name

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from server.core.assistant_turn import (
+from server.core.turn_events import (
     ReasoningDelta,
     TextDelta,
     ToolCallArguments,
@@ -34,7 +34,7 @@ from server.core.assistant_turn import (
     TurnEnd,
     TurnEvent,
 )
-from server.core.turn_serving import Event
+from server.core.turn_http import Event
 from server.responses.custom_input import InputStream, input_of
 from server.responses.protocol import (
     CustomToolCall,

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from server.core.chat_request_tools import MAX_TOOL_NAME_LENGTH, ToolName
 from server.http.errors import APIError
 from server.http.limits import check_tool_count
-from server.openai.protocol_tools import MAX_TOOL_NAME_LENGTH, ToolName
 from server.responses.protocol import ToolChoice
 
 BUILT_IN_TOOL_TYPES = frozenset({

@@ -16,10 +16,10 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from server.async_engine import AsyncEngine, EngineError
+from server.core.chat_request import Usage
 from server.http.auth import prefix_cache_salt
 from server.http.errors import APIError
 from server.http.sse import DONE, sse
-from server.openai.protocol import Usage
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.sampling_params import StructuredOutput
+from server.core.chat_request import ChatCompletionRequest, ChatMessage
+from server.core.chat_request_tools import FunctionDefinition, Tool, ToolCall
 from server.core.tool_parser_choice import parser_for_template, parser_named
 from server.core.tool_parsers import ForcedCallParser, HermesParser, ToolParser
 from server.http.errors import APIError, clip
-from server.openai.protocol import ChatCompletionRequest, ChatMessage
-from server.openai.protocol_tools import FunctionDefinition, Tool, ToolCall
 
 # The roles OpenAI's chat API knows. A template writes the role into the prompt as it is, so
 # any other (`"system<|im_end|>..."`) could forge turns.

@@ -19,13 +19,13 @@ from pydantic import ValidationError
 from metal_engine.outputs import RequestOutput
 from scheduler.request import FinishReason
 from server.async_engine import AsyncEngine, EngineError
-from server.core import generation
-from server.core.chat_turn import prepare_chat
-from server.core.prompts import check_context
+from server.core import engine_choices
+from server.core.chat_choice import ChatChoiceSplitter
+from server.core.chat_format import prepare_chat
+from server.core.chat_request import ChatCompletionRequest, Usage
+from server.core.prompt_ids import check_context
 from server.core.tool_call_stream import CallPiece
 from server.http.errors import APIError
-from server.openai.choice_streams import ChatChoiceStream
-from server.openai.protocol import ChatCompletionRequest, Usage
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Turn:
     prompt_tokens: int
     cached_tokens: int
     events: AsyncGenerator[TurnEvent, None]
-    choices: generation.Choices
+    choices: engine_choices.Choices
 
     async def aclose(self) -> None:
         """Abort the request if it still runs. `choices` is closed too, in case `events`
@@ -120,27 +120,25 @@ async def start(
             names.get("messages", "messages"),
         )
         params = prepared.sampling_params(chat, max_tokens, engine.sampling_defaults)
-        choices = await generation.start(
+        choices = await engine_choices.start(
             engine, prepared.ids, params, request_id, cache_salt=chat.cache_salt
         )
     except APIError as exc:
         exc.param = names.get(exc.param or "", exc.param)
         raise
     try:
-        _, first = await anext(choices)  # at hand: `generation.start` waited for it
+        _, first = await anext(choices)  # at hand: `engine_choices.start` waited for it
     except BaseException:  # e.g. the client left: stop the request
         await choices.aclose()
         raise
     # The chat path's splitter into reasoning, content and tool calls (never raw call syntax).
-    splitter = ChatChoiceStream(
-        prepared.new_parser(), logprobs=None, parallel_calls=chat.parallel_tool_calls
-    )
+    splitter = ChatChoiceSplitter(prepared.new_parser(), chat.parallel_tool_calls)
     events = _events(first, choices, splitter)
     return Turn(first.num_prompt_tokens, first.num_cached_tokens, events, choices)
 
 
 async def _events(
-    first: RequestOutput, choices: generation.Choices, splitter: ChatChoiceStream
+    first: RequestOutput, choices: engine_choices.Choices, splitter: ChatChoiceSplitter
 ) -> AsyncGenerator[TurnEvent, None]:
     async with contextlib.aclosing(choices):
         output = first
@@ -156,10 +154,10 @@ async def _events(
                 break
             _, output = await anext(choices)
     reason = output.finish_reason or "abort"
-    yield TurnEnd(reason, output.stop_string, generation.usage_of([output]))
+    yield TurnEnd(reason, output.stop_string, engine_choices.usage_of([output]))
 
 
-def _call_events(calls: list[CallPiece], splitter: ChatChoiceStream) -> list[TurnEvent]:
+def _call_events(calls: list[CallPiece], splitter: ChatChoiceSplitter) -> list[TurnEvent]:
     events: list[TurnEvent] = []
     for call in calls:
         if call.name is not None:
@@ -180,4 +178,4 @@ async def consume(turn: Turn, on_event: Callable[[TurnEvent], object]) -> None:
             async for event in turn.events:
                 on_event(event)
     except EngineError as exc:
-        raise generation.engine_failure(exc) from exc
+        raise engine_choices.engine_failure(exc) from exc

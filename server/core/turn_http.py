@@ -12,8 +12,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from server.async_engine import EngineError
-from server.core import assistant_turn, generation
-from server.core.assistant_turn import Turn, TurnEnd, TurnEvent
+from server.core import engine_choices, turn_events
+from server.core.turn_events import Turn, TurnEnd, TurnEvent
 from server.http.sse import CLIENT_CLOSED, event_stream, sse
 
 Event = dict[str, Any]  # its "type" is also the SSE event name
@@ -41,13 +41,13 @@ async def serve_turn(
     builder_for: Callable[[Turn], OutputBuilder],
     stream: bool,
 ) -> Response:
-    turn = await generation.unless_disconnected(request, start)
+    turn = await engine_choices.unless_disconnected(request, start)
     if turn is None:
         return Response(status_code=CLIENT_CLOSED)
     builder = builder_for(turn)
     if stream:
         return event_stream(_stream(turn, builder))
-    result = await generation.unless_disconnected(request, _whole(turn, builder))
+    result = await engine_choices.unless_disconnected(request, _whole(turn, builder))
     if result is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(result.model_dump())
@@ -56,10 +56,10 @@ async def serve_turn(
 async def _whole(turn: Turn, builder: OutputBuilder) -> BaseModel:
     def add(event: TurnEvent) -> None:
         if _failed(event):
-            raise generation.request_failure()
+            raise engine_choices.request_failure()
         builder.add(event)
 
-    await assistant_turn.consume(turn, add)
+    await turn_events.consume(turn, add)
     return builder.result()
 
 
@@ -70,13 +70,13 @@ async def _stream(turn: Turn, builder: OutputBuilder) -> AsyncIterator[str]:
         async with contextlib.aclosing(turn):
             async for turn_event in turn.events:
                 if _failed(turn_event):
-                    for event in builder.fail(generation.request_failure().message):
+                    for event in builder.fail(engine_choices.request_failure().message):
                         yield sse(event, event["type"])
                     return
                 for event in builder.add(turn_event):
                     yield sse(event, event["type"])
     except EngineError as exc:
-        for event in builder.fail(generation.engine_failure(exc).message):
+        for event in builder.fail(engine_choices.engine_failure(exc).message):
             yield sse(event, event["type"])
 
 

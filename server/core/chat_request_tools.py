@@ -1,4 +1,6 @@
-"""Shapes of the OpenAI chat API's tools, tool calls and response formats."""
+"""The chat request's tools, tool choice and response format, and the tool calls of its
+assistant messages (chat_request.py), in the OpenAI chat API's shapes. Every API's tools
+become these: their names and parameter schemas are what chat templates and tool parsers read."""
 
 from __future__ import annotations
 
@@ -6,15 +8,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.sampling_params import StructuredOutput
 from server.http.errors import invalid_at
@@ -79,27 +73,6 @@ class ToolCall(BaseModel):
     id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
     type: Literal["function"] = "function"
     function: FunctionCall
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = None  # on a call's first delta only
-    arguments: str = ""  # the next fragment of the arguments' JSON text
-
-
-class ToolCallDelta(BaseModel):
-    """What one stream chunk adds to the call at `index`: the first delta of a call carries
-    its `id`, `type` and name, the later ones only argument fragments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict:
-        data = handler(self)
-        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
-        return {key: value for key, value in data.items() if value is not None}
 
 
 class JSONSchemaFormat(BaseModel):

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
-from server.core.chat_tools import ToolPlan, plan_tools
+from server.core.chat_request import ChatCompletionRequest
+from server.core.tool_plan import ToolPlan, plan_tools
 from server.http.errors import APIError, clip
-from server.openai.protocol import ChatCompletionRequest
 
 
 class ChatPrompt(NamedTuple):

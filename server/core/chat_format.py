@@ -1,5 +1,5 @@
 """A chat request as the engine's input and the parser of its answer, in the model's format:
-the chat template's (prompts.py, chat_tools.py, reasoning.py, tool_call_stream.py) or, for
+the chat template's (prompt_ids.py, tool_plan.py, reasoning.py, tool_call_stream.py) or, for
 a tokenizer that speaks harmony (GPT-OSS), harmony's (harmony_*.py). Every API starts its
 assistant turns here, so each format serves all of them.
 """
@@ -14,18 +14,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler.sampling_params import StructuredOutput
+from server.core.chat_request import ChatCompletionRequest
 from server.core.harmony_encoding import harmony_encoding, speaks_harmony
 from server.core.harmony_parsing import HarmonyTurnParser
 from server.core.harmony_prompts import harmony_prompt
-from server.core.prompts import prompt_of
+from server.core.prompt_ids import prompt_of
 from server.core.reasoning import ReasoningStream, opens_reasoning
 from server.core.tool_call_stream import ToolCallStream
 from server.core.turn_parsing import TemplateTurnParser, TurnParser
 from server.http.errors import APIError
-from server.openai.protocol import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
+    from server.async_engine import AsyncEngine
     from server.sampling_defaults import SamplingDefaults
 
 
@@ -74,6 +75,16 @@ def prepare_chat(
 
     structured = plan.structured() or chat.response_structure()
     return PreparedChat(prompt.ids, structured, (), new_parser)
+
+
+async def render_ids(
+    engine: AsyncEngine, chat: ChatCompletionRequest, parser_name: str | None
+) -> list[int]:
+    """The prompt ids a turn of `chat` would be scheduled with, without generating (vLLM's
+    render routes), prepared on the engine's prompt worker as a generating route does."""
+    prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, parser_name,
+                                    engine.max_prompt_bytes)
+    return prepared.ids
 
 
 def _harmony_chat(tokenizer: Any, chat: ChatCompletionRequest) -> PreparedChat:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_disk_connector import KVDiskConnector
-from metal_engine.outputs import RequestOutput, TokenLogprobs
+from metal_engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.structured import StructuredOutputs
@@ -52,6 +52,11 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._in_flight: LaunchedStep | None = None
+
+    def stats(self) -> EngineStats:
+        """The engine's numbers now, as plain data; only the engine thread may call this."""
+        return EngineStats(**vars(self.scheduler.stats()),
+                           kv_cache_dtype=self.runner.cache.storage)
 
     @property
     def max_model_len(self) -> int:

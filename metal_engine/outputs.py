@@ -1,10 +1,11 @@
-"""What the engine hands back after each step, per request with news."""
+"""What the engine hands back: after each step, per request with news; and its numbers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from scheduler.request import FinishReason
+from scheduler.stats import SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats(SchedulerStats):
+    """The scheduler's numbers and what the pool stores: the model dtype's name, int8 or
+    int4. Plain data, taken on the engine thread between steps (`LLMEngine.stats`)."""
+
+    kv_cache_dtype: str = ""

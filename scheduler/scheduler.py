@@ -20,6 +20,7 @@ from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.spec_decode.drafter import Drafter
 from scheduler.state_cache import StateCache
+from scheduler.stats import RequestState, SchedulerStats
 from scheduler.waiting_queue import WaitingQueue
 from scheduler.window_blocks import WindowBlocks
 
@@ -106,6 +107,31 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's numbers now, as plain data (about 0.3 us a request)."""
+        cache_stats, states = self.prefix_cache.stats, self.states
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_kv_blocks=self.pool.num_blocks,
+            num_used_kv_blocks=self.pool.num_used_blocks,
+            block_size=self.config.block_size,
+            prefix_cache_queried_tokens=cache_stats.queried_tokens,
+            prefix_cache_hit_tokens=cache_stats.hit_tokens - cache_stats.stored_hit_tokens,
+            has_kv_disk=self.prefix_cache.store is not None,
+            kv_disk_queried_tokens=cache_stats.stored_queried_tokens,
+            kv_disk_hit_tokens=cache_stats.stored_hit_tokens,
+            num_preemptions=self.num_preemptions,
+            spec_decode=self.drafter.stats.copy() if self.drafter is not None else None,
+            num_state_slots=states.pool.num_blocks if states else 0,
+            num_used_state_slots=states.pool.num_used_blocks if states else 0,
+            requests=tuple(
+                RequestState(r.request_id, running, r.num_computed_tokens, r.num_cached_tokens,
+                             r.num_preemptions)
+                for running, queue in ((True, self.running), (False, self.waiting))
+                for r in queue),
+        )
 
     def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request now (abort, stop string); its blocks are free for the next step."""

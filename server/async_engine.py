@@ -28,9 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from metal_engine.outputs import RequestOutput
+from metal_engine.outputs import EngineStats, RequestOutput
 from metal_engine.parallel.group import RankLost
-from server.engine_stats import EngineStats, read_engine_stats
 from server.http.logs import current_request_id
 from server.http.tenants import current_tenant
 from server.prompt_worker import LONG_PROMPTS_WAITING_BYTES, PromptWorker, max_prompt_text_bytes
@@ -423,7 +422,7 @@ class AsyncEngine:
         return not self._stalled and self.engine.has_unfinished_requests()
 
     def _publish_stats(self) -> None:
-        stats = read_engine_stats(self.engine)
+        stats = self.engine.stats()
         with self._cond:
             self._stats = stats
 

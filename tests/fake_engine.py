@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from metal_engine.outputs import RequestOutput
+from metal_engine.outputs import EngineStats, RequestOutput
 
 
 class CharTokenizer:
@@ -94,6 +94,9 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self):
         return bool(self.live)
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def close(self):
         pass

@@ -30,15 +30,15 @@ from tiny_server import CHAT_TEMPLATE
 from kernels_metal import attention
 from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
-from metal_engine.outputs import RequestOutput
+from metal_engine.outputs import EngineStats, RequestOutput
 from scheduler.spec_decode.config import SpeculativeConfig
+from scheduler.stats import RequestState
 from server.app import build_app
 from server.async_engine import AsyncEngine, LiveRequest
 from server.dashboard import SCHEMA
 from server.dashboard.history import INTERVAL_S, NUM_INTERVALS, RecentActivity
 from server.dashboard.state import requests_section
 from server.dashboard.status_text import format_status
-from server.engine_stats import EngineStats, RequestState, read_engine_stats
 
 SECTIONS = {"schema", "time", "uptime_s", "model", "requests", "kv_cache", "state_slots",
             "prefix_cache", "totals", "recent", "history", "speculative", "memory",
@@ -193,7 +193,7 @@ def test_hybrid_models_report_their_state_slots(tiny_hybrid):
     engine = build_engine(EngineConfig(
         model_dir=tiny_hybrid[1], max_model_len=256, kv_cache_memory=16 << 20
     ))  # fmt: skip
-    stats = read_engine_stats(engine)
+    stats = engine.stats()
     assert stats.num_state_slots >= engine.scheduler.config.max_num_seqs
     assert stats.num_used_state_slots == 0 and stats.requests == ()
 

@@ -17,7 +17,6 @@ from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
 from server.app import build_app
 from server.async_engine import AsyncEngine
-from server.engine_stats import read_engine_stats
 from server.http.metrics import ServerMetrics
 
 MODEL = "tiny"
@@ -129,7 +128,7 @@ def test_gauges_show_a_running_and_a_waiting_request(model_dir):
     for request_id in ("a", "b"):
         engine.add_request(request_id, PROMPT, SamplingParams(max_tokens=4))
     engine.step()  # "a" prefills; "b" waits for a seat
-    stats = read_engine_stats(engine)
+    stats = engine.stats()
     types, samples = parse(ServerMetrics(lambda: stats, MODEL).render()[0].decode())
     assert samples["vllm:num_requests_running"] == 1 and samples["vllm:num_requests_waiting"] == 1
     pool = engine.scheduler.pool
@@ -209,7 +208,7 @@ def test_the_cache_config_names_the_pools_blocks_and_kv_dtype(model_dir):
     float32, the CPU backend's, 64 bytes a row of this head dim 16 against 16 + 2)."""
     blocks = {}
     for kv_cache_dtype in ("auto", "int8"):
-        stats = read_engine_stats(make_engine(model_dir, kv_cache_dtype=kv_cache_dtype))
+        stats = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype).stats()
         _, samples = parse(ServerMetrics(lambda stats=stats: stats, MODEL).render()[0].decode())
         (series,) = [name for name in samples if name.startswith("vllm:cache_config_info")]
         labels = dict(part.split("=") for part in series[series.index("{") + 1 : -1].split(","))

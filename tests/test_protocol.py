@@ -9,7 +9,7 @@ from fake_engine import CharTokenizer
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from metal_engine.outputs import RequestOutput
+from metal_engine.outputs import EngineStats, RequestOutput
 from scheduler.sampling_params import StructuredOutput
 from server.app import build_app
 from server.async_engine import AsyncEngine
@@ -52,6 +52,9 @@ class CountingEngine:
     def abort_request(self, request_id):
         if self.live.pop(request_id, None) is not None:
             self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def has_unfinished_requests(self):
         return bool(self.live)

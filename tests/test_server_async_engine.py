@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from metal_engine.outputs import RequestOutput
+from metal_engine.outputs import EngineStats, RequestOutput
 from scheduler import SamplingParams
 from scheduler.sampling_params import StructuredOutput
 from server.async_engine import AsyncEngine, EngineError, QueueFull
@@ -63,6 +63,9 @@ class ScriptedEngine:
             return
         if self.requests.pop(request_id, None) is not None:
             self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -16,7 +16,7 @@ tokens, accepted tokens, and accepted tokens by draft position.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from scheduler.request import DRAFT_TOKEN, Request
@@ -34,6 +34,10 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+
+    def copy(self) -> SpecDecodeStats:
+        """A copy another thread may read while this one counts on."""
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
 
     @property
     def mean_accepted_length(self) -> float:

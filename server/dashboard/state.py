@@ -14,10 +14,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+from metal_engine.outputs import EngineStats
+from scheduler.stats import RequestState
 from server.async_engine import AsyncEngine, LiveRequest
 from server.dashboard import SCHEMA
 from server.dashboard.history import INTERVAL_S
-from server.engine_stats import EngineStats, RequestState
 from server.http.metrics import ServerMetrics
 from server.http.tenants import current_tenant
 

@@ -31,10 +31,9 @@ from prometheus_client.registry import Collector
 
 from kernels_metal.dispatch import Fallback
 from kernels_metal.fallbacks import all_fallbacks
-from metal_engine.outputs import RequestOutput
+from metal_engine.outputs import EngineStats, RequestOutput
 from scheduler.spec_decode.drafter import SpecDecodeStats
 from server.dashboard.history import RecentActivity
-from server.engine_stats import EngineStats
 
 LABEL_NAMES = ("model_name", "engine")
 ENGINE_INDEX = "0"

@@ -80,7 +80,7 @@ def default_tokenizer(default_model_dir):
 
 @pytest.fixture(scope="session")
 def tiny_llama_with_tokenizer(tiny_llama, default_tokenizer, tmp_path_factory):
-    """The tiny model dir with a tokenizer, as `LLMEngine.from_config` loads it."""
+    """The tiny model dir with a tokenizer, as `build_engine` loads it."""
     path = tmp_path_factory.mktemp("tiny-with-tokenizer")
     shutil.copytree(tiny_llama[1], path, dirs_exist_ok=True)
     default_tokenizer.save_pretrained(path)

@@ -143,7 +143,7 @@ def test_convert_cli_takes_a_repo_id_and_validates(hub_cache, tiny_hf, tmp_path,
 
 def test_serve_resolves_a_repo_id_and_names_the_model_after_it(hub_cache, tiny_hf,
                                                                 monkeypatch) -> None:
-    from metal_engine.engine import LLMEngine
+    from metal_engine import engine_build
 
     snapshot = add_repo(hub_cache, "org/tiny-llama", tiny_hf)
     seen = []
@@ -152,6 +152,6 @@ def test_serve_resolves_a_repo_id_and_names_the_model_after_it(hub_cache, tiny_h
         seen.append(config)
         raise ValueError("stop before serving")
 
-    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(from_config))
+    monkeypatch.setattr(engine_build, "build_engine", from_config)
     assert main(["serve", "org/tiny-llama", "--revision", "main"]) == 2
     assert seen[0].model_dir == snapshot and seen[0].model_name == "org/tiny-llama"

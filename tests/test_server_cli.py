@@ -108,7 +108,7 @@ def test_doctor_on_metal_checks_the_gpu_kernels(capsys):
     ],
 )
 def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, value):
-    from metal_engine.engine import LLMEngine
+    from metal_engine import engine_build
 
     seen = []
 
@@ -116,7 +116,7 @@ def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, val
         seen.append(config)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(capture))
+    monkeypatch.setattr(engine_build, "build_engine", capture)
     assert main(["serve", str(tmp_path), *argv]) == 2
     assert getattr(seen[0], field) == value
 
@@ -308,10 +308,10 @@ def test_the_cli_knows_the_kv_cache_dtypes_the_pool_does():
 
 @pytest.mark.parametrize(("argv", "value"), [([], "auto"), (["--kv-cache-dtype", "int4"], "int4")])
 def test_kv_cache_dtype_reaches_the_engine_config(tmp_path, monkeypatch, argv, value):
-    from metal_engine.engine import LLMEngine
+    from metal_engine import engine_build
 
     seen = []
-    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(
+    monkeypatch.setattr(engine_build, "build_engine", (
         lambda config: seen.append(config) or (_ for _ in ()).throw(ValueError("stop here"))))
     assert main(["serve", str(tmp_path), *argv]) == 2
     assert seen[0].kv_cache_dtype == value
@@ -321,15 +321,14 @@ def _loading_fails(monkeypatch) -> None:
     """Any weight load, engine start or conversion from here on fails the test."""
     import mlx.core as mx
 
-    from metal_engine import weights
-    from metal_engine.engine import LLMEngine
+    from metal_engine import engine_build, weights
 
     def loads(*args, **kwargs):
         raise AssertionError("--dry-run loaded weights")
 
     monkeypatch.setattr(mx, "load", loads)
     monkeypatch.setattr(weights, "load_model", loads)
-    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(loads))
+    monkeypatch.setattr(engine_build, "build_engine", loads)
     monkeypatch.setattr(convert, "ensure_default_model", loads)
     monkeypatch.setattr("convert.cache.convert_model", loads)
 
@@ -410,11 +409,11 @@ def test_serve_sets_mlxs_memory_limits_once_before_loading(tiny_llama_with_token
                                                            monkeypatch):
     import mlx.core as mx
 
-    from metal_engine.engine import LLMEngine
+    from metal_engine import engine_build
 
     events = []
     monkeypatch.setattr(mx, "set_cache_limit", lambda n: events.append("cache limit") or n)
-    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(
+    monkeypatch.setattr(engine_build, "build_engine", (
         lambda config: events.append("load") or (_ for _ in ()).throw(ValueError("stop"))))
     assert main(["serve", str(tiny_llama_with_tokenizer)]) == 2
     assert events == ["cache limit", "load"]

@@ -73,62 +73,47 @@ def _tiles_of(parallel: bool):
     return tiles
 
 
-# Spelled out: numba keeps scalars in registers (the compiler turns each into a vector of
-# partial sums over k), never a small array.
+# Sums in tuples, not arrays: numba keeps a tuple's scalars in registers (the compiler turns
+# each into a vector of partial sums over k), never a small array's.
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _add_products(u, v, sums):
+    """`sums + u * v` for one input row's value `u` and 4 weight rows' values `v` at one k."""
+    return sums[0] + u * v[0], sums[1] + u * v[1], sums[2] + u * v[2], sums[3] + u * v[3]
+
+
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _store(out, m, n, sums):
+    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = sums
+
+
 @numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
 def _tile_2x4(x, m, w0, w1, w2, w3, out, n):
     x0, x1 = x[m], x[m + 1]
-    a00 = a01 = a02 = a03 = np.float32(0.0)
-    a10 = a11 = a12 = a13 = np.float32(0.0)
+    zero = np.float32(0.0)
+    s0 = s1 = (zero, zero, zero, zero)
     for k in range(x.shape[1]):
-        v0, v1, v2, v3 = w0[k], w1[k], w2[k], w3[k]
-        u = x0[k]
-        a00 += u * v0
-        a01 += u * v1
-        a02 += u * v2
-        a03 += u * v3
-        u = x1[k]
-        a10 += u * v0
-        a11 += u * v1
-        a12 += u * v2
-        a13 += u * v3
-    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = a00, a01, a02, a03
-    out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2], out[m + 1, n + 3] = a10, a11, a12, a13
+        v = w0[k], w1[k], w2[k], w3[k]
+        s0 = _add_products(x0[k], v, s0)
+        s1 = _add_products(x1[k], v, s1)
+    _store(out, m, n, s0)
+    _store(out, m + 1, n, s1)
 
 
 @numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
 def _tile_4x4(x, m, w0, w1, w2, w3, out, n):
     x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-    a00 = a01 = a02 = a03 = np.float32(0.0)
-    a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = np.float32(0.0)
-    a30 = a31 = a32 = a33 = np.float32(0.0)
+    zero = np.float32(0.0)
+    s0 = s1 = s2 = s3 = (zero, zero, zero, zero)
     for k in range(x.shape[1]):
-        v0, v1, v2, v3 = w0[k], w1[k], w2[k], w3[k]
-        u = x0[k]
-        a00 += u * v0
-        a01 += u * v1
-        a02 += u * v2
-        a03 += u * v3
-        u = x1[k]
-        a10 += u * v0
-        a11 += u * v1
-        a12 += u * v2
-        a13 += u * v3
-        u = x2[k]
-        a20 += u * v0
-        a21 += u * v1
-        a22 += u * v2
-        a23 += u * v3
-        u = x3[k]
-        a30 += u * v0
-        a31 += u * v1
-        a32 += u * v2
-        a33 += u * v3
-    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = a00, a01, a02, a03
-    out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2], out[m + 1, n + 3] = a10, a11, a12, a13
-    out[m + 2, n], out[m + 2, n + 1], out[m + 2, n + 2], out[m + 2, n + 3] = a20, a21, a22, a23
-    out[m + 3, n], out[m + 3, n + 1], out[m + 3, n + 2], out[m + 3, n + 3] = a30, a31, a32, a33
+        v = w0[k], w1[k], w2[k], w3[k]
+        s0 = _add_products(x0[k], v, s0)
+        s1 = _add_products(x1[k], v, s1)
+        s2 = _add_products(x2[k], v, s2)
+        s3 = _add_products(x3[k], v, s3)
+    _store(out, m, n, s0)
+    _store(out, m + 1, n, s1)
+    _store(out, m + 2, n, s2)
+    _store(out, m + 3, n, s3)
 
 
 _tiles = _tiles_of(parallel=False)

@@ -186,20 +186,28 @@ def test_a_response_nobody_reads_is_dropped_after_the_timeout():
 
 
 def test_requests_in_flight_never_share_an_id():
-    with serving() as (engine, _, url):
-        engine.gate.clear()  # both requests wait in the engine, so both are in flight
+    engine = TextEngine()
+    bridge = AsyncEngine(engine)
+    with running_app(build_app(bridge, "m")) as url:
+        engine.gate.clear()  # both requests wait on the engine, so both are in flight
         answers: list[httpx.Response] = []
 
         def post() -> None:
             headers = {"X-Request-Id": "trace-7"}
             answers.append(httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=headers))
 
+        def wait_for(condition) -> None:
+            deadline = time.monotonic() + 5
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        # The second arrives while the engine holds the first in a step (the order a loaded
+        # machine gives), so it is counted at the bridge: it cannot reach the engine yet.
         threads = [threading.Thread(target=post) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 5
-        while len(engine.requests) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads[0].start()
+        wait_for(lambda: engine.requests)
+        threads[1].start()
+        wait_for(lambda: len(bridge.live_requests()) == 2)
         engine.gate.set()
         for thread in threads:
             thread.join(10)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.output import ScheduledRequest
+from scheduler.output import CacheKind, ScheduledRequest
 
 
 @dataclass
@@ -24,12 +24,13 @@ class _Row:
 
 
 class BlockTables:
-    """`group`: whose table a request's rows hold: "main" (`block_ids`) or "window" (the
-    sliding-window group's `window_block_ids`, whose entries out of the window may be stale:
-    the window's rows never read them)."""
+    """`kind`: the cache group whose tables the rows hold: "blocks" (`block_ids`) or another
+    group of blocks, such as "window" (the sliding-window group's, whose entries out of the
+    window may be stale: the window's rows never read them)."""
 
-    def __init__(self, rows: int = 64, blocks_per_row: int = 64, group: str = "main") -> None:
-        self.group = group
+    def __init__(self, rows: int = 64, blocks_per_row: int = 64,
+                 kind: CacheKind = "blocks") -> None:
+        self.kind = kind
         self.table = np.zeros((rows, blocks_per_row), np.int32)
         self._rows: dict[str, _Row] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -45,7 +46,8 @@ class BlockTables:
     def step_table(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
         """The scheduled requests' rows, brought up to date, in their order: `[num_reqs,
         max_blocks]` (a copy)."""
-        ids = [s.window_block_ids if self.group == "window" else s.block_ids for s in scheduled]
+        ids = [s.block_ids if self.kind == "blocks" else s.group_ids[self.kind]
+               for s in scheduled]
         width = max(map(len, ids))
         self._fit(width)
         rows = [self._update(s, block_ids) for s, block_ids in zip(scheduled, ids, strict=True)]

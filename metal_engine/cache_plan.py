@@ -13,7 +13,7 @@ no full group to give the memory to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -40,34 +40,67 @@ class CachePlan:
     bytes_per_state_slot: int = 0
 
 
+@dataclass(frozen=True)
+class GroupBytes:
+    """What the model's cache groups cost (see scheduler.cache_groups): a block of the
+    full-attention pools, and each other group's ids, sized by the requests that can run at
+    once rather than by tokens."""
+
+    bytes_per_block: int  # of the pools that keep every token
+    window_blocks: int = 0  # the sliding-window group's blocks
+    bytes_per_window_block: int = 0
+    live_state_slots: int = 0  # one recurrent state per running request
+    bytes_per_state_slot: int = 0
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What the groups beside the full pools take whatever the context."""
+        return (self.window_blocks * self.bytes_per_window_block
+                + self.live_state_slots * self.bytes_per_state_slot)
+
+
+def group_bytes(cfg: ModelConfig, dtype: mx.Dtype, block_size: int, max_num_seqs: int,
+                max_num_batched_tokens: int, quant: KVQuant | None = None) -> GroupBytes:
+    """`cfg`'s cache groups' bytes (K/V stored as `dtype`, or as `quant`'s codes and scales;
+    recurrent states stay `dtype`)."""
+    shapes, windowed = cfg.kv_pool_shapes(), cfg.windowed_pools()
+    full = bytes_per_block([s for i, s in enumerate(shapes) if i not in windowed],
+                           block_size, dtype, quant)  # fmt: skip
+    groups = GroupBytes(full)
+    if windowed:
+        groups = replace(
+            groups, bytes_per_window_block=bytes_per_block(shapes, block_size, dtype, quant) - full,
+            window_blocks=window_blocks(cfg.sliding_window, block_size, max_num_seqs,
+                                        max_num_batched_tokens))  # fmt: skip
+    if cfg.linear_attention is not None:
+        groups = replace(groups, live_state_slots=max_num_seqs,
+                         bytes_per_state_slot=RecurrentStates.bytes_per_slot(
+                             cfg.linear_attention, len(cfg.state_layers()), dtype))
+    return groups
+
+
 def plan_cache(cfg: ModelConfig, budget: int, dtype: mx.Dtype, block_size: int,
                max_num_seqs: int, max_num_batched_tokens: int,
                prefix_caching: bool, quant: KVQuant | None = None) -> CachePlan:
     """Split `budget` bytes between the groups `cfg`'s layers need (K/V stored as `dtype`,
     or as `quant`'s codes and scales; recurrent states stay `dtype`)."""
-    shapes = cfg.kv_pool_shapes()
-    windowed = cfg.windowed_pools()
+    groups = group_bytes(cfg, dtype, block_size, max_num_seqs, max_num_batched_tokens, quant)
     state = {}
-    if cfg.linear_attention is not None:
-        slot_bytes = RecurrentStates.bytes_per_slot(cfg.linear_attention,
-                                                    len(cfg.state_layers()), dtype)
-        num_slots = max_num_seqs
+    if groups.live_state_slots:
+        slot_bytes = groups.bytes_per_state_slot
+        num_slots = groups.live_state_slots
         if prefix_caching:
             num_slots += min(CHECKPOINTS_PER_SEQ * max_num_seqs,
                              int(budget * CHECKPOINT_SHARE) // slot_bytes)
         state = dict(num_state_slots=num_slots, bytes_per_state_slot=slot_bytes)
         budget -= num_slots * slot_bytes
-    all_bytes = bytes_per_block(shapes, block_size, dtype, quant)
-    if windowed:
-        full = bytes_per_block([s for i, s in enumerate(shapes) if i not in windowed],
-                               block_size, dtype, quant)  # fmt: skip
-        window_bytes = all_bytes - full
-        num_window = window_blocks(cfg.sliding_window, block_size, max_num_seqs,
-                                   max_num_batched_tokens)
-        if num_window < max(budget, 0) // all_bytes:  # else the split would save nothing
-            return CachePlan(max(budget - num_window * window_bytes, 0) // full, full,
-                             tuple(windowed), cfg.sliding_window, num_window, window_bytes,
-                             **state)  # fmt: skip
+    full, window_bytes = groups.bytes_per_block, groups.bytes_per_window_block
+    all_bytes = full + window_bytes
+    num_window = groups.window_blocks
+    if num_window and num_window < max(budget, 0) // all_bytes:  # else the split saves nothing
+        return CachePlan(max(budget - num_window * window_bytes, 0) // full, full,
+                         tuple(cfg.windowed_pools()), cfg.sliding_window, num_window,
+                         window_bytes, **state)  # fmt: skip
     return CachePlan(max(budget, 0) // all_bytes, all_bytes, **state)
 
 

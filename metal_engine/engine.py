@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_disk_connector import KVDiskConnector
+from metal_engine.output_check import RequestOutputCheck
 from metal_engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
@@ -37,10 +38,10 @@ class LLMEngine:
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, model_name: str,
-                 async_scheduling: bool = False, kv_connector: KVDiskConnector | None = None):
-        """`kv_connector` must be the connector the scheduler was given."""
+                 async_scheduling: bool = False, connector: KVDiskConnector | None = None):
+        """`connector`: the disk tier's, the one the scheduler was given."""
         self.runner = runner
-        self.kv_connector = kv_connector
+        self.connector = connector
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -49,7 +50,7 @@ class LLMEngine:
         )
         self.async_scheduling = async_scheduling
         self.structured = StructuredOutputs(tokenizer, self.eos_token_ids)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._checks: dict[str, RequestOutputCheck] = {}  # its text and grammar, by request
         self._pending: list[RequestOutput] = []
         self._in_flight: LaunchedStep | None = None
 
@@ -77,9 +78,8 @@ class LLMEngine:
         self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.stop
-        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        self._checks[request_id] = RequestOutputCheck(request_id, detokenizer, self.structured)
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.requests.get(request_id)
@@ -117,8 +117,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         self.runner.release(scheduled.finished_ids)
-        if self.kv_connector is not None:
-            self.kv_connector.before_step(scheduled.kv_plan)
+        if self.connector is not None:
+            self.connector.before_step(scheduled.kv_plan)
         previous, launched = self._in_flight, None
         if previous is not None and self._samples_behind_pending_history(scheduled):
             outputs += self._resolve(previous)  # `previous` still supplies the pending inputs
@@ -126,8 +126,8 @@ class LLMEngine:
         if not scheduled.is_empty:
             launched = self.runner.launch(scheduled, previous, self._sampling_context(scheduled))
             self.scheduler.advance(scheduled)
-        if self.kv_connector is not None:  # reads overlap the step just launched
-            self.kv_connector.after_launch(scheduled.kv_plan)
+        if self.connector is not None:  # reads overlap the step just launched
+            self.connector.after_launch(scheduled.kv_plan)
         finished, self._in_flight = self._in_flight, launched
         if not self.async_scheduling:
             finished, self._in_flight = launched, None
@@ -140,17 +140,11 @@ class LLMEngine:
         stop the other ranks (if any)."""
         if self.runner.peers is not None:
             self.runner.peers.stop()
-        if self.kv_connector is None:
+        if self.connector is None:
             return
         if self._in_flight is not None:
             self._in_flight.sampled()  # its K/V writes must land first
-        states = self.scheduler.states
-        window = self.scheduler.window
-        self.kv_connector.close({
-            "blocks": self.scheduler.pool.cached_blocks(),
-            "states": states.checkpoints() if states is not None else [],
-            "window": window.pool.cached_blocks() if window is not None else [],
-        })
+        self.connector.close(self.scheduler.cached())
 
     def _samples_behind_pending_history(self, scheduled: SchedulerOutput) -> bool:
         """Whether a request that reads its earlier tokens on the host to sample (penalties, a
@@ -173,51 +167,25 @@ class LLMEngine:
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
         sampled, logprobs = self.runner.sampled(launched), launched.sampled_logprobs()
-        updates = self.scheduler.resolve(launched.out, sampled)
-        if self.kv_connector is not None:  # before the outputs go out (write-through)
-            self.kv_connector.save_computed()
+        updates = self.scheduler.resolve(launched.out, sampled, self._checks)
+        if self.connector is not None:  # before the outputs go out (write-through)
+            self.connector.save_computed()
         return [self._process(u, logprobs.get(u.request.request_id)) for u in updates]
 
     def _process(self, update: RequestUpdate,
                  logprobs: list[TokenLogprobs] | None) -> RequestOutput:
-        """Detokenize a request's new tokens and check its stop strings and grammar after
-        each; the first that ends it drops the tokens after it (accepted drafts)."""
+        """A request's new tokens as text (all of it once the request has ended)."""
         request, reason = update.request, update.finish_reason
-        request_id, tokens = request.request_id, update.new_token_ids
-        detok = self._detokenizers[request_id]
-        grammar_complete, error, stop_string, count = False, None, None, 0
-        for token_id in tokens:
-            count += 1
-            grammar_complete = (
-                request_id in self.structured and self.structured.accept(request_id, token_id)
-            )
-            error = self.structured.failure(request_id)
-            stop_string = detok.add_token(token_id)
-            if error is not None or stop_string or grammar_complete:
-                break
-        ended_early = count < len(tokens)  # before a token that the scheduler judged
-        if ended_early:  # the accepted tokens after the end are not the request's
-            request.truncate_outputs(update.num_output_tokens - (len(tokens) - count))
-        if error is not None:  # the output left its grammar: it fails, whatever else ended it
-            log.warning("request %s: its grammar failed while generating; ending it", request_id)
-            if reason is None or ended_early:
-                self.scheduler.finish_request(request_id, "error")
-            reason, stop_string = "error", None
-        elif (stop_string or grammar_complete) and (reason is None or ended_early):
-            reason = "stop"
-            self.scheduler.finish_request(request_id, reason)
-        else:
-            stop_string = None  # the scheduler had ended it first (length, a stop token)
-        text = detok.take_delta(final=reason is not None)
+        text = self._checks[request.request_id].take_delta(final=reason is not None)
         if reason is not None:
-            self._forget(request_id)
-        return self._output(request, tokens[:count], text, reason,
-                            update.num_output_tokens - (len(tokens) - count),
-                            logprobs[:count] if logprobs is not None else [],
-                            stop_string, error)
+            self._forget(request.request_id)
+        tokens = update.new_token_ids
+        return self._output(request, tokens, text, reason, update.num_output_tokens,
+                            logprobs[: len(tokens)] if logprobs is not None else [],
+                            update.stop_string, update.error)
 
     def _forget(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
+        self._checks.pop(request_id, None)
         self.structured.remove(request_id)
 
     @staticmethod

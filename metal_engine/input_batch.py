@@ -52,9 +52,9 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
     tables = tables if tables is not None else BlockTables(len(scheduled))
     block_tables, slots = _paging(tables, scheduled, request_of_row, positions, block_size)
     windowed = None
-    if scheduled[0].window_block_ids:
+    if "window" in scheduled[0].group_ids:
         if window_tables is None:
-            window_tables = BlockTables(len(scheduled), group="window")
+            window_tables = BlockTables(len(scheduled), kind="window")
         window_block_tables, window_slots = _paging(window_tables, scheduled, request_of_row,
                                                     positions, block_size)  # fmt: skip
         windowed = AttentionMetadata(cu_seqlens, starts + q_lens, window_block_tables,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from metal_engine.kv_disk_store import KVDiskStore
-from scheduler.kv_connector import TierLookup
+from scheduler.kv_connector import TierLookup, TierShare
 from scheduler.output import CacheKind, KVTransferPlan
 from scheduler.prefix_hash import BlockHash
 
@@ -90,7 +90,7 @@ class KVDiskConnector:
 
     # -- scheduler side: hashes and ids, no file reads ----------------------------------------
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> TierLookup:
+    def lookup(self, hashes: Sequence[BlockHash]) -> TierShare:
         tier, ready = self._blocks, []
         for index, block_hash in enumerate(hashes):
             if block_hash not in tier.staged:
@@ -100,10 +100,10 @@ class KVDiskConnector:
                         break
                     unread.append(later)
                 tier.wanted.update(ready)
-                return TierLookup(ready, unread)
+                return TierShare(ready, unread)
             ready.append(block_hash)
         tier.wanted.update(ready)
-        return TierLookup(ready, [])
+        return TierShare(ready, [])
 
     def find(self, kind: CacheKind, block_hash: BlockHash) -> str | None:
         tier = self._tiers.get(kind)
@@ -115,15 +115,10 @@ class KVDiskConnector:
         return "unread" if block_hash in tier.store else None
 
     def read_ahead(self, lookup: TierLookup) -> None:
-        reads = self._plan.blocks.reads
-        queued = set(reads)
-        reads += [h for h in lookup.unread if h not in queued]
-        state_reads = self._plan.states.reads
-        if lookup.checkpoint_unread and lookup.checkpoint not in state_reads:
-            state_reads.append(lookup.checkpoint)
-        window_reads = self._plan.window.reads
-        queued = set(window_reads)
-        window_reads += [h for h in lookup.window_unread if h not in queued]
+        for kind, share in lookup.shares.items():
+            reads = self._plan.of(kind).reads
+            queued = set(reads)
+            reads += [h for h in share.unread if h not in queued]
 
     def load(self, kind: CacheKind, items: Sequence[tuple[int, BlockHash]]) -> None:
         self._plan.of(kind).loads += items

@@ -25,12 +25,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from kernels_metal.kv_quant import kv_quant_of
-from metal_engine.cache_plan import window_blocks
+from metal_engine.cache_plan import group_bytes
 from metal_engine.config import default_token_budget
 from metal_engine.model_config import ModelConfig
 from metal_engine.model_dtype import resolve_dtype
-from metal_engine.pool_bytes import bytes_per_block
-from metal_engine.recurrent_states import RecurrentStates
 
 if TYPE_CHECKING:
     from metal_engine.config import EngineConfig
@@ -123,23 +121,14 @@ class KVFootprint:
 
 def kv_footprint(cfg: ModelConfig, dtype: mx.Dtype, kv_cache_dtype: str, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int) -> KVFootprint:
-    """`cfg`'s pools under `--kv-cache-dtype` (ValueError naming the choices if bad). Prefix-
-    cache state checkpoints of hybrid models come out of the budget besides (cache_plan)."""
-    quant = kv_quant_of(kv_cache_dtype)
-    shapes, windowed = cfg.kv_pool_shapes(), set(cfg.windowed_pools())
-    full = [s for i, s in enumerate(shapes) if i not in windowed]
-    fixed = 0
-    if windowed:
-        blocks = window_blocks(cfg.sliding_window, block_size, max_num_seqs,
-                               max_num_batched_tokens)
-        fixed += blocks * bytes_per_block([shapes[i] for i in sorted(windowed)], block_size,
-                                          dtype, quant)
-    if cfg.linear_attention is not None:
-        fixed += max_num_seqs * RecurrentStates.bytes_per_slot(
-            cfg.linear_attention, len(cfg.state_layers()), dtype)
+    """`cfg`'s cache groups under `--kv-cache-dtype` (ValueError naming the choices if bad).
+    Prefix-cache state checkpoints of hybrid models come out of the budget besides
+    (cache_plan)."""
+    groups = group_bytes(cfg, dtype, block_size, max_num_seqs, max_num_batched_tokens,
+                         kv_quant_of(kv_cache_dtype))
     name = str(dtype).removeprefix("mlx.core.")
-    return KVFootprint(kv_cache_dtype, name, block_size,
-                       bytes_per_block(full, block_size, dtype, quant), fixed)
+    return KVFootprint(kv_cache_dtype, name, block_size, groups.bytes_per_block,
+                       groups.fixed_bytes)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Linear-attention layers' state, in slots: per layer a conv state
 `[slots, kernel - 1, conv_dim]` and a recurrent state `[slots, Hv, Dk, Dv]` (float32).
 
-The scheduler hands out the slots (scheduler.state_cache): each running request computes in
-its live slot, and checkpoints are copies of a live slot at a block boundary. The runner
+The scheduler hands out the slots (scheduler.cache_groups.recurrent_state): each running
+request computes in its live slot, and checkpoints are copies of a live slot at a block
+boundary. The runner
 `bind`s the step's rows to their requests' slots and `copy`s slots as the step's state plan
 says. A request fed from position 0 starts from zeros (a recomputed request starts over).
 Like the KV pools, a layer `take`s its pair and `put`s it back, so the scatter can write in
@@ -19,6 +20,7 @@ import numpy as np
 from metal_engine.kv_disk_store import StateLayout
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.pool_bytes import RAW_BITS
+from scheduler.output import ScheduledRequest
 
 
 class RecurrentStates:
@@ -42,10 +44,13 @@ class RecurrentStates:
         recurrent = cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim * 4
         return num_layers * (conv + recurrent)
 
-    def bind(self, slots: Sequence[int], start_positions: Sequence[int]) -> None:
-        """The step's requests' slots and start positions, in row order."""
-        self.step_slots = mx.array(np.array(slots, np.int32))
-        self.step_keep = mx.array(np.array([p > 0 for p in start_positions], np.float32))
+    def bind(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """The step's requests' slots (their "states" cache group's id) and whether each
+        continues a state (starts past position 0), in row order."""
+        self.step_slots = mx.array(np.array([s.group_ids["states"][0] for s in scheduled],
+                                            np.int32))
+        self.step_keep = mx.array(np.array([s.start_position > 0 for s in scheduled],
+                                           np.float32))
 
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy slot `source` into slot `target` of every layer, for each (source, target)."""

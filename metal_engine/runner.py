@@ -119,7 +119,7 @@ class ModelRunner:
         self.peers = peers
         self.stage = stage
         self.block_tables = BlockTables()
-        self.window_tables = BlockTables(group="window")
+        self.window_tables = BlockTables(kind="window")
         self._queued = False  # work queued on the device and not waited for since
         self._released: list[str] = []  # for the peers, with the next step
         # Token histories of the requests whose sampling reads them, from their admission
@@ -151,8 +151,7 @@ class ModelRunner:
         states = self.cache.states
         if states is not None:
             states.copy(out.state_plan.restores)
-            states.bind([s.state_slot for s in out.scheduled],
-                        [s.start_position for s in out.scheduled])
+            states.bind(out.scheduled)
         hidden = self.model(input_ids, mx.array(step.positions), step.attention, self.cache)
         if states is not None:
             states.copy(out.state_plan.saves)

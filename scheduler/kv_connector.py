@@ -9,9 +9,10 @@ connector carries out around the step:
                       load   staged payload -> pool (a request admitted over it)
     after launching:  read   tier -> staging        (a waiting request needs it next step)
 
-Each kind of cached data moves that way under its own `CacheKind`: KV blocks between pool block
-ids and the tier, and hybrid models' recurrent-state checkpoints (scheduler.state_cache)
-between state slots and the tier, keyed by the hash of the block they end at.
+Each cache group's data moves that way under its own `CacheKind` (scheduler.cache_groups):
+KV blocks between pool block ids and the tier, a sliding window's blocks likewise, and hybrid
+models' recurrent-state checkpoints between state slots and the tier, keyed by the hash of
+the block they end at.
 """
 
 from __future__ import annotations
@@ -24,34 +25,36 @@ from scheduler.output import CacheKind, KVTransferPlan
 from scheduler.prefix_hash import BlockHash
 
 
-@dataclass(frozen=True)
+@dataclass
+class TierShare:
+    """What the tier holds of one cache group's part of a prefix hit, in chain order: data
+    read into memory (`ready`, loadable this step) and data still on disk (`unread`; the
+    request waits for it rather than compute it)."""
+
+    ready: list[BlockHash] = field(default_factory=list)
+    unread: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass
 class TierLookup:
-    """A request's blocks right after its pool hits, as the tier has them.
+    """A prefix hit's share in the tier, per cache group that has one: the KV blocks right
+    after the pool's hits ("blocks"), and what the other groups need there that memory
+    lacks (a state checkpoint, a sliding window's blocks)."""
 
-    `ready`: read into memory, loadable into the pool this step. `unread`: the stored blocks
-    after those, still on disk; the request waits for them rather than compute them.
-    """
+    shares: dict[CacheKind, TierShare] = field(default_factory=dict)
 
-    ready: list[BlockHash]
-    unread: list[BlockHash]
-    # Hybrid models: the hash of the block whose state checkpoint the request resumes from,
-    # when the tier holds it (None: the pool does, or no checkpoint is needed), and whether it
-    # is still on disk.
-    checkpoint: BlockHash | None = None
-    checkpoint_unread: bool = False
-    # Sliding-window group: the blocks it needs that the tier holds, read or not.
-    window_ready: list[BlockHash] = field(default_factory=list)
-    window_unread: list[BlockHash] = field(default_factory=list)
+    def of(self, kind: CacheKind) -> TierShare:
+        return self.shares.get(kind) or TierShare()
 
     @property
     def is_ready(self) -> bool:
-        return not (self.unread or self.checkpoint_unread or self.window_unread)
+        return not any(share.unread for share in self.shares.values())
 
 
 class KVConnectorScheduler(Protocol):
     """The scheduler side. Single-threaded; called only from `Scheduler`. Reads no storage."""
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> TierLookup:
+    def lookup(self, hashes: Sequence[BlockHash]) -> TierShare:
         """Of `hashes` (a request's uncached prefix, in chain order), the leading run of
         blocks the tier holds. Marks the ready ones as wanted this step; changes nothing else."""
 

@@ -1,10 +1,11 @@
 """The step contract: what the scheduler hands the runner each step and what a step did.
 
-    SchedulerOutput    the step: each scheduled request's share (`ScheduledRequest`, with the
-                       `TokenHistory` of one admitted that samples from its history), the
-                       requests finished since the last step, and the step's plans: moves
-                       to and from the KV tier (`KVTransferPlan`) and copies between
-                       recurrent-state slots (`StatePlan`)
+    SchedulerOutput    the step: each scheduled request's share (`ScheduledRequest`: its
+                       tokens, its ids in each cache group, the `TokenHistory` of one
+                       admitted that samples from its history), the requests finished since
+                       the last step, and the step's plans: moves to and from the KV tier
+                       (`KVTransferPlan`) and copies between recurrent-state slots
+                       (`StatePlan`)
     RequestUpdate      what one step did to one request
 
 Plain data, imported by both sides; it imports no scheduler machinery.
@@ -13,15 +14,15 @@ Plain data, imported by both sides; it imports no scheduler machinery.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
 
-# What a tier holds, each in memory under its own ids: "blocks" (KV pool block ids),
-# "states" (state slots holding checkpoints), "window" (a sliding-window group's block ids).
-CacheKind = Literal["blocks", "states", "window"]
+# A cache group's name (scheduler.cache_groups), under which its data moves to and from the
+# tier and its ids reach the runner: "blocks" (the KV blocks of every token), "window" (a
+# sliding-window group's blocks), "states" (recurrent-state slots).
+CacheKind = str
 
 
 @dataclass
@@ -41,16 +42,17 @@ class TierMoves:
 class KVTransferPlan:
     """One step's moves between memory and the tier, per cache kind. Plain data."""
 
-    blocks: TierMoves = field(default_factory=TierMoves)
-    states: TierMoves = field(default_factory=TierMoves)
-    window: TierMoves = field(default_factory=TierMoves)
+    moves: dict[CacheKind, TierMoves] = field(default_factory=dict)
 
     def of(self, kind: CacheKind) -> TierMoves:
-        return getattr(self, kind)
+        moves = self.moves.get(kind)
+        if moves is None:
+            moves = self.moves[kind] = TierMoves()
+        return moves
 
     @property
     def is_empty(self) -> bool:
-        return self.blocks.is_empty and self.states.is_empty and self.window.is_empty
+        return all(moves.is_empty for moves in self.moves.values())
 
 
 @dataclass
@@ -97,9 +99,10 @@ class ScheduledRequest:
     samples: bool
     params: SamplingParams
     num_output_tokens: int
-    state_slot: int | None = None  # hybrid models: the slot of its recurrent state
-    # Sliding-window group: its block table (null entries out of the window).
-    window_block_ids: list[int] = field(default_factory=list)
+    # Its ids in the cache groups beside its KV blocks, by kind: a sliding-window group's
+    # block table ("window", null entries out of the window), its recurrent-state slot
+    # ("states", one id).
+    group_ids: dict[CacheKind, list[int]] = field(default_factory=dict)
     draft_token_ids: list[int] = field(default_factory=list)
     token_epoch: int = 0  # the request's when scheduled (see Request.token_epoch)
     # Set in the step that admits a request whose sampling reads its history (not basic).
@@ -122,10 +125,13 @@ class SchedulerOutput:
 
 @dataclass
 class RequestUpdate:
-    """What one step did to one request: tokens appended and, at the end, why it stopped."""
+    """What one step did to one request: tokens appended and, at the end, why it stopped
+    (scheduler.stopping): with the stop string that ended it, or what failed ("error")."""
 
     request: Request
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     num_output_tokens: int  # the request's outputs up to and including these
     num_draft_tokens: int = 0  # drafts the step verified (len(new_token_ids) - 1 accepted)
+    stop_string: str | None = None
+    error: str | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
 from typing import Literal
 
 from scheduler.sampling_params import SamplingParams
@@ -24,18 +23,6 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
-
-
-@dataclass
-class PendingSave:
-    """A checkpoint a step in flight is writing: its slot, the boundary (in tokens) and
-    whether it is a decode checkpoint (superseded by the request's next one). Its block hash
-    is known once the step resolves: the last token before the boundary may be pending."""
-
-    slot: int
-    boundary: int
-    decode: bool
-
 
 
 class Request:
@@ -70,6 +57,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
+        # Its KV blocks, a block per block of tokens (the anchor cache group's table; the
+        # other groups keep theirs, see scheduler.cache_groups).
         self.block_ids: list[int] = []
         self.block_table_epoch = 0  # new whenever block_ids starts over (each admission)
         # Prefix caching: hashes of full blocks of `all_token_ids` (content and salt only, so
@@ -79,15 +68,6 @@ class Request:
         self.num_hashed_blocks = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0  # times the scheduler took its blocks back
-        # Hybrid models: the live state slot while running, checkpoints its steps in flight
-        # are writing, and its newest committed decode checkpoint (replaced by the next).
-        self.state_slot: int | None = None
-        self.pending_saves: list[PendingSave] = []
-        self.state_snapshot: int | None = None  # its state before drafts a step verifies
-        self.decode_checkpoint: bytes | None = None
-        # Sliding-window group: its block per block of the sequence (null once out of the
-        # window; see scheduler.window_blocks).
-        self.window_block_ids: list[int] = []
         # Outputs a step in flight has yet to settle, always the last ones: tokens it is
         # sampling (PENDING_TOKEN) and drafts it verifies (taken as accepted until it says
         # otherwise). `token_epoch` changes whenever such drafts are dropped: a step scheduled
@@ -183,17 +163,3 @@ class Request:
     def reached_length(self, max_model_len: int) -> bool:
         """Whether the outputs so far (pending ones too) leave no room for another token."""
         return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
-
-    def check_stop(self, index: int, max_model_len: int) -> FinishReason | None:
-        """Stop by token id or length, judged on the output token at `index`."""
-        token = self.output_token_ids[index]
-        if not self.params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if token in self.params.stop_token_ids:
-            return "stop"
-        num_outputs = index + 1
-        if num_outputs >= self.params.max_tokens or (
-            self.num_prompt_tokens + num_outputs >= max_model_len
-        ):
-            return "length"
-        return None

@@ -12,46 +12,48 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from scheduler.block_pool import BlockPool, cdiv
+from scheduler.cache_groups import CacheGroup, FullAttentionGroup, groups_for
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnectorScheduler, TierLookup
-from scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput, TokenHistory
+from scheduler.output import (
+    CacheKind,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenHistory,
+)
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.spec_decode.drafter import Drafter
-from scheduler.state_cache import StateCache
 from scheduler.stats import RequestState, SchedulerStats
+from scheduler.stopping import OutputCheck, judge
 from scheduler.waiting_queue import WaitingQueue
-from scheduler.window_blocks import WindowBlocks
 
 
 class Scheduler:
-    """Owns request state and the block pool. Not thread-safe: one engine thread calls it."""
+    """Owns request state and the cache groups. Not thread-safe: one engine thread calls it."""
 
     def __init__(self, config: SchedulerConfig,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None,
+                 groups: list[CacheGroup] | None = None) -> None:
         """`connector` (optional): the scheduler side of a KV tier past the pool (the disk),
-        which keeps cached blocks the pool evicts, for later hits."""
+        which keeps cached blocks the pool evicts, for later hits. `groups`: the cache
+        groups beside the full-attention blocks every model has (default: those `config`
+        sizes, see groups_for)."""
         self.config = config
         self.connector = connector if config.enable_prefix_caching else None
-        self.states = None
-        if config.num_state_slots:
-            interval = config.state_checkpoint_interval if config.enable_prefix_caching else None
-            self.states = StateCache(config.num_state_slots, config.block_size, interval,
-                                     self.connector)
-        self.window = None
-        if config.num_window_blocks:
-            self.window = WindowBlocks(config.num_window_blocks, config.block_size,
-                                       config.window, self.connector)
-        self.pool = BlockPool(config.num_blocks, on_evict=self._block_evicted)
-        self.prefix_cache = PrefixCache(self.pool, config.block_size,
-                                        config.enable_prefix_caching, self.connector,
-                                        self.states, self.window)  # fmt: skip
+        anchor = FullAttentionGroup(config.num_blocks, config.block_size, self.connector,
+                                    self._block_evicted)
+        beside = groups_for(config, self.connector) if groups is None else groups
+        self.groups: list[CacheGroup] = [anchor, *beside]
+        self.pool: BlockPool = anchor.pool  # every token's K/V
+        self.prefix_cache = PrefixCache(self.groups, config.block_size,
+                                        config.enable_prefix_caching, self.connector)
         self.drafter = None
         if config.speculative is not None:
             self.drafter = Drafter(config.speculative, config.max_num_batched_tokens,
-                                   config.max_model_len,
-                                   self.states.draft_room if self.states else None)
+                                   config.max_model_len, self._draft_room)
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -97,20 +99,30 @@ class Scheduler:
                 "--scheduling-policy priority"
             )
 
-    def _block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
-        """A cached block is being reused: its state checkpoint goes with it, and the disk
-        tier may keep its contents."""
-        if self.states is not None:
-            self.states.forget(block_hash)
-        if self.connector is not None:
-            self.connector.evicted("blocks", block_id, block_hash)
+    def group(self, kind: CacheKind) -> CacheGroup | None:
+        """The cache group of `kind`, if the model has one."""
+        return next((g for g in self.groups if g.kind == kind), None)
+
+    def cached(self) -> dict[CacheKind, list[tuple[int, BlockHash]]]:
+        """What each group holds cached: (id, hash) by kind (for the tier, at shutdown)."""
+        return {group.kind: group.cached() for group in self.groups}
+
+    def _block_evicted(self, block_hash: BlockHash) -> None:
+        """A cached anchor block is being reused: the other groups' data at it goes too."""
+        for group in self.groups[1:]:
+            group.block_evicted(block_hash)
+
+    def _draft_room(self, start: int) -> int:
+        return min(group.draft_room(start) for group in self.groups)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
         """The scheduler's numbers now, as plain data (about 0.3 us a request)."""
-        cache_stats, states = self.prefix_cache.stats, self.states
+        cache_stats = self.prefix_cache.stats
+        states = self.group("states")
+        used_slots, num_slots = states.usage() if states is not None else (0, 0)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -119,13 +131,13 @@ class Scheduler:
             block_size=self.config.block_size,
             prefix_cache_queried_tokens=cache_stats.queried_tokens,
             prefix_cache_hit_tokens=cache_stats.hit_tokens - cache_stats.stored_hit_tokens,
-            has_kv_disk=self.prefix_cache.store is not None,
+            has_kv_disk=self.prefix_cache.connector is not None,
             kv_disk_queried_tokens=cache_stats.stored_queried_tokens,
             kv_disk_hit_tokens=cache_stats.stored_hit_tokens,
             num_preemptions=self.num_preemptions,
             spec_decode=self.drafter.stats.copy() if self.drafter is not None else None,
-            num_state_slots=states.pool.num_blocks if states else 0,
-            num_used_state_slots=states.pool.num_used_blocks if states else 0,
+            num_state_slots=num_slots,
+            num_used_state_slots=used_slots,
             requests=tuple(
                 RequestState(r.request_id, running, r.num_computed_tokens, r.num_cached_tokens,
                              r.num_preemptions)
@@ -157,8 +169,8 @@ class Scheduler:
             self._add_drafts(out, budget)
         if self.connector is not None:
             out.kv_plan = self.connector.take_plan()
-        if self.states is not None:
-            out.state_plan = self.states.take_plan()
+        for group in self.groups:
+            group.take_plan(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -172,8 +184,8 @@ class Scheduler:
                 continue  # preempted this step to make room for another
             if request.reached_length(self.config.max_model_len):
                 continue  # its last token is still being sampled; nothing more to compute
-            if request.state_snapshot is not None:
-                continue  # its recurrent state may go back to before the drafts in flight
+            if any(group.holds_back(request) for group in self.groups):
+                continue  # e.g. its recurrent state may go back to before the drafts in flight
             num_new = min(request.num_uncomputed_tokens, budget)
             num_new = self._cut(request, request.num_computed_tokens, num_new)
             while not self._reserve_blocks(request, num_new):
@@ -208,12 +220,14 @@ class Scheduler:
             if self._next_block_in_flight(request, hits, in_flight):
                 continue
             hits, stored = self.prefix_cache.lookup_stored(request, hits)
-            if not self._can_admit(request, hits, len(stored.ready) + len(stored.unread), budget):
+            blocks = stored.of("blocks")
+            if not self._can_admit(request, len(hits) + len(blocks.ready) + len(blocks.unread),
+                                   budget):
                 break
             if not stored.is_ready:  # read once it fits; a block that fails to read is computed
                 self.connector.read_ahead(stored)
                 continue
-            num_new = self._num_new(request, len(hits) + len(stored.ready), budget)
+            num_new = self._num_new(request, len(hits) + len(blocks.ready), budget)
             self._admit(request, hits, stored, num_new, out)
             in_flight.update(request.block_hashes[request.num_hashed_blocks :])
             budget -= num_new
@@ -227,12 +241,12 @@ class Scheduler:
         for item, request, drafts in self.drafter.assign(scheduled, budget):
             if not self._reserve_blocks(request, 1 + len(drafts)):
                 continue
-            if self.states is not None and not self.states.snapshot(request):
+            if not all(group.before_drafts(request) for group in self.groups):
                 continue
             item.token_ids = [*item.token_ids, *drafts]
             item.draft_token_ids = drafts
             item.block_ids = list(request.block_ids)
-            item.window_block_ids = list(request.window_block_ids)
+            item.group_ids = self._group_ids(request)
 
     def _blocks_in_flight(self) -> set[BlockHash]:
         """Hashes of the full blocks that running requests have yet to compute and cache."""
@@ -248,12 +262,9 @@ class Scheduler:
 
     def _admit(self, request: Request, hits: list[int], stored: TierLookup, num_new: int,
                out: SchedulerOutput) -> None:
-        self.prefix_cache.take(request, hits, stored.ready)
+        self.prefix_cache.admit(request, hits, stored)
         reserved = self._reserve_blocks(request, num_new)
         assert reserved, "_can_admit counted the blocks"
-        if self.states is not None:
-            self.states.start(request, len(hits) + len(stored.ready),
-                              from_tier=stored.checkpoint is not None)
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -269,34 +280,22 @@ class Scheduler:
         return self._cut(request, num_cached, min(request.num_tokens - num_cached, budget))
 
     def _cut(self, request: Request, start: int, num_new: int) -> int:
-        """A hybrid model's chunk ends at a state checkpoint inside it (see state_cache)."""
-        return num_new if self.states is None else self.states.cut(request, start, num_new)
+        """A chunk ends where a group must see a boundary (a hybrid model's checkpoint)."""
+        for group in self.groups:
+            num_new = group.cut(request, start, num_new)
+        return num_new
 
-    def _can_admit(self, request: Request, hits: list[int], num_stored: int,
-                   budget: int) -> bool:
-        """Whether the pool can back `hits`, `num_stored` loaded blocks after them and the
-        first step's new tokens after those. Changes nothing."""
-        block_size = self.config.block_size
-        num_new = self._num_new(request, len(hits) + num_stored, budget)
-        needed = cdiv((len(hits) + num_stored) * block_size + num_new, block_size)
-        # A cached block that is free leaves the free list when taken.
-        free_hits = sum(1 for block_id in hits if self.pool.refcount(block_id) == 0)
-        if self.states is not None and self.states.num_free_slots < 1:
-            return False
-        if self.window is not None and not self.window.can_take(
-                request, len(hits) + num_stored, num_new):
-            return False
-        return needed - len(hits) <= self.pool.num_free_blocks - free_hits
+    def _can_admit(self, request: Request, num_blocks: int, budget: int) -> bool:
+        """Whether every group can back a request admitted over `num_blocks` cached blocks
+        (the pool's and the tier's) and its first step's new tokens. Changes nothing."""
+        num_new = self._num_new(request, num_blocks, budget)
+        return all(group.can_admit(request, num_blocks, num_new) for group in self.groups)
 
     def _reserve_blocks(self, request: Request, num_new: int) -> bool:
-        needed = cdiv(request.num_computed_tokens + num_new, self.config.block_size)
-        missing = needed - len(request.block_ids)
-        if missing > 0:
-            blocks = self.pool.allocate(missing)
-            if blocks is None:
-                return False
-            request.block_ids.extend(blocks)
-        return self.window is None or self.window.reserve(request, num_new)
+        return all(group.reserve(request, num_new) for group in self.groups)
+
+    def _group_ids(self, request: Request) -> dict[CacheKind, list[int]]:
+        return {group.kind: group.ids(request) for group in self.groups[1:]}
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, request: Request) -> int:
@@ -312,18 +311,16 @@ class Scheduler:
         self.num_preemptions += 1
         request.num_preemptions += 1
         self.running.remove(request)
-        self.pool.free(request.block_ids)
-        request.block_ids = []
+        self._release_groups(request)
         request.num_computed_tokens = 0
         request.num_hashed_blocks = 0
-        self._release_groups(request)
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        if self.states is not None:
-            self.states.scheduled(request, num_new)
+        for group in self.groups:
+            group.scheduled(request, num_new)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
@@ -333,8 +330,7 @@ class Scheduler:
             samples=start + num_new == request.num_tokens,
             params=request.params,
             num_output_tokens=request.num_output_tokens,
-            state_slot=request.state_slot,
-            window_block_ids=list(request.window_block_ids),
+            group_ids=self._group_ids(request),
             token_epoch=request.token_epoch,
         )
 
@@ -350,13 +346,14 @@ class Scheduler:
             if item.samples:
                 request.append_pending(item.draft_token_ids)
 
-    def resolve(self, out: SchedulerOutput,
-                sampled: Mapping[str, int | list[int]]) -> list[RequestUpdate]:
+    def resolve(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]],
+                checks: Mapping[str, OutputCheck] | None = None) -> list[RequestUpdate]:
         """Fill in a launched step's sampled tokens; finish requests that stop on them.
 
         `sampled` maps each scheduled request that sampled to its token or, for one that
         verified drafts, to its accepted drafts and the token after them. Drafts it rejected
-        are dropped with whatever a later step scheduled after them.
+        are dropped with whatever a later step scheduled after them. `checks`: each
+        request's checks on its output text and grammar, if it has any (scheduler.stopping).
 
         Blocks that became full in the step are registered in the prefix cache now, so a
         request admitted next step can share them even while this one still runs.
@@ -374,34 +371,31 @@ class Scheduler:
             num_computed = item.start_position + len(item.token_ids) - num_drafts
             if item.samples:
                 num_computed += len(tokens) - 1  # the accepted drafts' K/V are the drafts'
-            if num_drafts and request.state_snapshot is not None:  # hybrid: recompute them
-                self.states.settle(request, rejected)
-                num_computed = item.start_position if rejected else num_computed
+            if num_drafts and self._drafts_resolved(request, rejected) and rejected:
+                num_computed = item.start_position  # a group went back: recompute them
             if request.status == RequestStatus.RUNNING:
                 if rejected:
                     request.num_computed_tokens = num_computed
                 self.prefix_cache.register(request, num_computed)
-                if self.states is not None:
-                    self.states.resolved(request, num_computed)
             if not item.samples:
                 continue
             if self.drafter is not None:
                 self.drafter.record(request, num_drafts, len(tokens) - 1)
-            updates.append(self._stop_check(request, index, tokens, num_drafts))
+            check = checks.get(request.request_id) if checks is not None else None
+            updates.append(self._stop_check(request, index, tokens, num_drafts, check))
         return updates
 
-    def _stop_check(self, request: Request, index: int, tokens: list[int],
-                    num_drafts: int) -> RequestUpdate:
+    def _stop_check(self, request: Request, index: int, tokens: list[int], num_drafts: int,
+                    check: OutputCheck | None) -> RequestUpdate:
         """Judge the new outputs `index ..` in order; the first that stops the request ends
         it, and the ones after it are dropped."""
-        for offset in range(len(tokens)):
-            reason = request.check_stop(index + offset, self.config.max_model_len)
-            if reason is not None:
-                request.truncate_outputs(index + offset + 1)
-                self.finish_request(request.request_id, reason)
-                return RequestUpdate(request, tokens[: offset + 1], reason, index + offset + 1,
-                                     num_drafts)
-        return RequestUpdate(request, tokens, None, index + len(tokens), num_drafts)
+        kept, stop = judge(request, index, tokens, self.config.max_model_len, check)
+        if stop is None:
+            return RequestUpdate(request, tokens, None, index + kept, num_drafts)
+        request.truncate_outputs(index + kept)
+        self.finish_request(request.request_id, stop.reason)
+        return RequestUpdate(request, tokens[:kept], stop.reason, index + kept, num_drafts,
+                             stop.stop_string, stop.error)
 
     def _request_of(self, item: ScheduledRequest) -> Request | None:
         """The request a step's share belongs to, unless it has finished or dropped the
@@ -411,19 +405,20 @@ class Scheduler:
             return None
         return request
 
+    def _drafts_resolved(self, request: Request, rejected: bool) -> bool:
+        """Tell every group; whether one went back to before the drafts."""
+        went_back = [group.drafts_resolved(request, rejected) for group in self.groups]
+        return any(went_back)
+
     def _release_groups(self, request: Request) -> None:
-        """Give back what a request leaving the batch holds beside its KV blocks."""
-        if self.states is not None:
-            self.states.stop(request)
-        if self.window is not None:
-            self.window.release(request)
+        """Give back what a request leaving the batch holds in every group."""
+        for group in self.groups:
+            group.release(request)
 
     def _release(self, request: Request, reason: FinishReason) -> None:
         request.drop_pending_outputs()
         if self.drafter is not None:
             self.drafter.finish(request)
-        self.pool.free(request.block_ids)
-        request.block_ids = []
         self._release_groups(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

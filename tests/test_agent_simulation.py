@@ -66,7 +66,7 @@ def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
         num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS, max_num_batched_tokens=2048,
         max_model_len=2048,
     ), connector)  # fmt: skip
-    return LLMEngine(runner, scheduler, tokenizer, "tiny", kv_connector=connector)
+    return LLMEngine(runner, scheduler, tokenizer, "tiny", connector=connector)
 
 
 def test_agent_sessions_keep_their_hits_across_a_restart_with_a_kv_cache_dir(

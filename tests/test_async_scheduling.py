@@ -45,10 +45,10 @@ def run(path, tokenizer, requests: dict[str, SamplingParams], async_scheduling: 
             results[o.request_id] = (ids + o.new_token_ids, text + o.new_text, o.finish_reason,
                                      o.num_output_tokens)
     assert scheduler.pool.num_free_blocks == num_blocks
-    if scheduler.states is not None:
-        assert scheduler.states.num_free_slots == scheduler.config.num_state_slots
-    if scheduler.window is not None:  # all back but the null block
-        assert scheduler.window.num_free_blocks == scheduler.config.num_window_blocks - 1
+    if scheduler.group("states") is not None:
+        assert scheduler.group("states").num_free_slots == scheduler.config.num_state_slots
+    if scheduler.group("window") is not None:  # all back but the null block
+        assert scheduler.group("window").num_free_blocks == scheduler.config.num_window_blocks - 1
     return results, fed_pending, scheduler.num_preemptions
 
 

@@ -22,8 +22,8 @@ from scheduler_helpers import hash_of, resolve_step
 
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import cdiv
+from scheduler.cache_groups.sliding_window import NULL_BLOCK
 from scheduler.output import SchedulerOutput
-from scheduler.window_blocks import NULL_BLOCK
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 7
@@ -157,9 +157,10 @@ class CacheManagerMachine(RuleBasedStateMachine):
         assert self.scheduler.pool.num_free_blocks == NUM_BLOCKS
         assert all(self.scheduler.pool.refcount(b) == 0 for b in range(NUM_BLOCKS))
         if self.hybrid:
-            assert self.scheduler.states.num_free_slots == self.config.num_state_slots
+            assert self.scheduler.group("states").num_free_slots == self.config.num_state_slots
         if self.windowed:  # all back but the null block
-            assert self.scheduler.window.num_free_blocks == self.config.num_window_blocks - 1
+            window = self.scheduler.group("window")
+            assert window.num_free_blocks == self.config.num_window_blocks - 1
 
     def teardown(self):
         self.drain()
@@ -171,8 +172,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
         checkpoints, and the running requests with their live slots (`slots_before`)."""
         checkpoints = {}
         if self.hybrid:
-            checkpoints = dict(self.scheduler.states.checkpoints())
-        slots_before = {r.request_id: r.state_slot for r in self.scheduler.running}
+            checkpoints = dict(self.scheduler.group("states").cached())
+        slots_before = {r.request_id: self.live_slot(r) for r in self.scheduler.running}
         out = self.scheduler.schedule()
         self.check_output(out, checkpoints, slots_before)
         return out
@@ -219,11 +220,12 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.check_window_tables(out, slots_before)
         if not self.hybrid:
             assert out.state_plan.is_empty
-            assert all(item.state_slot is None for item in out.scheduled)
+            assert all("states" not in item.group_ids for item in out.scheduled)
             return
-        by_slot = {item.state_slot: item for item in out.scheduled}
+        by_slot = {item.group_ids["states"][0]: item for item in out.scheduled}
         assert None not in by_slot and len(by_slot) == len(out.scheduled)
-        assert all(requests[rid].state_slot == item.state_slot for rid, item in scheduled.items())
+        assert all(self.live_slot(requests[rid]) == item.group_ids["states"][0]
+                   for rid, item in scheduled.items())
         self.check_restores(out, checkpoints, slots_before, by_slot)
         self.check_saves(out, by_slot)
 
@@ -253,8 +255,9 @@ class CacheManagerMachine(RuleBasedStateMachine):
             request = self.scheduler.requests[item.request_id]
             boundary = item.start_position + len(item.token_ids)
             assert boundary % BLOCK_SIZE == 0
-            assert any(p.slot == target and p.boundary == boundary for p in request.pending_saves)
-            assert self.scheduler.states.pool.refcount(target) == 1
+            assert any(p.slot == target and p.boundary == boundary
+                       for p in self.pending_saves(request))
+            assert self.scheduler.group("states").pool.refcount(target) == 1
             assert target not in targets and target not in by_slot
             targets.add(target)
 
@@ -262,18 +265,36 @@ class CacheManagerMachine(RuleBasedStateMachine):
         """Each scheduled request's window table holds exactly the blocks its rows see (the
         ones before are null); a prefix hit took the cached blocks of those it needs."""
         if not self.windowed:
-            assert all(item.window_block_ids == [] for item in out.scheduled)
+            assert all("window" not in item.group_ids for item in out.scheduled)
             return
-        window = self.scheduler.window
+        window = self.scheduler.group("window")
         for item in out.scheduled:
-            request, table = self.scheduler.requests[item.request_id], item.window_block_ids
+            request, table = self.scheduler.requests[item.request_id], item.group_ids["window"]
             first = self.first_seen(item.start_position)
-            assert table == request.window_block_ids and len(table) == len(item.block_ids)
+            assert table == window.ids(request) and len(table) == len(item.block_ids)
             assert all(b == NULL_BLOCK for b in table[:first]), "holds blocks out of its window"
             assert NULL_BLOCK not in table[first:], "a block its rows see was freed"
             if item.request_id not in slots_before:  # admitted: a hit's blocks are cached
                 for i in range(first, item.start_position // BLOCK_SIZE):
                     assert hash_of(window.pool, table[i]) == request.block_hashes[i]
+
+    # -- what the groups hold for a request -----------------------------------------------------
+
+    def live_slot(self, request: Request) -> int | None:
+        held = self._slots(request)
+        return None if held is None else held.live
+
+    def pending_saves(self, request: Request) -> list:
+        held = self._slots(request)
+        return [] if held is None else held.pending_saves
+
+    def _slots(self, request: Request):
+        states = self.scheduler.group("states")
+        return None if states is None else states.slots.get(request.request_id)
+
+    def window_table(self, request: Request) -> list[int]:
+        window = self.scheduler.group("window")
+        return [] if window is None else window.ids(request)
 
     # -- invariants ----------------------------------------------------------------------------
 
@@ -288,13 +309,11 @@ class CacheManagerMachine(RuleBasedStateMachine):
             self.check_slots()
             self.check_checkpoints()
         else:
-            assert self.scheduler.states is None
-            assert all(r.state_slot is None for r in self.added.values())
+            assert self.scheduler.group("states") is None
         if self.windowed:
             self.check_window_blocks()
         else:
-            assert self.scheduler.window is None
-            assert all(r.window_block_ids == [] for r in self.added.values())
+            assert self.scheduler.group("window") is None
 
     def check_request_sets(self) -> None:
         """Running and waiting partition the unfinished requests; only running ones hold
@@ -309,8 +328,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
                 continue
             status = RequestStatus.WAITING if rid in waiting else RequestStatus.FINISHED
             assert request.status == status
-            left = (request.block_ids, request.state_slot, request.pending_saves,
-                    request.window_block_ids)
+            left = (request.block_ids, self.live_slot(request), self.pending_saves(request),
+                    self.window_table(request))
             assert left == ([], None, [], []), f"{rid} ({status.name}) holds {left}"
             if status == RequestStatus.WAITING:
                 assert request.num_computed_tokens == 0
@@ -329,23 +348,23 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def check_window_blocks(self) -> None:
         """The window group's blocks as `check_blocks` has the KV blocks (the null block is
         held for good); a running request's table still holds what its next rows see."""
-        window, running = self.scheduler.window, self.scheduler.running
+        window, running = self.scheduler.group("window"), self.scheduler.running
         num_blocks = self.config.num_window_blocks
         for request in running:
-            table = request.window_block_ids
+            table = window.ids(request)
             assert len(table) == len(request.block_ids)
             assert NULL_BLOCK not in table[self.first_seen(request.num_computed_tokens):]
-        tables = [[b for b in r.window_block_ids if b != NULL_BLOCK] for r in running]
+        tables = [[b for b in window.ids(r) if b != NULL_BLOCK] for r in running]
         holders = check_held(window.pool, range(1, num_blocks), tables, running,
-                             [r.window_block_ids for r in running])  # fmt: skip
+                             [window.ids(r) for r in running])  # fmt: skip
         assert window.pool.refcount(NULL_BLOCK) == 1
         assert window.num_free_blocks == num_blocks - 1 - len(holders)
 
     def check_slots(self) -> None:
         """Every slot is live (one running request's), pending (a save in flight) or free."""
-        states = self.scheduler.states
-        live = [r.state_slot for r in self.scheduler.running]
-        pending = [p.slot for r in self.scheduler.running for p in r.pending_saves]
+        states = self.scheduler.group("states")
+        live = [self.live_slot(r) for r in self.scheduler.running]
+        pending = [p.slot for r in self.scheduler.running for p in self.pending_saves(r)]
         assert None not in live
         held = live + pending
         assert len(set(held)) == len(held), f"a slot is held twice: live {live}, pending {pending}"
@@ -356,8 +375,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def check_checkpoints(self) -> None:
         """A checkpoint is a free slot that its hash maps back to, and the KV block of that
         hash is still in the pool (state and blocks hit together)."""
-        states, pool = self.scheduler.states, self.scheduler.pool
-        for slot, block_hash in states.checkpoints():
+        states, pool = self.scheduler.group("states"), self.scheduler.pool
+        for slot, block_hash in states.cached():
             assert states.pool.lookup(block_hash) == slot
             assert states.pool.refcount(slot) == 0
             assert pool.lookup(block_hash) is not None, "a checkpoint outlived its block"
@@ -422,4 +441,5 @@ def test_a_request_preempted_in_a_step_leaves_no_save_in_its_plan():
     out = scheduler.schedule()  # low: 12..16 (a save), then high: 4..8 preempts it
     assert scheduler.num_preemptions == 1 and [s.request_id for s in out.scheduled] == ["high"]
     [(source, target)] = out.state_plan.saves
-    assert source == high.state_slot and [p.slot for p in high.pending_saves] == [target]
+    held = scheduler.group("states").slots["high"]
+    assert source == held.live and [p.slot for p in held.pending_saves] == [target]

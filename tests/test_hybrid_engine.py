@@ -48,7 +48,7 @@ def test_preempted_and_finished_requests_leave_their_slots_right(tiny_hybrid):
     for request in requests:
         expected = hf_greedy(model, asked[request.request_id], MAX_TOKENS)
         assert request.output_token_ids == expected
-    assert scheduler.states.num_free_slots == scheduler.config.num_state_slots
+    assert scheduler.group("states").num_free_slots == scheduler.config.num_state_slots
 
 
 def test_the_engine_serves_a_hybrid_model_with_prefix_caching(tiny_hybrid, default_tokenizer,

@@ -51,7 +51,7 @@ def run_agents(model_dir, enable_prefix_caching: bool):
             session, turn = rid.split("-")
             previous[f"{session}-t{int(turn[1:]) + 1}"] = request.num_tokens
             agents.next_turn(rid, request.all_token_ids)
-    assert scheduler.states.num_free_slots == scheduler.config.num_state_slots
+    assert scheduler.group("states").num_free_slots == scheduler.config.num_state_slots
     assert scheduler.pool.num_free_blocks == scheduler.pool.num_blocks
     return outputs, cached, previous
 

@@ -26,12 +26,12 @@ def test_an_evicted_block_is_saved_before_a_load_overwrites_it():
     old, new = hash_block(None, [1]), hash_block(None, [2])
     store.blocks[new] = b"new contents"
     pool.blocks[0] = b"old contents"
-    connector.after_launch(KVTransferPlan(TierMoves(reads=[new])))
+    connector.after_launch(KVTransferPlan({"blocks": TierMoves(reads=[new])}))
     assert connector.lookup([new]).ready == [new]
     connector.evicted("blocks", 0, old)
     connector.load("blocks", [(0, new)])
     plan = connector.take_plan()
-    assert plan == KVTransferPlan(TierMoves(saves=[(0, old)], loads=[(0, new)]))
+    assert plan == KVTransferPlan({"blocks": TierMoves(saves=[(0, old)], loads=[(0, new)])})
     connector.before_step(plan)
     assert store.blocks[old] == b"old contents" and pool.blocks[0] == b"new contents"
 
@@ -76,7 +76,7 @@ def serve(scheduler: Scheduler, cache: KVCache, connector: KVDiskConnector, requ
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         connector.before_step(out.kv_plan)
-        loaded += [block_id for block_id, _ in out.kv_plan.blocks.loads]
+        loaded += [block_id for block_id, _ in out.kv_plan.of("blocks").loads]
         for item in out.scheduled:
             end = item.start_position + len(item.token_ids)
             computed = item.block_ids[item.start_position // BLOCK : -(-end // BLOCK)]

@@ -46,7 +46,7 @@ def test_a_prompt_prefilled_on_one_engine_is_decoded_on_another(model_dir, tmp_p
     first, _ = run(prefill, "prefill", 1)
     assert first == expected[:1]
     # The blocks are on disk once the prefill engine's answer is out: no shutdown, no eviction.
-    assert prefill.kv_connector._blocks.store.num_blocks == len(PROMPT) // BLOCK
+    assert prefill.connector._blocks.store.num_blocks == len(PROMPT) // BLOCK
     tokens, cached = run(decode, "decode", 12)
     assert cached == len(PROMPT) // BLOCK * BLOCK
     assert tokens == expected

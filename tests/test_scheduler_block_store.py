@@ -104,7 +104,7 @@ def req(rid: str, n: int, first: int = 10) -> Request:
 
 
 def loads(outs: list[SchedulerOutput]) -> list[tuple[int, bytes]]:
-    return [load for out in outs for load in out.kv_plan.blocks.loads]
+    return [load for out in outs for load in out.kv_plan.of("blocks").loads]
 
 
 def test_evicted_cached_blocks_are_saved_and_loaded_back_for_the_next_hit():
@@ -116,13 +116,13 @@ def test_evicted_cached_blocks_are_saved_and_loaded_back_for_the_next_hit():
     assert set(a_blocks.values()) <= set(tier.store.blocks)  # a's blocks were saved
     assert {h: tier.store.blocks[h] for h in a_contents} == a_contents
     waits, admitted, *_ = tier.run(req("again", 14))
-    assert waits.scheduled == [] and waits.kv_plan.blocks.reads == list(a_blocks.values())
-    assert admitted.kv_plan.blocks.reads == []
-    assert [h for _, h in admitted.kv_plan.blocks.loads] == list(a_blocks.values())
+    assert waits.scheduled == [] and waits.kv_plan.of("blocks").reads == list(a_blocks.values())
+    assert admitted.kv_plan.of("blocks").reads == []
+    assert [h for _, h in admitted.kv_plan.of("blocks").loads] == list(a_blocks.values())
     (item,) = admitted.scheduled
     assert item.start_position == 12 and len(item.token_ids) == 2
     assert tier.scheduler.prefix_cache.stats.stored_hit_tokens == 12
-    loaded = [block_id for block_id, _ in admitted.kv_plan.blocks.loads]
+    loaded = [block_id for block_id, _ in admitted.kv_plan.of("blocks").loads]
     assert item.block_ids[:3] == loaded  # the loaded blocks back the prefix
     assert [tier.pool.blocks[b] for b in loaded] == list(a_contents.values())
 
@@ -134,7 +134,8 @@ def test_loaded_blocks_are_pool_hits_for_the_next_request():
     tier.run(req("b", 14))
     reads = tier.store.loads
     (out,) = tier.run(req("c", 14))
-    assert out.kv_plan.blocks.loads == out.kv_plan.blocks.reads == [] and tier.store.loads == reads
+    moves = out.kv_plan.of("blocks")
+    assert moves.loads == moves.reads == [] and tier.store.loads == reads
     assert out.scheduled[0].start_position == 12
 
 
@@ -158,7 +159,7 @@ def test_blocks_already_in_the_store_are_not_saved_again():
     tier.run(req("again", 14))  # back in the pool, and still in the store
     tier.scheduler.add_request(req("filler2", 31, first=200))
     out = tier.step()
-    saved = {h for _, h in out.kv_plan.blocks.saves}
+    saved = {h for _, h in out.kv_plan.of("blocks").saves}
     assert saved and not saved & a_hashes  # the filler's blocks go, a's are there already
 
 
@@ -170,7 +171,7 @@ def test_nothing_is_read_from_the_store_for_a_request_the_pool_cannot_admit():
     tier.scheduler.add_request(req("b", 14))  # 3 stored blocks + 1 for the rest: does not fit
     out = tier.step()
     assert [x.request_id for x in out.scheduled] == ["hog"]
-    assert out.kv_plan.blocks.reads == [] and tier.store.loads == 0
+    assert out.kv_plan.of("blocks").reads == [] and tier.store.loads == 0
 
 
 def test_a_request_behind_one_waiting_for_its_reads_is_admitted_meanwhile():
@@ -180,7 +181,8 @@ def test_a_request_behind_one_waiting_for_its_reads_is_admitted_meanwhile():
     tier.scheduler.add_request(req("again", 14))
     tier.scheduler.add_request(req("other", 6, first=500))
     out = tier.step()
-    assert [x.request_id for x in out.scheduled] == ["other"] and len(out.kv_plan.blocks.reads) == 3
+    assert [x.request_id for x in out.scheduled] == ["other"]
+    assert len(out.kv_plan.of("blocks").reads) == 3
 
 
 def test_staged_blocks_no_request_wants_are_dropped_and_read_again_when_wanted():
@@ -204,4 +206,4 @@ def test_without_a_store_evictions_are_not_reported():
         out = s.schedule()
         resolve_step(s, out, {x.request_id: 7 for x in out.scheduled if x.samples})
     s.add_request(req("filler", 31, first=100))
-    assert s.schedule().kv_plan.blocks.saves == []
+    assert s.schedule().kv_plan.of("blocks").saves == []

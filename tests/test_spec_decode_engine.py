@@ -44,8 +44,8 @@ def run(engine: LLMEngine, prompts: dict[str, list[int]], params: dict[str, Samp
                                      o.num_output_tokens, logprobs + (o.logprobs or []))
     scheduler = engine.scheduler
     assert scheduler.pool.num_free_blocks == scheduler.config.num_blocks
-    if scheduler.window is not None:  # all back but the null block
-        assert scheduler.window.num_free_blocks == scheduler.config.num_window_blocks - 1
+    if scheduler.group("window") is not None:  # all back but the null block
+        assert scheduler.group("window").num_free_blocks == scheduler.config.num_window_blocks - 1
     return results
 
 
@@ -301,7 +301,7 @@ def test_a_hybrid_model_gives_the_same_greedy_tokens(tiny_hybrid, default_tokeni
     second = run(engine, again, {f"{rid}-again": p for rid, p in params.items()})
     assert {rid.removesuffix("-again"): r for rid, r in second.items()} == plain
     assert accepted(engine) > 0
-    states = engine.scheduler.states
+    states = engine.scheduler.group("states")
     assert states.num_free_slots == engine.scheduler.config.num_state_slots
 
 

@@ -153,13 +153,14 @@ def test_a_snapshot_of_a_state_restored_this_step_copies_the_checkpoint():
     prefill_all(s, a)
     while s.has_unfinished_requests():
         prefill(s, token=2)  # eos: ends it; its checkpoint at 16 stays
-    b = add(s, "b", prompt=prompt)
+    add(s, "b", prompt=prompt)
     out = s.schedule()
     (item,) = out.scheduled
     assert item.token_ids[0] == 5 and item.draft_token_ids  # one prompt token, then drafts
     restores = out.state_plan.restores
-    checkpoint = next(source for source, target in restores if target == b.state_slot)
-    assert (checkpoint, b.state_snapshot) in restores
+    held = s.group("states").slots["b"]
+    checkpoint = next(source for source, target in restores if target == held.live)
+    assert (checkpoint, held.snapshot) in restores
 
 
 def test_after_a_rejection_the_snapshot_becomes_the_live_state():
@@ -167,12 +168,13 @@ def test_after_a_rejection_the_snapshot_becomes_the_live_state():
     request = add(s, "a", prompt=LOOP[:12])  # decodes from 12: room for 2 drafts in block 3
     prefill_all(s, request)
     out = s.schedule()
-    live, snapshot = request.state_slot, request.state_snapshot
+    held = s.group("states").slots["a"]
+    live, snapshot = held.live, held.snapshot
     assert out.scheduled[0].draft_token_ids and (live, snapshot) in out.state_plan.restores
-    free = s.states.num_free_slots
+    free = s.group("states").num_free_slots
     resolve_step(s, out, {"a": [9]})  # the first draft rejected
-    assert request.state_slot == snapshot and request.state_snapshot is None
-    assert s.states.num_free_slots == free + 1  # the state past the drafts is dropped
+    assert held.live == snapshot and held.snapshot is None
+    assert s.group("states").num_free_slots == free + 1  # the state past the drafts is dropped
     assert request.num_computed_tokens == 12  # recompute from the last known token
     again = s.schedule()
     assert again.scheduled[0].token_ids[:2] == [5, 9] and again.state_plan.restores == []

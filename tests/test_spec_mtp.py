@@ -128,8 +128,8 @@ def test_the_head_computes_its_reference(with_head):
         hidden = reference.model.model(torch.tensor([ids])).last_hidden_state[0, :-1].numpy()
     item = ScheduledRequest(request_id="r", token_ids=[0] * (len(ids) - 1), start_position=0,
                             block_ids=[0, 1], block_table_epoch=0, samples=False,
-                            params=SamplingParams(), num_output_tokens=0, state_slot=None,
-                            window_block_ids=[], draft_token_ids=[], token_epoch=0)
+                            params=SamplingParams(), num_output_tokens=0, draft_token_ids=[],
+                            token_epoch=0)
     step = build_step_inputs(SchedulerOutput([item]), 8)
     out = head(target.model.embed(mx.array(ids[1:])), mx.array(hidden),
                mx.array(step.positions), step.attention, KVCache([head.pool_shape()], 4, 8,

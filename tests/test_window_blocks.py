@@ -1,5 +1,5 @@
 """Sliding-window layers beside full ones keep blocks of their own, and give back each block
-once no row of its request can see it again (scheduler.window_blocks).
+once no row of its request can see it again (scheduler.cache_groups.sliding_window).
 
 Through the scheduler alone: every step a request holds the blocks its rows see, and no
 more; a prefix hit takes only the window's blocks. Through a Gemma-3-style model: 32 requests
@@ -21,7 +21,7 @@ from metal_engine.engine import LLMEngine
 from metal_engine.engine_build import build_engine
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import cdiv
-from scheduler.window_blocks import NULL_BLOCK
+from scheduler.cache_groups.sliding_window import NULL_BLOCK
 
 BLOCK, WINDOW = 4, 10
 
@@ -52,7 +52,7 @@ def test_a_request_holds_the_blocks_its_rows_see_and_no_more():
         for item in out.scheduled:
             first_key = max(item.start_position - WINDOW + 1, 0)
             end = item.start_position + len(item.token_ids)
-            table = item.window_block_ids
+            table = item.group_ids["window"]
             assert NULL_BLOCK not in table[first_key // BLOCK : cdiv(end, BLOCK)]
             assert all(b == NULL_BLOCK for b in table[: first_key // BLOCK])
             held.append(sum(b != NULL_BLOCK for b in table))
@@ -60,7 +60,7 @@ def test_a_request_holds_the_blocks_its_rows_see_and_no_more():
     run(scheduler, [request], check)
     assert max(held) <= cdiv(WINDOW - 1, BLOCK) + 1 + cdiv(12, BLOCK)  # window + a chunk
     assert held[-1] <= cdiv(WINDOW - 1, BLOCK) + 1  # decoding: the window alone
-    assert scheduler.window.num_free_blocks == 64 - 1  # all back but the null block
+    assert scheduler.group("window").num_free_blocks == 64 - 1  # all back but the null block
 
 
 def test_a_prefix_hit_takes_only_the_window_of_its_cached_blocks():
@@ -70,7 +70,7 @@ def test_a_prefix_hit_takes_only_the_window_of_its_cached_blocks():
     second = Request("b", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     run(scheduler, [first])
     starts = []
-    run(scheduler, [second], lambda out: starts.append(out.scheduled[0].window_block_ids))
+    run(scheduler, [second], lambda out: starts.append(out.scheduled[0].group_ids["window"]))
     assert second.num_cached_tokens == 7 * BLOCK
     table = starts[0]
     seen_from = (7 * BLOCK - WINDOW + 1) // BLOCK
@@ -108,7 +108,7 @@ def test_32_requests_at_4x_the_window_hold_window_sized_kv(tmp_path):
         decoding = all(len(s.token_ids) == 1 for s in out.scheduled) and len(out.scheduled) == 32
         if decoding:  # all 32 past 4x the window: what each holds
             peak_full = max(peak_full, scheduler.pool.num_used_blocks)
-            peak_window = max(peak_window, scheduler.window.pool.num_used_blocks - 1)
+            peak_window = max(peak_window, scheduler.group("window").pool.num_used_blocks - 1)
         run_step(runner, scheduler, out)
     per_request = peak_window / 32 * block
     print(f"\n32 requests at {4 * window} tokens, window {window}: each holds "
@@ -152,7 +152,7 @@ def test_a_restart_with_a_kv_cache_dir_keeps_the_window_groups_hits(
     rng = np.random.default_rng(4)
     first = {f"r{i}": [int(t) for t in rng.integers(3, VOCAB, size=100)] for i in range(4)}
     engine = window_engine(path, tmp_path / "kv")
-    assert engine.scheduler.window is not None
+    assert engine.scheduler.group("window") is not None
     answers, _ = serve(engine, first)
     engine.close()
     namespaces = [p for p in (tmp_path / "kv").iterdir() if p.is_dir()]

@@ -92,8 +92,7 @@ class PipelineStage:
         for batch in micro_batches(out, self.size):
             inputs = build_step_inputs(batch, self.cache.block_size, tables, window_tables)
             if states is not None:
-                states.bind([s.state_slot for s in batch.scheduled],
-                            [s.start_position for s in batch.scheduled])
+                states.bind(batch.scheduled)
             h = self._stage_input(inputs)
             h = self.model.model.run_layers(h, mx.array(inputs.positions), inputs.attention,
                                             self.cache, self.layers)

@@ -1,4 +1,5 @@
-"""Slots of recurrent state (linear-attention layers' conv window + state), in plain ints.
+"""The recurrent-state cache group: slots of linear-attention layers' conv window + state, in
+plain ints.
 
 A hybrid model's request carries a fixed-size state besides its KV blocks. Each state slot
 (the runner holds the tensors) is either
@@ -28,35 +29,65 @@ from its end).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler.block_pool import BlockPool
+from scheduler.cache_groups.group import CacheGroup
+from scheduler.kv_connector import TierShare
 from scheduler.output import StatePlan
 from scheduler.prefix_hash import BlockHash
-from scheduler.request import PendingSave
 
 if TYPE_CHECKING:
     from scheduler.kv_connector import KVConnectorScheduler
+    from scheduler.output import SchedulerOutput
     from scheduler.request import Request
 
 
-class StateCache:
+@dataclass
+class PendingSave:
+    """A checkpoint a step in flight is writing: its slot, the boundary (in tokens) and
+    whether it is a decode checkpoint (superseded by the request's next one). Its block hash
+    is known once the step resolves: the last token before the boundary may be pending."""
+
+    slot: int
+    boundary: int
+    decode: bool
+
+
+@dataclass
+class RequestSlots:
+    """What one running request holds: its live slot, its state before drafts a step
+    verifies, checkpoints its steps in flight are writing, and its newest committed decode
+    checkpoint (replaced by the next)."""
+
+    live: int
+    snapshot: int | None = None
+    pending_saves: list[PendingSave] = field(default_factory=list)
+    decode_checkpoint: BlockHash | None = None
+
+
+class RecurrentStateGroup(CacheGroup):
     """Live slots for running requests and checkpoints for prefix hits, over one id pool.
 
     Invariant: every id is live (held by one request), pending (being written by a step in
-    flight) or free; a free id may keep a checkpoint's hash. Single-threaded (the scheduler).
+    flight) or free; a free id may keep a checkpoint's hash.
     """
 
+    kind = "states"
+
     def __init__(self, num_slots: int, block_size: int, interval: int | None,
-                 tier: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None) -> None:
         """`interval`: blocks between the checkpoints of a long prompt; None saves none (no
-        prefix caching). `tier`: the KV tier past memory, which keeps dropped checkpoints."""
+        prefix caching). `connector`: the KV tier's, past memory, which keeps dropped
+        checkpoints."""
         if interval is not None and interval < 1:
             raise ValueError(f"the state checkpoint interval must be at least 1, got {interval}")
-        self.tier = tier
-        self.pool = BlockPool(num_slots, on_evict=self._evicted if tier else None)
+        self.connector = connector
+        self.pool = BlockPool(num_slots, on_evict=self._evicted if connector else None)
         self.block_size, self.interval = block_size, interval
         self.plan = StatePlan()
+        self.slots: dict[str, RequestSlots] = {}  # running request id -> its slots
 
     @property
     def num_free_slots(self) -> int:
@@ -67,13 +98,28 @@ class StateCache:
 
     # -- a request's slots ---------------------------------------------------------------------
 
-    def start(self, request: Request, num_cached_blocks: int, from_tier: bool = False) -> None:
+    def hit(self, request: Request, num_blocks: int) -> TierShare | int:
+        """The checkpoint at the hit's end: in a slot, or in the tier, or the hit is shorter."""
+        if num_blocks == 0:
+            return TierShare()
+        checkpoint = request.block_hashes[num_blocks - 1]
+        if self.has(checkpoint):
+            return TierShare()
+        where = self.connector.find(self.kind, checkpoint) if self.connector is not None else None
+        if where is None:
+            return num_blocks - 1
+        return TierShare([checkpoint]) if where == "ready" else TierShare([], [checkpoint])
+
+    def can_admit(self, request: Request, num_blocks: int, num_new: int) -> bool:
+        return self.num_free_slots >= 1
+
+    def admit(self, request: Request, num_blocks: int, share: TierShare) -> None:
         """Give an admitted request a live slot, restored before the step from the checkpoint
-        at the end of its `num_cached_blocks` cached blocks, which the prefix cache matched in
-        the pool or, `from_tier`, in the tier: that one is loaded into a checkpoint slot of
-        its own first, so requests admitted after it find it in the pool. The caller checked
-        that a slot is free."""
-        block_hash = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+        at the end of its `num_blocks` cached blocks, which `hit` found in a slot or in the
+        tier (`share`): that one is loaded into a checkpoint slot of its own first, so
+        requests admitted after it find it in the pool."""
+        block_hash = request.block_hashes[num_blocks - 1] if num_blocks else None
+        from_tier = bool(share.ready)
         if from_tier:
             self._load(block_hash)
         source = None if block_hash is None else self.pool.lookup(block_hash)
@@ -81,19 +127,19 @@ class StateCache:
             self.pool.take_cached([source])  # most recently used: allocated last
             self.pool.free([source])
         slots = self.pool.allocate(1)
-        assert slots is not None, "the caller checked num_free_slots"
-        request.state_slot = slots[0]
+        assert slots is not None, "can_admit checked num_free_slots"
+        self.slots[request.request_id] = RequestSlots(slots[0])
         if source is not None:  # the slot may be the checkpoint's own: copying is then a no-op
             self.plan.restores.append((source, slots[0]))
         elif from_tier:  # no slot was free for the checkpoint: straight into the live one
-            self.tier.load("states", [(slots[0], block_hash)])
+            self.connector.load(self.kind, [(slots[0], block_hash)])
 
     def _load(self, block_hash: BlockHash) -> None:
         slots = self.pool.allocate(1)
         if slots is not None:
             self.pool.cache(slots[0], block_hash)
             self.pool.free(slots)
-            self.tier.load("states", [(slots[0], block_hash)])
+            self.connector.load(self.kind, [(slots[0], block_hash)])
 
     def cut(self, request: Request, start: int, num_new: int) -> int:
         """The tokens of a chunk from `start` cut to end at the first prompt checkpoint
@@ -103,6 +149,9 @@ class StateCache:
         boundary = next_prompt_checkpoint(start, start + num_new, request.num_prompt_tokens,
                                           self.block_size, self.interval)  # fmt: skip
         return num_new if boundary is None else boundary - start
+
+    def ids(self, request: Request) -> list[int]:
+        return [self.slots[request.request_id].live]
 
     def scheduled(self, request: Request, num_new: int) -> None:
         """Queue a checkpoint if the step brings the request to a boundary that saves one:
@@ -116,40 +165,63 @@ class StateCache:
             return
         slots = self.pool.allocate(1)
         if slots is not None:
-            self.plan.saves.append((request.state_slot, slots[0]))
-            request.pending_saves.append(PendingSave(slots[0], end, kind == "decode"))
+            held = self.slots[request.request_id]
+            self.plan.saves.append((held.live, slots[0]))
+            held.pending_saves.append(PendingSave(slots[0], end, kind == "decode"))
 
-    def resolved(self, request: Request, num_computed: int) -> None:
+    def resolved(self, request: Request, num_hashed_blocks: int, num_computed: int) -> None:
         """Commit the request's checkpoints up to `num_computed` tokens, whose step has run
         (their block hashes are known). A checkpoint an equal one beat is freed; a new decode
         checkpoint replaces the request's previous one."""
-        while request.pending_saves and request.pending_saves[0].boundary <= num_computed:
-            pending = request.pending_saves.pop(0)
+        held = self.slots.get(request.request_id)
+        if held is None:
+            return
+        while held.pending_saves and held.pending_saves[0].boundary <= num_computed:
+            pending = held.pending_saves.pop(0)
             block_hash = request.block_hashes[pending.boundary // self.block_size - 1]
             cached = self.pool.cache(pending.slot, block_hash)
             self.pool.free([pending.slot])
             if cached and pending.decode:
-                if request.decode_checkpoint is not None:
-                    self.pool.forget(request.decode_checkpoint)
-                request.decode_checkpoint = block_hash
+                if held.decode_checkpoint is not None:
+                    self.pool.forget(held.decode_checkpoint)
+                held.decode_checkpoint = block_hash
 
-    def stop(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
         """The request leaves the running batch (finished or preempted): its live slot, its
         snapshot and the checkpoints still being written are free (a write in flight lands in
         a free slot, which whoever takes it next overwrites first). Copies the plan holds into
         its slots go from the plan: they may be taken again in the same step."""
-        pending = {p.slot for p in request.pending_saves}
+        held = self.slots.pop(request.request_id, None)
+        if held is None:
+            return
+        pending = {p.slot for p in held.pending_saves}
         self.plan.saves = [(s, target) for s, target in self.plan.saves if target not in pending]
         self.plan.restores = [(s, target) for s, target in self.plan.restores
-                              if target not in (request.state_slot, request.state_snapshot)]
-        slots = list(pending)
-        for slot in (request.state_slot, request.state_snapshot):
-            if slot is not None:
-                slots.append(slot)
+                              if target not in (held.live, held.snapshot)]
+        slots = [*pending, held.live]
+        if held.snapshot is not None:
+            slots.append(held.snapshot)
         self.pool.free(slots)
-        request.state_slot, request.state_snapshot, request.pending_saves = None, None, []
+
+    def block_evicted(self, block_hash: BlockHash) -> None:
+        """Drop the checkpoint of `block_hash`, if any: its block left the KV pool (for the
+        tier, if there is one, as the checkpoint does)."""
+        slot = self.pool.lookup(block_hash)
+        if slot is None:
+            return
+        if self.connector is not None:
+            self._evicted(slot, block_hash)
+        self.pool.forget(block_hash)
+
+    def _evicted(self, slot: int, block_hash: BlockHash) -> None:
+        self.connector.evicted(self.kind, slot, block_hash)
 
     # -- drafts --------------------------------------------------------------------------------
+
+    def holds_back(self, request: Request) -> bool:
+        """Its state may go back to before the drafts in flight."""
+        held = self.slots.get(request.request_id)
+        return held is not None and held.snapshot is not None
 
     def draft_room(self, start: int) -> int:
         """The most drafts a step from `start` may verify without reaching a block boundary
@@ -159,7 +231,7 @@ class StateCache:
         into_block = (start + 1) % self.block_size
         return 0 if into_block == 0 else self.block_size - into_block - 1
 
-    def snapshot(self, request: Request) -> bool:
+    def before_drafts(self, request: Request) -> bool:
         """Copy the live state into a slot of its own before the step that verifies the
         request's drafts; False (nothing changed) if no slot is free. The plan's copies run
         as one batch, reading before writing: a live slot this plan restores from a
@@ -167,43 +239,39 @@ class StateCache:
         slots = self.pool.allocate(1)
         if slots is None:
             return False
+        held = self.slots[request.request_id]
         source = next((s for s, target in reversed(self.plan.restores)
-                       if target == request.state_slot), request.state_slot)
+                       if target == held.live), held.live)
         self.plan.restores.append((source, slots[0]))
-        request.state_snapshot = slots[0]
+        held.snapshot = slots[0]
         return True
 
-    def settle(self, request: Request, rejected: bool) -> None:
-        """The drafts' step resolved. After a rejection the snapshot becomes the live slot
-        (the next step recomputes from there) and the state past the drafts is dropped;
-        otherwise the snapshot is. No step in flight reads either: a request with drafts in
-        flight is not scheduled behind them."""
-        dropped = request.state_snapshot
+    def drafts_resolved(self, request: Request, rejected: bool) -> bool:
+        """After a rejection the snapshot becomes the live slot (the next step recomputes
+        from there) and the state past the drafts is dropped; otherwise the snapshot is. No
+        step in flight reads either: a request with drafts in flight is not scheduled behind
+        them."""
+        held = self.slots.get(request.request_id)
+        if held is None or held.snapshot is None:
+            return False
+        dropped = held.snapshot
         if rejected:
-            dropped, request.state_slot = request.state_slot, request.state_snapshot
+            dropped, held.live = held.live, held.snapshot
         self.pool.free([dropped])
-        request.state_snapshot = None
+        held.snapshot = None
+        return True
 
-    def forget(self, block_hash: BlockHash) -> None:
-        """Drop the checkpoint of `block_hash`, if any: its block left the KV pool (for the
-        tier, if there is one, as the checkpoint does)."""
-        slot = self.pool.lookup(block_hash)
-        if slot is None:
-            return
-        if self.tier is not None:
-            self._evicted(slot, block_hash)
-        self.pool.forget(block_hash)
+    # -- the step's plan and the group's contents ----------------------------------------------
 
-    def _evicted(self, slot: int, block_hash: BlockHash) -> None:
-        self.tier.evicted("states", slot, block_hash)
+    def take_plan(self, out: SchedulerOutput) -> None:
+        out.state_plan, self.plan = self.plan, StatePlan()
 
-    def checkpoints(self) -> list[tuple[int, BlockHash]]:
+    def cached(self) -> list[tuple[int, BlockHash]]:
         """Every checkpoint held: (slot, hash)."""
         return self.pool.cached_blocks()
 
-    def take_plan(self) -> StatePlan:
-        plan, self.plan = self.plan, StatePlan()
-        return plan
+    def usage(self) -> tuple[int, int]:
+        return self.pool.num_used_blocks, self.pool.num_blocks
 
 
 def checkpoint_at(boundary: int, num_prompt_tokens: int, block_size: int,

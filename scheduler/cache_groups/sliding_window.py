@@ -1,4 +1,4 @@
-"""Blocks of a sliding-window group, in plain ints: the KV pools of windowed layers beside
+"""The sliding-window cache group, in plain ints: the KV pools of windowed layers beside
 full-attention ones (Gemma 2/3/4, GPT-OSS) have block ids of their own.
 
 A row at position p of a windowed layer sees keys p - window + 1 .. p. So once a request's
@@ -18,29 +18,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scheduler.block_pool import BlockPool, cdiv
+from scheduler.cache_groups.group import CacheGroup
+from scheduler.kv_connector import TierShare
 
 if TYPE_CHECKING:
     from scheduler.kv_connector import KVConnectorScheduler
+    from scheduler.prefix_hash import BlockHash
     from scheduler.request import Request
 
 # Freed entries of a window table point at this block, which no request is ever given.
 NULL_BLOCK = 0
 
 
-class WindowBlocks:
-    """The group's pool and each request's window table (`request.window_block_ids`).
-    Single-threaded (the scheduler)."""
+class SlidingWindowGroup(CacheGroup):
+    """The group's pool and each running request's window table."""
+
+    kind = "window"
 
     def __init__(self, num_blocks: int, block_size: int, window: int,
-                 tier: KVConnectorScheduler | None = None) -> None:
-        """`tier`: the KV tier past memory, which keeps the group's evicted blocks too."""
+                 connector: KVConnectorScheduler | None = None) -> None:
+        """`connector`: the KV tier's, past memory, which keeps the group's evicted blocks too."""
         if num_blocks < 2:
             raise ValueError(f"a sliding-window group needs at least 2 blocks, got {num_blocks}")
-        self.tier = tier
-        on_evict = (lambda block_id, h: tier.evicted("window", block_id, h)) if tier else None
-        self.pool = BlockPool(num_blocks, on_evict=on_evict)
+        self.connector = connector
+        self.pool = BlockPool(num_blocks, on_evict=self._evicted if connector else None)
         assert self.pool.allocate(1) == [NULL_BLOCK]  # held for good
         self.block_size, self.window = block_size, window
+        self._tables: dict[str, list[int]] = {}  # request id -> its block per block of tokens
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,37 +61,52 @@ class WindowBlocks:
         return [(index, self.pool.lookup(hashes[index]))
                 for index in range(self.first_seen(num_blocks * self.block_size), num_blocks)]
 
-    def can_take(self, request: Request, num_blocks: int, num_new: int) -> bool:
-        """Whether the pool can back a request admitted over `num_blocks` cached blocks and
-        its first `num_new` tokens. Changes nothing."""
+    def hit(self, request: Request, num_blocks: int) -> TierShare | int:
+        """The blocks the pool lacks, from the tier; below a block neither has at index i,
+        every count above i needs it too."""
+        share = TierShare()
+        for index, block_id in self.needed(request, num_blocks):
+            if block_id is not None:
+                continue
+            block_hash = request.block_hashes[index]
+            where = None if self.connector is None else self.connector.find(self.kind, block_hash)
+            if where is None:
+                return index
+            (share.ready if where == "ready" else share.unread).append(block_hash)
+        return share
+
+    def _evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        self.connector.evicted(self.kind, block_id, block_hash)
+
+    def can_admit(self, request: Request, num_blocks: int, num_new: int) -> bool:
         needed = self.needed(request, num_blocks)
         taken = sum(1 for _, b in needed if b is None or self.pool.refcount(b) == 0)
         new = cdiv(num_blocks * self.block_size + num_new, self.block_size) - num_blocks
         return new + taken <= self.pool.num_free_blocks
 
-    def take(self, request: Request, num_blocks: int) -> None:
-        """Start the window table of a request admitted over `num_blocks` cached blocks: the
-        pool's cached blocks it needs, and fresh ones for those the tier loads."""
+    def admit(self, request: Request, num_blocks: int, share: TierShare) -> None:
+        """Start the window table: the pool's cached blocks the hit needs, and fresh ones for
+        those the tier loads."""
         needed = self.needed(request, num_blocks)
         self.pool.take_cached([b for _, b in needed if b is not None])
         table = [NULL_BLOCK] * (num_blocks - len(needed))
         loads = []
         for index, block_id in needed:
             if block_id is None:
-                assert self.tier is not None, "the prefix cache found it in the tier"
+                assert self.connector is not None, "the prefix cache found it in the tier"
                 [block_id] = self.pool.allocate(1)
                 self.pool.cache(block_id, request.block_hashes[index])
                 loads.append((block_id, request.block_hashes[index]))
             table.append(block_id)
         if loads:
-            self.tier.load("window", loads)
-        request.window_block_ids = table
+            self.connector.load(self.kind, loads)
+        self._tables[request.request_id] = table
 
     def reserve(self, request: Request, num_new: int) -> bool:
         """Free the blocks out of the request's window, then give it blocks for its next
-        `num_new` tokens. False (and none given) if the pool is short."""
-        self.free_outside(request)
-        table = request.window_block_ids
+        `num_new` tokens."""
+        table = self._tables.setdefault(request.request_id, [])
+        self._free_outside(request, table)
         missing = cdiv(request.num_computed_tokens + num_new, self.block_size) - len(table)
         if missing <= 0:
             return True
@@ -97,11 +116,10 @@ class WindowBlocks:
         table.extend(blocks)
         return True
 
-    def free_outside(self, request: Request) -> None:
+    def _free_outside(self, request: Request, table: list[int]) -> None:
         """Give back the blocks no row from `num_computed_tokens` on will see. A block the
         step in flight still reads is overwritten only by a later step, which the runner
         queues once that one is done."""
-        table = request.window_block_ids
         # Rejected drafts of a step in flight move the request back to its known tokens.
         start = min(request.num_computed_tokens, request.num_known_tokens)
         end = min(self.first_seen(start), len(table))
@@ -110,14 +128,23 @@ class WindowBlocks:
             self.pool.free(freed)
             table[:end] = [NULL_BLOCK] * end
 
-    def register(self, request: Request, first: int, last: int) -> None:
-        """Cache blocks `first..last-1` of the request under their hashes (those still held)."""
-        table = request.window_block_ids
-        for index in range(first, min(last, len(table))):
+    def ids(self, request: Request) -> list[int]:
+        return list(self._tables.get(request.request_id, ()))
+
+    def resolved(self, request: Request, num_hashed_blocks: int, num_computed: int) -> None:
+        """Cache the newly hashed blocks the request still holds under their hashes."""
+        table = self._tables.get(request.request_id, [])
+        num_full = min(num_computed // self.block_size, len(request.block_hashes), len(table))
+        for index in range(num_hashed_blocks, num_full):
             if table[index] != NULL_BLOCK:
                 self.pool.cache(table[index], request.block_hashes[index])
 
     def release(self, request: Request) -> None:
-        """The request leaves the running batch: every block it holds goes back."""
-        self.pool.free([b for b in request.window_block_ids if b != NULL_BLOCK])
-        request.window_block_ids = []
+        table = self._tables.pop(request.request_id, [])
+        self.pool.free([b for b in table if b != NULL_BLOCK])
+
+    def cached(self) -> list[tuple[int, BlockHash]]:
+        return self.pool.cached_blocks()
+
+    def usage(self) -> tuple[int, int]:
+        return self.pool.num_used_blocks - 1, self.pool.num_blocks - 1  # the null block aside

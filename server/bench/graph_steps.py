@@ -121,14 +121,15 @@ def _scheduler_output(cfg: ModelConfig, shape: StepShape, per_request: int) -> S
         chunk = shape.mixed and i == 0
         rows = shape.chunk if chunk else 1
         blocks = list(range(1 + i * per_request, 1 + (i + 1) * per_request))
-        window = []
+        group_ids = {}
         if cfg.windowed_pools():
-            window = blocks  # a window table of the same length; ids are never read
+            group_ids["window"] = blocks  # a window table of the same length; never read
+        if cfg.linear_attention:
+            group_ids["states"] = [i]
         scheduled.append(ScheduledRequest(
             request_id=str(i), token_ids=[5] * rows, start_position=shape.context,
             block_ids=blocks, block_table_epoch=0, samples=not chunk, params=params,
-            num_output_tokens=0 if chunk else 1,
-            state_slot=i if cfg.linear_attention else None, window_block_ids=window))
+            num_output_tokens=0 if chunk else 1, group_ids=group_ids))
     return SchedulerOutput(scheduled=scheduled)
 
 

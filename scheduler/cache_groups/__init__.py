@@ -1,0 +1,33 @@
+"""The cache groups a model's layers need, one class a kind (see group.CacheGroup):
+
+    full_attention    "blocks"  a KV block per block of tokens: the anchor of prefix hits,
+                                every model has it
+    sliding_window    "window"  windowed layers' blocks, only those the window still sees
+    recurrent_state   "states"  a live slot per running request, checkpoints at boundaries
+"""
+
+from __future__ import annotations
+
+from scheduler.cache_groups.full_attention import FullAttentionGroup
+from scheduler.cache_groups.group import CacheGroup
+from scheduler.cache_groups.recurrent_state import RecurrentStateGroup
+from scheduler.cache_groups.sliding_window import SlidingWindowGroup
+from scheduler.config import SchedulerConfig
+from scheduler.kv_connector import KVConnectorScheduler
+
+__all__ = ["CacheGroup", "FullAttentionGroup", "groups_for"]
+
+
+def groups_for(config: SchedulerConfig,
+               connector: KVConnectorScheduler | None = None) -> list[CacheGroup]:
+    """The groups beside the anchor that `config` sizes. `connector`: the KV tier's, past memory, if
+    any, which keeps their evicted data too."""
+    groups: list[CacheGroup] = []
+    if config.num_window_blocks:
+        groups.append(SlidingWindowGroup(config.num_window_blocks, config.block_size,
+                                         config.window, connector))
+    if config.num_state_slots:
+        interval = config.state_checkpoint_interval if config.enable_prefix_caching else None
+        groups.append(RecurrentStateGroup(config.num_state_slots, config.block_size, interval,
+                                          connector))
+    return groups

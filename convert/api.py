@@ -9,7 +9,7 @@ from convert.hf_source import open_hf_dir
 from convert.hub import hub_snapshot, is_repo_id
 from convert.model_dir import DTYPES, check_out_dir, write_model_dir
 from convert.source import ModelSource
-from metal_engine.quantization import QuantParams
+from metal_engine.loading.quantization import QuantParams
 
 
 def local_source(source: str | Path, revision: str | None = None) -> Path:

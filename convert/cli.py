@@ -9,9 +9,9 @@ from pathlib import Path
 
 from convert.api import convert_model, local_source
 from convert.model_dir import DTYPES
-from metal_engine.model_config import ModelConfig, read_config_json
-from metal_engine.parameter_count import count_parameters
-from metal_engine.quantization import GROUP_SIZES
+from metal_engine.loading.model_config import ModelConfig, read_config_json
+from metal_engine.loading.parameter_count import count_parameters
+from metal_engine.loading.quantization import GROUP_SIZES
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from metal_engine.model_config import ModelConfig
-from metal_engine.weights import expert_sets, stacked_expert_name
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.weights import expert_sets, stacked_expert_name
 
 
 @dataclass(frozen=True)

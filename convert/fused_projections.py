@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from metal_engine.model_config import ModelConfig
-from metal_engine.weights import split_fused
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.weights import split_fused
 
 
 def unfused_shapes(config: ModelConfig,

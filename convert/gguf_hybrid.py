@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from convert.gguf_moe import EXPERT_NAMES, Metadata, moe_layers
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 
 LINEAR_ATTENTION_NAMES = {
     "attn_qkv": "linear_attn.in_proj_qkv",

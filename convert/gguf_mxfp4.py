@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metal_engine.quantization import MXFP4
+from metal_engine.loading.quantization import MXFP4
 
 BLOCK_BYTES = 1 + MXFP4.group_size // 2
 

@@ -29,8 +29,8 @@ from convert.gguf_mxfp4 import mlx_mxfp4
 from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
 from convert.tokenizer_files import write_gguf_tokenizer
-from metal_engine.model_config import ModelConfig
-from metal_engine.quantization import MXFP4, QuantParams
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.quantization import MXFP4, QuantParams
 
 # Types gguf.quants can dequantize in numpy.
 SUPPORTED_TYPES = frozenset({

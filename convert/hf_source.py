@@ -4,11 +4,12 @@ Tensors pass through unchanged (the model classes use the Hugging Face names and
 except MoE experts, which are stacked (see convert.expert_stacking), GPT-OSS's MXFP4 ones,
 which stay packed (see convert.mxfp4_experts), Qwen3-Next's fused projections, which are split,
 and float dirs in mlx-lm's hybrid layout, which are read back into Hugging Face's
-(metal_engine.weights.to_this_layout).
+(metal_engine.loading.weights.to_this_layout).
 
 Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
-speculative decoding (metal_engine.mtp): under its own names, laid out as the decoder layers
-are (experts stacked), and never quantized (metal_engine.mtp loads it as float: one layer).
+speculative decoding (metal_engine.drafting.mtp): under its own names, laid out as the
+decoder layers are (experts stacked), and never quantized (metal_engine.drafting.mtp loads
+it as float: one layer).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, stor
 from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
-from metal_engine.model_config import TEXT_PARTS, text_part_config
-from metal_engine.weights import (
+from metal_engine.loading.model_config import TEXT_PARTS, text_part_config
+from metal_engine.loading.weights import (
     MTP_PREFIX,
     from_mlx_lm_hybrid,
     is_mlx_lm_hybrid,

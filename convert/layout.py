@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from convert.mxfp4_experts import is_mxfp4_checkpoint
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.quantization import QuantizationConfig, QuantParams
+from metal_engine.loading.weights import weight_shapes
 from metal_engine.models.decoder import DERIVED_WEIGHTS
-from metal_engine.quantization import QuantizationConfig, QuantParams
-from metal_engine.weights import weight_shapes
 
 # Source checkpoints may carry these; they are derived from the config, so they are dropped.
 IGNORED_SUFFIXES = DERIVED_WEIGHTS

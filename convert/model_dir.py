@@ -16,9 +16,9 @@ from tqdm import tqdm
 from convert.layout import config_dict, stored_shapes, tensor_shapes
 from convert.quantize import TensorQuantizer, quantization_entries
 from convert.source import ModelSource, fingerprint
-from metal_engine.model_config import MANIFEST_FILE
-from metal_engine.model_dtype import source_dtype
-from metal_engine.quantization import QuantParams
+from metal_engine.loading.model_config import MANIFEST_FILE
+from metal_engine.loading.model_dtype import source_dtype
+from metal_engine.loading.quantization import QuantParams
 
 # 2: Gemma 4 configs transformers' AutoConfig reads; the source's dtype in the manifest.
 CONVERTER_VERSION = "2"

@@ -9,8 +9,8 @@ from convert.cache import ensure_converted, models_dir
 from convert.hf_source import open_hf_dir
 from convert.hub import is_repo_id
 from convert.mxfp4_experts import is_mxfp4_checkpoint
-from metal_engine.model_config import read_config_json
-from metal_engine.quantization import QuantizationConfig
+from metal_engine.loading.model_config import read_config_json
+from metal_engine.loading.quantization import QuantizationConfig
 
 
 def resolve_model(reference: str, revision: str | None = None, cache_dir: Path | None = None,

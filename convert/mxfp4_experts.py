@@ -1,5 +1,5 @@
 """GPT-OSS's experts as OpenAI publishes them, in MXFP4: kept so, re-laid into MLX's mxfp4
-layout (see metal_engine.quantization), the rest of the checkpoint being float.
+layout (see metal_engine.loading.quantization), the rest of the checkpoint being float.
 
 The Hugging Face checkpoint stores each layer's fused experts as
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from metal_engine.quantization import MXFP4, QuantParams
+from metal_engine.loading.quantization import MXFP4, QuantParams
 
 QUANT_METHOD = "mxfp4"
 FAMILIES = ("gpt_oss",)

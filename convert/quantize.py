@@ -1,6 +1,7 @@
 """Quantize tensors while writing a model dir, in the layout mlx-lm writes (see
-metal_engine.quantization): every Linear, Embedding and stacked-expert layer whose input width
-is a multiple of the group size becomes `weight` (uint32, packed), `scales` and `biases`.
+metal_engine.loading.quantization): every Linear, Embedding and stacked-expert layer whose
+input width is a multiple of the group size becomes `weight` (uint32, packed), `scales` and
+`biases`.
 
 mlx-lm keeps some modules at other params (its models' `quant_predicate`) and lists those in
 config.json; FAMILY_MODULE_PARAMS holds the ones of the families converted here. A source whose
@@ -13,9 +14,9 @@ from collections.abc import Iterator, Mapping
 
 import mlx.core as mx
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.quantization import QuantParams
 from metal_engine.models.registry import model_class
-from metal_engine.quantization import QuantParams
 
 MODE = "affine"
 # model_type -> (module path suffix, params) that mlx-lm quantizes differently. The routers of

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from metal_engine.model_config import ModelConfig
-from metal_engine.quantization import QuantParams
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.quantization import QuantParams
 
 if TYPE_CHECKING:
     import mlx.core as mx

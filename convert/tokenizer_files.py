@@ -10,7 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from convert.gguf_tokenizer import gguf_tokenizer
-from metal_engine.tokenizer_loading import CustomCodeRefused, files_with_auto_map, load_tokenizer
+from metal_engine.loading.tokenizer_loading import (
+    CustomCodeRefused,
+    files_with_auto_map,
+    load_tokenizer,
+)
 
 # Copied as-is when present; generation_config.json rides along for its sampling defaults.
 HF_FILES = (

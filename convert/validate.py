@@ -12,13 +12,13 @@ import numpy as np
 from convert.api import open_source
 from convert.model_dir import read_manifest
 from kernels_metal.kv_quant import KVQuant
-from metal_engine.cache_plan import CachePlan
-from metal_engine.kv_cache import KVCache
+from metal_engine.cache.cache_plan import CachePlan
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.loading.quantization import QuantizationConfig, dequantize_weights
+from metal_engine.loading.weights import load_model
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.registry import model_class
-from metal_engine.quantization import QuantizationConfig, dequantize_weights
 from metal_engine.runner import ModelRunner
-from metal_engine.weights import load_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 PROBE_TOKENS = 8

@@ -20,7 +20,7 @@ class EngineConfig:
     """`kv_cache_memory` (bytes) and `max_model_len` default to what the machine and model allow.
 
     `dtype="auto"` runs float32 on the CPU backend (its half-precision matmuls are slow) and
-    the checkpoint's half dtype on Apple GPUs (metal_engine.model_dtype).
+    the checkpoint's half dtype on Apple GPUs (metal_engine.loading.model_dtype).
     `enable_prefix_caching` reuses the KV cache of prompt prefixes seen before.
     `scheduling_policy` is fcfs or priority (see SchedulerConfig).
     A `max_model_len` beyond the model's trained context is refused unless

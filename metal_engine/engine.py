@@ -6,12 +6,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from metal_engine.detokenizer import IncrementalDetokenizer
-from metal_engine.kv_disk_connector import KVDiskConnector
+from metal_engine.kv_disk.connector import KVDiskConnector
 from metal_engine.output_check import RequestOutputCheck
 from metal_engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
-from metal_engine.structured import StructuredOutputs
+from metal_engine.sampling.structured import StructuredOutputs
 from scheduler import Request, SamplingParams, Scheduler
 from scheduler.output import RequestUpdate, SchedulerOutput
 

@@ -13,29 +13,29 @@ import mlx.nn as nn
 
 from kernels_metal.backends import device_ops_name
 from kernels_metal.kv_quant import KVQuant, kv_quant_of
-from metal_engine.cache_plan import CachePlan, plan_cache
+from metal_engine.cache.cache_plan import CachePlan, plan_cache
+from metal_engine.cache.kv_cache import KVCache, PoolShape
+from metal_engine.cache.memory_plan import device_memory, plan_for
+from metal_engine.cache.pool_bytes import bytes_per_block
 from metal_engine.config import (
     EngineConfig,
     check_kv_cache_blocks,
     default_token_budget,
     resolve_max_model_len,
 )
-from metal_engine.draft_model import DraftModel, load_draft_model
+from metal_engine.drafting.draft_model import DraftModel, load_draft_model
+from metal_engine.drafting.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.engine import LLMEngine
-from metal_engine.kv_cache import KVCache, PoolShape
-from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
-from metal_engine.kv_disk_dir import KVDiskDir
-from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, Layout, model_identity
-from metal_engine.memory_plan import device_memory, plan_for
-from metal_engine.model_config import ModelConfig
-from metal_engine.model_dtype import resolve_dtype
+from metal_engine.kv_disk.connector import KVDiskConnector, TierStore
+from metal_engine.kv_disk.directory import KVDiskDir
+from metal_engine.kv_disk.store import BlockLayout, KVDiskStore, Layout, model_identity
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.model_dtype import resolve_dtype
+from metal_engine.loading.tokenizer_loading import load_tokenizer
+from metal_engine.loading.weights import load_model, parameter_bytes
 from metal_engine.models.decoder import CausalLM
-from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
 from metal_engine.parallel.peers import Peers
-from metal_engine.pool_bytes import bytes_per_block
 from metal_engine.runner import ModelRunner
-from metal_engine.tokenizer_loading import load_tokenizer
-from metal_engine.weights import load_model, parameter_bytes
 from scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from metal_engine.detokenizer import IncrementalDetokenizer
-from metal_engine.structured import StructuredOutputs
+from metal_engine.sampling.structured import StructuredOutputs
 from scheduler.stopping import Stop
 
 log = logging.getLogger(__name__)

@@ -10,21 +10,21 @@ import mlx.core as mx
 import numpy as np
 
 from metal_engine.block_tables import BlockTables
-from metal_engine.draft_model import DraftModel
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.drafting.draft_model import DraftModel
+from metal_engine.drafting.mtp import MtpDrafter
 from metal_engine.input_batch import StepInputs, build_step_inputs
-from metal_engine.kv_cache import KVCache
-from metal_engine.logprobs import LogprobArrays, compute_logprobs
 from metal_engine.models.decoder import CausalLM
-from metal_engine.mtp import MtpDrafter
 from metal_engine.outputs import TokenLogprobs
-from metal_engine.rejection_sampler import (
+from metal_engine.sampling.logprobs import LogprobArrays, compute_logprobs
+from metal_engine.sampling.rejection_sampler import (
     AcceptedTokens,
     DraftBatch,
     VerifiedTokens,
     rejection_sample,
 )
-from metal_engine.sampler import SamplingBatch, sample
-from metal_engine.sampling_row import SamplingRow
+from metal_engine.sampling.sampler import SamplingBatch, sample
+from metal_engine.sampling.sampling_row import SamplingRow
 from scheduler.output import ScheduledRequest, SchedulerOutput, TokenHistory
 
 if TYPE_CHECKING:

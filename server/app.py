@@ -39,7 +39,7 @@ from server.serve_args import (
 )
 
 if TYPE_CHECKING:
-    from metal_engine.parameter_count import ParameterCount
+    from metal_engine.loading.parameter_count import ParameterCount
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ __all__ = ["add_serve_arguments", "serve"]
 if TYPE_CHECKING:
     from metal_engine.config import EngineConfig
     from metal_engine.engine import LLMEngine
-    from metal_engine.model_config import ModelConfig
-    from metal_engine.parameter_count import ParameterCount
+    from metal_engine.loading.model_config import ModelConfig
+    from metal_engine.loading.parameter_count import ParameterCount
     from server.app import HttpOptions
     from server.sampling_defaults import SamplingDefaults
 
@@ -171,10 +171,11 @@ def _warm_up(engine: LLMEngine) -> None:
 
 def _fit_memory(config: EngineConfig) -> None:
     """Before the weights load: refuse a model this machine cannot hold (in seconds, not
-    after loading it), and set MLX's memory limits from the plan (metal_engine.memory_plan)."""
-    from metal_engine.memory_plan import apply_memory_limits, plan_for
-    from metal_engine.model_dtype import resolve_dtype
-    from metal_engine.weight_bytes import drafter_weight_bytes, model_dir_weight_bytes
+    after loading it), and set MLX's memory limits from the plan
+    (metal_engine.cache.memory_plan)."""
+    from metal_engine.cache.memory_plan import apply_memory_limits, plan_for
+    from metal_engine.loading.model_dtype import resolve_dtype
+    from metal_engine.loading.weight_bytes import drafter_weight_bytes, model_dir_weight_bytes
 
     if not (config.model_dir / "config.json").is_file():
         return  # not a model dir: loading it names what is missing
@@ -186,10 +187,10 @@ def _fit_memory(config: EngineConfig) -> None:
 def dry_run(args: argparse.Namespace) -> int:
     """`serve --dry-run`: print the memory plan of the model and flags `serve` was given,
     reading only config.json and tensor headers. 0 if it fits; 2 if refused or unreadable."""
+    from metal_engine.cache.memory_plan import MemoryRefused, plan_for
     from metal_engine.config import resolve_max_model_len
-    from metal_engine.memory_plan import MemoryRefused, plan_for
-    from metal_engine.model_dtype import resolve_dtype
-    from metal_engine.weight_bytes import drafter_weight_bytes
+    from metal_engine.loading.model_dtype import resolve_dtype
+    from metal_engine.loading.weight_bytes import drafter_weight_bytes
 
     try:
         path, model, weights = _planned_model(args)
@@ -215,7 +216,7 @@ def dry_run(args: argparse.Namespace) -> int:
 
 
 def _tensor_parallel_traffic(model: ModelConfig, config: EngineConfig) -> list[str]:
-    from metal_engine.model_dtype import resolve_dtype
+    from metal_engine.loading.model_dtype import resolve_dtype
     from metal_engine.parallel.traffic import step_traffic
 
     dtype_bytes = resolve_dtype(config.dtype, config.model_dir).size
@@ -228,8 +229,8 @@ def _planned_model(args: argparse.Namespace) -> tuple[Path, ModelConfig, int]:
     source, its config and weight bytes at the dtype it would run in."""
     from convert.api import open_source
     from convert.hub import is_repo_id
-    from metal_engine.model_dtype import resolve_dtype
-    from metal_engine.weight_bytes import model_dir_weight_bytes, weight_bytes
+    from metal_engine.loading.model_dtype import resolve_dtype
+    from metal_engine.loading.weight_bytes import model_dir_weight_bytes, weight_bytes
 
     reference = args.model_dir
     path = _default_model(args.cache_dir) if reference is None else Path(reference).expanduser()
@@ -262,9 +263,9 @@ def _hub_model(repo_id: str, revision: str | None, dtype) -> tuple[ModelConfig, 
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, NotASafetensorsRepoError
 
-    from metal_engine.model_config import TEXT_PARTS, ModelConfig
-    from metal_engine.quantization import QuantizationConfig
-    from metal_engine.weight_bytes import weight_bytes
+    from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig
+    from metal_engine.loading.quantization import QuantizationConfig
+    from metal_engine.loading.weight_bytes import weight_bytes
 
     try:
         raw = json.loads(Path(hf_hub_download(repo_id, "config.json", revision=revision))
@@ -282,7 +283,7 @@ def _hub_model(repo_id: str, revision: str | None, dtype) -> tuple[ModelConfig, 
 
 def _parameter_count(engine: LLMEngine) -> ParameterCount:
     """Total and per-token parameters, for the startup log and the model cards."""
-    from metal_engine.parameter_count import count_parameters
+    from metal_engine.loading.parameter_count import count_parameters
 
     return count_parameters(engine.runner.model.config)
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 import mlx.core as mx
 from scheduler_helpers import run_step
 
-from metal_engine.cache_plan import CachePlan, window_blocks
-from metal_engine.draft_model import DraftModel
-from metal_engine.kv_cache import KVCache
-from metal_engine.mtp import MtpDrafter, load_mtp_head, with_draft_length
+from metal_engine.cache.cache_plan import CachePlan, window_blocks
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.drafting.draft_model import DraftModel
+from metal_engine.drafting.mtp import MtpDrafter, load_mtp_head, with_draft_length
+from metal_engine.loading.weights import load_model
 from metal_engine.runner import ModelRunner
-from metal_engine.weights import load_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 

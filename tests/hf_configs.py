@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 
 
 def assert_transformers_reads_the_same_rope(model_dir: Path, source: Path | None = None) -> None:

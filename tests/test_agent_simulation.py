@@ -16,8 +16,8 @@ from scheduler_helpers import run_step
 from test_scheduler_block_store import blocks_connector
 
 from metal_engine.engine import LLMEngine
-from metal_engine.kv_disk_dir import KVDiskDir
-from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
+from metal_engine.kv_disk.directory import KVDiskDir
+from metal_engine.kv_disk.store import BlockLayout, KVDiskStore
 from scheduler import Request, Scheduler, SchedulerConfig
 
 

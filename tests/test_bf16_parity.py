@@ -1,6 +1,7 @@
 """Families published in bfloat16, run in bfloat16 against transformers in bfloat16.
 
-`--dtype auto` keeps a bfloat16 checkpoint in bfloat16 on an Apple GPU (metal_engine.model_dtype).
+`--dtype auto` keeps a bfloat16 checkpoint in bfloat16 on an Apple GPU
+(metal_engine.loading.model_dtype).
 bfloat16 keeps 8 bits of mantissa, so two correct bfloat16 forwards that round in different
 places differ by about as much as either differs from float32. The stated tolerance: the
 engine's bfloat16 logits are no further from transformers' bfloat16 ones than 2x transformers'

@@ -1,11 +1,11 @@
-"""The cache budget split between a model's groups (metal_engine.cache_plan)."""
+"""The cache budget split between a model's groups (metal_engine.cache.cache_plan)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from metal_engine.cache_plan import CHECKPOINTS_PER_SEQ, plan_cache, window_blocks
-from metal_engine.model_config import ModelConfig
+from metal_engine.cache.cache_plan import CHECKPOINTS_PER_SEQ, plan_cache, window_blocks
+from metal_engine.loading.model_config import ModelConfig
 
 GEMMA3 = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,

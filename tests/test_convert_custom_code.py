@@ -102,7 +102,7 @@ def test_an_auto_map_beside_a_standard_tokenizer_is_ignored(tiny_dirs, tmp_path)
     without its auto_map does."""
     evil = with_evil_code(tiny_dirs[1], tmp_path / "evil",
                           {"tokenizer_class": "PreTrainedTokenizerFast", "auto_map": AUTO_MAP})
-    load = LOAD.format(module="metal_engine.tokenizer_loading", function="load_tokenizer")
+    load = LOAD.format(module="metal_engine.loading.tokenizer_loading", function="load_tokenizer")
     run = answering_yes(load, evil)
     assert run.returncode == 0, run.stderr
     assert not marker(evil).exists()

@@ -21,8 +21,8 @@ from tokenizers import Tokenizer, models
 
 from convert import convert_model
 from convert.validate import prompt_logits
-from metal_engine.model_config import ModelConfig
-from metal_engine.weights import load_model
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.weights import load_model
 
 
 def _hf_tensors(path: Path) -> dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from metal_engine.loading.weights import split_fused
 from metal_engine.models.gated_delta import (
     GatedDeltaNet,
     GatedDeltaNetConfig,
@@ -25,7 +26,6 @@ from metal_engine.models.gated_delta_rule import (
     gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from metal_engine.weights import split_fused
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 HK, HV, DK, DV = 2, 4, 16, 8  # two value heads per key head

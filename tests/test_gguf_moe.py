@@ -28,8 +28,8 @@ from tiny_models import VOCAB, build_tiny_model
 
 from convert import convert_model
 from convert.validate import probe_ids, prompt_logits, validate_conversion
-from metal_engine.model_config import ModelConfig
-from metal_engine.weights import load_model
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.weights import load_model
 
 GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe", "mixtral": "llama"}
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",

@@ -259,7 +259,7 @@ def test_log_lines_carry_the_request_id_and_prompts_only_when_asked(log_prompts)
 
 
 def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
-    from metal_engine.parameter_count import ParameterCount
+    from metal_engine.loading.parameter_count import ParameterCount
     from server import app, launch
     from server.http import shutdown
 

@@ -17,7 +17,7 @@ from tiny_models import build_tiny_model
 
 from convert import convert_model, resolve_model
 from convert.cli import add_convert_arguments, run_convert
-from metal_engine.weights import load_model
+from metal_engine.loading.weights import load_model
 from server.cli import main
 
 MAIN_COMMIT, TAGGED_COMMIT = "a" * 40, "b" * 40

@@ -29,9 +29,9 @@ from tokenizers import Tokenizer, models
 from convert import convert_model
 from convert.model_ref import loads_as_is
 from convert.validate import prompt_logits
-from metal_engine.model_config import ModelConfig
-from metal_engine.quantization import QuantizationConfig
-from metal_engine.weights import load_model, this_layout_entries
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.quantization import QuantizationConfig
+from metal_engine.loading.weights import load_model, this_layout_entries
 
 IDS = [5, 9, 3, 77, 12, 40, 41, 8, 9, 100, 2, 6, 17, 90, 33, 4]
 # Multimodal wrappers of the tiny text configs: (wrapper config, vision config, model class).

@@ -6,7 +6,7 @@ import mlx.core as mx
 from engine_helpers import make_runner_and_scheduler
 from scheduler_helpers import run_step
 
-from metal_engine.kv_cache import KVCache, bytes_per_block
+from metal_engine.cache.kv_cache import KVCache, bytes_per_block
 from scheduler import Request, SamplingParams
 
 

@@ -10,10 +10,10 @@ import pytest
 from conftest import TINY_LLAMA
 
 from kernels_metal.kv_quant import kv_quant_of
+from metal_engine.cache.kv_cache import bytes_per_block
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from metal_engine.engine_build import build_engine
-from metal_engine.kv_cache import bytes_per_block
 from scheduler import SamplingParams
 from scheduler.prefix_hash import extend_block_hashes
 

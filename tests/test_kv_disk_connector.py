@@ -8,10 +8,10 @@ import numpy as np
 from scheduler_helpers import hash_of, resolve_step
 from test_scheduler_block_store import MemoryStore, PoolContents, blocks_connector
 
-from metal_engine.kv_cache import KVCache
-from metal_engine.kv_disk_connector import KVDiskConnector
-from metal_engine.kv_disk_dir import KVDiskDir
-from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.kv_disk.connector import KVDiskConnector
+from metal_engine.kv_disk.directory import KVDiskDir
+from metal_engine.kv_disk.store import BlockLayout, KVDiskStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.output import KVTransferPlan, TierMoves
 from scheduler.prefix_hash import hash_block

@@ -25,10 +25,10 @@ from test_kv_disk_store import (
     stored_ids,
 )
 
-from metal_engine import kv_disk_keys
-from metal_engine.kv_disk_dir import KVDiskDir
-from metal_engine.kv_disk_keys import NamespaceKeys, load_secret
-from metal_engine.kv_disk_store import KVDiskStore
+from metal_engine.kv_disk import keys as kv_disk_keys
+from metal_engine.kv_disk.directory import KVDiskDir
+from metal_engine.kv_disk.keys import NamespaceKeys, load_secret
+from metal_engine.kv_disk.store import KVDiskStore
 from scheduler.prefix_hash import extend_block_hashes
 
 

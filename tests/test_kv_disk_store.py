@@ -16,11 +16,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from metal_engine import kv_disk_dir, kv_disk_store
-from metal_engine.kv_cache import bytes_per_block
-from metal_engine.kv_disk_dir import KVDiskDir
-from metal_engine.kv_disk_keys import NamespaceKeys, load_secret
-from metal_engine.kv_disk_store import BlockLayout, KVDiskStore, model_identity
+from metal_engine.cache.kv_cache import bytes_per_block
+from metal_engine.kv_disk import directory as kv_disk_dir
+from metal_engine.kv_disk import store as kv_disk_store
+from metal_engine.kv_disk.directory import KVDiskDir
+from metal_engine.kv_disk.keys import NamespaceKeys, load_secret
+from metal_engine.kv_disk.store import BlockLayout, KVDiskStore, model_identity
 from scheduler.prefix_hash import hash_block
 
 LAYOUT = BlockLayout(((2, 8),) * 2, 4, "float16")
@@ -363,8 +364,10 @@ def test_unwritable_shard_is_a_miss_not_an_error(tmp_path):
     shard.write_bytes(b"a file where a directory should be")
     store.save(block_hash(1), payload(1))
     assert block_hash(1) not in store and store.load(block_hash(1)) is None
-    store.save(block_hash(2), payload(2))
-    assert store.load(block_hash(2)) == payload(2)
+    # Another block's file, in another shard (names are keyed: 1 in 256 shares the first's).
+    other = next(i for i in range(2, 100) if block_file(tmp_path, block_hash(i)).parent != shard)
+    store.save(block_hash(other), payload(other))
+    assert store.load(block_hash(other)) == payload(other)
 
 
 def test_directory_under_a_file_is_a_config_error(tmp_path):
@@ -413,8 +416,8 @@ def test_file_removed_between_read_and_refresh_is_served_then_forgotten(tmp_path
 WORKER = textwrap.dedent("""
     import random, sys
     from pathlib import Path
-    from metal_engine.kv_disk_dir import KVDiskDir
-    from metal_engine.kv_disk_store import BlockLayout, KVDiskStore
+    from metal_engine.kv_disk.directory import KVDiskDir
+    from metal_engine.kv_disk.store import BlockLayout, KVDiskStore
     from scheduler.prefix_hash import hash_block
 
     layout = BlockLayout(((2, 8),) * 2, 4, "float16")

@@ -30,9 +30,9 @@ from kernels_metal.kv_quant import (
 )
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import paged_attention_reference, write_kv
-from metal_engine.cache_plan import plan_cache
-from metal_engine.kv_cache import KVCache
-from metal_engine.weights import load_model
+from metal_engine.cache.cache_plan import plan_cache
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.loading.weights import load_model
 
 BITS = (8, 4)
 # Attention over quantized K/V vs the unquantized, for unit-normal K/V: about half a code

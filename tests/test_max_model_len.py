@@ -9,10 +9,10 @@ import mlx.core as mx
 import pytest
 from conftest import TINY_LLAMA
 
+from metal_engine.cache.kv_cache import bytes_per_block
 from metal_engine.config import EngineConfig, check_kv_cache_blocks, resolve_max_model_len
 from metal_engine.engine_build import build_engine
-from metal_engine.kv_cache import bytes_per_block
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 
 
 def _config(**fields) -> EngineConfig:

@@ -8,9 +8,8 @@ import re
 import mlx.core as mx
 import pytest
 
-from metal_engine import weight_bytes
-from metal_engine.cache_plan import plan_cache
-from metal_engine.memory_plan import (
+from metal_engine.cache.cache_plan import plan_cache
+from metal_engine.cache.memory_plan import (
     DeviceMemory,
     MemoryRefused,
     apply_memory_limits,
@@ -19,8 +18,9 @@ from metal_engine.memory_plan import (
     kv_footprint,
     plan_memory,
 )
-from metal_engine.model_config import ModelConfig
-from metal_engine.weight_bytes import model_dir_weight_bytes
+from metal_engine.loading import weight_bytes
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.weight_bytes import model_dir_weight_bytes
 
 GIB = 1 << 30
 # Parameters and KV shapes (layers, KV heads, head dim) of three published models.
@@ -225,7 +225,7 @@ def test_limits_off_a_mac_never_raise_mlxs_own_cache_limit_nor_wire(monkeypatch)
 
 
 def test_weight_bytes_of_a_model_dir_are_what_loading_it_takes(tiny_llama):
-    from metal_engine.weights import load_model, parameter_bytes
+    from metal_engine.loading.weights import load_model, parameter_bytes
 
     _, path = tiny_llama
     config, weights = model_dir_weight_bytes(path, mx.float32)
@@ -236,7 +236,7 @@ def test_weight_bytes_of_a_model_dir_are_what_loading_it_takes(tiny_llama):
 def test_quantized_weights_kept_packed_count_their_stored_bytes(tiny_llama_with_tokenizer,
                                                                 tmp_path, monkeypatch):
     from convert import convert_model
-    from metal_engine import weights as weights_module
+    from metal_engine.loading import weights as weights_module
 
     source = tiny_llama_with_tokenizer
     out = convert_model(source, tmp_path / "q4", quantize=4, group_size=32, progress=False)

@@ -9,9 +9,9 @@ import pytest
 import transformers
 from tiny_models import COMMON, TINY_MODELS
 
-from metal_engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from metal_engine.loading.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from metal_engine.loading.weights import load_model
 from metal_engine.models.registry import MODEL_CLASSES
-from metal_engine.weights import load_model
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -11,7 +11,7 @@ import pytest
 from tiny_models import build_tiny_model
 
 from convert import convert_model
-from metal_engine.model_dtype import auto_half_dtype, resolve_dtype
+from metal_engine.loading.model_dtype import auto_half_dtype, resolve_dtype
 
 
 def _dir(tmp_path, config: dict):

@@ -13,7 +13,7 @@ import transformers
 from tiny_models import COMMON, TINY_MODELS
 
 from kernels_metal.cpu.ops import HostOps
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.moe import SORT_PAIRS, SwitchGLU, route
 from metal_engine.models.moe_config import MoeConfig, read_moe
 

@@ -24,10 +24,10 @@ from tiny_models import VOCAB, build_tiny_model
 from convert import convert_model
 from convert.model_ref import loads_as_is
 from convert.validate import probe_ids, prompt_logits, validate_conversion
-from metal_engine import weights
+from metal_engine.loading import weights
+from metal_engine.loading.quantization import MXFP4, QuantizationConfig, QuantParams
+from metal_engine.loading.weights import load_model
 from metal_engine.models.moe import QuantizedSwitchLinear
-from metal_engine.quantization import MXFP4, QuantizationConfig, QuantParams
-from metal_engine.weights import load_model
 
 MXFP4_ENTRY = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 IDS = probe_ids(VOCAB) * 5  # 40 tokens: every expert is chosen, the gathered pairs sorted

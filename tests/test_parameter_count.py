@@ -14,8 +14,8 @@ from tiny_models import build_tiny_model
 
 import server.http.shutdown
 from convert import convert_model
-from metal_engine.model_config import ModelConfig
-from metal_engine.parameter_count import ParameterCount, count_parameters
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.parameter_count import ParameterCount, count_parameters
 from server.cli import main
 
 # One expert's tensor, or all experts' in one (GPT-OSS); not GLM's shared_experts.

@@ -11,8 +11,8 @@ from parallel_run import greedy_tokens, greedy_tokens_in_a_process
 from tiny_models import build_tiny_model
 
 from metal_engine.config import EngineConfig
+from metal_engine.loading.weights import load_model
 from metal_engine.parallel.pipeline import keep_stage, micro_batches, stage_layers, stage_pools
-from metal_engine.weights import load_model
 from scheduler import SamplingParams
 from scheduler.output import ScheduledRequest, SchedulerOutput
 

@@ -18,9 +18,9 @@ from tiny_models import build_tiny_model
 
 from convert import convert_model
 from convert.validate import prompt_logits, validate_conversion
-from metal_engine import weights
-from metal_engine.quantization import QuantizationConfig
-from metal_engine.weights import load_model
+from metal_engine.loading import weights
+from metal_engine.loading.quantization import QuantizationConfig
+from metal_engine.loading.weights import load_model
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 # Allowed perplexity increase over float32. Measured on TEXT (about 350 tokens): float32

@@ -23,9 +23,9 @@ from tiny_models import build_tiny_model
 
 from convert import convert_model
 from convert.validate import probe_ids, prompt_logits, validate_conversion
-from metal_engine import weights
+from metal_engine.loading import weights
+from metal_engine.loading.weights import load_model
 from metal_engine.models.moe import QuantizedSwitchLinear
-from metal_engine.weights import load_model
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -15,15 +15,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_sampling_fuzz import FEWER, MIXED, VOCAB, fuzzed_rows, logits_for
 
-from metal_engine.logprobs import compute_logprobs
-from metal_engine.rejection_sampler import (
+from metal_engine.sampling.logprobs import compute_logprobs
+from metal_engine.sampling.rejection_sampler import (
     DraftBatch,
     VerifiedTokens,
     rejection_sample,
     verification_rows,
 )
-from metal_engine.sampler import SamplingBatch, sample
-from metal_engine.sampling_row import SamplingRow
+from metal_engine.sampling.sampler import SamplingBatch, sample
+from metal_engine.sampling.sampling_row import SamplingRow
 from scheduler import SamplingParams
 
 # ---- the chi-square test (scipy is not a dependency) ---------------------------------------

@@ -13,7 +13,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import apply_rope
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.rope import RotaryEmbedding
 from metal_engine.models.rope_parameters import RopeParameters
 

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_engine.logprobs import compute_logprobs
-from metal_engine.sampler import SamplingBatch, process_logits, sample
-from metal_engine.sampling_row import SamplingRow
+from metal_engine.sampling.logprobs import compute_logprobs
+from metal_engine.sampling.sampler import SamplingBatch, process_logits, sample
+from metal_engine.sampling.sampling_row import SamplingRow
 from scheduler import SamplingParams
 
 

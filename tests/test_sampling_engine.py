@@ -11,7 +11,7 @@ from test_sampler import penalized_reference
 
 from metal_engine.engine import LLMEngine
 from metal_engine.outputs import RequestOutput
-from metal_engine.sampling_row import SamplingRow
+from metal_engine.sampling.sampling_row import SamplingRow
 from scheduler import SamplingParams
 
 RNG = np.random.default_rng(8)

@@ -12,10 +12,10 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from metal_engine.logprobs import compute_logprobs
 from metal_engine.outputs import TokenLogprobs
-from metal_engine.sampler import SamplingBatch, process_logits, sample
-from metal_engine.sampling_row import SamplingRow
+from metal_engine.sampling.logprobs import compute_logprobs
+from metal_engine.sampling.sampler import SamplingBatch, process_logits, sample
+from metal_engine.sampling.sampling_row import SamplingRow
 from scheduler.sampling_params import (
     GREEDY_BELOW_TEMPERATURE,
     MAX_LOGPROBS,

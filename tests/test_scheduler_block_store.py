@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from scheduler_helpers import resolve_step
 
-from metal_engine.kv_disk_connector import KVDiskConnector, TierStore
+from metal_engine.kv_disk.connector import KVDiskConnector, TierStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.output import SchedulerOutput
 

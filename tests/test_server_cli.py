@@ -130,7 +130,7 @@ def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, val
     ],
 )
 def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
-    from metal_engine.parameter_count import ParameterCount
+    from metal_engine.loading.parameter_count import ParameterCount
     from server import app, launch
     from server.http import shutdown
 
@@ -178,7 +178,7 @@ def test_bad_generation_config_overrides_exit_2(value, message, capsys):
 
 def _served_defaults(monkeypatch, argv):
     """The sampling defaults `serve argv` hands the app's engine bridge, and its log."""
-    from metal_engine.parameter_count import ParameterCount
+    from metal_engine.loading.parameter_count import ParameterCount
     from server import app, launch
     from server.http import shutdown
 
@@ -321,7 +321,8 @@ def _loading_fails(monkeypatch) -> None:
     """Any weight load, engine start or conversion from here on fails the test."""
     import mlx.core as mx
 
-    from metal_engine import engine_build, weights
+    from metal_engine import engine_build
+    from metal_engine.loading import weights
 
     def loads(*args, **kwargs):
         raise AssertionError("--dry-run loaded weights")
@@ -356,7 +357,7 @@ def test_dry_run_on_the_default_model_prints_the_plan_and_loads_nothing(default_
 
 def test_dry_run_on_a_tiny_model_counts_its_weights(tiny_llama, tiny_llama_with_tokenizer,
                                                     monkeypatch, capsys):
-    from metal_engine.memory_plan import size
+    from metal_engine.cache.memory_plan import size
 
     _loading_fails(monkeypatch)
     argv = ["serve", "--dry-run", str(tiny_llama_with_tokenizer), "--kv-cache-dtype", "int8",
@@ -435,7 +436,7 @@ def test_dry_run_of_a_hub_repo_reads_only_its_config(tmp_path, monkeypatch, caps
 
 def test_dry_run_counts_a_draft_models_weights_too(tiny_llama, tiny_llama_with_tokenizer,
                                                    monkeypatch, capsys):
-    from metal_engine.memory_plan import size
+    from metal_engine.cache.memory_plan import size
 
     _loading_fails(monkeypatch)
     spec = (f'{{"method": "draft_model", "model": "{tiny_llama_with_tokenizer}", '

@@ -23,12 +23,12 @@ from safetensors.numpy import load_file, save_file
 from test_spec_decode_engine import LOOPY, TINY_PROMPTS, hybrid_engine, mixed_params, run
 from tiny_models import VOCAB, build_tiny_model
 
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.drafting.mtp import load_mtp_head
 from metal_engine.engine import LLMEngine
 from metal_engine.engine_build import build_engine
 from metal_engine.input_batch import build_step_inputs
-from metal_engine.kv_cache import KVCache
-from metal_engine.mtp import load_mtp_head
-from metal_engine.weights import load_model
+from metal_engine.loading.weights import load_model
 from scheduler import SamplingParams
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.spec_decode.config import SpeculativeConfig
@@ -240,8 +240,8 @@ def test_a_model_without_a_head_is_refused_naming_what_to_do(tiny_hybrid, defaul
 def test_the_memory_plan_counts_the_heads_weights(with_head):
     """What `serve` plans with before loading: the head's bytes as loaded."""
     from metal_engine.config import EngineConfig
-    from metal_engine.weight_bytes import drafter_weight_bytes
-    from metal_engine.weights import parameter_bytes
+    from metal_engine.loading.weight_bytes import drafter_weight_bytes
+    from metal_engine.loading.weights import parameter_bytes
 
     _, path = with_head
     head = load_mtp_head(path, load_model(path, mx.float32), mx.float32)

@@ -21,7 +21,7 @@ from parallel_run import greedy_tokens, greedy_tokens_in_a_process
 from tiny_models import build_tiny_model
 
 from metal_engine.config import EngineConfig
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.parallel.shard import RankShare, rank_config, share, take_columns, take_rows
 from server.bench.server_process import free_port, log_tail, wait_ready
 

@@ -13,8 +13,8 @@ import mlx.nn as nn
 from kernels_metal.backends import device_ops_name, ops_named
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.ops import OpsName
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_config import ModelConfig
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models import ops_user
 from metal_engine.models.layers import Linear, RMSNorm
 from metal_engine.models.ops_user import OpsUser

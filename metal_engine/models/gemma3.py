@@ -3,7 +3,7 @@ separate rope (its own theta, no scaling) for the sliding-window layers."""
 
 from __future__ import annotations
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gemma2 import SandwichDecoderLayer
 from metal_engine.models.layers import MLP, Attention, OffsetRMSNorm

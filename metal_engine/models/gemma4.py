@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels_metal.metadata import AttentionMetadata
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_config import ModelConfig
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM, DecoderModel
 from metal_engine.models.layers import MLP, Linear
 from metal_engine.models.moe import SwitchGLU, route

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import (
     MLP,

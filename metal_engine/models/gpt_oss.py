@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import Attention, Linear, PreNormDecoderLayer
 from metal_engine.models.moe import Activation, SwitchGLU, route

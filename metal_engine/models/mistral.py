@@ -3,7 +3,7 @@ config sets one (ModelConfig marks the layers)."""
 
 from __future__ import annotations
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import MLP, Attention, PreNormDecoderLayer
 

@@ -3,7 +3,7 @@ every layer, under `block_sparse_moe`."""
 
 from __future__ import annotations
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import Attention, Linear, PreNormDecoderLayer
 from metal_engine.models.moe import SparseMoeBlock

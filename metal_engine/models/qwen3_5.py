@@ -14,8 +14,8 @@ import mlx.nn as nn
 import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_config import ModelConfig
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gated_delta import GatedDeltaNet
 from metal_engine.models.layers import MLP, Linear, OffsetRMSNorm, PackedLinears
@@ -75,7 +75,7 @@ class GatedAttention(nn.Module, OpsUser):
 def linear_attention(net: GatedDeltaNet, x: mx.array, meta: AttentionMetadata, cache: KVCache,
                      index: int) -> mx.array:
     """`net` over the step's rows, its states read from and written back to the requests'
-    slots of state pool `index` (see metal_engine.recurrent_states)."""
+    slots of state pool `index` (see metal_engine.cache.recurrent_states)."""
     states = cache.states
     conv, recurrent = states.take(index)
     slots, keep = states.step_slots, states.step_keep
@@ -150,7 +150,7 @@ class MultiTokenPredictor(nn.Module):
 
         norm(layer(fc([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)])))
 
-    Its K/V are a pool of their own (see metal_engine.mtp)."""
+    Its K/V are a pool of their own (see metal_engine.drafting.mtp)."""
 
     def __init__(self, cfg: ModelConfig, moe: bool) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.rope_parameters import RopeParameters
 
 CONTEXT_DEPENDENT = ("dynamic", "longrope")

@@ -24,8 +24,8 @@ import mlx.nn as nn
 import numpy as np
 
 from metal_engine.block_tables import BlockTables
+from metal_engine.cache.kv_cache import KVCache
 from metal_engine.input_batch import StepInputs, build_step_inputs
-from metal_engine.kv_cache import KVCache
 from metal_engine.models.decoder import CausalLM, DecoderModel
 from metal_engine.parallel.group import RankGroup, evaluate
 from metal_engine.parallel.shard import share

@@ -12,7 +12,7 @@ width, and the layers' outputs are summed across ranks.
 Shares may be uneven (3 KV heads over 2 ranks: 2 and 1), so any head count at least the rank
 count splits. Embeddings, norms and the LM head stay whole. A bias on a summed output is kept
 by rank 0 alone. Slices are copied out, so a rank holds only its share once the model is
-evaluated (`metal_engine.weights.load_model(shard=...)` shards before that).
+evaluated (`metal_engine.loading.weights.load_model(shard=...)` shards before that).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gated_delta import GatedDeltaNet
 from metal_engine.models.layers import MLP, Attention

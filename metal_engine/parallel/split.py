@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from metal_engine.cache.kv_cache import KVCache
 from metal_engine.config import EngineConfig
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.parallel.group import RankGroup
 from metal_engine.parallel.pipeline import PipelineStage, keep_stage, stage_pools

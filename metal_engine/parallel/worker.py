@@ -10,13 +10,13 @@ import sys
 
 # First, before anything can import mlx.core: it picks the BLAS that mlx will use.
 import metal_engine  # noqa: F401
+from metal_engine.cache.kv_cache import KVCache
 from metal_engine.config import EngineConfig
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_dtype import resolve_dtype
+from metal_engine.loading.model_dtype import resolve_dtype
+from metal_engine.loading.weights import load_model
 from metal_engine.parallel.group import RankGroup, RankLost
 from metal_engine.parallel.split import ModelSplit
 from metal_engine.runner import ModelRunner
-from metal_engine.weights import load_model
 
 log = logging.getLogger("metal_serve")
 

@@ -145,14 +145,6 @@ class SuffixIndex:
         self.num_tokens = 0  # tokens of live (running and finished, not evicted) requests
 
     @property
-    def num_finished_requests(self) -> int:
-        return len(self._finished)
-
-    @property
-    def num_entries(self) -> int:
-        return len(self._last_end)
-
-    @property
     def num_reclaiming_tokens(self) -> int:
         return sum(len(r.tokens) - r.next_end for r in self._reclaiming)
 

@@ -15,11 +15,11 @@ import numpy as np
 from kernels_metal.cost import decode_step, step_cost
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.ops import ReferenceOps
+from metal_engine.cache.kv_cache import KVCache
 from metal_engine.config import EngineConfig
 from metal_engine.engine import LLMEngine
 from metal_engine.engine_build import build_engine
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.moe import set_dispatch
 from metal_engine.runner import ModelRunner
 from scheduler import SamplingParams, Scheduler, SchedulerConfig
@@ -146,7 +146,7 @@ class _StubModel:
 
 
 def _stub_engine(model_dir: Path, batch: int, context: int) -> LLMEngine:
-    from metal_engine.tokenizer_loading import load_tokenizer
+    from metal_engine.loading.tokenizer_loading import load_tokenizer
 
     block_size = 16
     num_blocks = batch * (-(-context // block_size))

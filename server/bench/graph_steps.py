@@ -20,9 +20,9 @@ import mlx.core as mx
 from kernels_metal.attention import use_kernels
 from kernels_metal.gated_delta import GatedDeltaKernel, use_kernel
 from kernels_metal.paged import PagedAttentionKernels
-from metal_engine.cache_plan import CachePlan, window_blocks
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_config import ModelConfig
+from metal_engine.cache.cache_plan import CachePlan, window_blocks
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.registry import model_class
 from metal_engine.runner import ModelRunner
 from scheduler import SamplingParams

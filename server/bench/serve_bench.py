@@ -166,7 +166,7 @@ async def run_serve_bench(config: ServeBenchConfig, tokenizer: Any) -> list[RunR
 
 def load_tokenizer(path: Path | None) -> Any:
     """The tokenizer of a local model dir; by default the converted default model's."""
-    from metal_engine.tokenizer_loading import load_tokenizer as load_model_tokenizer
+    from metal_engine.loading.tokenizer_loading import load_tokenizer as load_model_tokenizer
 
     if path is None:
         from convert import ensure_default_model

@@ -1,8 +1,8 @@
 """A `--kv-cache-dir` as a whole: its secret, and one LRU of every file in every namespace
 under one size bound.
 
-    DIR/secret                                  the key of names and MACs (kv_disk_keys)
-    DIR/<namespace>/<name[:2]>/<name>.kvb       a block file (kv_disk_store); name: keyed hash
+    DIR/secret                                  the key of names and MACs (kv_disk.keys)
+    DIR/<namespace>/<name[:2]>/<name>.kvb       a block file (kv_disk.store); name: keyed hash
 
 A namespace holds one model identity's blocks of one layout. The index of files, their sizes
 and their recency lives only here, so the bound covers namespaces no running model opens (an
@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from metal_engine.kv_disk_keys import load_secret
+from metal_engine.kv_disk.keys import load_secret
 
 log = logging.getLogger(__name__)
 

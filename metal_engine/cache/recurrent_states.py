@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from metal_engine.kv_disk_store import StateLayout
+from metal_engine.cache.pool_bytes import RAW_BITS
+from metal_engine.kv_disk.store import StateLayout
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
-from metal_engine.pool_bytes import RAW_BITS
 from scheduler.output import ScheduledRequest
 
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from metal_engine.model_config import TEXT_PARTS, ModelConfig, read_config_json
-from metal_engine.quantization import QuantizationConfig
-from metal_engine.weights import (
+from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, read_config_json
+from metal_engine.loading.quantization import QuantizationConfig
+from metal_engine.loading.weights import (
     MTP_PREFIX,
     keeps_quantized,
     safetensors_files,

@@ -174,7 +174,7 @@ class ModelConfig:
 
     def windowed_pools(self) -> list[int]:
         """The KV pools of sliding-window layers, if the model also has full-attention ones
-        (a group of their own: see metal_engine.cache_plan); else none."""
+        (a group of their own: see metal_engine.cache.cache_plan); else none."""
         kinds = [self.layer_type(owner) for owner in self._kv_owners()]
         if "full_attention" not in kinds or self.sliding_window is None:
             return []

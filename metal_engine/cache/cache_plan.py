@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from kernels_metal.kv_quant import KVQuant
-from metal_engine.model_config import ModelConfig
-from metal_engine.pool_bytes import bytes_per_block
-from metal_engine.recurrent_states import RecurrentStates
+from metal_engine.cache.pool_bytes import bytes_per_block
+from metal_engine.cache.recurrent_states import RecurrentStates
+from metal_engine.loading.model_config import ModelConfig
 
 # Checkpoints for prefix hits take at most this share of the cache budget, and at most two
 # per request that can run at once (a conversation's end and its prompt's).

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from kernels_metal.kv_quant import kv_quant_of
-from metal_engine.cache_plan import group_bytes
+from metal_engine.cache.cache_plan import group_bytes
 from metal_engine.config import default_token_budget
-from metal_engine.model_config import ModelConfig
-from metal_engine.model_dtype import resolve_dtype
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.model_dtype import resolve_dtype
 
 if TYPE_CHECKING:
     from metal_engine.config import EngineConfig

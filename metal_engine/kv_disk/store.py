@@ -13,7 +13,7 @@ for hybrid models, recurrent-state checkpoints keyed the same way, in a namespac
 The identity names the model, weights and layout, so a changed model never sees another's K/V.
 A file that fails any check is deleted and reported as a miss: the cache is an optimization,
 never a source of wrong tokens. Names and MACs are keyed by the directory's secret
-(kv_disk_keys), so a file written without it fails too; the bound and scan are kv_disk_dir's.
+(kv_disk.keys), so a file written without it fails too; the bound and scan are kv_disk.directory's.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kernels_metal.kv_quant import kv_quant_of
-from metal_engine.kv_disk_dir import TEMP_SUFFIX, FileKey, KVDiskDir
-from metal_engine.kv_disk_keys import MAC_SIZE, NamespaceKeys
+from metal_engine.kv_disk.directory import TEMP_SUFFIX, FileKey, KVDiskDir
+from metal_engine.kv_disk.keys import MAC_SIZE, NamespaceKeys
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ STATE_DTYPES = tuple(DTYPE_SIZES)
 @dataclass(frozen=True)
 class BlockLayout:
     """What one block's payload holds; part of the cache identity and of every file header.
-    `pools`: (kv_heads, head_dim) of each KV pool (see metal_engine.kv_cache)."""
+    `pools`: (kv_heads, head_dim) of each KV pool (see metal_engine.cache.kv_cache)."""
 
     pools: tuple[tuple[int, int], ...]
     block_size: int

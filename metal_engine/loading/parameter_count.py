@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from mlx.utils import tree_flatten
 
-from metal_engine.model_config import ModelConfig
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.moe import SwitchLinear
 from metal_engine.models.registry import model_class
 

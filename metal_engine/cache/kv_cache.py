@@ -3,7 +3,7 @@
 A pool usually belongs to one layer; a model whose layers differ in KV heads or head size
 (Gemma 4's full and sliding layers) gives each pool its own shape, and one whose layers share
 K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool). The pools
-of a sliding-window group (metal_engine.cache_plan) have blocks of their own, fewer of them.
+of a sliding-window group (metal_engine.cache.cache_plan) have blocks of their own, fewer of them.
 With `--kv-cache-dtype int8|int4` each pool is a QuantizedPool (codes and scales, see
 kernels_metal.kv_quant), which the layers take, write and read as they do an array.
 """
@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 
 from kernels_metal.kv_quant import KVQuant, QuantizedPool, empty_pool
-from metal_engine.pool_bytes import RAW_BITS, bytes_per_block
+from metal_engine.cache.pool_bytes import RAW_BITS, bytes_per_block
 
 if TYPE_CHECKING:
-    from metal_engine.cache_plan import CachePlan
-    from metal_engine.model_config import ModelConfig
-    from metal_engine.recurrent_states import RecurrentStates
+    from metal_engine.cache.cache_plan import CachePlan
+    from metal_engine.cache.recurrent_states import RecurrentStates
+    from metal_engine.loading.model_config import ModelConfig
 
 PoolShape = tuple[int, int]  # (kv_heads, head_dim)
 Pool = mx.array | QuantizedPool
@@ -79,7 +79,7 @@ class KVCache:
         cache = cls(cfg.kv_pool_shapes(), plan.num_blocks, block_size, dtype,
                     plan.windowed_pools, plan.num_window_blocks, quant, held)
         if cfg.linear_attention is not None:
-            from metal_engine.recurrent_states import RecurrentStates
+            from metal_engine.cache.recurrent_states import RecurrentStates
 
             cache.states = RecurrentStates(cfg.linear_attention, len(cfg.state_layers()),
                                            plan.num_state_slots, dtype)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from metal_engine.penalties import Penalties, apply_penalties
-from metal_engine.sampling_row import SamplingRow
+from metal_engine.sampling.penalties import Penalties, apply_penalties
+from metal_engine.sampling.sampling_row import SamplingRow
 
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)

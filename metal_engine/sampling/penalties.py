@@ -18,7 +18,7 @@ import numpy as np
 from scheduler.sampling_params import MAX_REPETITION_PENALTY
 
 if TYPE_CHECKING:
-    from metal_engine.sampling_row import SamplingRow
+    from metal_engine.sampling.sampling_row import SamplingRow
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from metal_engine.model_config import MANIFEST_FILE
+from metal_engine.loading.model_config import MANIFEST_FILE
 
 HALF_DTYPES = ("float16", "bfloat16")
 # Families whose activations overflow float16 (transformers warns the same for Gemma).

@@ -30,10 +30,10 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from metal_engine.logprobs import LogprobArrays, compute_logprobs
 from metal_engine.outputs import TokenLogprobs
-from metal_engine.sampler import SamplingBatch, process_logits, sampling_logits
-from metal_engine.sampling_row import SamplingRow
+from metal_engine.sampling.logprobs import LogprobArrays, compute_logprobs
+from metal_engine.sampling.sampler import SamplingBatch, process_logits, sampling_logits
+from metal_engine.sampling.sampling_row import SamplingRow
 
 
 def verification_rows(request: SamplingRow, draft_token_ids: Sequence[int],

@@ -30,13 +30,13 @@ import mlx.nn as nn
 import numpy as np
 
 from metal_engine.block_tables import BlockTables
-from metal_engine.draft_model import Drafts, draw_index
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.drafting.draft_model import Drafts, draw_index
 from metal_engine.input_batch import build_step_inputs
-from metal_engine.kv_cache import KVCache
-from metal_engine.model_config import read_config_json
+from metal_engine.loading.model_config import read_config_json
+from metal_engine.loading.weights import MTP_PREFIX, safetensors_files, stack_per_expert
 from metal_engine.models.decoder import CausalLM
-from metal_engine.rejection_sampler import DraftBatch, draw_drafts
-from metal_engine.weights import MTP_PREFIX, safetensors_files, stack_per_expert
+from metal_engine.sampling.rejection_sampler import DraftBatch, draw_drafts
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 

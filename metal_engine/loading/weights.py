@@ -1,5 +1,5 @@
 """Build a model from a model dir: config.json + safetensors (sharded or not), in float or in
-MLX's quantized layout (see metal_engine.quantization), with Hugging Face's tensor names or
+MLX's quantized layout (see metal_engine.loading.quantization), with Hugging Face's tensor names or
 mlx-lm's (`to_this_layout`)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from metal_engine.model_config import TEXT_PARTS, ModelConfig, read_config_json
+from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, read_config_json
+from metal_engine.loading.quantization import QuantizationConfig, QuantParams, dequantize_weights
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.registry import model_class
-from metal_engine.quantization import QuantizationConfig, QuantParams, dequantize_weights
 
 log = logging.getLogger("metal_serve")
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
@@ -28,7 +28,7 @@ _PER_EXPERT = re.compile(
 # Mixtral's projection names -> the stacked layout's.
 _PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Qwen3.5's and Qwen3-Next's multi-token-prediction head: kept in model dirs, loaded apart by
-# speculative decoding's `mtp` method (metal_engine.mtp).
+# speculative decoding's `mtp` method (metal_engine.drafting.mtp).
 MTP_PREFIX = "mtp."
 # Where a multimodal checkpoint keeps its text model: Hugging Face's prefix, mlx-lm's two.
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -111,7 +111,7 @@ def to_this_layout(weights: dict[str, mx.array], config: ModelConfig,
     hybrid families differs: a multimodal wrapper's text model sits under `language_model.`
     beside its vision tower, conv1d weights are MLX's `[C, K, 1]`, some norms carry `1 + w`,
     and Qwen3-Next's fused projections stay fused (also quantized). The multi-token-prediction
-    head (`mtp.*`) is set aside: metal_engine.mtp loads it."""
+    head (`mtp.*`) is set aside: metal_engine.drafting.mtp loads it."""
     if multimodal:
         weights = {target: v for n, v in weights.items()
                    if (target := text_model_name(n)) is not None}

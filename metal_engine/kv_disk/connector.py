@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from metal_engine.kv_disk_store import KVDiskStore
+from metal_engine.kv_disk.store import KVDiskStore
 from scheduler.kv_connector import TierLookup, TierShare
 from scheduler.output import CacheKind, KVTransferPlan
 from scheduler.prefix_hash import BlockHash

@@ -25,10 +25,10 @@ import mlx.core as mx
 import numpy as np
 
 from metal_engine.block_tables import BlockTables
+from metal_engine.cache.kv_cache import KVCache
 from metal_engine.input_batch import build_step_inputs
-from metal_engine.kv_cache import KVCache
 from metal_engine.models.decoder import CausalLM
-from metal_engine.rejection_sampler import DraftBatch, draw_drafts
+from metal_engine.sampling.rejection_sampler import DraftBatch, draw_drafts
 from scheduler.output import SchedulerOutput
 
 
@@ -118,8 +118,8 @@ def load_draft_model(path: Path, dtype: mx.Dtype, target: CausalLM,
     """The draft model of `--speculative-config`'s "model", checked to draft for `target`:
     the same tokenizer and vocabulary, and only full-attention layers (its K/V share the
     target's block tables; a window or a recurrent state would need groups of their own)."""
-    from metal_engine.tokenizer_loading import load_tokenizer
-    from metal_engine.weights import load_model
+    from metal_engine.loading.tokenizer_loading import load_tokenizer
+    from metal_engine.loading.weights import load_model
 
     path = Path(path)
     if not (path / "config.json").is_file():

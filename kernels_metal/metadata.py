@@ -30,7 +30,7 @@ class AttentionMetadata:
     # Per-step work a backend derives once and reuses in every layer, keyed by backend.
     backend_plans: dict = field(default_factory=dict, compare=False, repr=False)
     # The same rows through the blocks of a sliding-window group, whose windowed layers keep
-    # pools of their own (metal_engine.cache_plan); None: every layer uses these blocks.
+    # pools of their own (metal_engine.cache.cache_plan); None: every layer uses these blocks.
     windowed: AttentionMetadata | None = field(default=None, compare=False, repr=False)
 
     def for_window(self, window: int | None) -> AttentionMetadata:

@@ -5,7 +5,6 @@ runner, wired into an `LLMEngine` (engine.py runs it)."""
 from __future__ import annotations
 
 import logging
-from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +27,7 @@ from metal_engine.drafting.mtp import MtpDrafter, load_mtp_head, with_draft_leng
 from metal_engine.engine import LLMEngine
 from metal_engine.kv_disk.connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk.directory import KVDiskDir
-from metal_engine.kv_disk.store import BlockLayout, KVDiskStore, Layout, model_identity
+from metal_engine.kv_disk.store import KVDiskStore, Layout, model_identity
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.model_dtype import resolve_dtype
 from metal_engine.loading.tokenizer_loading import load_tokenizer
@@ -119,18 +118,9 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
     if config.kv_cache_dir is None:
         return None
     disk = KVDiskDir(config.kv_cache_dir, config.kv_cache_dir_size)
-    stores = {}
-    if cache.states is not None:
-        stores["states"] = TierStore(_disk_store(config, disk, "states", cache.states.layout()),
-                                     cache.states.read_slots, cache.states.write_slots)
-    for kind, windowed in (("blocks", False), ("window", True)):
-        shapes = cache.group_shapes(windowed)
-        if not shapes:
-            continue
-        layout = BlockLayout(tuple(shapes), cache.block_size, cache.storage)
-        stores[kind] = TierStore(_disk_store(config, disk, kind, layout),
-                                 partial(cache.read_blocks, windowed=windowed),
-                                 partial(cache.write_blocks, windowed=windowed))
+    stores = {kind: TierStore(_disk_store(config, disk, kind, group.layout), group.read,
+                              group.write)
+              for kind, group in cache.groups().items()}
     for kind, parts in stores.items():
         log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
                  parts.store.used_bytes / 2**20, parts.store.root)

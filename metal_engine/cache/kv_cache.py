@@ -11,14 +11,17 @@ kernels_metal.kv_quant), which the layers take, write and read as they do an arr
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from kernels_metal.kv_quant import KVQuant, QuantizedPool, empty_pool
 from metal_engine.cache.pool_bytes import RAW_BITS, bytes_per_block
+from metal_engine.kv_disk.store import BlockLayout, Layout
+from scheduler.output import CacheKind
 
 if TYPE_CHECKING:
     from metal_engine.cache.cache_plan import CachePlan
@@ -27,6 +30,15 @@ if TYPE_CHECKING:
 
 PoolShape = tuple[int, int]  # (kv_heads, head_dim)
 Pool = mx.array | QuantizedPool
+
+
+class GroupData(NamedTuple):
+    """One cache group's data as the disk tier moves it: what an id's payload holds, and
+    how payloads leave and enter memory by id."""
+
+    layout: Layout
+    read: Callable[[list[int]], list[bytes]]
+    write: Callable[[list[int], list[bytes]], None]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +125,21 @@ class KVCache:
         if self.quant is not None:
             return f"int{self.quant.bits}"
         return str(self.model_dtype).removeprefix("mlx.core.")
+
+    def groups(self) -> dict[CacheKind, GroupData]:
+        """The data of each cache group this cache holds (see scheduler.cache_groups): the
+        full pools' blocks, a sliding-window group's blocks, the recurrent-state slots."""
+        groups = {}
+        for kind, windowed in (("blocks", False), ("window", True)):
+            shapes = self.group_shapes(windowed)
+            if shapes:
+                layout = BlockLayout(tuple(shapes), self.block_size, self.storage)
+                groups[kind] = GroupData(layout, partial(self.read_blocks, windowed=windowed),
+                                         partial(self.write_blocks, windowed=windowed))
+        if self.states is not None:
+            states = self.states
+            groups["states"] = GroupData(states.layout(), states.read_slots, states.write_slots)
+        return groups
 
     def bytes_per_block(self, windowed: bool = False) -> int:
         """One block's K and V over the pools of a group."""

@@ -129,6 +129,11 @@ class AsyncEngine:
         """Start the engine thread (idempotent; `generate` calls it too)."""
         self._thread.start()
 
+    def run_on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the engine thread, between steps (starting the thread); blocks until it
+        returns. For engine work that must share the steps' thread, as the warm-up does."""
+        return self._thread.call(fn)
+
     def abort_all(self) -> None:
         """End every live request now; each gets a last output with finish_reason "abort"."""
         self._thread.abort_all()

@@ -66,6 +66,12 @@ def serve(args: argparse.Namespace) -> int:
     bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
                          sampling_defaults=defaults,
                          report_cached_tokens=args.report_cached_tokens)
+    try:  # on the thread that steps: the CPU backend's loops run slower on any other
+        bridge.run_on_engine_thread(lambda: _warm_up(engine))
+    except (RuntimeError, ValueError, OSError) as exc:
+        bridge.shutdown()
+        print(f"metal-serve: error: warm-up failed: {exc}", file=sys.stderr)
+        return 2
     parameters = _parameter_count(engine)
     app = build_app(bridge, args.served_model_name, args.max_n, options=options,
                     tool_call_parser=args.tool_call_parser, parameters=parameters)
@@ -150,13 +156,12 @@ def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
         )
     config = _engine_config(model_dir, args)
     _fit_memory(config)
-    engine = build_engine(config)
-    _warm_up(engine)  # before the port opens: /health answers only a warm server
-    return engine
+    return build_engine(config)
 
 
 def _warm_up(engine: LLMEngine) -> None:
-    """Run the model's steps once (metal_engine/warm_up.py) and log what fell back."""
+    """Run the model's steps once (metal_engine/warm_up.py) and log what fell back; before
+    the port opens, so /health answers only a warm server."""
     from kernels_metal.fallbacks import all_fallbacks
     from metal_engine.warm_up import warm_up
 

@@ -268,6 +268,7 @@ def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "configure_logging", lambda *args: None)
     monkeypatch.setattr(launch, "_resolve_model", lambda args: tmp_path)
     monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: TextEngine())
+    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda bridge, name, max_n, options, **_: seen.update(
         bridge=bridge, options=options))  # fmt: skip

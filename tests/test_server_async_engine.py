@@ -187,6 +187,30 @@ def test_step_failure_fails_live_requests_and_keeps_serving(engine):
     assert after[-1].finish_reason == "length"
 
 
+def test_work_run_on_the_engine_thread_returns_or_raises_there(engine):
+    scripted, bridge = engine
+    assert bridge.run_on_engine_thread(lambda: threading.current_thread().name) == "engine-loop"
+    with pytest.raises(ZeroDivisionError):
+        bridge.run_on_engine_thread(lambda: 1 / 0)
+    asyncio.run(_collect(bridge, "after", 2))  # the thread serves on
+    assert scripted.threads == {"engine-loop"}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_work_for_an_engine_thread_that_died_or_stopped_fails_instead_of_hanging():
+    class NoStats(ScriptedEngine):
+        def stats(self) -> EngineStats:
+            raise RuntimeError("no stats")
+
+    dead = AsyncEngine(NoStats())
+    with pytest.raises(EngineError, match="shutting down"):
+        dead.run_on_engine_thread(lambda: 1)
+    stopped = AsyncEngine(ScriptedEngine())
+    stopped.shutdown()
+    with pytest.raises(EngineError, match="shutting down"):
+        stopped.run_on_engine_thread(lambda: 1)
+
+
 def _wait_for(condition, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

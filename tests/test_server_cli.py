@@ -139,14 +139,21 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
     def build_app(engine, name, max_n, tool_call_parser=None, **_):
         built.append({"max_n": max_n, "tool_call_parser": tool_call_parser})
 
-    monkeypatch.setattr(launch, "_load_engine",
-                        lambda model_dir, args: SimpleNamespace(peers=None, tokenizer=None,
-                                                                 max_model_len=1))
+    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: _engine_stub())
+    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", build_app)
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", str(tmp_path), *argv]) == 0
     assert built == [seen]
+
+
+def _engine_stub() -> SimpleNamespace:
+    """What `serve` reads of an engine before the app takes it."""
+    from metal_engine.outputs import EngineStats
+
+    return SimpleNamespace(peers=None, tokenizer=None, max_model_len=1, stats=EngineStats,
+                           has_unfinished_requests=lambda: False, close=lambda: None)
 
 
 @pytest.mark.parametrize(("argv", "code"), [(["--help"], 0), (["no-such-command"], 2)])
@@ -183,9 +190,8 @@ def _served_defaults(monkeypatch, argv):
     from server.http import shutdown
 
     built = []
-    monkeypatch.setattr(launch, "_load_engine",
-                        lambda model_dir, args: SimpleNamespace(peers=None, tokenizer=None,
-                                                                 max_model_len=1))
+    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: _engine_stub())
+    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
     monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda engine, *args, **kw: built.append(engine))
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)

@@ -2,8 +2,10 @@
 
 A pool usually belongs to one layer; a model whose layers differ in KV heads or head size
 (Gemma 4's full and sliding layers) gives each pool its own shape, and one whose layers share
-K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool). The pools
-of a sliding-window group (metal_engine.cache.cache_plan) have blocks of their own, fewer of them.
+K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool). Each pool
+belongs to one cache group, by the scheduler's kind (scheduler.cache_groups): "blocks" holds
+every token, a sliding-window group's pools ("window", metal_engine.cache.cache_plan) have
+blocks of their own, fewer of them; a hybrid model's recurrent states are the "states" group.
 With `--kv-cache-dtype int8|int4` each pool is a QuantizedPool (codes and scales, see
 kernels_metal.kv_quant), which the layers take, write and read as they do an array.
 """
@@ -58,11 +60,16 @@ class KVCache:
         group) hold `num_window_blocks` blocks, the others `num_blocks`. `dtype`: the
         model's; the pools store it, or `quant`'s codes and scales. `held`: the pools this
         process's layers use (a pipeline stage's); the others hold no blocks."""
-        self.shapes, self.windowed = tuple(shapes), tuple(windowed)
+        self.shapes = tuple(shapes)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.model_dtype, self.quant = dtype, quant
+        full = tuple(i for i in range(len(self.shapes)) if i not in windowed)
+        # Each group's pools, in pool order; a group without pools is left out.
+        self.pool_groups: dict[CacheKind, tuple[int, ...]] = {
+            kind: pools for kind, pools in (("blocks", full), ("window", tuple(windowed)))
+            if pools}  # fmt: skip
         sizes = [0 if held is not None and i not in held
-                 else num_window_blocks if i in self.windowed else num_blocks
+                 else num_window_blocks if i in windowed else num_blocks
                  for i in range(len(self.shapes))]
         self.k: list[Pool | None] = [self._empty(n, shape, keys=True)
                                      for n, shape in zip(sizes, self.shapes, strict=True)]
@@ -127,60 +134,54 @@ class KVCache:
         return str(self.model_dtype).removeprefix("mlx.core.")
 
     def groups(self) -> dict[CacheKind, GroupData]:
-        """The data of each cache group this cache holds (see scheduler.cache_groups): the
-        full pools' blocks, a sliding-window group's blocks, the recurrent-state slots."""
+        """The data of each cache group this cache holds, by kind: the pools' blocks of
+        "blocks" and "window", the recurrent states' slots."""
         groups = {}
-        for kind, windowed in (("blocks", False), ("window", True)):
-            shapes = self.group_shapes(windowed)
-            if shapes:
-                layout = BlockLayout(tuple(shapes), self.block_size, self.storage)
-                groups[kind] = GroupData(layout, partial(self.read_blocks, windowed=windowed),
-                                         partial(self.write_blocks, windowed=windowed))
+        for kind in self.pool_groups:
+            layout = BlockLayout(tuple(self.group_shapes(kind)), self.block_size, self.storage)
+            groups[kind] = GroupData(layout, partial(self.read_blocks, kind=kind),
+                                     partial(self.write_blocks, kind=kind))
         if self.states is not None:
             states = self.states
             groups["states"] = GroupData(states.layout(), states.read_slots, states.write_slots)
         return groups
 
-    def bytes_per_block(self, windowed: bool = False) -> int:
+    def bytes_per_block(self, kind: CacheKind = "blocks") -> int:
         """One block's K and V over the pools of a group."""
-        return bytes_per_block(self.group_shapes(windowed), self.block_size, self.model_dtype,
+        return bytes_per_block(self.group_shapes(kind), self.block_size, self.model_dtype,
                                self.quant)
 
-    def read_blocks(self, block_ids: list[int], windowed: bool = False) -> list[bytes]:
-        """Each block's K then V of every pool of its group (the full pools, or `windowed`
-        the sliding-window group's), as raw bytes: a quantized pool's codes then scales
-        (waits for pending writes)."""
+    def read_blocks(self, block_ids: list[int], kind: CacheKind = "blocks") -> list[bytes]:
+        """Each block's K then V of every pool of group `kind`, as raw bytes: a quantized
+        pool's codes then scales (waits for pending writes)."""
         index, n = mx.array(block_ids), len(block_ids)
         raw = np.concatenate([  # bit-cast so that numpy takes any dtype
             np.asarray(a[index].view(RAW_BITS[a.dtype.size][0])).reshape(n, -1).view(np.uint8)
-            for a in self._group_arrays(windowed)], axis=1)
+            for a in self._group_arrays(kind)], axis=1)
         return [raw[i].tobytes() for i in range(n)]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes],
-                     windowed: bool = False) -> None:
+                     kind: CacheKind = "blocks") -> None:
         """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
         self.host_views = None
         n, index = len(block_ids), mx.array(block_ids)
         raw = np.frombuffer(b"".join(payloads), np.uint8).reshape(n, -1)
         offset = 0
-        for a in self._group_arrays(windowed):  # each scatter updates its pool in place
+        for a in self._group_arrays(kind):  # each scatter updates its pool in place
             size = a[0].nbytes
             bits = np.ascontiguousarray(raw[:, offset : offset + size])
             part = mx.array(bits.view(RAW_BITS[a.dtype.size][1])).view(a.dtype)
             a[index] = part.reshape(n, *a.shape[1:])
             offset += size
 
-    def _group_arrays(self, windowed: bool) -> list[mx.array]:
+    def _group_arrays(self, kind: CacheKind) -> list[mx.array]:
         """The arrays of a group's pools: each K pool's, then each V pool's."""
-        return [a for pools in (self.k, self.v) for i in self._group(windowed)
+        return [a for pools in (self.k, self.v) for i in self.pool_groups.get(kind, ())
                 for a in _arrays(pools[i])]
 
-    def group_shapes(self, windowed: bool = False) -> list[PoolShape]:
+    def group_shapes(self, kind: CacheKind = "blocks") -> list[PoolShape]:
         """(kv_heads, head_dim) of the pools of one group, in pool order."""
-        return [self.shapes[i] for i in self._group(windowed)]
-
-    def _group(self, windowed: bool) -> list[int]:
-        return [i for i in range(len(self.shapes)) if (i in self.windowed) == windowed]
+        return [self.shapes[i] for i in self.pool_groups.get(kind, ())]
 
 
 def _arrays(pool: Pool) -> list[mx.array]:

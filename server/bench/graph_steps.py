@@ -102,7 +102,7 @@ def _cache(cfg: ModelConfig, batch: int, num_blocks: int) -> KVCache:
     cache = KVCache.for_model(cfg, plan, BLOCK_SIZE, DTYPE)
     for i, (kv_heads, head_dim) in enumerate(cache.shapes):
         blocks = num_blocks
-        if i in cache.windowed:
+        if i in cache.pool_groups.get("window", ()):
             blocks = window_blocks(window, BLOCK_SIZE, batch, 256) + 1
         shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
         cache.put(i, zeros_like_leaf(shape, DTYPE), zeros_like_leaf(shape, DTYPE))

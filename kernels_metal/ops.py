@@ -131,6 +131,10 @@ class Ops:
     def parameters_changed(self) -> None:
         """The model's parameters were replaced (a backend may have derived from them)."""
 
+    def settle(self, parameters: list[mx.array]) -> None:
+        """The model is loaded and warmed up (its q/k/v packed): place what the backend
+        streams where it reads fastest. Nothing to do by default."""
+
 
 class ReferenceOps(Ops):
     name = "reference"

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels_metal.cpu import attention as cpu_attention
-from kernels_metal.cpu import host_forward
+from kernels_metal.cpu import host_forward, huge_pages
 from kernels_metal.cpu import loops as cpu_loops
 from kernels_metal.cpu import math as cpu_math
 from kernels_metal.cpu.host_forward import HostPlan, HostStack, to_device, to_host
@@ -138,6 +138,9 @@ class HostOps(DispatchedKernels, Ops):
 
     def parameters_changed(self) -> None:
         self.plan.forget()
+
+    def settle(self, parameters: list[mx.array]) -> None:
+        huge_pages.collapse(np.asarray(p) for p in parameters if p.dtype == mx.float32)
 
 
 class HostRope:

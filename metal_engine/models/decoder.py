@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from kernels_metal.backends import device_ops_name, ops_named
 from kernels_metal.metadata import AttentionMetadata
@@ -103,6 +104,10 @@ class CausalLM(nn.Module, OpsUser):
             logits = self.ops.linear(hidden, embed)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else self.ops.softcap(logits, cap)
+
+    def settle(self) -> None:
+        """Loaded and warmed up: let the backend place the weights it streams."""
+        self.ops.settle([p for _, p in tree_flatten(self.parameters())])
 
     def update(self, parameters: dict, strict: bool = True) -> CausalLM:
         self.ops.parameters_changed()  # new parameters may be of another dtype

@@ -205,6 +205,7 @@ def test_work_for_an_engine_thread_that_died_or_stopped_fails_instead_of_hanging
     dead = AsyncEngine(NoStats())
     with pytest.raises(EngineError, match="shutting down"):
         dead.run_on_engine_thread(lambda: 1)
+    dead.shutdown()  # joins the dead thread: its exception is reported within this test
     stopped = AsyncEngine(ScriptedEngine())
     stopped.shutdown()
     with pytest.raises(EngineError, match="shutting down"):

@@ -104,6 +104,12 @@ class Ops:
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, window, softcap,
                                          sinks)
 
+    def latent_attention(self, q, pool, rank: int, meta: AttentionMetadata, scale: float):
+        """Multi-head latent attention in its absorbed form: `q [total_q, H, W]` over a pool
+        of latent rows `[blocks, block_size, 1, W]` whose first `rank` values are also the
+        values; `[total_q, H, rank]` out. The pure-MLX reference on every backend for now."""
+        return paged_attention_reference(q, pool, pool[..., :rank], meta, scale)
+
     def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
                          window=None, softcap=None, sinks=None):
         """K/V rows written into the pools, then q attended over them: (out, k_pool, v_pool)."""

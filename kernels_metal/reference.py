@@ -89,8 +89,9 @@ def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float, cap: float |
     else:
         probs = _softmax_with_sinks(scores, group.mask, sinks)
     probs = probs.reshape(num_groups, kv_heads, -1, num_keys)
-    out = (probs @ v).reshape(num_groups, kv_heads, heads_per_kv, n, head_dim)
-    return out.transpose(0, 3, 1, 2, 4).reshape(-1, kv_heads * heads_per_kv, head_dim)
+    value_dim = v.shape[-1]  # the keys' head_dim, or less (MLA's values are part of its keys)
+    out = (probs @ v).reshape(num_groups, kv_heads, heads_per_kv, n, value_dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(-1, kv_heads * heads_per_kv, value_dim)
 
 
 def masked_softmax(x: mx.array, mask: mx.array, axis: int = -1) -> mx.array:

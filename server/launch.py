@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ from server.serve_args import add_serve_arguments
 __all__ = ["add_serve_arguments", "serve"]
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from metal_engine.config import EngineConfig
     from metal_engine.engine import LLMEngine
     from metal_engine.loading.model_config import ModelConfig
@@ -192,15 +195,18 @@ def _fit_memory(config: EngineConfig) -> None:
 def dry_run(args: argparse.Namespace) -> int:
     """`serve --dry-run`: print the memory plan of the model and flags `serve` was given,
     reading only config.json and tensor headers. 0 if it fits; 2 if refused or unreadable."""
-    from metal_engine.cache.memory_plan import MemoryRefused, plan_for
+    from metal_engine.cache.memory_plan import MemoryRefused, mac_capacities, plan_for
     from metal_engine.config import resolve_max_model_len
     from metal_engine.loading.model_dtype import resolve_dtype
     from metal_engine.loading.weight_bytes import drafter_weight_bytes
 
     try:
-        path, model, weights = _planned_model(args)
+        path, model, weights_on = _planned_model(args)
         config = _engine_config(path, args)
-        weights += drafter_weight_bytes(config, resolve_dtype(config.dtype, config.model_dir))
+        weights = weights_on(None) + drafter_weight_bytes(
+            config, resolve_dtype(config.dtype, config.model_dir))
+        mac_dtype = resolve_dtype(config.dtype, config.model_dir, metal=True)
+        mac_weights = weights_on(True) + drafter_weight_bytes(config, mac_dtype)
         label = path if args.model_dir is not None else f"the default model, {path}"
         print(f"memory plan for {label} ({model.model_type}):")
         plan = plan_for(config, model, weights)
@@ -217,6 +223,10 @@ def dry_run(args: argparse.Namespace) -> int:
         print(f"  {line}")
     if refusal is not None:
         print(f"does not fit: {refusal}")
+    print(f"on a Mac ({str(mac_dtype).removeprefix('mlx.core.')}, macOS's default GPU working "
+          "set):")
+    for line in mac_capacities(config, model, mac_weights):
+        print(f"  {line}")
     return 0 if refusal is None else 2
 
 
@@ -229,9 +239,11 @@ def _tensor_parallel_traffic(model: ModelConfig, config: EngineConfig) -> list[s
             step_traffic(model, config.tensor_parallel_size, tokens, dtype_bytes).describe()]
 
 
-def _planned_model(args: argparse.Namespace) -> tuple[Path, ModelConfig, int]:
+def _planned_model(args: argparse.Namespace
+                   ) -> tuple[Path, ModelConfig, Callable[[bool | None], int]]:
     """What `serve` would load, without loading it (or converting it): the model dir or
-    source, its config and weight bytes at the dtype it would run in."""
+    source, its config, and its weight bytes at the dtype it would run in on a Mac (True),
+    off one (False) or on this machine (None), each read once."""
     from convert.api import open_source
     from convert.hub import is_repo_id
     from metal_engine.loading.model_dtype import resolve_dtype
@@ -239,14 +251,19 @@ def _planned_model(args: argparse.Namespace) -> tuple[Path, ModelConfig, int]:
 
     reference = args.model_dir
     path = _default_model(args.cache_dir) if reference is None else Path(reference).expanduser()
-    dtype = resolve_dtype("auto", path if path.is_dir() else None)
+
+    def dtype(metal: bool | None):
+        return resolve_dtype("auto", path if path.is_dir() else None, metal=metal)
+
     if path.is_dir():
-        return path, *model_dir_weight_bytes(path, dtype)
+        model = model_dir_weight_bytes(path, dtype(None))[0]
+        return path, model, lambda metal: model_dir_weight_bytes(path, dtype(metal))[1]
     if path.is_file():  # a .gguf: converted to float32, then loaded at `dtype`
         model = open_source(path).config
-        return path, model, weight_bytes(model, dtype)
+        return path, model, lambda metal: weight_bytes(model, dtype(metal))
     if is_repo_id(str(reference)):
-        return path, *_hub_model(str(reference), args.revision, dtype)
+        model, weights = _hub_model(str(reference), args.revision)
+        return path, model, lambda metal: weights(dtype(metal))
     raise FileNotFoundError(f"model {reference} does not exist: pass a model dir, a .gguf "
                             "file or a hub repo id (org/name)")
 
@@ -260,9 +277,10 @@ def _default_model(cache_dir: Path | None) -> Path:
     return converted if is_current(converted, gguf) else gguf
 
 
-def _hub_model(repo_id: str, revision: str | None, dtype) -> tuple[ModelConfig, int]:
-    """A hub repo's config and weight bytes from its config.json and the safetensors
-    headers the hub serves, without downloading the weights."""
+def _hub_model(repo_id: str, revision: str | None
+               ) -> tuple[ModelConfig, Callable[[mx.Dtype], int]]:
+    """A hub repo's config and its weight bytes at a dtype, from its config.json and the
+    safetensors headers the hub serves, without downloading the weights."""
     import json
 
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
@@ -277,13 +295,14 @@ def _hub_model(repo_id: str, revision: str | None, dtype) -> tuple[ModelConfig, 
                          .read_text(encoding="utf-8"))
         model = ModelConfig.from_dict(raw)
         if QuantizationConfig.from_config(raw) is None:
-            return model, weight_bytes(model, dtype)
+            return model, lambda dtype: weight_bytes(model, dtype)
         files = get_safetensors_metadata(repo_id, revision=revision).files_metadata.values()
     except (EntryNotFoundError, NotASafetensorsRepoError) as exc:
         raise ValueError(f"{repo_id} is not a model metal-serve can serve: {exc}") from None
     tensors = {name: (info.dtype, tuple(info.shape))
                for file in files for name, info in file.tensors.items()}
-    return model, weight_bytes(model, dtype, tensors, raw.get("model_type") in TEXT_PARTS)
+    multimodal = raw.get("model_type") in TEXT_PARTS
+    return model, lambda dtype: weight_bytes(model, dtype, tensors, multimodal)
 
 
 def _parameter_count(engine: LLMEngine) -> ParameterCount:

@@ -63,6 +63,24 @@ TINY_MODELS = {
         routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                              partial_rotary_factor=0.5))),
+    # Multi-head latent attention (q through its own low rank, DeepSeek's paired rope dims)
+    # over experts routed by group, after a dense layer.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, head_dim=8, q_lora_rank=24, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        num_mtp_layers=0, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                             mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=64))),
+    # GLM-4.7-Flash: DeepSeek V3's layers, its dense ones listed by kind; no q low rank.
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, head_dim=8, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        n_shared_experts=1, mlp_layer_types=["dense", "sparse", "dense"],
+        routed_scaling_factor=1.8)),
     # Windows shorter than the prompts on the sliding layers; sinks are random parameters.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,

@@ -6,6 +6,8 @@ K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool
 belongs to one cache group, by the scheduler's kind (scheduler.cache_groups): "blocks" holds
 every token, a sliding-window group's pools ("window", metal_engine.cache.cache_plan) have
 blocks of their own, fewer of them; a hybrid model's recurrent states are the "states" group.
+An MLA model's pools hold keys only, each token's latent row, whose first values are its
+values too (models/mla.py): `keys_only`, with no V pools.
 With `--kv-cache-dtype int8|int4` each pool is a QuantizedPool (codes and scales, see
 kernels_metal.kv_quant), which the layers take, write and read as they do an array.
 """
@@ -55,12 +57,14 @@ class KVCache:
 
     def __init__(self, shapes: Sequence[PoolShape], num_blocks: int, block_size: int,
                  dtype: mx.Dtype, windowed: Sequence[int] = (), num_window_blocks: int = 0,
-                 quant: KVQuant | None = None, held: Collection[int] | None = None):
+                 quant: KVQuant | None = None, held: Collection[int] | None = None,
+                 keys_only: bool = False):
         """`shapes`: (kv_heads, head_dim) of each pool; the `windowed` ones (a sliding-window
         group) hold `num_window_blocks` blocks, the others `num_blocks`. `dtype`: the
         model's; the pools store it, or `quant`'s codes and scales. `held`: the pools this
-        process's layers use (a pipeline stage's); the others hold no blocks."""
-        self.shapes = tuple(shapes)
+        process's layers use (a pipeline stage's); the others hold no blocks. `keys_only`:
+        no V pools (`take` gives None for them)."""
+        self.shapes, self.keys_only = tuple(shapes), keys_only
         self.num_blocks, self.block_size = num_blocks, block_size
         self.model_dtype, self.quant = dtype, quant
         full = tuple(i for i in range(len(self.shapes)) if i not in windowed)
@@ -73,7 +77,7 @@ class KVCache:
                  for i in range(len(self.shapes))]
         self.k: list[Pool | None] = [self._empty(n, shape, keys=True)
                                      for n, shape in zip(sizes, self.shapes, strict=True)]
-        self.v: list[Pool | None] = [self._empty(n, shape, keys=False)
+        self.v: list[Pool | None] = [None if keys_only else self._empty(n, shape, keys=False)
                                      for n, shape in zip(sizes, self.shapes, strict=True)]
         mx.eval(self.arrays())
 
@@ -96,7 +100,8 @@ class KVCache:
         """The pools and state slots `cfg`'s layers need, sized as `plan` says (of the pools,
         only the `held` ones, if given, get blocks)."""
         cache = cls(cfg.kv_pool_shapes(), plan.num_blocks, block_size, dtype,
-                    plan.windowed_pools, plan.num_window_blocks, quant, held)
+                    plan.windowed_pools, plan.num_window_blocks, quant, held,
+                    keys_only=cfg.mla is not None)
         if cfg.linear_attention is not None:
             from metal_engine.cache.recurrent_states import RecurrentStates
 
@@ -107,20 +112,22 @@ class KVCache:
     def peek(self, layer: int) -> tuple[Pool, Pool]:
         """A pool pair to read without writing (a layer reading another layer's K/V)."""
         k, v = self.k[layer], self.v[layer]
-        if k is None or v is None:
-            raise RuntimeError(f"KV pool of layer {layer} was taken and not put back")
+        self._check_present(layer, k, v)
         return k, v
 
     def take(self, layer: int) -> tuple[Pool, Pool]:
         k, v = self.k[layer], self.v[layer]
         self.k[layer] = self.v[layer] = None
-        if k is None or v is None:
-            raise RuntimeError(f"KV pool of layer {layer} was taken and not put back")
+        self._check_present(layer, k, v)
         self.host_views = None  # the taker may write through MLX, which would copy a pinned pool
         return k, v
 
     def put(self, layer: int, k: Pool, v: Pool) -> None:
         self.k[layer], self.v[layer] = k, v
+
+    def _check_present(self, layer: int, k: Pool | None, v: Pool | None) -> None:
+        if k is None or (v is None and not self.keys_only):
+            raise RuntimeError(f"KV pool of layer {layer} was taken and not put back")
 
     def arrays(self) -> list[mx.array]:
         arrays = [a for pool in self.k + self.v if pool is not None for a in _arrays(pool)]
@@ -138,7 +145,8 @@ class KVCache:
         "blocks" and "window", the recurrent states' slots."""
         groups = {}
         for kind in self.pool_groups:
-            layout = BlockLayout(tuple(self.group_shapes(kind)), self.block_size, self.storage)
+            layout = BlockLayout(tuple(self.group_shapes(kind)), self.block_size, self.storage,
+                                 values=not self.keys_only)
             groups[kind] = GroupData(layout, partial(self.read_blocks, kind=kind),
                                      partial(self.write_blocks, kind=kind))
         if self.states is not None:
@@ -149,7 +157,7 @@ class KVCache:
     def bytes_per_block(self, kind: CacheKind = "blocks") -> int:
         """One block's K and V over the pools of a group."""
         return bytes_per_block(self.group_shapes(kind), self.block_size, self.model_dtype,
-                               self.quant)
+                               self.quant, values=not self.keys_only)
 
     def read_blocks(self, block_ids: list[int], kind: CacheKind = "blocks") -> list[bytes]:
         """Each block's K then V of every pool of group `kind`, as raw bytes: a quantized
@@ -177,7 +185,7 @@ class KVCache:
     def _group_arrays(self, kind: CacheKind) -> list[mx.array]:
         """The arrays of a group's pools: each K pool's, then each V pool's."""
         return [a for pools in (self.k, self.v) for i in self.pool_groups.get(kind, ())
-                for a in _arrays(pools[i])]
+                if pools[i] is not None for a in _arrays(pools[i])]
 
     def group_shapes(self, kind: CacheKind = "blocks") -> list[PoolShape]:
         """(kv_heads, head_dim) of the pools of one group, in pool order."""

@@ -285,19 +285,59 @@ def size(n: int) -> str:
     return f"{n} B"
 
 
+# Mac sizes `serve --dry-run` plans for besides this machine.
+MAC_SIZES_GB = (32, 64, 128)
+
+
+def mac_memory(gb: int) -> DeviceMemory:
+    """A Mac of `gb` GB as macOS sets it up by default: the GPU's recommended working set is
+    about two thirds of the memory up to 36 GB, three quarters above (a Mac reports its own:
+    `device_memory`)."""
+    total = gb << 30
+    return DeviceMemory(total, int(total * (0.75 if gb > 36 else 2 / 3)), True)
+
+
+def mac_capacities(config: EngineConfig, model: ModelConfig, weights: int) -> list[str]:
+    """What `model` (`weights` bytes at a Mac's dtype) costs on a Mac: its KV bytes a token,
+    then a line per size of `MAC_SIZES_GB` with the KV budget left there and what it holds,
+    or why the model does not fit."""
+    kv = _footprint(config, model, metal=True)
+    lines = [f"KV cache: {kv.storage}, {size(int(kv.bytes_per_token))} a token"]
+    for gb in MAC_SIZES_GB:
+        device = mac_memory(gb)
+        try:
+            plan = plan_for(config, model, weights, device)
+        except MemoryRefused as exc:
+            spare = device.usable - weights - headroom_bytes(device)
+            why = (f"{size(weights)} of weights and {size(headroom_bytes(device))} of headroom "
+                   f"in {size(device.usable)} usable" if spare <= 0
+                   else str(exc).split(". ")[0])
+            lines.append(f"{gb} GB Mac: does not fit: {why}")
+            continue
+        lines.append(f"{gb} GB Mac: KV budget {size(plan.budget)}, {plan.tokens:,} tokens; "
+                     f"{plan.requests} concurrent request{'s' if plan.requests != 1 else ''} "
+                     f"at {plan.context:,} tokens")
+    return lines
+
+
 def plan_for(config: EngineConfig, model: ModelConfig, weights: int,
              device: DeviceMemory | None = None) -> MemoryPlan:
     """The plan for serving `model` (`weights` bytes) as `config` says, on `device` (default:
     this machine, measured now); its dtype and step budget are a Mac's if `device.metal`."""
     device = device or device_memory()
-    dtype = resolve_dtype(config.dtype, config.model_dir, metal=device.metal)
-    token_budget = config.max_num_batched_tokens or default_token_budget(device.metal)
-    kv = kv_footprint(model, dtype, config.kv_cache_dtype, config.block_size,
-                      config.max_num_seqs, token_budget)
+    kv = _footprint(config, model, device.metal)
     return plan_memory(device, weights, kv,
                        trained_context=model.trained_context_len,
                        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                        kv_cache_memory=config.kv_cache_memory)
+
+
+def _footprint(config: EngineConfig, model: ModelConfig, metal: bool) -> KVFootprint:
+    """`model`'s KV footprint as `config` sets it up, on a Mac (`metal`) or off one."""
+    dtype = resolve_dtype(config.dtype, config.model_dir, metal=metal)
+    token_budget = config.max_num_batched_tokens or default_token_budget(metal)
+    return kv_footprint(model, dtype, config.kv_cache_dtype, config.block_size,
+                        config.max_num_seqs, token_budget)
 
 
 def _available_host_memory() -> int:

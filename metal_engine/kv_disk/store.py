@@ -52,6 +52,7 @@ class BlockLayout:
     pools: tuple[tuple[int, int], ...]
     block_size: int
     dtype: str
+    values: bool = True  # False: the pools hold keys only (MLA's latent rows)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
@@ -71,13 +72,14 @@ class BlockLayout:
 
     @property
     def payload_bytes(self) -> int:
-        """K and V of every pool: 2 * block_size * the bytes of a token's row per pool
-        (its values, or a quantized pool's codes and scales)."""
+        """K and V (or K only) of every pool: block_size * the bytes of a token's row per
+        pool (its values, or a quantized pool's codes and scales), twice with values."""
+        parts = 2 if self.values else 1
         if self.dtype in DTYPE_SIZES:
-            return 2 * self.block_size * self.slot_features * DTYPE_SIZES[self.dtype]
+            return parts * self.block_size * self.slot_features * DTYPE_SIZES[self.dtype]
         quant = kv_quant_of(self.dtype)
-        return 2 * self.block_size * sum(heads * quant.bytes_per_row(dim)
-                                         for heads, dim in self.pools)
+        return parts * self.block_size * sum(heads * quant.bytes_per_row(dim)
+                                             for heads, dim in self.pools)
 
     @property
     def file_bytes(self) -> int:

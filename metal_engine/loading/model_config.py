@@ -15,6 +15,7 @@ from typing import Any, Literal
 from metal_engine.models import gemma4_config
 from metal_engine.models.gemma4_config import Gemma4Options, read_gemma4
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
+from metal_engine.models.mla_config import MlaConfig
 from metal_engine.models.moe_config import MoeConfig, read_moe
 from metal_engine.models.rope_parameters import RopeParameters, read_rope, read_rope_theta
 
@@ -35,6 +36,8 @@ ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -48,6 +51,8 @@ TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
 # Families with linear-attention layers beside full attention.
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QWEN = ("qwen2", "qwen3")
+# Families whose attention keeps a latent per token (multi-head latent attention).
+MLA = ("deepseek_v3", "glm4_moe_lite")
 # Families whose every layer slides once a window is set.
 ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -103,6 +108,8 @@ class ModelConfig:
     gemma4: Gemma4Options | None = None
     # Linear-attention layers' shape (Qwen3.5); None: the model has none.
     linear_attention: GatedDeltaNetConfig | None = None
+    # Multi-head latent attention's shape; None: the model's attention keeps K and V per head.
+    mla: MlaConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -152,10 +159,18 @@ class ModelConfig:
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
 
     def kv_shape(self, layer: int) -> tuple[int, int]:
-        """(kv_heads, head_dim) of layer `layer`."""
+        """(kv_heads, head_dim) of layer `layer`: with MLA one latent row per token, its keys
+        only (the values are a part of it)."""
+        if self.mla is not None:
+            return 1, self.mla.latent_width
         if self.layer_kv_shapes:
             return self.layer_kv_shapes[layer]
         return self.num_key_value_heads, self.head_dim
+
+    def rope_head_dim(self, layer: int) -> int:
+        """The features of a head that layer `layer`'s rope sees (part of them may rotate):
+        its head_dim, or MLA's rope part."""
+        return self.head_dim if self.mla is not None else self.kv_shape(layer)[1]
 
     def kv_pool(self, layer: int) -> int:
         """The KV pool attention layer `layer` attends over: its own, or for a layer sharing
@@ -221,6 +236,7 @@ class ModelConfig:
         rope, local_rope = _ropes(cfg)
         layer_types = _layer_types(cfg, window)
         gemma4 = model_type == "gemma4_text"
+        mla = MlaConfig.from_hf(cfg) if model_type in MLA else None
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -229,7 +245,9 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # MLA's rope turns the rope part of a head only (transformers sets head_dim so).
+            head_dim=(mla.qk_rope_head_dim if mla is not None
+                      else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -250,6 +268,7 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             qk_norm=bool(cfg.get("use_qk_norm", False)) if model_type == "glm4_moe" else False,
             moe=read_moe(cfg),
+            mla=mla,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
         )
@@ -274,14 +293,20 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             config["mlp_bias"] = self.mlp_bias
-        elif self.model_type != "glm4_moe":
+        elif self.model_type not in ("glm4_moe", *MLA):
             config["sliding_window"] = self.sliding_window
         if self.model_type == "glm4_moe":
             config["use_qk_norm"] = self.qk_norm
         if self.moe is not None:
             config.update(self.moe.to_hf(self.model_type))
+        if self.model_type == "glm4_moe_lite":  # its dense layers by kind, not by count
+            config["mlp_layer_types"] = [
+                "sparse" if self.moe is not None and self.moe.is_moe_layer(i) else "dense"
+                for i in range(self.num_hidden_layers)]
         if self.linear_attention is not None:
             config.update(self.linear_attention.to_hf())
+        if self.mla is not None:
+            config.update(self.mla.to_hf())
         if self.model_type in (*QWEN, *GEMMA, *HYBRID, "gpt_oss"):  # others: from the window
             config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
         if self.model_type in (*QWEN, "qwen3_moe"):

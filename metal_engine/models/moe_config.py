@@ -16,6 +16,8 @@ Scoring = Literal["softmax", "sigmoid"]
 # config field -> the values this engine routes as the family's reference code does.
 _ROUTER_FIELDS = {
     "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "deepseek_v3": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "glm4_moe_lite": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "qwen3_moe": {"scoring_func": ("softmax",)},
     "mixtral": {"scoring_func": ("softmax",)},
     "gpt_oss": {"scoring_func": ("softmax",)},
@@ -158,6 +160,7 @@ def _qwen_hybrid(cfg: dict[str, Any]) -> MoeConfig:
 
 
 def _glm4_moe(cfg: dict[str, Any]) -> MoeConfig:
+    """GLM-4.5's experts, routed as DeepSeek V3's are (the same keys)."""
     expert_size = _required(cfg, "moe_intermediate_size")
     return MoeConfig(
         num_experts=cfg.get("n_routed_experts") or _required(cfg, "num_local_experts"),
@@ -170,9 +173,16 @@ def _glm4_moe(cfg: dict[str, Any]) -> MoeConfig:
         groups_per_token=cfg.get("topk_group", 1),
         score_correction_bias=True,
         shared_intermediate_size=expert_size * cfg.get("n_shared_experts", 1),
-        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1),
-                                     cfg["num_hidden_layers"]))),
+        dense_layers=_glm_dense_layers(cfg),
     )
+
+
+def _glm_dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The first `first_k_dense_replace` layers, or GLM-4.7-Flash's `mlp_layer_types` list."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is not None:
+        return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    return tuple(range(min(cfg.get("first_k_dense_replace", 1), cfg["num_hidden_layers"])))
 
 
 def _gemma4(cfg: dict[str, Any]) -> MoeConfig | None:
@@ -189,6 +199,7 @@ def _gemma4(cfg: dict[str, Any]) -> MoeConfig | None:
 
 _READERS: dict[str, Callable[[dict[str, Any]], MoeConfig | None]] = {
     "mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
+    "deepseek_v3": _glm4_moe, "glm4_moe_lite": _glm4_moe,
     "gemma4_text": _gemma4, "qwen3_5_moe_text": _qwen_hybrid, "qwen3_next": _qwen_hybrid,
 }  # fmt: skip
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metal_engine.loading.model_config import SUPPORTED_MODEL_TYPES
 from metal_engine.models import (
+    deepseek_v3,
     gemma2,
     gemma3,
     gemma4,
@@ -36,6 +37,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_5_text": qwen3_5.Model,
     "qwen3_5_moe_text": qwen3_5.Model,
     "qwen3_next": qwen3_5.Model,  # its fused projections are split at conversion
+    "deepseek_v3": deepseek_v3.Model,
+    "glm4_moe_lite": deepseek_v3.Model,  # GLM-4.7-Flash: DeepSeek V3's layers
 }
 
 

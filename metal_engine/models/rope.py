@@ -177,7 +177,7 @@ class LayerRopes:
 
     def __init__(self, cfg: ModelConfig) -> None:
         # A rope is its parameters and the head size it turns (Gemma 4's layers differ in both).
-        layer_params = [(cfg.rope_for(cfg.layer_type(i)), cfg.kv_shape(i)[1])
+        layer_params = [(cfg.rope_for(cfg.layer_type(i)), cfg.rope_head_dim(i))
                         for i in range(cfg.num_hidden_layers)]
         distinct = list(dict.fromkeys(layer_params))
         self.embeddings = [RotaryEmbedding(params, head_dim, cfg.max_position_embeddings)

@@ -1,0 +1,129 @@
+"""Multi-head latent attention (DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash) over a paged pool of
+latents.
+
+A token's row in its layer's pool is `kv_lora_rank + qk_rope_head_dim` wide (576 for
+DeepSeek V3, against 2 x 128 heads x 192 for the keys and values it stands for): its
+normed latent `c`, then its rope key, shared by every head. Attention runs in the absorbed
+form, for every row: a head's key is `W_uk c` beside the rope key, so its query's score
+`q_nope . W_uk c` is `(W_uk^T q_nope) . c`; the query goes into the latent space once and
+attends over the latent rows as multi-query attention of one key head, whose values are the
+latents themselves; each head's output then leaves through its `W_uv`. Per key the absorbed
+form costs `heads x (rank + rope)` products instead of `heads x (nope + rope + v)` plus the
+up-projection of every key, so it is the cheaper form for decode rows and for chunks short
+against their context; a long prefill chunk over a short context would be cheaper expanded
+(later, with the MLA kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels_metal.metadata import AttentionMetadata
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.loading.model_config import ModelConfig
+from metal_engine.models.layers import Linear, RMSNorm
+from metal_engine.models.ops_user import OpsUser
+
+# transformers' DeepSeek norms of the q and kv latents keep their class's eps, not the
+# config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MlaAttention(nn.Module, OpsUser):
+    """Parameter names are transformers' (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, ...).
+    Runs on MLX arrays only: the CPU backend's host loops do not take it."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        mla = cfg.mla
+        assert mla is not None, "an MLA layer needs the config's MLA shape"
+        self.num_heads, self.layer = cfg.num_attention_heads, layer
+        self.rank, self.nope, self.rope_dim = (mla.kv_lora_rank, mla.qk_nope_head_dim,
+                                               mla.qk_rope_head_dim)
+        self.v_head_dim = mla.v_head_dim
+        self.scale = mla.qk_head_dim ** -0.5 * _yarn_mscale(cfg) ** 2
+        hidden, heads, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * mla.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_width, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                bias=False)
+        self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
+        # DeepSeek's rope pairs neighbouring dims; taken evens first, then odds, the pairs
+        # are the halves the rope here turns (the same scores: q and k are permuted alike).
+        self._pairs = (mx.concatenate([mx.arange(0, self.rope_dim, 2),
+                                       mx.arange(1, self.rope_dim, 2)])
+                       if mla.rope_interleave else None)
+        self._absorbed = _AbsorbedWeights(heads, mla.qk_nope_head_dim, mla.kv_lora_rank)
+
+    def __call__(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+                 pool: int) -> mx.array:
+        total, heads = x.shape[0], self.num_heads
+        q = self._queries(x).reshape(total, heads, self.nope + self.rope_dim)
+        compressed = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(compressed[:, : self.rank])
+        k_rope = self.ops.rope(self._paired(compressed[:, None, self.rank :]), rope)
+        q_rope = self.ops.rope(self._paired(q[..., self.nope :]), rope)
+        w_uk, w_uv = self._absorbed(self.kv_b_proj)
+        q_latent = mx.swapaxes(mx.swapaxes(q[..., : self.nope], 0, 1) @ w_uk, 0, 1)
+        queries = mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+        rows = mx.concatenate([latent[:, None], k_rope.astype(latent.dtype)], axis=-1)
+        k_pool, v_pool = cache.take(pool)
+        try:
+            k_pool = self.ops.write_kv(k_pool, rows, meta)
+            out = self.ops.latent_attention(queries, k_pool, self.rank, meta, self.scale)
+        finally:
+            cache.put(pool, k_pool, v_pool)
+        out = mx.swapaxes(mx.swapaxes(out, 0, 1) @ w_uv, 0, 1)  # [total, heads, v_head_dim]
+        return self.o_proj(out.reshape(total, heads * self.v_head_dim))
+
+    def _queries(self, x: mx.array) -> mx.array:
+        if "q_proj" in self:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _paired(self, x: mx.array) -> mx.array:
+        return x if self._pairs is None else x[..., self._pairs]
+
+
+class _AbsorbedWeights:
+    """`kv_b_proj`'s weight as each head's `W_uk^T [rank -> nope]` turned to take queries
+    (`[heads, nope, rank]`) and `W_uv^T` (`[heads, rank, v]`), float or dequantized, made
+    again when the weight is replaced."""
+
+    def __init__(self, heads: int, nope: int, rank: int) -> None:
+        self._shape = (heads, -1, rank)
+        self._nope = nope
+        self._source: mx.array | None = None
+        self._weights: tuple[mx.array, mx.array] | None = None
+
+    def __call__(self, linear: nn.Module) -> tuple[mx.array, mx.array]:
+        weight = linear.weight
+        if weight is not self._source or self._weights is None:
+            self._source = weight
+            if isinstance(linear, nn.QuantizedLinear):
+                weight = mx.dequantize(weight, linear.scales, linear.get("biases"),
+                                       linear.group_size, linear.bits, linear.mode)
+            per_head = weight.reshape(self._shape)  # [heads, nope + v, rank]
+            w_uk = per_head[:, : self._nope]
+            w_uv = mx.swapaxes(per_head[:, self._nope :], 1, 2)
+            self._weights = (mx.contiguous(w_uk), mx.contiguous(w_uv))
+            mx.eval(self._weights)
+        return self._weights
+
+
+def _yarn_mscale(cfg: ModelConfig) -> float:
+    """DeepSeek's YaRN also scales the softmax, by the square of this (transformers'
+    `yarn_apply_mscale`)."""
+    rope = cfg.rope
+    if rope.rope_type == "default" or not rope.mscale_all_dim or (rope.factor or 1) <= 1:
+        return 1.0
+    return 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0

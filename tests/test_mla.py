@@ -1,0 +1,158 @@
+"""Multi-head latent attention (DeepSeek V3's family) over its latent pool: exact against
+transformers without a q low rank and with the rope dims paired or not, through prefix-cache
+hits, preemption and the disk tier's round trip; the pool holds one row of latent and rope key
+per token and no values."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_helpers import make_runner_and_scheduler
+from scheduler_helpers import run_step
+from test_model_parity import TOL, random_ids, run_logits, torch_logits
+from tiny_models import build_tiny_model, hf_greedy
+
+from convert import convert_model
+from metal_engine.cache.cache_plan import group_bytes
+from metal_engine.cache.kv_cache import KVCache
+from metal_engine.config import EngineConfig
+from metal_engine.engine_build import build_engine
+from metal_engine.loading.model_config import ModelConfig
+from scheduler import Request, SamplingParams
+
+LATENT = 32 + 8  # the tiny config's kv_lora_rank + qk_rope_head_dim
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    source = tmp_path_factory.mktemp("deepseek-hf")
+    model = build_tiny_model("deepseek_v3", source)
+    return model, convert_model(source, tmp_path_factory.mktemp("deepseek") / "model",
+                                progress=False)
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["paired-rope", "halves-rope"])
+def test_queries_without_a_low_rank_match_transformers(tmp_path, interleave):
+    model = build_tiny_model("deepseek_v3", tmp_path / "hf", q_lora_rank=None,
+                             rope_interleave=interleave,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    path = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
+    runner, scheduler = make_runner_and_scheduler(path, block_size=8)
+    ids = random_ids(3, 30)
+    got = run_logits(runner, scheduler, "a", ids, chunk=7)
+    np.testing.assert_allclose(got, torch_logits(model, ids), atol=TOL, rtol=TOL)
+
+
+def test_the_pool_keeps_one_latent_row_per_token_and_no_values(tiny_deepseek):
+    _, path = tiny_deepseek
+    cfg = ModelConfig.from_model_dir(path)
+    assert cfg.kv_pool_shapes() == [(1, LATENT)] * cfg.num_hidden_layers
+    per_block = group_bytes(cfg, mx.float16, 16, 4, 64).bytes_per_block
+    assert per_block == cfg.num_hidden_layers * 16 * LATENT * 2  # no V: once, not twice
+    runner, _ = make_runner_and_scheduler(path)
+    cache: KVCache = runner.cache
+    assert all(v is None for v in cache.v) and cache.keys_only
+    assert cache.bytes_per_block() == cfg.num_hidden_layers * 16 * LATENT * 4
+
+
+def test_latent_blocks_round_trip_through_their_payloads(tiny_deepseek):
+    _, path = tiny_deepseek
+    runner, scheduler = make_runner_and_scheduler(path, block_size=8)
+    run_logits(runner, scheduler, "a", random_ids(1, 24), chunk=24)
+    cache: KVCache = runner.cache
+    layout = cache.groups()["blocks"].layout
+    payloads = cache.read_blocks([0, 1])
+    assert len(payloads[0]) == layout.payload_bytes == cache.bytes_per_block()
+    cache.write_blocks([5, 6], payloads)
+    assert cache.read_blocks([5, 6]) == payloads and payloads[0] != payloads[1]
+
+
+def test_preempted_requests_resume_exactly(tiny_deepseek):
+    model, path = tiny_deepseek
+    rng = np.random.default_rng(4)
+    asked = {f"r{i}": [int(t) for t in rng.integers(3, 128, size=15 + 4 * i)] for i in range(5)}
+    # Together the requests need ~20 blocks of 8; the pool has 10.
+    runner, scheduler = make_runner_and_scheduler(path, num_blocks=10, block_size=8,
+                                                  max_num_seqs=4, max_model_len=64)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    requests = [Request(rid, ids, params, eos_token_ids=(2,)) for rid, ids in asked.items()]
+    for request in requests:
+        scheduler.add_request(request)
+    preemptions = 0
+    while scheduler.has_unfinished_requests():
+        running_before = set(scheduler.running)
+        out = scheduler.schedule()
+        preemptions += len(running_before - set(scheduler.running))
+        run_step(runner, scheduler, out)
+        runner.release(out.finished_ids)
+    assert preemptions > 0
+    for request in requests:
+        assert request.output_token_ids == hf_greedy(model, asked[request.request_id], 10)
+
+
+def test_the_engine_serves_prefix_hits_exactly(tiny_deepseek, default_tokenizer, tmp_path):
+    import shutil
+
+    model, path = tiny_deepseek
+    served = tmp_path / "model"
+    shutil.copytree(path, served)
+    default_tokenizer.save_pretrained(served)
+    engine = build_engine(EngineConfig(model_dir=served, dtype="float32", max_num_seqs=4,
+                                       kv_cache_memory=1 << 22))
+    shared = random_ids(9, 40)
+    asked = {"first": shared + [5, 6, 7], "second": shared + [8, 9]}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    cached = {}
+    for rid, ids in asked.items():  # one after the other: the second hits the first's blocks
+        engine.add_request(rid, ids, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                got.setdefault(rid, []).extend(output.new_token_ids)
+                cached[rid] = output.num_cached_tokens
+    assert cached["second"] >= 32
+    for rid, ids in asked.items():
+        assert got[rid] == hf_greedy(model, ids, 8), rid
+
+
+def test_a_quantized_latent_pool_is_refused_by_name(tiny_deepseek, default_tokenizer, tmp_path):
+    import shutil
+
+    _, path = tiny_deepseek
+    served = tmp_path / "model"
+    shutil.copytree(path, served)
+    default_tokenizer.save_pretrained(served)
+    with pytest.raises(ValueError, match="kv-cache-dtype int8 does not take deepseek_v3"):
+        build_engine(EngineConfig(model_dir=served, dtype="float32", kv_cache_dtype="int8",
+                                  kv_cache_memory=1 << 22))
+
+
+@pytest.mark.parametrize(("config_class", "layers", "fits_on"), [
+    ("DeepseekV3Config", 61, ()),  # 671B parameters: no Mac holds them in bfloat16
+    ("Glm4MoeLiteConfig", 47, (128,)),  # GLM-4.7-Flash, 30B-A3B
+])  # fmt: skip
+def test_dry_run_of_published_mla_configs_plans_their_latent_pool(tmp_path, capsys,
+                                                                  config_class, layers,
+                                                                  fits_on):
+    """transformers' defaults for these classes are the published checkpoints' configs."""
+    import json
+
+    import transformers
+
+    from metal_engine.cache.memory_plan import MAC_SIZES_GB
+    from server.cli import main
+
+    published = getattr(transformers, config_class)().to_dict()
+    published["torch_dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    main(["serve", "--dry-run", str(tmp_path)])
+    out = capsys.readouterr().out
+    per_token = layers * LATENT_WIDTH_PUBLISHED * 2  # one bfloat16 latent row per layer
+    assert f"bfloat16, {per_token / 1024:.1f} KiB a token" in out
+    for gb in MAC_SIZES_GB:
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"{gb} GB Mac"))
+        assert ("does not fit" not in line) == (gb in fits_on), line
+
+
+LATENT_WIDTH_PUBLISHED = 512 + 64  # kv_lora_rank + qk_rope_head_dim of both

@@ -91,8 +91,8 @@ def test_the_arguments_stream_as_written_after_the_name(parser, calls):
 @pytest.mark.parametrize(
     ("parser", "text", "arguments"),
     [
-        (DEEPSEEK, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Par',
-         '{"city": "Par'),
+        (DEEPSEEK, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                   '{"city": "Par', '{"city": "Par'),
         (KIMI, "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                '<|tool_call_argument_begin|>{"city": "Par', '{"city": "Par'),
         (DEEPSEEK, "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{", "{"),

@@ -1,7 +1,7 @@
 """Tool calls between the special tokens of DeepSeek V3.1 and Kimi K2, their arguments JSON:
 
-    DeepSeek V3.1  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
-                   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+    DeepSeek V3.1  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>
+                   {"city": "Paris"}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
     Kimi K2        <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
                    <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>...
                    <|tool_calls_section_end|>

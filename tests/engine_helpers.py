@@ -66,3 +66,18 @@ def generate_greedy(runner, scheduler, prompts: dict[str, list[int]], max_tokens
         out = scheduler.schedule()
         run_step(runner, scheduler, out)
     return {rid: r.output_token_ids for rid, r in requests.items()}
+
+
+def run_counting_preemptions(runner, scheduler, requests: list[Request]) -> int:
+    """Run `requests` to completion through the packed step; how many times one was
+    preempted."""
+    for request in requests:
+        scheduler.add_request(request)
+    preemptions = 0
+    while scheduler.has_unfinished_requests():
+        running_before = set(scheduler.running)
+        out = scheduler.schedule()
+        preemptions += len(running_before - set(scheduler.running))
+        run_step(runner, scheduler, out)
+        runner.release(out.finished_ids)
+    return preemptions

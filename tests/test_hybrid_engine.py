@@ -9,8 +9,7 @@ import logging
 import shutil
 
 import numpy as np
-from engine_helpers import make_runner_and_scheduler
-from scheduler_helpers import run_step
+from engine_helpers import make_runner_and_scheduler, run_counting_preemptions
 from tiny_models import VOCAB, hf_greedy
 
 from metal_engine.config import EngineConfig
@@ -35,16 +34,7 @@ def test_preempted_and_finished_requests_leave_their_slots_right(tiny_hybrid):
                                                   max_num_seqs=4, max_model_len=96)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     requests = [Request(rid, ids, params, eos_token_ids=(2,)) for rid, ids in asked.items()]
-    for request in requests:
-        scheduler.add_request(request)
-    preemptions = 0
-    while scheduler.has_unfinished_requests():
-        running_before = set(scheduler.running)
-        out = scheduler.schedule()
-        preemptions += len(running_before - set(scheduler.running))
-        run_step(runner, scheduler, out)
-        runner.release(out.finished_ids)
-    assert preemptions > 0
+    assert run_counting_preemptions(runner, scheduler, requests) > 0
     for request in requests:
         expected = hf_greedy(model, asked[request.request_id], MAX_TOKENS)
         assert request.output_token_ids == expected

@@ -8,8 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_helpers import make_runner_and_scheduler
-from scheduler_helpers import run_step
+from engine_helpers import make_runner_and_scheduler, run_counting_preemptions
 from test_model_parity import TOL, random_ids, run_logits, torch_logits
 from tiny_models import build_tiny_model, hf_greedy
 
@@ -77,16 +76,7 @@ def test_preempted_requests_resume_exactly(tiny_deepseek):
                                                   max_num_seqs=4, max_model_len=64)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     requests = [Request(rid, ids, params, eos_token_ids=(2,)) for rid, ids in asked.items()]
-    for request in requests:
-        scheduler.add_request(request)
-    preemptions = 0
-    while scheduler.has_unfinished_requests():
-        running_before = set(scheduler.running)
-        out = scheduler.schedule()
-        preemptions += len(running_before - set(scheduler.running))
-        run_step(runner, scheduler, out)
-        runner.release(out.finished_ids)
-    assert preemptions > 0
+    assert run_counting_preemptions(runner, scheduler, requests) > 0
     for request in requests:
         assert request.output_token_ids == hf_greedy(model, asked[request.request_id], 10)
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import random
 
-import openai
 import pytest
-from fake_engine import ScriptedEngine, ToolTemplateTokenizer
-from server_helpers import running_server
+from fake_engine import ToolTemplateTokenizer
 from test_tool_parsers import incomplete, split_at_random, stream, stream_pieces
+from tool_call_checks import (
+    CONTENT,
+    check_streamed_deltas,
+    check_whole_response,
+    scripted_client,
+)
 
 from server.core.tag_tool_parsers import Glm45Parser, Qwen3CoderParser
 from server.core.tool_call_stream import ToolCallStream
@@ -291,7 +295,6 @@ class Glm45Tokenizer(ToolTemplateTokenizer):
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": schema}}
          for name, schema in SCHEMAS.items()]  # fmt: skip
-MESSAGES = [{"role": "user", "content": "Weather in Paris, then write a.py?"}]
 
 
 @pytest.fixture(params=["qwen3_coder", "glm45"])
@@ -302,40 +305,16 @@ def scripted_server(request):
         tokenizer, calls = Qwen3CoderTokenizer(), qwen_call
     else:
         tokenizer, calls = Glm45Tokenizer(), glm_call
-    text = "Checking. " + calls("get_weather", city="Paris", days="3") + calls(
+    text = CONTENT + calls("get_weather", city="Paris", days="3") + calls(
         "write_file", path="a.py", content=CODE
     )
-    script = [text[i : i + 3] for i in range(0, len(text), 3)]
-    with running_server(ScriptedEngine(script, tokenizer)) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    with scripted_client(tokenizer, text) as client:
+        yield client
 
 
 def test_calls_in_a_whole_response(scripted_server):
-    reply = scripted_server.chat.completions.create(model="default", messages=MESSAGES,
-                                                    tools=TOOLS)  # fmt: skip
-    choice = reply.choices[0]
-    assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Checking. ")
-    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
-    assert calls == [
-        ("get_weather", {"city": "Paris", "days": 3}),
-        ("write_file", {"path": "a.py", "content": CODE}),
-    ]
+    check_whole_response(scripted_server, TOOLS, CODE)
 
 
 def test_calls_streamed_as_tool_call_deltas(scripted_server):
-    stream = scripted_server.chat.completions.create(
-        model="default", messages=MESSAGES, tools=TOOLS, stream=True
-    )
-    chunks = [chunk for chunk in stream if chunk.choices]
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-    names = [(d.index, d.function.name) for d in deltas if d.function.name]
-    arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i)
-                 for i in (0, 1)]  # fmt: skip
-    assert content == "Checking. "
-    assert names == [(0, "get_weather"), (1, "write_file")]
-    assert [json.loads(a) for a in arguments] == [
-        {"city": "Paris", "days": 3}, {"path": "a.py", "content": CODE}
-    ]
-    assert len([d for d in deltas if d.index == 1]) > 5  # the file's text streamed
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    check_streamed_deltas(scripted_server, TOOLS, CODE)

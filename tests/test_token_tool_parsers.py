@@ -7,11 +7,15 @@ from __future__ import annotations
 import json
 import random
 
-import openai
 import pytest
-from fake_engine import ScriptedEngine, ToolTemplateTokenizer
-from server_helpers import running_server
+from fake_engine import ToolTemplateTokenizer
 from test_tool_parsers import incomplete, split_at_random, stream, stream_pieces
+from tool_call_checks import (
+    CONTENT,
+    check_streamed_deltas,
+    check_whole_response,
+    scripted_client,
+)
 
 from server.core.token_tool_parsers import DeepSeekV31Parser, KimiK2Parser
 from server.core.tool_parser_choice import parser_for_template, parser_named
@@ -54,21 +58,11 @@ CASES = [
 
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
-def test_whole_text(parser, text, content, calls):
-    assert stream(parser, [text]) == (content, calls)
-
-
-@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
-def test_streamed_one_character_at_a_time(parser, text, content, calls):
+def test_whole_streamed_by_character_and_at_random_boundaries(parser, text, content, calls):
     # Content once sent is never taken back: no token, nor its first characters, reached it.
-    assert stream(parser, [*text, ""]) == (content, calls)
-
-
-@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
-def test_streamed_at_random_boundaries(parser, text, content, calls):
     rng = random.Random(11)
-    for _ in range(30):
-        assert stream(parser, split_at_random(text, rng)) == (content, calls)
+    for pieces in ([text], [*text, ""], *(split_at_random(text, rng) for _ in range(30))):
+        assert stream(parser, pieces) == (content, calls)
 
 
 @pytest.mark.parametrize(("parser", "calls"), FAMILIES, ids=IDS)
@@ -137,13 +131,9 @@ def test_a_call_cut_before_its_arguments_leaves_no_markup(parser, text):
          "<|tool_call_begin|>{{ formatted_id }}<|tool_call_argument_begin|>", KimiK2Parser),
     ],
 )  # fmt: skip
-def test_the_chat_template_picks_the_family(template, parser):
+def test_the_chat_template_or_the_name_picks_the_family(template, parser):
     assert type(parser_for_template(template)) is parser
-
-
-def test_the_families_are_named():
-    assert isinstance(parser_named("deepseek_v31"), DeepSeekV31Parser)
-    assert isinstance(parser_named("kimi_k2"), KimiK2Parser)
+    assert type(parser_named(parser.name)) is parser
 
 
 # ---- through the server ---------------------------------------------------------------------
@@ -159,7 +149,6 @@ class KimiTokenizer(ToolTemplateTokenizer):
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
          for name in ("get_weather", "write_file")]  # fmt: skip
-MESSAGES = [{"role": "user", "content": "Weather in Paris, then write a.py?"}]
 
 
 @pytest.fixture(params=IDS)
@@ -168,35 +157,14 @@ def scripted_server(request):
     in pieces of 3 characters."""
     tokenizer, calls = ((DeepSeekTokenizer(), deepseek_calls) if request.param == IDS[0]
                         else (KimiTokenizer(), kimi_calls))
-    text = "Checking. " + calls(*BOTH)
-    script = [text[i : i + 3] for i in range(0, len(text), 3)]
-    with running_server(ScriptedEngine(script, tokenizer)) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    text = CONTENT + calls(*BOTH)
+    with scripted_client(tokenizer, text) as client:
+        yield client
 
 
 def test_calls_in_a_whole_response(scripted_server):
-    reply = scripted_server.chat.completions.create(model="default", messages=MESSAGES,
-                                                    tools=TOOLS)  # fmt: skip
-    choice = reply.choices[0]
-    assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Checking. ")
-    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
-    assert calls == [("get_weather", {"city": "Paris", "days": 3}),
-                     ("write_file", {"path": "a.py", "content": CODE})]
+    check_whole_response(scripted_server, TOOLS, CODE)
 
 
 def test_calls_streamed_as_tool_call_deltas(scripted_server):
-    stream_ = scripted_server.chat.completions.create(
-        model="default", messages=MESSAGES, tools=TOOLS, stream=True
-    )
-    chunks = [chunk for chunk in stream_ if chunk.choices]
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-    names = [(d.index, d.function.name) for d in deltas if d.function.name]
-    arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i)
-                 for i in (0, 1)]  # fmt: skip
-    assert content == "Checking. "
-    assert names == [(0, "get_weather"), (1, "write_file")]
-    assert [json.loads(a) for a in arguments] == [
-        {"city": "Paris", "days": 3}, {"path": "a.py", "content": CODE}
-    ]
-    assert len([d for d in deltas if d.index == 1]) > 5  # the file's text streamed
+    check_streamed_deltas(scripted_server, TOOLS, CODE)

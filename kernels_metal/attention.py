@@ -32,12 +32,18 @@ from kernels_metal.cpu.math import on_cpu
 from kernels_metal.dispatch import CheckedDispatch, describe
 from kernels_metal.kv_quant import QuantizedPool, queries_for
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.paged import PagedAttentionKernels, kernel_dtype, unsupported_reason
+from kernels_metal.paged import (
+    PagedAttentionKernels,
+    kernel_dtype,
+    latent_unsupported_reason,
+    unsupported_reason,
+)
 from kernels_metal.reference import paged_attention_reference, write_kv
 
 __all__ = ["AttentionMetadata", "Variant", "check_variant", "first_use_case",
-           "kernel_fallbacks", "kernels_disabled_reason", "numpy_serves", "paged_attention",
-           "use_kernels", "variant_of", "write_and_attend", "write_kv"]
+           "kernel_fallbacks", "kernels_disabled_reason", "latent_attention", "latent_reference",
+           "numpy_serves", "paged_attention", "use_kernels", "variant_of", "write_and_attend",
+           "write_kv"]
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +62,26 @@ class Variant(NamedTuple):
     softcapped: bool = False
     with_sinks: bool = False
     kv_bits: int | None = None  # of quantized pools; None: float pools
+    value_dim: int | None = None  # MLA's latent rows: their first value_dim are the values
 
     @property
     def name(self) -> str:
         dtype = str(self.dtype).removeprefix("mlx.core.")
         kv = f"-kv{self.kv_bits}" if self.kv_bits else ""
+        dv = f"-dv{self.value_dim}" if self.value_dim else ""
         options = ("-window" * self.windowed + "-softcap" * self.softcapped
                    + "-sinks" * self.with_sinks)
-        return (f"{dtype}{kv}-d{self.head_dim}-bs{self.block_size}"
+        return (f"{dtype}{kv}-d{self.head_dim}{dv}-bs{self.block_size}"
                 f"-h{self.num_heads}kv{self.kv_heads}{options}")
 
 
 def variant_of(q: mx.array, k_pool: mx.array | QuantizedPool, window: int | None = None,
-               softcap: float | None = None, sinks: mx.array | None = None) -> Variant:
+               softcap: float | None = None, sinks: mx.array | None = None,
+               value_dim: int | None = None) -> Variant:
     _, block_size, kv_heads, head_dim = k_pool.shape
     bits = k_pool.bits if isinstance(k_pool, QuantizedPool) else None
     return Variant(kernel_dtype(q, k_pool), head_dim, block_size, q.shape[1], kv_heads,
-                   window is not None, softcap is not None, sinks is not None, bits)
+                   window is not None, softcap is not None, sinks is not None, bits, value_dim)
 
 
 class _Dispatch(CheckedDispatch[PagedAttentionKernels, Variant]):
@@ -151,6 +160,43 @@ def _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
                         args, (window, softcap))
 
 
+def latent_attention(q: mx.array, pool: mx.array, value_dim: int, meta: AttentionMetadata,
+                     scale: float) -> mx.array:
+    """Multi-head latent attention in its absorbed form (metal_engine/models/mla.py):
+    `q [total_q, H, W]` over latent rows `[num_blocks, block_size, 1, W]` whose first
+    `value_dim` elements are the values; `[total_q, H, value_dim]` out.
+
+    On a Metal device the decode kernel serves every row, chunks' rows too (template VK:
+    the values read from the staged keys), checked and falling back per variant as
+    `paged_attention` is; elsewhere, and where it does not serve, `latent_reference`.
+    """
+    kind = ("latent", q.dtype, q.shape[1], pool.shape, scale, value_dim)
+    served = meta.backend_plans.get(("attention", _state.generation, kind))
+    if served is not None:
+        return served(q, pool)
+
+    def without_kernels(q, pool) -> mx.array:
+        return latent_reference(q, pool, value_dim, meta, scale)
+
+    def prepare(kernels: PagedAttentionKernels):
+        launch = kernels.prepare(q, pool, meta, scale, value_dim=value_dim)
+        return lambda q, pool: launch(q, pool, pool)
+
+    if not _state.on_kernels() or latent_unsupported_reason(q, pool, value_dim) is not None:
+        out, served = without_kernels(q, pool), without_kernels
+    else:
+        out, served = _state.serve(variant_of(q, pool, value_dim=value_dim), prepare,
+                                   without_kernels, (q, pool))
+    meta.backend_plans["attention", _state.generation, kind] = served
+    return out
+
+
+def latent_reference(q: mx.array, pool: mx.array, value_dim: int, meta: AttentionMetadata,
+                     scale: float) -> mx.array:
+    """`latent_attention` by the pure-MLX reference: the values a view of the keys."""
+    return paged_attention_reference(q, pool, pool[..., :value_dim], meta, scale)
+
+
 def write_and_attend(
     q: mx.array, k: mx.array, v: mx.array, k_pool: mx.array | QuantizedPool,
     v_pool: mx.array | QuantizedPool, meta: AttentionMetadata, scale: float,
@@ -221,7 +267,7 @@ def first_use_case(variant: Variant, window: int | None = None,
     return Case(variant.dtype, variant.head_dim, bs, variant.num_heads, variant.kv_heads,
                 requests, window=min(window or bs + 3, bs + 3) if variant.windowed else None,
                 softcap=(softcap or CHECK_SOFTCAP) if variant.softcapped else None,
-                sinks=variant.with_sinks, kv_bits=variant.kv_bits)
+                sinks=variant.with_sinks, kv_bits=variant.kv_bits, value_dim=variant.value_dim)
 
 
 def check_variant(kernels: PagedAttentionKernels, variant: Variant, window: int | None = None,

@@ -37,6 +37,9 @@ class Case:
     softcap: float | None = None
     sinks: bool = False  # random per-head sink logits (`case_sinks`)
     kv_bits: int | None = None  # quantized pools (kv_quant.py) of 8 or 4 bits; None: float
+    # MLA's latent rows: one KV head whose first `value_dim` elements are the values (the
+    # V pool is the K pool); None: a V pool of its own.
+    value_dim: int | None = None
 
     @property
     def name(self) -> str:
@@ -47,7 +50,8 @@ class Case:
         sinks = "-sinks" if self.sinks else ""
         dtype = str(self.dtype).removeprefix("mlx.core.")
         kv = f"-kv{self.kv_bits}" if self.kv_bits else ""
-        return (f"{dtype}{kv}-d{self.head_dim}-bs{self.block_size}-h{self.num_heads}"
+        dv = f"-dv{self.value_dim}" if self.value_dim else ""
+        return (f"{dtype}{kv}-d{self.head_dim}{dv}-bs{self.block_size}-h{self.num_heads}"
                 f"kv{self.kv_heads}-[{reqs}]{split}{window}{softcap}{sinks}")
 
 
@@ -209,6 +213,8 @@ def make_inputs(case: Case, seed: int = 0):
         slot_mapping=np.zeros(int(cu[-1]), np.int64), block_size=bs,
     )
     k_pool, v_pool = (_pool(x, nan_blocks, case) for x in (k, v))
+    if case.value_dim is not None:
+        v_pool = k_pool
     return mx.array(q).astype(case.dtype), k_pool, v_pool, meta, d**-0.5
 
 
@@ -255,11 +261,15 @@ def check(kernels, case: Case, seed: int = 0) -> CaseResult:
     q, k_pool, v_pool, meta, scale = make_inputs(case, seed)
     sinks = case_sinks(case, seed)
     f32 = [q.astype(mx.float32), float_pool(k_pool, q.dtype), float_pool(v_pool, q.dtype)]
+    if case.value_dim is not None:
+        f32[2] = f32[1][..., : case.value_dim]
     expected = np.array(paged_attention_reference(*f32, meta, scale, case.window, case.softcap,
                                                   sinks))
-    got = kernels(q, k_pool, v_pool, meta, scale, case.window, case.softcap, sinks)
-    if got.shape != q.shape or got.dtype != q.dtype:
-        raise AssertionError(f"{case.name}: got {got.shape} {got.dtype}, want {q.shape} {q.dtype}")
+    extra = {} if case.value_dim is None else {"value_dim": case.value_dim}
+    got = kernels(q, k_pool, v_pool, meta, scale, case.window, case.softcap, sinks, **extra)
+    want = (*q.shape[:2], case.value_dim or q.shape[2])
+    if got.shape != want or got.dtype != q.dtype:
+        raise AssertionError(f"{case.name}: got {got.shape} {got.dtype}, want {want} {q.dtype}")
     got = np.array(got.astype(mx.float32))
     err = np.abs(got - expected)
     if np.isnan(err).any():

@@ -20,6 +20,10 @@ each lane group runs its own online softmax (fp32, exp2 domain: queries are pre-
 scale * log2(e); scores soft-capped when the call asks for it) over every (32 / KL)-th key of
 a tile, and the groups merge by log-sum-exp at the end.
 
+Multi-head latent attention (MLA) runs here too, as one KV head of latent rows: template VK
+says the values are the first DV elements of each key row (no V tile is staged), and DV
+elements of each head's output are written (DV = D otherwise).
+
 With one partition the kernel writes the final output; with several it writes each
 partition's normalised output and (max, sum), and `reduce` merges them. A head's attention
 sink (GPT-OSS: one more logit in the softmax, with no value) joins once per row, where the
@@ -66,15 +70,17 @@ def decode_lanes(head_dim: int) -> tuple[int, int]:
     raise ValueError(f"head_dim {head_dim} is not supported by the decode kernel")
 
 
-def decode_layout(dtype_size: int, head_dim: int) -> tuple[int, int, int, int]:
+def decode_layout(dtype_size: int, head_dim: int,
+                  values_in_keys: bool = False) -> tuple[int, int, int, int]:
     """(KL, KW, LDK, TILE): the lane split, the staged row stride in elements (16 bytes of
     padding when one lane group's reads span less than 128 bytes, so the groups reading
     different rows hit different banks) and the keys per tile: the largest of 32/16/8 whose
-    K and V buffers fit in the threadgroup memory budget."""
+    K and V buffers (K alone `values_in_keys`) fit in the threadgroup memory budget."""
     kl, kw = decode_lanes(head_dim)
     ldk = head_dim + (16 // dtype_size if kl * kw * dtype_size < 128 else 0)
+    buffers = 1 if values_in_keys else 2
     for tile in (32, 16, 8):
-        if 2 * tile * ldk * dtype_size <= THREADGROUP_MEMORY_BUDGET:
+        if buffers * tile * ldk * dtype_size <= THREADGROUP_MEMORY_BUDGET:
             return kl, kw, ldk, tile
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
 
@@ -206,9 +212,9 @@ DECODE_SOURCE = """
   const int kl = lane - grp * KL;
 
   threadgroup uint4 k_raw[TILE * VLD];
-  threadgroup uint4 v_raw[TILE * VLD];
+  threadgroup uint4 v_raw[(1 - VK) * TILE * VLD + VK];  // VK: values read from the keys
   const threadgroup T* k_tg = (const threadgroup T*)k_raw;
-  const threadgroup T* v_tg = (const threadgroup T*)v_raw;
+  const threadgroup T* v_tg = VK ? k_tg : (const threadgroup T*)v_raw;
 
   const bool active = sg < nh;
   float qr[E];
@@ -243,12 +249,16 @@ DECODE_SOURCE = """
       if (KV_BITS != 0) {
         stage_quantized_row<T, D, KV_BITS, KV_GROUP>((const device uchar*)k_pool, k_scales, row,
                                                      sub, tpk, k_raw + jt * VLD);
-        stage_quantized_row<T, D, KV_BITS, KV_GROUP>((const device uchar*)v_pool, v_scales, row,
-                                                     sub, tpk, v_raw + jt * VLD);
+        if (!VK) {
+          stage_quantized_row<T, D, KV_BITS, KV_GROUP>((const device uchar*)v_pool, v_scales,
+                                                       row, sub, tpk, v_raw + jt * VLD);
+        }
       } else {
         for (int v = sub; v < VPR; v += tpk) {
           k_raw[jt * VLD + v] = k_src[row * VPR + v];
-          v_raw[jt * VLD + v] = v_src[row * VPR + v];
+          if (!VK) {
+            v_raw[jt * VLD + v] = v_src[row * VPR + v];
+          }
         }
       }
     }
@@ -297,7 +307,10 @@ DECODE_SOURCE = """
         for (int c = 0; c < NCH; ++c) {
           #pragma clang loop unroll(full)
           for (int w = 0; w < KW; ++w) {
-            acc[c * KW + w] += p * float(v_tg[j * LDK + (kl + KL * c) * KW + w]);
+            const int d = (kl + KL * c) * KW + w;
+            if (DV == D || d < DV) {  // the elements past DV are keys only (MLA's rope key)
+              acc[c * KW + w] += p * float(v_tg[j * LDK + d]);
+            }
           }
         }
       }
@@ -335,10 +348,13 @@ DECODE_SOURCE = """
     for (int w = 0; w < KW; ++w) {
       const int k = c * KW + w;
       const int d = (kl + KL * c) * KW + w;
+      if (DV < D && d >= DV) {
+        continue;
+      }
       if (NPARTS == 1) {
-        out[base * D + d] = T(acc[k] * inv);
+        out[base * DV + d] = T(acc[k] * inv);
       } else {
-        part_out[base * D + d] = acc[k] * inv;
+        part_out[base * DV + d] = acc[k] * inv;
       }
     }
   }
@@ -413,29 +429,32 @@ class DecodeLaunch:
     and output shapes made once, so each layer's launch only binds its arrays."""
 
     def __init__(self, kernels, dtype: mx.Dtype, num_heads: int,
-                 k_pool: mx.array | QuantizedPool, work) -> None:
+                 k_pool: mx.array | QuantizedPool, work, value_dim: int | None = None) -> None:
+        """`value_dim`: MLA's, the values being the first `value_dim` elements of each key
+        row (the V pool is not read); None: a V pool of the keys' head dim."""
         self.decode, self.reduce = kernels
         _, block_size, kv_heads, head_dim = k_pool.shape
-        kl, kw, ldk, tile = decode_layout(dtype.size, head_dim)
+        dv = value_dim or head_dim
+        kl, kw, ldk, tile = decode_layout(dtype.size, head_dim, value_dim is not None)
         n, parts = work.num_rows, work.num_parts
         split = parts > 1
         self.split = split
         self.spec = dict(
-            template=[("T", dtype), ("D", head_dim), ("BS", block_size), ("TILE", tile),
-                      ("KL", kl), ("KW", kw), ("LDK", ldk), ("IDX", index_type(k_pool)),
-                      *pool_template(k_pool)],
+            template=[("T", dtype), ("D", head_dim), ("DV", dv), ("VK", value_dim is not None),
+                      ("BS", block_size), ("TILE", tile), ("KL", kl), ("KW", kw), ("LDK", ldk),
+                      ("IDX", index_type(k_pool)), *pool_template(k_pool)],
             grid=(32 * work.heads_per_group * kv_heads * work.chunks, n, parts),
             threadgroup=(32 * work.heads_per_group, 1, 1),
-            output_shapes=[(1,) if split else (n, num_heads, head_dim),
-                           (parts, n, num_heads, head_dim) if split else (1,),
+            output_shapes=[(1,) if split else (n, num_heads, dv),
+                           (parts, n, num_heads, dv) if split else (1,),
                            (parts, n, num_heads, 2) if split else (1,)],
             output_dtypes=[dtype, mx.float32, mx.float32],
         )
         self.reduce_spec = dict(
-            template=[("T", dtype), ("D", head_dim)],
+            template=[("T", dtype), ("D", dv)],
             grid=(32, num_heads, n),
             threadgroup=(32, 1, 1),
-            output_shapes=[(n, num_heads, head_dim)],
+            output_shapes=[(n, num_heads, dv)],
             output_dtypes=[dtype],
         )
 

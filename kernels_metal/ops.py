@@ -107,8 +107,8 @@ class Ops:
     def latent_attention(self, q, pool, rank: int, meta: AttentionMetadata, scale: float):
         """Multi-head latent attention in its absorbed form: `q [total_q, H, W]` over a pool
         of latent rows `[blocks, block_size, 1, W]` whose first `rank` values are also the
-        values; `[total_q, H, rank]` out. The pure-MLX reference on every backend for now."""
-        return paged_attention_reference(q, pool, pool[..., :rank], meta, scale)
+        values; `[total_q, H, rank]` out. Here the pure-MLX reference."""
+        return attention.latent_reference(q, pool, rank, meta, scale)
 
     def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
                          window=None, softcap=None, sinks=None):
@@ -159,6 +159,9 @@ class DispatchedKernels:
                          window=None, softcap=None, sinks=None):
         return attention.write_and_attend(q, k, v, k_pool, v_pool, meta, scale, window,
                                           softcap, sinks, self.attention_without_kernels)
+
+    def latent_attention(self, q, pool, rank: int, meta: AttentionMetadata, scale: float):
+        return attention.latent_attention(q, pool, rank, meta, scale)
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, initial_state,
                          normalize_qk: bool = True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels_metal.decode import make_decode_kernels
+from kernels_metal.decode import decode_layout, make_decode_kernels
 from kernels_metal.kv_quant import QuantizedPool
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.plan import (
@@ -31,6 +31,26 @@ def kernel_dtype(q: mx.array, k_pool: mx.array | QuantizedPool) -> mx.Dtype:
     """The kernels' element type T: a float pool's dtype (queries are cast to it), or the
     queries' dtype over a quantized pool (K/V are dequantized to it as they are staged)."""
     return q.dtype if isinstance(k_pool, QuantizedPool) else k_pool.dtype
+
+
+def latent_unsupported_reason(q: mx.array, pool: mx.array | QuantizedPool,
+                              value_dim: int) -> str | None:
+    """Why the decode kernel cannot take this MLA call (its latent rows: one KV head, the
+    values the first `value_dim` of each), or None."""
+    width = pool.shape[3]
+    if isinstance(pool, QuantizedPool):
+        return "a quantized latent pool"
+    if pool.dtype not in SUPPORTED_DTYPES:
+        return f"latent pool dtype {pool.dtype}"
+    if pool.shape[2] != 1 or not 0 < value_dim <= width:
+        return f"latent rows of {pool.shape[2]} heads x {width} with {value_dim} values"
+    if width % 8:
+        return f"latent width {width} (the kernel takes multiples of 8)"
+    try:
+        decode_layout(pool.dtype.size, width, values_in_keys=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def unsupported_reason(q: mx.array, k_pool: mx.array | QuantizedPool) -> str | None:
@@ -60,32 +80,37 @@ class PagedAttentionKernels:
         self.options = options or PlanOptions()
 
     def plan(self, meta: AttentionMetadata, num_heads: int, kv_heads: int,
-             window: int | None = None) -> KernelPlan:
-        key = ("metal-kernels", num_heads, kv_heads, self.options, window)
+             window: int | None = None, every_row_apart: bool = False) -> KernelPlan:
+        options = self.options.every_row_apart() if every_row_apart else self.options
+        key = ("metal-kernels", num_heads, kv_heads, options, window)
         if key not in meta.backend_plans:
-            meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, self.options, window)
+            meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, options, window)
         return meta.backend_plans[key]
 
     def prepare(self, q: mx.array, k_pool: mx.array | QuantizedPool, meta: AttentionMetadata,
-                scale: float, window: int | None = None,
-                softcap: float | None = None) -> PreparedAttention:
+                scale: float, window: int | None = None, softcap: float | None = None,
+                value_dim: int | None = None) -> PreparedAttention:
         """The step's launches for layers of this kind (`q`'s dtype and heads, the pool's
-        shape and kind, `scale`, `window`, `softcap`): made once, run by every such layer."""
+        shape and kind, `scale`, `window`, `softcap`, MLA's `value_dim`): made once, run by
+        every such layer. With a `value_dim` the values are the first `value_dim` elements
+        of each key row and every row goes to the decode kernel."""
         num_heads, kv_heads = q.shape[1], k_pool.shape[2]
-        plan = self.plan(meta, num_heads, kv_heads, window)
+        plan = self.plan(meta, num_heads, kv_heads, window, value_dim is not None)
         params = params_for(plan, num_heads, kv_heads, scale, softcap)
         dtype = kernel_dtype(q, k_pool)
         launch = PlanLaunch(plan, self.decode_kernels, self.prefill_kernel, dtype, num_heads,
-                            k_pool, params)
+                            k_pool, params, value_dim)
         return PreparedAttention(launch, dtype, num_heads)
 
     def __call__(self, q: mx.array, k_pool: mx.array | QuantizedPool,
                  v_pool: mx.array | QuantizedPool, meta: AttentionMetadata, scale: float,
                  window: int | None = None, softcap: float | None = None,
-                 sinks: mx.array | None = None) -> mx.array:
-        """Same contract as `paged_attention_reference`; the pools are float arrays or
-        `QuantizedPool`s (both of one kind)."""
-        return self.prepare(q, k_pool, meta, scale, window, softcap)(q, k_pool, v_pool, sinks)
+                 sinks: mx.array | None = None, value_dim: int | None = None) -> mx.array:
+        """Same contract as `paged_attention_reference` (with `value_dim`, MLA's: the values
+        are the keys' first `value_dim` elements, `v_pool` is not read); the pools are float
+        arrays or `QuantizedPool`s (both of one kind)."""
+        return self.prepare(q, k_pool, meta, scale, window, softcap, value_dim)(
+            q, k_pool, v_pool, sinks)
 
 
 class PreparedAttention:

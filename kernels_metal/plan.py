@@ -54,6 +54,11 @@ class PlanOptions:
     def with_partition(self, partition_size: int | None) -> PlanOptions:
         return replace(self, partition_size=partition_size)
 
+    def every_row_apart(self) -> PlanOptions:
+        """Every query row to the per-token kernel, chunks' rows too (MLA's latent rows,
+        which the tiled kernel does not take)."""
+        return replace(self, decode_max_query_len=2**31 - 1)
+
 
 def gpu_cores(info: dict) -> int | None:
     """GPU core count from `mx.device_info()`: its own key if it has one, else the chip tier."""
@@ -163,11 +168,16 @@ class PlanLaunch:
     scale, soft-cap), made once per step: a layer's call then only binds its arrays."""
 
     def __init__(self, plan: KernelPlan, decode_kernels, prefill_kernel, dtype: mx.Dtype,
-                 num_heads: int, k_pool, params: mx.array) -> None:
+                 num_heads: int, k_pool, params: mx.array, value_dim: int | None = None) -> None:
+        """`value_dim`: MLA's (`DecodeLaunch`); its plan has decode rows only."""
         self.plan, self.params = plan, params
         self.decode = self.prefill = None
+        if value_dim is not None and plan.prefill is not None:
+            raise ValueError("latent rows go to the decode kernel only: plan them with "
+                             "PlanOptions.every_row_apart")
         if plan.decode is not None:
-            self.decode = DecodeLaunch(decode_kernels, dtype, num_heads, k_pool, plan.decode)
+            self.decode = DecodeLaunch(decode_kernels, dtype, num_heads, k_pool, plan.decode,
+                                       value_dim)
         if plan.prefill is not None:
             merged = (plan.decode.num_rows + plan.prefill.num_rows
                       if plan.decode is not None else None)

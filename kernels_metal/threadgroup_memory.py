@@ -92,7 +92,8 @@ def threadgroup_bytes(variant: KernelVariant) -> int | None:
     dtype, d = variant.dtype, variant.head_dim
     if variant.kernel == "paged_attention_decode":
         kl, kw, ldk, tile = decode_layout(dtype.size, d)
-        template = {"T": dtype, "D": d, "TILE": tile, "KL": kl, "KW": kw, "LDK": ldk}
+        template = {"T": dtype, "D": d, "DV": d, "VK": False, "TILE": tile, "KL": kl,
+                    "KW": kw, "LDK": ldk}
         return declared_threadgroup_bytes(DECODE_SOURCE, template)
     if variant.kernel == "paged_attention_reduce":
         return declared_threadgroup_bytes(REDUCE_SOURCE, {"T": dtype, "D": d})

@@ -77,7 +77,7 @@ def test_variants_up_to_the_budget_keep_32_key_tiles():
 
 
 def test_a_kernel_source_over_the_budget_is_seen(monkeypatch):
-    grown = decode.DECODE_SOURCE.replace("threadgroup uint4 v_raw[TILE * VLD];",
+    grown = decode.DECODE_SOURCE.replace("threadgroup uint4 v_raw[(1 - VK) * TILE * VLD + VK];",
                                          "threadgroup uint4 v_raw[TILE * VLD + 256];")
     monkeypatch.setattr("kernels_metal.threadgroup_memory.DECODE_SOURCE", grown)
     variant = KernelVariant("paged_attention_decode", mx.float16, 216)

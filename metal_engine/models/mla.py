@@ -7,11 +7,15 @@ normed latent `c`, then its rope key, shared by every head. Attention runs in th
 form, for every row: a head's key is `W_uk c` beside the rope key, so its query's score
 `q_nope . W_uk c` is `(W_uk^T q_nope) . c`; the query goes into the latent space once and
 attends over the latent rows as multi-query attention of one key head, whose values are the
-latents themselves; each head's output then leaves through its `W_uv`. Per key the absorbed
-form costs `heads x (rank + rope)` products instead of `heads x (nope + rope + v)` plus the
-up-projection of every key, so it is the cheaper form for decode rows and for chunks short
-against their context; a long prefill chunk over a short context would be cheaper expanded
-(later, with the MLA kernel).
+latents themselves; each head's output then leaves through its `W_uv`.
+
+Which form a chunk of n rows over L keys is cheaper in (FLOPs a layer, H heads): absorbed,
+n L H 2 (rank + rope + rank) = 2176 n L H at DeepSeek's shapes; expanded, the L keys
+up-projected once, 2 L rank H (nope + v) = 262144 L H, then n L H 2 (nope + rope + v) =
+640 n L H. Absorbed is cheaper below n = 170 rows (GLM-4.7-Flash: 398): every decode row and
+short chunk. Every row runs absorbed here, on Metal in the decode kernel; a long prefill
+chunk (512 rows: ~1.9x the FLOPs of the expanded form) would gain from the expanded form,
+which is not written yet.
 """
 
 from __future__ import annotations

@@ -94,8 +94,8 @@ class RecordingKernels(PagedAttentionKernels):
         super().__init__(metal_kernel)
         self.served: list[tuple[Variant, object]] = []
 
-    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None):
-        launch = super().prepare(q, k_pool, meta, scale, window, softcap)
+    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None, value_dim=None):
+        launch = super().prepare(q, k_pool, meta, scale, window, softcap, value_dim)
 
         def served(*args):
             out = launch(*args)  # recorded once it launched

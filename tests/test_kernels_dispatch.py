@@ -32,7 +32,7 @@ class RecordingKernels:
     def __init__(self):
         self.calls = 0
 
-    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None):
+    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None, value_dim=None):
         def launch(q, k_pool, v_pool, sinks=None):
             self.calls += 1
             self.sinks = sinks

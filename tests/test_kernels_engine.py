@@ -21,7 +21,7 @@ class CountingKernels(PagedAttentionKernels):
         self.decode_steps = self.prefill_steps = self.mixed_steps = self.split_steps = 0
         self.windowed_calls = self.softcapped_calls = 0
 
-    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None):
+    def prepare(self, q, k_pool, meta, scale, window=None, softcap=None, value_dim=None):
         """Counted once per step and kind of layer: how the dispatcher serves a step."""
         self.windowed_calls += window is not None
         self.softcapped_calls += softcap is not None
@@ -30,7 +30,7 @@ class CountingKernels(PagedAttentionKernels):
         self.prefill_steps += plan.prefill is not None
         self.mixed_steps += plan.decode is not None and plan.prefill is not None
         self.split_steps += plan.decode is not None and plan.decode.num_parts > 1
-        return super().prepare(q, k_pool, meta, scale, window, softcap)
+        return super().prepare(q, k_pool, meta, scale, window, softcap, value_dim)
 
 
 def greedy_without_and_with_kernels(path, prompts, max_tokens):

@@ -44,23 +44,29 @@ class StepCost:
 
 def step_cost(meta: AttentionMetadata, num_heads: int, kv_heads: int, head_dim: int,
               itemsize: int, window: int | None = None, options: PlanOptions | None = None,
-              kv_quant: KVQuant | None = None) -> StepCost:  # fmt: skip
+              kv_quant: KVQuant | None = None,
+              value_dim: int | None = None) -> StepCost:
     """The cost of one layer's attention for the step `meta` describes. `itemsize`: of the
     kernels' element type (queries, outputs, staged K/V); `kv_quant`: the pools' quantization
-    (None: float pools of `itemsize`)."""
-    plan = build_plan(meta, num_heads, kv_heads, options or PlanOptions(), window)
+    (None: float pools of `itemsize`); `value_dim`: MLA's latent rows, whose first
+    `value_dim` elements are the values (no V pool; every row to the decode kernel)."""
+    options = options or PlanOptions()
+    if value_dim is not None:
+        options = options.every_row_apart()
+    plan = build_plan(meta, num_heads, kv_heads, options, window)
     kv_row = kv_quant.bytes_per_row(head_dim) if kv_quant else head_dim * itemsize
-    key_bytes = 2 * kv_row  # one key and its value, of one KV head
+    key_bytes = kv_row if value_dim is not None else 2 * kv_row  # a key and its value
+    out_dim = value_dim or head_dim
     total_q = int(meta.cu_seqlens_q[-1])
     kv_read = other = flops = dispatches = 0
     if plan.decode is not None:
         keys = _decode_keys(plan)
         kv_read += int(keys.sum()) * kv_heads * plan.decode.chunks * key_bytes
-        flops += 4 * head_dim * num_heads * int(keys.sum())
+        flops += 2 * (head_dim + out_dim) * num_heads * int(keys.sum())
         dispatches += 1
         if plan.decode.num_parts > 1:  # partials written, then read by the reduce
             partials = plan.decode.num_parts * plan.decode.num_rows * num_heads
-            other += 2 * partials * (head_dim + 2) * _PARTIAL_BYTES
+            other += 2 * partials * (out_dim + 2) * _PARTIAL_BYTES
             dispatches += 1
     if plan.prefill is not None:
         work = plan.prefill.for_head_dim(head_dim)  # as the launch tiles it
@@ -68,12 +74,11 @@ def step_cost(meta: AttentionMetadata, num_heads: int, kv_heads: int, head_dim: 
         kv_read += loaded * kv_heads * work.chunks * key_bytes
         flops += 4 * head_dim * num_heads * seen
         dispatches += 1
-    row_bytes = num_heads * head_dim * itemsize
-    other += 2 * total_q * row_bytes  # queries in, outputs out
+    other += total_q * num_heads * (head_dim + out_dim) * itemsize  # queries in, outputs out
     if plan.decode is not None and plan.prefill is not None:
-        other += 2 * plan.decode.num_rows * row_bytes  # the prefill launch copies them in
+        other += 2 * plan.decode.num_rows * num_heads * head_dim * itemsize  # copied in
     kv_write = total_q * kv_heads * key_bytes
-    dispatches += 2  # write_kv: one scatter into each pool
+    dispatches += 1 if value_dim is not None else 2  # write_kv: a scatter into each pool
     return StepCost(kv_read, kv_write, other, flops, dispatches)
 
 

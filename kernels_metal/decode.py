@@ -78,9 +78,10 @@ def decode_layout(dtype_size: int, head_dim: int,
     K and V buffers (K alone `values_in_keys`) fit in the threadgroup memory budget."""
     kl, kw = decode_lanes(head_dim)
     ldk = head_dim + (16 // dtype_size if kl * kw * dtype_size < 128 else 0)
-    buffers = 1 if values_in_keys else 2
     for tile in (32, 16, 8):
-        if buffers * tile * ldk * dtype_size <= THREADGROUP_MEMORY_BUDGET:
+        staged = tile * ldk * dtype_size
+        # Without values of their own the V buffer is one 16-byte placeholder.
+        if (staged + 16 if values_in_keys else 2 * staged) <= THREADGROUP_MEMORY_BUDGET:
             return kl, kw, ldk, tile
     raise ValueError(f"head_dim {head_dim} is too large for the decode kernel")
 

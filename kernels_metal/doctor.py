@@ -50,12 +50,13 @@ NO_METAL = ("the Metal kernels on the GPU, their pipeline thread limits and GPU 
 
 # One variant per (dtype, head dim) at GQA 4, then Gemma 2's shape (head dim 256, window, cap)
 # and GPT-OSS's (head dim 64, GQA 8, window, sinks); over int8 and int4 pools, every head dim
-# in float16 and head dim 128 in the other dtypes.
+# in float16 and head dim 128 in the other dtypes; DeepSeek's latent rows (576, 512 values).
 VARIANTS = [Variant(t, d, 16, 8, 2) for t in DTYPES for d in HEAD_DIMS] + [
     Variant(t, 256, 16, 8, 2, windowed=True, softcapped=True) for t in DTYPES] + [
     Variant(t, 64, 16, 8, 1, windowed=True, with_sinks=True) for t in DTYPES] + [
     Variant(t, d, 16, 8, 2, kv_bits=bits) for bits in KV_BITS for t in DTYPES
-    for d in (HEAD_DIMS if t == mx.float16 else (128,))]
+    for d in (HEAD_DIMS if t == mx.float16 else (128,))] + [
+    Variant(t, 576, 16, 16, 1, value_dim=512) for t in DTYPES]  # MLA's latent rows
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,8 @@ def _report_workload(metal_kernel, kernels, variant, workload, timer, emulated) 
     print(f"  {workload.name}:")
     failure = None
     try:
-        PagedAttentionKernels(log)(*inputs, case.window, case.softcap, case_sinks(case))
+        PagedAttentionKernels(log)(*inputs, case.window, case.softcap, case_sinks(case),
+                                   value_dim=case.value_dim)
     except Exception as exc:  # the launches before it are still worth printing
         failure = f"{type(exc).__name__}: {first_line(exc)}"
     log.print_launches(emulated, failure)
@@ -244,7 +246,7 @@ def workload_case(variant: Variant, workload: Workload) -> Case:
                 variant.kv_heads, workload.requests,
                 window=REPORT_WINDOW if variant.windowed else None,
                 softcap=REPORT_SOFTCAP if variant.softcapped else None,
-                sinks=variant.with_sinks, kv_bits=variant.kv_bits)
+                sinks=variant.with_sinks, kv_bits=variant.kv_bits, value_dim=variant.value_dim)
 
 
 def timing_line(kernels, case: Case, inputs, timer: Timer) -> str:
@@ -253,10 +255,11 @@ def timing_line(kernels, case: Case, inputs, timer: Timer) -> str:
     q, k_pool, v_pool, meta, scale = inputs
     quant = KVQuant(case.kv_bits) if case.kv_bits else None
     cost = step_cost(meta, case.num_heads, case.kv_heads, case.head_dim, case.dtype.size,
-                     case.window, kv_quant=quant)
+                     case.window, kv_quant=quant, value_dim=case.value_dim)
     moved = cost.kv_read_bytes + cost.other_bytes
-    args = (q, k_pool, v_pool, meta, scale, case.window, case.softcap, case_sinks(case))
-    kernel_s = timer(lambda: kernels(*args))
+    values = v_pool if case.value_dim is None else k_pool[..., : case.value_dim]
+    args = (q, k_pool, values, meta, scale, case.window, case.softcap, case_sinks(case))
+    kernel_s = timer(lambda: kernels(*args, value_dim=case.value_dim))
     reference_s = timer(lambda: paged_attention_reference(*args))
 
     return (f"kernels {rate(q.shape[0], moved, kernel_s)}; reference "

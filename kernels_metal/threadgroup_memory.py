@@ -37,6 +37,8 @@ _CANDIDATE_DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.int32)
 # The scan's value dims checked (it takes any): a sample with the largest asked for, since no
 # declaration would shrink as they grow.
 SCAN_VALUE_DIMS = (1, 24, 64, 128, 256)
+# MLA's latent rows checked: every width the decode kernel takes up to this (DeepSeek's 576).
+LATENT_MAX_WIDTH = 1024
 
 
 def declared_threadgroup_bytes(source: str, template: dict) -> int | None:
@@ -90,10 +92,11 @@ class KernelVariant(NamedTuple):
 def threadgroup_bytes(variant: KernelVariant) -> int | None:
     """Bytes `variant`'s kernel declares at the template its launch passes (None: unread)."""
     dtype, d = variant.dtype, variant.head_dim
-    if variant.kernel == "paged_attention_decode":
-        kl, kw, ldk, tile = decode_layout(dtype.size, d)
-        template = {"T": dtype, "D": d, "DV": d, "VK": False, "TILE": tile, "KL": kl,
-                    "KW": kw, "LDK": ldk}
+    if variant.kernel == "paged_attention_decode":  # with a value_dim: MLA's latent rows
+        latent = variant.value_dim is not None
+        kl, kw, ldk, tile = decode_layout(dtype.size, d, latent)
+        template = {"T": dtype, "D": d, "DV": variant.value_dim or d, "VK": latent,
+                    "TILE": tile, "KL": kl, "KW": kw, "LDK": ldk}
         return declared_threadgroup_bytes(DECODE_SOURCE, template)
     if variant.kernel == "paged_attention_reduce":
         return declared_threadgroup_bytes(REDUCE_SOURCE, {"T": dtype, "D": d})
@@ -110,7 +113,8 @@ def threadgroup_bytes(variant: KernelVariant) -> int | None:
 def dispatchable_variants(max_dim: int = 512) -> list[KernelVariant]:
     """Every kernel variant the attention and gated-delta dispatchers send to a kernel, as
     their own `unsupported_reason` decides: element types x head dims (1..max_dim) x float,
-    int8 and int4 pools; the scan's key dims (1..max_dim) x `SCAN_VALUE_DIMS`."""
+    int8 and int4 pools; MLA's latent widths; the scan's key dims (1..max_dim) x
+    `SCAN_VALUE_DIMS`."""
     variants = []
     for dtype in _CANDIDATE_DTYPES:
         for d in range(1, max_dim + 1):
@@ -119,6 +123,12 @@ def dispatchable_variants(max_dim: int = 512) -> list[KernelVariant]:
                     variants += [KernelVariant(kernel, dtype, d, kv_bits=bits) for kernel in
                                  ("paged_attention_decode", "paged_attention_reduce",
                                   "paged_attention_prefill")]
+        for width in range(8, LATENT_MAX_WIDTH + 1, 8):
+            latent = mx.zeros((1, 1, 1, width), dtype)
+            if paged.latent_unsupported_reason(mx.zeros((1, 1, width), dtype), latent,
+                                               width - 8) is None:
+                variants.append(KernelVariant("paged_attention_decode", dtype, width,
+                                              width - 8))
         for dk in range(1, max_dim + 1):
             for dv in (*SCAN_VALUE_DIMS, max_dim):
                 q, v = mx.zeros((1, 1, dk), dtype), mx.zeros((1, 1, dv), dtype)

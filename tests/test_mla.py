@@ -146,3 +146,53 @@ def test_dry_run_of_published_mla_configs_plans_their_latent_pool(tmp_path, caps
 
 
 LATENT_WIDTH_PUBLISHED = 512 + 64  # kv_lora_rank + qk_rope_head_dim of both
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4-bit"])
+def test_an_mlx_lm_checkpoint_with_kv_b_proj_split_loads_and_matches_mlx_lm(tmp_path, bits):
+    """mlx-lm's own conversion (its `sanitize` splits kv_b_proj into embed_q / unembed_out,
+    its `quantize_model` quantizes what its rules say) loads here and gives mlx-lm's logits."""
+    import json
+    import shutil
+
+    from mlx_lm import utils as mlx_lm_utils
+
+    from metal_engine.loading.weights import load_model
+
+    # Default rope: mlx-lm's YaRN departs from transformers' at the tiny config's factor.
+    build_tiny_model("deepseek_v3", tmp_path / "hf",
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    theirs, config = mlx_lm_utils.load_model(tmp_path / "hf")
+    if bits is not None:
+        theirs, config = mlx_lm_utils.quantize_model(theirs, config, group_size=32, bits=bits)
+    out = tmp_path / "mlx-lm"
+    mlx_lm_utils.save_model(out, theirs)
+    (out / "config.json").write_text(json.dumps(config))
+    shutil.copy(tmp_path / "hf" / "tokenizer.json", out)
+    assert "model.layers.1.self_attn.unembed_out.weight" in mx.load(str(out / "model.safetensors"))
+
+    ids = random_ids(2, 24)
+    expected = np.array(theirs(mx.array([ids]))[0].astype(mx.float32))
+    runner, scheduler = make_runner_and_scheduler(out, block_size=8)
+    got = run_logits(runner, scheduler, "a", ids, chunk=24)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+    assert "kv_b_proj" in dict(load_model(out, mx.float32).model.layers[1].self_attn.children())
+
+
+def test_a_quantized_kv_b_proj_is_absorbed_as_its_dequantized_weight(tmp_path, monkeypatch):
+    """On a Mac quantized layers stay quantized: the attention dequantizes kv_b_proj once to
+    absorb it, and gives what the CPU backend's load-time dequantization gives."""
+    import mlx.nn as nn
+
+    from metal_engine.loading import weights
+
+    build_tiny_model("deepseek_v3", tmp_path / "hf")
+    path = convert_model(tmp_path / "hf", tmp_path / "q4", quantize=4, group_size=32,
+                         progress=False)
+    ids = random_ids(4, 20)
+    dequantized = run_logits(*make_runner_and_scheduler(path, block_size=8), "a", ids, 20)
+    monkeypatch.setattr(weights, "keeps_quantized", lambda: True)
+    runner, scheduler = make_runner_and_scheduler(path, block_size=8)
+    assert isinstance(runner.model.model.layers[1].self_attn.kv_b_proj, nn.QuantizedLinear)
+    got = run_logits(runner, scheduler, "a", ids, chunk=20)
+    np.testing.assert_allclose(got, dequantized, atol=1e-4, rtol=1e-4)

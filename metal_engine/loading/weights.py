@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from metal_engine.loading.mla_layout import join_kv_b_proj
 from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, read_config_json
 from metal_engine.loading.quantization import QuantizationConfig, QuantParams, dequantize_weights
 from metal_engine.models.decoder import CausalLM
@@ -83,6 +84,7 @@ def load_model(model_dir: Path, dtype: mx.Dtype,
     weights = to_this_layout(weights, config, multimodal)
     if quantization is not None:
         quantization = this_layout_entries(quantization, multimodal)
+    weights = join_kv_b_proj(weights, config, quantization)
     if config.moe is not None:
         weights = stack_per_expert(weights, config.moe.num_experts)
     weights = model.sanitize(weights)

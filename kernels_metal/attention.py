@@ -160,8 +160,8 @@ def _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
                         args, (window, softcap))
 
 
-def latent_attention(q: mx.array, pool: mx.array, value_dim: int, meta: AttentionMetadata,
-                     scale: float) -> mx.array:
+def latent_attention(q: mx.array, pool: mx.array | QuantizedPool, value_dim: int,
+                     meta: AttentionMetadata, scale: float) -> mx.array:
     """Multi-head latent attention in its absorbed form (metal_engine/models/mla.py):
     `q [total_q, H, W]` over latent rows `[num_blocks, block_size, 1, W]` whose first
     `value_dim` elements are the values; `[total_q, H, value_dim]` out.
@@ -191,10 +191,12 @@ def latent_attention(q: mx.array, pool: mx.array, value_dim: int, meta: Attentio
     return out
 
 
-def latent_reference(q: mx.array, pool: mx.array, value_dim: int, meta: AttentionMetadata,
-                     scale: float) -> mx.array:
-    """`latent_attention` by the pure-MLX reference: the values a view of the keys."""
-    return paged_attention_reference(q, pool, pool[..., :value_dim], meta, scale)
+def latent_reference(q: mx.array, pool: mx.array | QuantizedPool, value_dim: int,
+                     meta: AttentionMetadata, scale: float) -> mx.array:
+    """`latent_attention` by the pure-MLX reference: the keys' rows as the values, of which
+    the first `value_dim` of the output are kept (a quantized pool, never turned, is
+    dequantized as it is gathered)."""
+    return paged_attention_reference(q, pool, pool, meta, scale)[..., :value_dim]
 
 
 def write_and_attend(

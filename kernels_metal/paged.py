@@ -38,16 +38,18 @@ def latent_unsupported_reason(q: mx.array, pool: mx.array | QuantizedPool,
     """Why the decode kernel cannot take this MLA call (its latent rows: one KV head, the
     values the first `value_dim` of each), or None."""
     width = pool.shape[3]
-    if isinstance(pool, QuantizedPool):
-        return "a quantized latent pool"
-    if pool.dtype not in SUPPORTED_DTYPES:
-        return f"latent pool dtype {pool.dtype}"
+    if isinstance(pool, QuantizedPool) and pool.rotated:
+        return "a latent pool of turned rows (its values would be turned too)"
+    if kernel_dtype(q, pool) not in SUPPORTED_DTYPES:
+        return f"latent rows as {kernel_dtype(q, pool)}"
     if pool.shape[2] != 1 or not 0 < value_dim <= width:
         return f"latent rows of {pool.shape[2]} heads x {width} with {value_dim} values"
     if width % 8:
         return f"latent width {width} (the kernel takes multiples of 8)"
+    if isinstance(pool, QuantizedPool) and pool.bits == 4 and width % 16:
+        return f"int4 latent rows of width {width} (the kernel needs a multiple of 16)"
     try:
-        decode_layout(pool.dtype.size, width, values_in_keys=True)
+        decode_layout(kernel_dtype(q, pool).size, width, values_in_keys=True)
     except ValueError as exc:
         return str(exc)
     return None

@@ -76,9 +76,6 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     budget = memory.budget
     token_budget = config.max_num_batched_tokens or default_token_budget(metal)
     quant = kv_quant_of(config.kv_cache_dtype)
-    if quant is not None and mc.mla is not None:
-        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} does not take "
-                         f"{mc.model_type}'s latent pool yet; use --kv-cache-dtype auto")
     plan = _plan_pool(config, planned, budget, dtype, token_budget, quant, drafter)
     kv_tokens = plan.num_blocks * config.block_size
     check_kv_cache_blocks(plan.num_blocks, budget)

@@ -19,9 +19,11 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_seqs=16,
                               max_num_batched_tokens=512, max_model_len=512,
                               enable_prefix_caching=True, state_checkpoint_interval=32,
-                              speculative=None, draft_dir=None, dtype=mx.float32):
+                              speculative=None, draft_dir=None, dtype=mx.float32,
+                              kv_quant=None):
     """`draft_dir`: a draft model for `speculative` (method draft_model), K/V beside the pool;
-    method mtp drafts with the model dir's own head. Weights and K/V in `dtype`."""
+    method mtp drafts with the model dir's own head. Weights and K/V in `dtype`, or K/V as
+    `kv_quant`'s codes and scales."""
     model = load_model(model_dir, dtype)
     if speculative is not None and speculative.method == "mtp":
         speculative = with_draft_length(speculative)
@@ -33,7 +35,7 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
         plan = replace(plan, windowed_pools=tuple(cfg.windowed_pools()), window=cfg.sliding_window,
                        num_window_blocks=window_blocks(cfg.sliding_window, block_size,
                                                        max_num_seqs, max_num_batched_tokens))
-    cache = KVCache.for_model(cfg, plan, block_size, dtype)
+    cache = KVCache.for_model(cfg, plan, block_size, dtype, kv_quant)
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

@@ -41,6 +41,13 @@ GRID = [Case(dtype, width, block_size, heads, 1, MIXED, partition, value_dim=dv)
         if block_size == 16 or partition is None]  # fmt: skip
 
 
+# Quantized latent rows (codes and scales, not turned), staged dequantized to the queries'
+# dtype as a quantized K pool's are.
+GRID += [Case(dtype, width, 16, 20, 1, MIXED, partition, kv_bits=bits, value_dim=dv)
+         for dtype, (width, dv), bits, partition in itertools.product(
+             DTYPES, SHAPES, (8, 4), (None, 16))]  # fmt: skip
+
+
 @pytest.mark.parametrize("case", GRID, ids=lambda c: c.name)
 def test_latent_rows_match_the_reference(case: Case):
     result = check(emulated(case), case)

@@ -84,7 +84,10 @@ class KVCache:
     def _empty(self, num_blocks: int, shape: PoolShape, keys: bool) -> Pool:
         if self.quant is None:
             return mx.zeros((num_blocks, self.block_size, *shape), self.model_dtype)
-        return empty_pool(num_blocks, self.block_size, *shape, self.quant, rotated=keys)
+        # Keys are stored turned (kv_quant.rotation), but not latent rows: their values are
+        # a part of them.
+        rotated = keys and not self.keys_only
+        return empty_pool(num_blocks, self.block_size, *shape, self.quant, rotated=rotated)
 
     states: RecurrentStates | None = None  # linear-attention layers' (see recurrent_states)
     # What the host forward keeps of the pools between steps (numpy views,

@@ -19,11 +19,13 @@ import re
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 from safetensors import safe_open
 
 from convert.expert_stacking import stack_experts, stacked_shapes
+from convert.fp8_weights import SCALE_SUFFIX, dequantize_fp8, fp8_block
 from convert.fused_projections import unfuse, unfused_shapes
 from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, stored_shapes
 from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
@@ -56,6 +58,7 @@ def open_hf_dir(path: Path) -> ModelSource:
     names_by_file = _tensor_names(files, tied=model_config.tie_word_embeddings,
                                   layers=model_config.num_hidden_layers,
                                   text_part=config.get("model_type") in TEXT_PARTS)
+    fp8_scales = _fp8_scales(names_by_file, fp8_block(config))
     found = {target: shape for names in names_by_file.values()
              for target, shape in names.values()}
     mlx_lm = model_config.linear_attention is not None and is_mlx_lm_hybrid(found)
@@ -73,7 +76,7 @@ def open_hf_dir(path: Path) -> ModelSource:
         config=model_config,
         base_config=base_config,
         tensors=lambda: unfuse(model_config, stack_experts(
-            model_config, relay_tensors(_read_tensors(names_by_file, mlx_lm)))),
+            model_config, relay_tensors(_read_tensors(names_by_file, mlx_lm, fp8_scales)))),
         write_tokenizer=partial(copy_hf_tokenizer, path),
         files=(config_path, *files),
         quantized=quantized,
@@ -130,10 +133,36 @@ def _beyond_the_stack(name: str, layers: int) -> bool:
     return match is not None and int(match[1]) >= layers
 
 
+def _fp8_scales(names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]],
+               block: tuple[int, int] | None) -> _Fp8Scales | None:
+    """An FP8 checkpoint's scales (convert.fp8_weights), taken out of the tensors to convert:
+    by the weight they scale, the file and name they are stored under."""
+    if block is None:
+        return None
+    scales = {}
+    for file, names in names_by_file.items():
+        for source in [n for n in names if n.endswith(SCALE_SUFFIX)]:
+            target, _ = names.pop(source)
+            scales[target.removesuffix(SCALE_SUFFIX) + ".weight"] = (file, source)
+    return _Fp8Scales(block, scales)
+
+
+class _Fp8Scales(NamedTuple):
+    block: tuple[int, int]
+    by_weight: dict[str, tuple[Path, str]]
+
+    def dequantized(self, name: str, tensor: mx.array) -> mx.array:
+        if name not in self.by_weight:
+            return tensor
+        file, source = self.by_weight[name]
+        return dequantize_fp8(tensor, mx.load(str(file))[source], self.block)
+
+
 def _read_tensors(names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]],
-                  mlx_lm: bool) -> Iterator[tuple[str, mx.array]]:
+                  mlx_lm: bool, fp8: _Fp8Scales | None = None) -> Iterator[tuple[str, mx.array]]:
     for file, names in names_by_file.items():
         # mx.load is lazy and reads bfloat16, which numpy cannot represent.
         weights = mx.load(str(file))
         for source, (target, _) in names.items():
-            yield target, from_mlx_lm_hybrid(target, weights[source]) if mlx_lm else weights[source]
+            tensor = from_mlx_lm_hybrid(target, weights[source]) if mlx_lm else weights[source]
+            yield target, tensor if fp8 is None else fp8.dequantized(target, tensor)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from convert.fp8_weights import fp8_block
 from convert.mxfp4_experts import is_mxfp4_checkpoint
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.quantization import QuantizationConfig, QuantParams
@@ -22,9 +23,9 @@ NOT_CARRIED = ("rope_theta", "rope_scaling", "rope_parameters", "rope_local_base
 
 
 def config_from_hf(config: dict[str, Any]) -> ModelConfig:
-    """Read a Hugging Face config.json (transformers 4 or 5 style) of a float checkpoint, or of
-    GPT-OSS's MXFP4 one."""
-    if is_mxfp4_checkpoint(config):
+    """Read a Hugging Face config.json (transformers 4 or 5 style) of a float checkpoint, of
+    GPT-OSS's MXFP4 one, or of a block-quantized FP8 one (DeepSeek's)."""
+    if is_mxfp4_checkpoint(config) or fp8_block(config) is not None:
         return ModelConfig.from_dict(config)
     if QuantizationConfig.from_config(config) is not None:  # raises for foreign schemes
         raise ValueError("this checkpoint is already in MLX's quantized layout: serve it as it is "

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from convert.api import local_source
 from convert.cache import ensure_converted, models_dir
+from convert.fp8_weights import fp8_block
 from convert.hf_source import open_hf_dir
 from convert.hub import is_repo_id
 from convert.mxfp4_experts import is_mxfp4_checkpoint
@@ -44,6 +45,8 @@ def loads_as_is(folder: Path) -> bool:
     can never load (pickle only, a foreign quantization scheme, an unsupported family)."""
     config = read_config_json(folder)
     if is_mxfp4_checkpoint(config):  # GPT-OSS as OpenAI publishes it: its experts re-laid
+        return False
+    if fp8_block(config) is not None:  # DeepSeek's FP8: dequantized at conversion
         return False
     if QuantizationConfig.from_config(config) is not None:
         return True

@@ -3,6 +3,7 @@ compare the logits with the source's."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from convert.api import open_source
+from convert.fp8_weights import fp8_block
 from convert.model_dir import read_manifest
 from kernels_metal.kv_quant import KVQuant
 from metal_engine.cache.cache_plan import CachePlan
@@ -54,7 +56,7 @@ def validate_conversion(source: Path, out: Path) -> Validation:
         raise ValueError(f"{out} gives non-finite logits; the conversion is broken")
     manifest = read_manifest(out) or {}
     quantization = manifest.get("quantization")
-    if source.is_dir() and not quantization and _transformers_available():
+    if source.is_dir() and not quantization and _transformers_runs(source):
         reference, expected = "transformers (float32)", _transformers_logits(source, ids)
     else:
         reference, expected = "the source in float32", prompt_logits(_source_model(source), ids)
@@ -99,6 +101,13 @@ def _source_model(source: Path) -> CausalLM:
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     model.eval()
     return model
+
+
+def _transformers_runs(source: Path) -> bool:
+    """Whether transformers can run the source here: importable, and the source not an FP8
+    checkpoint (its FP8 kernels need a GPU)."""
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    return fp8_block(config) is None and _transformers_available()
 
 
 def _transformers_available() -> bool:

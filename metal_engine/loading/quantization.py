@@ -129,6 +129,12 @@ def _mlx_quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:
             "this is a Hugging Face MXFP4 checkpoint (GPT-OSS as OpenAI publishes it); convert "
             "it first with `metal-serve convert DIR --out OUT` (its experts stay MXFP4)"
         )
+    if method == "fp8":
+        raise ValueError(
+            "this is a block-quantized FP8 checkpoint (DeepSeek's, Kimi's); convert it first "
+            "with `metal-serve convert DIR --out OUT` (its weights are dequantized, and "
+            "`--quantize 4` or `8` makes them MLX's)"
+        )
     if method is not None:
         raise ValueError(
             f"this checkpoint is quantized with {method!r}, which metal-serve cannot read; use "

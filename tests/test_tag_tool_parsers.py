@@ -16,7 +16,7 @@ from tool_call_checks import (
     scripted_client,
 )
 
-from server.core.tag_tool_parsers import Glm45Parser, Qwen3CoderParser
+from server.core.tag_tool_parsers import Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser
 from server.core.tool_call_stream import ToolCallStream
 from server.core.tool_parser_choice import parser_for_template, parser_named
 from server.core.tool_parsers import HermesParser, ParsedCall
@@ -42,6 +42,7 @@ SCHEMAS = {
 }
 QWEN = Qwen3CoderParser(SCHEMAS)
 GLM = Glm45Parser(SCHEMAS)
+MINIMAX = MiniMaxM2Parser(SCHEMAS)
 CODE = 'if a < b:\n    print("<b>", a)\n'  # quotes, tags and a last newline of its own
 
 
@@ -58,6 +59,22 @@ def glm_call(name: str, compact: bool = False, **params: str) -> str:
                    for k, v in params.items())  # fmt: skip
     return f"<tool_call>{name}{sep}{body}</tool_call>"
 
+
+def minimax_calls(*calls: tuple[str, dict[str, str]]) -> str:
+    """A block of calls as MiniMax M2 writes it: `(name, params)` each."""
+    invokes = "".join(f'<invoke name="{name}">\n' + "".join(
+        f'<parameter name="{k}">{v}</parameter>\n' for k, v in params.items()) + "</invoke>\n"
+        for name, params in calls)  # fmt: skip
+    return f"<minimax:tool_call>\n{invokes}</minimax:tool_call>"
+
+
+def minimax_call(name: str, **params: str) -> str:
+    return minimax_calls((name, params))
+
+
+CALLS = {QWEN: qwen_call, GLM: glm_call, MINIMAX: minimax_call}
+FAMILIES = [QWEN, GLM, MINIMAX]
+FAMILY_IDS = ["qwen3_coder", "glm45", "minimax_m2"]
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "days": 3}')
 WRITE = ParsedCall("write_file", json.dumps({"path": "a.py", "content": CODE}))
@@ -82,6 +99,19 @@ CASES = [
         [WEATHER, WRITE],
     ),
     (GLM, "<tool_call>get_time</tool_call>", "", [ParsedCall("get_time", "{}")]),
+    (MINIMAX, minimax_call("get_weather", city="Paris", days="3"), "", [WEATHER]),
+    (
+        MINIMAX,
+        "Checking both.\n" + minimax_calls(("get_weather", {"city": "Paris", "days": "3"}),
+                                            ("write_file", {"path": "a.py", "content": CODE})),
+        "Checking both.\n",
+        [WEATHER, WRITE],
+    ),
+    (MINIMAX, minimax_call("get_weather", city="Paris", days="3") + "\n"
+     + minimax_call("write_file", path="a.py", content=CODE), "", [WEATHER, WRITE]),
+    (MINIMAX, '<minimax:tool_call>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>',
+     "", [ParsedCall("get_time", "{}")]),
+    (MINIMAX, "Not needed: <invoke> is a word.", "Not needed: <invoke> is a word.", []),
     (QWEN, "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "",
      [ParsedCall("get_time", "{}")]),  # fmt: skip
     (QWEN, "Not needed: 2 < 3, <b>bold</b>.", "Not needed: 2 < 3, <b>bold</b>.", []),
@@ -109,31 +139,32 @@ def test_streamed_at_random_boundaries(parser, text, content, calls):
         assert stream(parser, split_at_random(text, rng)) == (content, calls)
 
 
-@pytest.mark.parametrize("parser", [QWEN, GLM], ids=["qwen3_coder", "glm45"])
+@pytest.mark.parametrize("parser", FAMILIES, ids=FAMILY_IDS)
 def test_every_split_in_two_gives_the_same_calls(parser):
-    call = qwen_call if parser is QWEN else glm_call
+    call = CALLS[parser]
     text = "Hi. " + call("write_file", path="a.py", content=CODE)
     for cut in range(1, len(text)):
         assert stream(parser, [text[:cut], text[cut:]]) == ("Hi. ", [WRITE])
 
 
-@pytest.mark.parametrize("parser", [QWEN, GLM], ids=["qwen3_coder", "glm45"])
+@pytest.mark.parametrize("parser", FAMILIES, ids=FAMILY_IDS)
 def test_a_string_value_streams_as_written_after_the_name(parser):
     content = "".join(f"line {i}\n" for i in range(30))
-    call = qwen_call if parser is QWEN else glm_call
+    call = CALLS[parser]
     _, calls, pieces = stream_pieces(parser, [*call("write_file", path="a.py", content=content)])
     assert calls == [ParsedCall("write_file", json.dumps({"path": "a.py", "content": content}))]
     assert [p.name for p in pieces if p.name] == ["write_file"]  # once, and whole
     assert len([p for p in pieces if p.arguments]) > len(content) // 2
 
 
-@pytest.mark.parametrize("parser", [QWEN, GLM], ids=["qwen3_coder", "glm45"])
+@pytest.mark.parametrize("parser", FAMILIES, ids=FAMILY_IDS)
 def test_values_of_awkward_text_stream_as_they_parse_whole(parser):
     """Values of newlines, quotes, backslashes and tag-like text, the call cut anywhere or
     not: streamed at random boundaries, the same content and calls as the whole text."""
     rng = random.Random(5)
-    alphabet = ["a", "\n", "<", ">", '"', "\\", " ", "</", "parameter", "arg_value", "é", "\t"]
-    call = qwen_call if parser is QWEN else glm_call
+    alphabet = ["a", "\n", "<", ">", '"', "\\", " ", "</", "parameter", "arg_value", "é", "\t",
+                "invoke"]
+    call = CALLS[parser]
     for _ in range(150):
         words = ("".join(rng.choices(alphabet, k=rng.randint(0, 10))) for _ in range(2))
         path, content = (w.replace("</parameter>", "").replace("</arg_value>", "") for w in words)
@@ -271,6 +302,9 @@ def test_no_tag_fragment_reaches_the_content_while_streaming():
         # Qwen3's JSON calls stay Hermes.
         ('<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}'
          "\\n</tool_call>", HermesParser),
+        # MiniMax M2's.
+        ("{{- '<minimax:tool_call>\\n' }}{%- for tool_call in message.tool_calls -%}"
+         "<invoke name=\"{{ tool_call.name }}\">", MiniMaxM2Parser),
     ],
 )  # fmt: skip
 def test_the_chat_template_picks_the_family(template, parser):
@@ -278,8 +312,8 @@ def test_the_chat_template_picks_the_family(template, parser):
 
 
 def test_the_families_are_named():
-    assert isinstance(parser_named("qwen3_coder"), Qwen3CoderParser)
-    assert isinstance(parser_named("glm45"), Glm45Parser)
+    for parser in FAMILIES:
+        assert type(parser_named(parser.name)) is type(parser)
 
 
 # ---- through the server ---------------------------------------------------------------------
@@ -293,18 +327,21 @@ class Glm45Tokenizer(ToolTemplateTokenizer):
     chat_template = "<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key>{% for t in tools %}"
 
 
+class MiniMaxTokenizer(ToolTemplateTokenizer):
+    chat_template = "<minimax:tool_call>{% for t in tools %}<invoke name=\"{{ t }}\">"
+
+
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": schema}}
          for name, schema in SCHEMAS.items()]  # fmt: skip
 
 
-@pytest.fixture(params=["qwen3_coder", "glm45"])
+@pytest.fixture(params=FAMILY_IDS)
 def scripted_server(request):
     """A server whose model answers with some text, then two calls in its family's tags, in
     pieces of 3 characters."""
-    if request.param == "qwen3_coder":
-        tokenizer, calls = Qwen3CoderTokenizer(), qwen_call
-    else:
-        tokenizer, calls = Glm45Tokenizer(), glm_call
+    tokenizer, calls = {"qwen3_coder": (Qwen3CoderTokenizer(), qwen_call),
+                        "glm45": (Glm45Tokenizer(), glm_call),
+                        "minimax_m2": (MiniMaxTokenizer(), minimax_call)}[request.param]
     text = CONTENT + calls("get_weather", city="Paris", days="3") + calls(
         "write_file", path="a.py", content=CODE
     )

@@ -262,6 +262,39 @@ class Glm45Parser(TagCallParser):
         return call
 
 
+class MiniMaxM2Parser(TagCallParser):
+    """MiniMax M2: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE
+    </parameter>...</invoke><invoke ...>...</invoke></minimax:tool_call>`: a block of calls,
+    newlines between the tags; the block's end is taken with its last call."""
+
+    name = "minimax_m2"
+    markers = ("<minimax:tool_call>",)
+    template_hints = ("<minimax:tool_call>",)
+    closing = ("</invoke>", "</minimax:tool_call>")
+    _invoke = '<invoke name="'
+
+    def scan(self, text: str, pos: int) -> TagCall:
+        call = TagCall()
+        cursor = _Cursor(text, pos, call)
+        opening = cursor.tag(self.markers[0], self._invoke)
+        if opening is None or (opening == self.markers[0] and not cursor.tag(self._invoke)):
+            return call
+        if not cursor.name(cursor.until('">')):
+            return call
+        while (tag := cursor.tag('<parameter name="', "</invoke>")) == '<parameter name="':
+            if not cursor.value(cursor.until('">'), "</parameter>"):
+                return call
+        if tag is None:
+            return call
+        block_end = skip_space(text, cursor.pos)
+        after = text[block_end:]
+        if after.startswith(self.closing[1]):
+            call.end = block_end + len(self.closing[1])
+        elif not (self.closing[1].startswith(after) or self._invoke.startswith(after)):
+            call.end = cursor.pos  # the next call has begun (or text after an open block)
+        return call
+
+
 def _wants_json(schema: Any) -> bool:
     """Whether a parameter's schema declares only types other than string."""
     types = _declared_types(schema)

@@ -5,11 +5,13 @@ the first layers (or those listed dense) keep a dense MLP."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.glm4_moe import feed_forward
 from metal_engine.models.layers import PreNormDecoderLayer
-from metal_engine.models.mla import MlaAttention
+from metal_engine.models.mla import MlaAttention, rope_pairs_as_halves
 
 
 class Model(CausalLM):
@@ -17,3 +19,6 @@ class Model(CausalLM):
         layers = [PreNormDecoderLayer(cfg, MlaAttention(cfg, i), feed_forward(cfg, i))
                   for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, layers)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return rope_pairs_as_halves(super().sanitize(weights), self.config)

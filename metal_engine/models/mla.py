@@ -24,6 +24,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.cache.kv_cache import KVCache
@@ -61,11 +62,6 @@ class MlaAttention(nn.Module, OpsUser):
         self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                 bias=False)
         self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
-        # DeepSeek's rope pairs neighbouring dims; taken evens first, then odds, the pairs
-        # are the halves the rope here turns (the same scores: q and k are permuted alike).
-        self._pairs = (mx.concatenate([mx.arange(0, self.rope_dim, 2),
-                                       mx.arange(1, self.rope_dim, 2)])
-                       if mla.rope_interleave else None)
         self._absorbed = _AbsorbedWeights(heads, mla.qk_nope_head_dim, mla.kv_lora_rank)
 
     def __call__(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
@@ -74,8 +70,8 @@ class MlaAttention(nn.Module, OpsUser):
         q = self._queries(x).reshape(total, heads, self.nope + self.rope_dim)
         compressed = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(compressed[:, : self.rank])
-        k_rope = self.ops.rope(self._paired(compressed[:, None, self.rank :]), rope)
-        q_rope = self.ops.rope(self._paired(q[..., self.nope :]), rope)
+        k_rope = self.ops.rope(compressed[:, None, self.rank :], rope)
+        q_rope = self.ops.rope(q[..., self.nope :], rope)
         w_uk, w_uv = self._absorbed(self.kv_b_proj)
         q_latent = mx.swapaxes(mx.swapaxes(q[..., : self.nope], 0, 1) @ w_uk, 0, 1)
         queries = mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
@@ -94,8 +90,37 @@ class MlaAttention(nn.Module, OpsUser):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def _paired(self, x: mx.array) -> mx.array:
-        return x if self._pairs is None else x[..., self._pairs]
+
+
+def rope_pairs_as_halves(weights: dict[str, mx.array], cfg: ModelConfig) -> dict[str, mx.array]:
+    """`weights` (a checkpoint's, by name) with DeepSeek's paired rope dims made halves.
+
+    With `rope_interleave` the rope turns neighbouring dims (0, 1), (2, 3), ... of q's and k's
+    rope parts; the rope here turns the first half against the second. Taking the rows of
+    `q_proj` / `q_b_proj` and `kv_a_proj_with_mqa` that make those parts evens first, then
+    odds, makes the pairs the halves, and the scores are the same (q and k are reordered
+    alike): once at load, not a gather per layer and step. Rows are outputs, so a quantized
+    projection's packed rows, scales and biases move as they are."""
+    mla = cfg.mla
+    if mla is None or not mla.rope_interleave:
+        return weights
+    rope, nope = mla.qk_rope_head_dim, mla.qk_nope_head_dim
+    halves = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    q_rows = np.arange(cfg.num_attention_heads * (nope + rope)).reshape(-1, nope + rope)
+    q_rows[:, nope:] = q_rows[:, nope:][:, halves]
+    kv_rows = np.concatenate([np.arange(mla.kv_lora_rank), mla.kv_lora_rank + halves])
+    orders = {"q_proj": q_rows.ravel(), "q_b_proj": q_rows.ravel(),
+              "kv_a_proj_with_mqa": kv_rows}
+    out = dict(weights)
+    for name, tensor in weights.items():
+        module, _, kind = name.rpartition(".")
+        projection = module.rpartition(".")[2]
+        if ".self_attn." in name and projection in orders and kind in PROJECTION_ROWS:
+            out[name] = tensor[mx.array(orders[projection])]
+    return out
+
+
+PROJECTION_ROWS = ("weight", "bias", "scales", "biases")  # what a projection keeps per output
 
 
 class _AbsorbedWeights:

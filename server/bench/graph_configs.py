@@ -53,6 +53,16 @@ CONFIGS: dict[str, dict] = {
         query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
         max_position_embeddings=131072, hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True),
+    # GLM-4.7-Flash (30B-A3B): multi-head latent attention over sigmoid-routed experts
+    "glm4_moe_lite": dict(
+        model_type="glm4_moe_lite", hidden_size=2048, intermediate_size=10240,
+        moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20,
+        num_key_value_heads=20, n_shared_experts=1, n_routed_experts=64,
+        routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
+        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4,
+        norm_topk_prob=True, max_position_embeddings=202752, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, rope_interleave=True, vocab_size=154880,
+        tie_word_embeddings=False),
 }
 # Widths that only size weights, and what a trace sets them to.
 TRACE_WIDTHS = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=64,

@@ -88,8 +88,8 @@ class OurStep:
                                              for arrays in (states.conv, states.recurrent))
 
 
-def _fresh(a: mx.array) -> mx.array:
-    return zeros_like_leaf(a.shape, a.dtype)
+def _fresh(a: mx.array | None) -> mx.array | None:
+    return None if a is None else zeros_like_leaf(a.shape, a.dtype)
 
 
 def _cache(cfg: ModelConfig, batch: int, num_blocks: int) -> KVCache:
@@ -105,7 +105,8 @@ def _cache(cfg: ModelConfig, batch: int, num_blocks: int) -> KVCache:
         if i in cache.pool_groups.get("window", ()):
             blocks = window_blocks(window, BLOCK_SIZE, batch, 256) + 1
         shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
-        cache.put(i, zeros_like_leaf(shape, DTYPE), zeros_like_leaf(shape, DTYPE))
+        values = None if cache.keys_only else zeros_like_leaf(shape, DTYPE)
+        cache.put(i, zeros_like_leaf(shape, DTYPE), values)
     states = cache.states
     if states is not None:
         states.conv = [zeros_like_leaf((batch, *a.shape[1:]), a.dtype) for a in states.conv]
@@ -148,8 +149,11 @@ class MlxLmStep:
         self.model.eval()  # as mlx-lm loads it: kernels, not training's ops
         self.model.set_dtype(DTYPE)
         mx.eval(self.model.parameters())
-        self._kv_shape = (config["num_key_value_heads"], config.get("head_dim")
-                          or config["hidden_size"] // config["num_attention_heads"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        kv_heads = config["num_key_value_heads"]
+        # What a layer's cache holds a token: keys and values, or MLA's latent and rope key.
+        self._kv_shapes = ((1, config["kv_lora_rank"]), (1, config["qk_rope_head_dim"])) \
+            if "kv_lora_rank" in config else ((kv_heads, head_dim),) * 2
         decodes = shape.batch - 1 if shape.mixed else shape.batch
         self.forwards = []  # (tokens, caches)
         if shape.mixed:
@@ -164,15 +168,15 @@ class MlxLmStep:
         caches = make_prompt_cache(self.model)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             if hasattr(cache, "update_and_fetch"):
-                kv_heads, head_dim = self._kv_shape
-                keys = zeros_like_leaf((batch, kv_heads, context, head_dim), DTYPE)
-                cache.update_and_fetch(keys, keys)
+                keys, values = (zeros_like_leaf((batch, heads, context, width), DTYPE)
+                                for heads, width in self._kv_shapes)
+                cache.update_and_fetch(keys, values)
                 mx.eval(cache.keys, cache.values)
                 shape = list(cache.keys.shape)
                 if isinstance(cache, RotatingKVCache):  # room to grow, as in steady decode
                     shape[2] = min(cache.max_size, context + cache.step)
                 cache.keys = zeros_like_leaf(shape, DTYPE)
-                cache.values = zeros_like_leaf(shape, DTYPE)
+                cache.values = zeros_like_leaf((*shape[:3], cache.values.shape[3]), DTYPE)
             else:  # a linear-attention layer's conv and recurrent states
                 net = layer.linear_attn
                 cache[0] = zeros_like_leaf((batch, net.conv_kernel_size - 1, net.conv_dim),

@@ -3,7 +3,9 @@ describes, and what llama.cpp's own converter changed in the weights.
 
 Mistral GGUFs carry the `llama` architecture (llama.cpp writes them so); they convert to
 `model_type: llama`, which computes the same. The MoE architectures' parts are in
-convert.gguf_moe, the hybrid linear-attention ones' (Qwen3.5, Qwen3-Next) in convert.gguf_hybrid.
+convert.gguf_moe, the hybrid linear-attention ones' (Qwen3.5, Qwen3-Next) in convert.gguf_hybrid,
+the multi-head latent attention ones' (deepseek2: DeepSeek V3, Kimi K2, GLM-4.7-Flash) in
+convert.gguf_mla.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from convert.gguf_hybrid import LINEAR_ATTENTION_NAMES, SHARED_EXPERT_NAMES, hybrid_keys
+from convert.gguf_mla import DEEPSEEK2_NAMES, deepseek2_keys
 from convert.gguf_moe import (
     EXPERT_NAMES,
     GLM_EXPERT_NAMES,
@@ -69,6 +72,8 @@ class GgufArch:
         scale); `names` are the file's tensors by Hugging Face name."""
         if self.value_heads is not None:
             return hybrid_keys(self.model_type, meta, names, layers)
+        if self.model_type in ("deepseek_v3", "glm4_moe_lite"):
+            return deepseek2_keys(self.model_type, meta, names, layers)
         if self.model_type == "mixtral":
             return mixtral_keys(meta, names, layers)
         if self.model_type == "qwen3_moe":
@@ -113,17 +118,23 @@ ARCHS = {
                           partial_rotary=True, value_heads="tiled"),
     "qwen3next": GgufArch("qwen3_next", {**HYBRID_NAMES, **SHARED_EXPERT_NAMES},
                           partial_rotary=True, value_heads="grouped"),
+    "deepseek2": GgufArch("deepseek_v3", DEEPSEEK2_NAMES),
 }
 
 
 # llama.cpp writes Mixtral as `llama` with experts (and q/k permuted, as for Llama).
 MIXTRAL = GgufArch("mixtral", {**PRE_NORM_NAMES, **MIXTRAL_EXPERT_NAMES}, permutes_qk=True)
+# GLM-4.7-Flash as `deepseek2`, told from DeepSeek's and Kimi's files by its pre-tokenizer.
+GLM4_MOE_LITE = GgufArch("glm4_moe_lite", DEEPSEEK2_NAMES)
 
 
-def gguf_arch(arch_name: str, meta: Metadata) -> GgufArch:
-    """How to read a file of the architecture `arch_name` (one of ARCHS)."""
+def gguf_arch(arch_name: str, meta: Metadata, tokenizer_pre: str | None = None) -> GgufArch:
+    """How to read a file of the architecture `arch_name` (one of ARCHS) whose
+    `tokenizer.ggml.pre` is `tokenizer_pre`."""
     if arch_name == "llama" and meta("expert_count"):
         return MIXTRAL
+    if arch_name == "deepseek2" and tokenizer_pre == "glm4":
+        return GLM4_MOE_LITE
     return ARCHS[arch_name]
 
 

@@ -74,18 +74,19 @@ def qwen3_moe_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[
 
 
 def glm4_moe_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[str, Any]:
-    """GLM-4.5's config keys, with llama.cpp's defaults where the metadata is silent."""
+    """GLM-4.5's config keys, with llama.cpp's defaults where the metadata is silent (also the
+    MoE part of deepseek2's: convert.gguf_mla)."""
     dense = meta("leading_dense_block_count") or 0
     if moe_layers(names, layers) != set(range(dense, layers)):
-        raise ValueError(f"this glm4moe GGUF has experts in other layers than the ones after "
-                         f"its {dense} leading dense ones; the file is inconsistent")
+        raise ValueError(f"this GGUF has experts in other layers than the ones after its "
+                         f"{dense} leading dense ones; the file is inconsistent")
     gating = meta("expert_gating_func") or 2
     return {
         **_expert_keys(meta),
         "n_routed_experts": _required(meta, "expert_count"),
         "n_shared_experts": meta("expert_shared_count") or 0,
         "first_k_dense_replace": dense,
-        "routed_scaling_factor": _shortest(meta("expert_weights_scale") or 1.0),
+        "routed_scaling_factor": shortest(meta("expert_weights_scale") or 1.0),
         "norm_topk_prob": bool(meta("expert_weights_norm")),
         "n_group": meta("expert_group_count") or 1,
         "topk_group": meta("expert_group_used_count") or 1,
@@ -119,10 +120,10 @@ def gpt_oss_keys(meta: Metadata, names: Collection[str], layers: int) -> dict[st
 def rope_scaling_yarn(meta: Metadata) -> dict[str, Any] | None:
     if meta("rope.scaling.type") != "yarn":
         return None
-    return {"rope_type": "yarn", "factor": _shortest(meta("rope.scaling.factor")),
+    return {"rope_type": "yarn", "factor": shortest(meta("rope.scaling.factor")),
             "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
-            "beta_fast": _shortest(meta("rope.scaling.yarn_beta_fast") or 32.0),
-            "beta_slow": _shortest(meta("rope.scaling.yarn_beta_slow") or 1.0),
+            "beta_fast": shortest(meta("rope.scaling.yarn_beta_fast") or 32.0),
+            "beta_slow": shortest(meta("rope.scaling.yarn_beta_slow") or 1.0),
             "truncate": False}
 
 
@@ -141,7 +142,7 @@ def _one_width(value: int | list[int]) -> int:
     return value[0]
 
 
-def _shortest(value: float) -> float:
+def shortest(value: float) -> float:
     # Stored as float32: its shortest decimal form is the config's value (2.5, 1.8).
     return float(str(np.float32(value)))
 

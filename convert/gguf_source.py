@@ -1,6 +1,7 @@
 """Open a llama.cpp GGUF file as a ModelSource: dequantize, rename, undo llama.cpp's changes.
 MXFP4 expert stacks (gpt-oss) stay quantized, re-laid as MLX's mxfp4 (convert.gguf_mxfp4).
-Multi-token-prediction blocks (GLM-4.5's, Qwen3.5's) are left out."""
+Multi-token-prediction blocks (GLM-4.5's, Qwen3.5's, GLM-4.7-Flash's) are left out; MLA's
+split `kv_b_proj` is joined (convert.gguf_mla)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from convert.gguf_archs import (
     rope_scaling,
 )
 from convert.gguf_hybrid import restore_hybrid
+from convert.gguf_mla import SplitKvB, join_kv_b
 from convert.gguf_mxfp4 import mlx_mxfp4
 from convert.layout import check_tensors, tensor_shapes
 from convert.source import ModelSource
@@ -47,18 +49,21 @@ ROPE_FREQS = "rope_freqs.weight"
 # The suffix is absent where the Hugging Face name has none (Qwen3.5's `A_log` is `ssm_a`).
 NAME_RE = re.compile(r"(?:blk\.(\d+)\.)?(\w+?)(?:\.(weight|bias))?")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.")
+# A tensor of the file, or one rebuilt from two of them (MLA's kv_b_proj).
+GgufTensor = ReaderTensor | SplitKvB
 
 
 def open_gguf(path: Path) -> ModelSource:
     """Read metadata and tensor headers, validate them; dequantize nothing yet."""
     reader = GGUFReader(path)
     arch_name = _check_file(reader)
-    arch = gguf_arch(arch_name, lambda key: _get(reader, f"{arch_name}.{key}"))
+    arch = gguf_arch(arch_name, lambda key: _get(reader, f"{arch_name}.{key}"),
+                     _get(reader, "tokenizer.ggml.pre"))
     _check_types(reader.tensors)
     rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     layers = _main_layers(reader, arch_name)
-    tensors = {hf_name(t.name, arch): t for t in reader.tensors
-               if t.name != ROPE_FREQS and not _beyond_layers(t.name, layers)}
+    tensors = join_kv_b({hf_name(t.name, arch): t for t in reader.tensors
+                         if t.name != ROPE_FREQS and not _beyond_layers(t.name, layers)})
     config = _config_from_metadata(reader, arch_name, arch, tensors, rope_freqs)
     expected = tensor_shapes(config)
     found = unfused_shapes(config, {n: _hf_shape(t) for n, t in tensors.items()})
@@ -135,14 +140,14 @@ def _check_types(tensors: list[ReaderTensor]) -> None:
             )
 
 
-def _mxfp4_expert_stacks(tensors: dict[str, ReaderTensor]) -> dict[str, QuantParams]:
+def _mxfp4_expert_stacks(tensors: dict[str, GgufTensor]) -> dict[str, QuantParams]:
     """The expert stacks (module paths) stored as MXFP4: kept so, as MLX runs them."""
     return {name.removesuffix(".weight"): MXFP4 for name, t in tensors.items()
             if t.tensor_type == QType.MXFP4 and len(t.shape) == 3 and name.endswith(".weight")}
 
 
 def _config_from_metadata(reader: GGUFReader, arch_name: str, arch: GgufArch,
-                          tensors: dict[str, ReaderTensor],
+                          tensors: dict[str, GgufTensor],
                           rope_freqs: ReaderTensor | None) -> ModelConfig:
     """The Hugging Face config keys llama.cpp's metadata describes, read like a config.json."""
 
@@ -192,13 +197,13 @@ def _squeezed_as(shape: tuple[int, ...], expected: tuple[int, ...] | None) -> tu
     return shape
 
 
-def _read_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arch: GgufArch,
+def _read_tensors(tensors: dict[str, GgufTensor], config: ModelConfig, arch: GgufArch,
                   quantized: dict[str, QuantParams]) -> Iterator[tuple[str, Any]]:
     """Every tensor of the layout; Qwen3-Next's fused `in_proj_ba` is split on the way."""
     return unfuse(config, _restored_tensors(tensors, config, arch, quantized))
 
 
-def _restored_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arch: GgufArch,
+def _restored_tensors(tensors: dict[str, GgufTensor], config: ModelConfig, arch: GgufArch,
                       quantized: dict[str, QuantParams]) -> Iterator[tuple[str, Any]]:
     expected = tensor_shapes(config)
     for name, tensor in tensors.items():
@@ -208,6 +213,9 @@ def _restored_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arc
             weight, scales = mlx_mxfp4(tensor.data, shape)
             yield name, weight
             yield f"{module}.scales", scales
+            continue
+        if isinstance(tensor, SplitKvB):
+            yield name, tensor.joined()
             continue
         weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if arch.permutes_qk and ".q_proj." in name:
@@ -221,7 +229,7 @@ def _restored_tensors(tensors: dict[str, ReaderTensor], config: ModelConfig, arc
         yield name, weights
 
 
-def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+def _hf_shape(tensor: GgufTensor) -> tuple[int, ...]:
     # GGUF lists dims fastest-first (ggml order); Hugging Face lists them [out, in].
     return tuple(int(d) for d in reversed(tensor.shape))
 

@@ -65,10 +65,11 @@ def default_tokenizer_metadata(vocab: int) -> tuple[str, list[str], list[int], l
     return fields["tokenizer.ggml.pre"].contents(), tokens, types, merges
 
 
-def copy_tokenizer_metadata(writer: GGUFWriter, vocab: int) -> None:
-    pre, tokens, types, merges = default_tokenizer_metadata(vocab)
+def copy_tokenizer_metadata(writer: GGUFWriter, vocab: int, pre: str | None = None) -> None:
+    """The default model's tokenizer metadata; `pre` names another pre-tokenizer."""
+    default_pre, tokens, types, merges = default_tokenizer_metadata(vocab)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    writer.add_tokenizer_pre(pre or default_pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -8,7 +8,8 @@ GPT-OSS's checkpoints are stacked already but fused and `[in, out]`: `experts.ga
 transposed into `experts.{gate,up,down}_proj.{weight,bias}`. Gemma 4's are fused but `[out,
 in]`: `experts.gate_up_proj [experts, 2 * inner, hidden]` (gate rows first) and
 `experts.down_proj [experts, hidden, inner]`. Qwen3.5-MoE's published checkpoints are fused as
-Gemma 4's (transformers saves them one tensor per expert); both become `switch_mlp.*`."""
+Gemma 4's (transformers saves them one tensor per expert), Mistral 4's too (and transformers
+saves them so); those become `switch_mlp.*`."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ FUSED_LAYOUTS = {
     "gpt_oss": FusedExperts(transposed=True, interleaved=True),
     "gemma4_text": FusedExperts(transposed=False, interleaved=False),
     "qwen3_5_moe_text": FusedExperts(transposed=False, interleaved=False, module="switch_mlp"),
+    "mistral4": FusedExperts(transposed=False, interleaved=False, module="switch_mlp"),
 }
 
 

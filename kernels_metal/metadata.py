@@ -42,6 +42,13 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
     @cached_property
+    def positions(self) -> np.ndarray:
+        """`[total_q]` int64: each row's position in its request (see the module docstring)."""
+        q_lens = np.diff(self.cu_seqlens_q)
+        ends = np.repeat(self.cu_seqlens_q[1:].astype(np.int64), q_lens)
+        return np.repeat(self.seq_lens.astype(np.int64), q_lens) - (ends - np.arange(len(ends)))
+
+    @cached_property
     def device(self) -> DeviceMetadata:
         """The KV writes' slots on the device, built once per step and shared by all layers."""
         block, offset = np.divmod(self.slot_mapping, self.block_size)

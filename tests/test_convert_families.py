@@ -20,6 +20,7 @@ from tiny_models import COMMON, TINY_MODELS, build_tiny_model
 from tokenizers import Tokenizer, models
 
 from convert import convert_model
+from convert.expert_stacking import FUSED_LAYOUTS
 from convert.validate import prompt_logits
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.weights import load_model
@@ -78,8 +79,9 @@ def _stacked_experts(tensors: dict[str, np.ndarray], model_type: str) -> dict[st
         match = re.fullmatch(r"(.+)\.experts\.(\d+)\.(\w+)\.weight", name)
         fused = re.fullmatch(r"(.+)\.experts\.(gate_up_proj|down_proj)(_bias)?", name)
         if fused is not None:
+            module = FUSED_LAYOUTS[model_type].module
             split = _split_gpt_oss if model_type == "gpt_oss" else _split_gemma4
-            out.update(split(fused[1], fused[2], fused[3] is not None, tensor))
+            out.update(split(f"{fused[1]}.{module}", fused[2], fused[3] is not None, tensor))
             continue
         if match is None:
             out[name] = tensor
@@ -115,17 +117,16 @@ def _unfused(tensors: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarr
     return out
 
 
-def _split_gemma4(block: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
-    """Gemma 4: [experts, out, in], gate rows then up rows; no biases."""
+def _split_gemma4(prefix: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
+    """Gemma 4 (and Mistral 4): [experts, out, in], gate rows then up rows; no biases."""
     if kind == "down_proj":
-        return {f"{block}.experts.down_proj.weight": tensor}
+        return {f"{prefix}.down_proj.weight": tensor}
     gate, up = np.split(tensor, 2, axis=1)
-    return {f"{block}.experts.gate_proj.weight": gate, f"{block}.experts.up_proj.weight": up}
+    return {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}
 
 
-def _split_gpt_oss(block: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
+def _split_gpt_oss(prefix: str, kind: str, bias: bool, tensor: np.ndarray) -> dict:
     """GPT-OSS: [experts, in, out], gate and up columns interleaved."""
-    prefix = f"{block}.experts"
     if kind == "down_proj":
         return {f"{prefix}.down_proj.bias": tensor} if bias else {
             f"{prefix}.down_proj.weight": tensor.transpose(0, 2, 1)}

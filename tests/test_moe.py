@@ -31,6 +31,7 @@ ROUTERS = {
     "mixtral": "mixtral.modeling_mixtral.MixtralTopKRouter",
     "qwen3_moe": "qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter",
     "glm4_moe": "glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter",
+    "mistral4": "mistral4.modeling_mistral4.Mistral4TopkRouter",
 }
 
 

@@ -81,6 +81,17 @@ TINY_MODELS = {
         n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
         n_shared_experts=1, mlp_layer_types=["dense", "sparse", "dense"],
         routed_scaling_factor=1.8)),
+    # Mistral 4: DeepSeek V3's layers routed by a softmax over groups, rope halves not
+    # interleaved, and queries scaled past a short pretraining length (every 16 positions).
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, head_dim=32, q_lora_rank=24,
+        kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=2,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        rope_interleave=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                             mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=16, llama_4_scaling_beta=0.1))),
     # Windows shorter than the prompts on the sliding layers; sinks are random parameters.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,

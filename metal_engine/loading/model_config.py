@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -52,7 +53,7 @@ TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QWEN = ("qwen2", "qwen3")
 # Families whose attention keeps a latent per token (multi-head latent attention).
-MLA = ("deepseek_v3", "glm4_moe_lite")
+MLA = ("deepseek_v3", "glm4_moe_lite", "mistral4")
 # Families whose every layer slides once a window is set.
 ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -63,6 +64,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 4096},
     "qwen3": {"head_dim": 128},
     "glm4_moe": {"partial_rotary_factor": 0.5},
+    "mistral4": {"first_k_dense_replace": 0, "q_lora_rank": 1024},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
     "gemma4_text": gemma4_config.DEFAULTS,
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
@@ -169,7 +171,7 @@ class ModelConfig:
 
     def rope_head_dim(self, layer: int) -> int:
         """The features of a head that layer `layer`'s rope sees (part of them may rotate):
-        its head_dim, or MLA's rope part."""
+        its head_dim (with MLA, what the rope's share is of: `_mla_head_dim`)."""
         return self.head_dim if self.mla is not None else self.kv_shape(layer)[1]
 
     def kv_pool(self, layer: int) -> int:
@@ -245,8 +247,7 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            # MLA's rope turns the rope part of a head only (transformers sets head_dim so).
-            head_dim=(mla.qk_rope_head_dim if mla is not None
+            head_dim=(_mla_head_dim(mla, rope) if mla is not None
                       else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -365,6 +366,13 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     if model_type in ("glm4_moe", *HYBRID):
         return None  # their transformers classes have no window
     return cfg.get("sliding_window")
+
+
+def _mla_head_dim(mla: MlaConfig, rope: RopeParameters) -> int:
+    """The head size the rope's partial_rotary_factor is a share of, as transformers sets
+    head_dim: the rope part itself (DeepSeek, factor 1) or a whole q/k head (Mistral 4, the
+    rope part's share). Either way the rope turns the rope part only."""
+    return round(mla.qk_rope_head_dim / rope.partial_rotary_factor)
 
 
 def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ...]:

@@ -11,6 +11,7 @@ from metal_engine.models.decoder import CausalLM
 from metal_engine.models.layers import (
     MLP,
     Attention,
+    Linear,
     PreNormDecoderLayer,
     RMSNorm,
 )
@@ -18,12 +19,15 @@ from metal_engine.models.moe import CorrectedGate, SparseMoeBlock
 
 
 def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The layer's dense MLP, or its experts (and shared experts) under a router with the
+    correction bias, or a plain one (Mistral 4)."""
     moe = cfg.moe
     if not moe.is_moe_layer(layer):
         return MLP(cfg)
     shared = MLP(cfg, inner=moe.shared_intermediate_size) if moe.shared_intermediate_size else None
-    return SparseMoeBlock(cfg.hidden_size, moe, cfg.hidden_act,
-                          CorrectedGate(cfg.hidden_size, moe.num_experts), shared)
+    gate = (CorrectedGate(cfg.hidden_size, moe.num_experts) if moe.score_correction_bias
+            else Linear(cfg.hidden_size, moe.num_experts, bias=False))
+    return SparseMoeBlock(cfg.hidden_size, moe, cfg.hidden_act, gate, shared)
 
 
 class Model(CausalLM):

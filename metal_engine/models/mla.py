@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash) over a paged pool of
-latents.
+"""Multi-head latent attention (DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash, Mistral 4) over a paged
+pool of latents.
 
 A token's row in its layer's pool is `kv_lora_rank + qk_rope_head_dim` wide (576 for
 DeepSeek V3, against 2 x 128 heads x 192 for the keys and values it stands for): its
@@ -75,6 +75,7 @@ class MlaAttention(nn.Module, OpsUser):
         w_uk, w_uv = self._absorbed(self.kv_b_proj)
         q_latent = mx.swapaxes(mx.swapaxes(q[..., : self.nope], 0, 1) @ w_uk, 0, 1)
         queries = mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+        queries = self.scale_queries(queries, meta)
         rows = mx.concatenate([latent[:, None], k_rope.astype(latent.dtype)], axis=-1)
         k_pool, v_pool = cache.take(pool)
         try:
@@ -84,6 +85,11 @@ class MlaAttention(nn.Module, OpsUser):
             cache.put(pool, k_pool, v_pool)
         out = mx.swapaxes(mx.swapaxes(out, 0, 1) @ w_uv, 0, 1)  # [total, heads, v_head_dim]
         return self.o_proj(out.reshape(total, heads * self.v_head_dim))
+
+    def scale_queries(self, queries: mx.array, meta: AttentionMetadata) -> mx.array:
+        """The rows' queries `[total, heads, rank + rope]` as they attend: as they are (a
+        family may scale them, models/mistral4.py)."""
+        return queries
 
     def _queries(self, x: mx.array) -> mx.array:
         if "q_proj" in self:

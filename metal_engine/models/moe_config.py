@@ -9,7 +9,7 @@ is never served with the wrong routing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Scoring = Literal["softmax", "sigmoid"]
@@ -18,6 +18,7 @@ _ROUTER_FIELDS = {
     "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "deepseek_v3": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "glm4_moe_lite": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "mistral4": {},  # its router always takes a softmax; transformers reads no variant field
     "qwen3_moe": {"scoring_func": ("softmax",)},
     "mixtral": {"scoring_func": ("softmax",)},
     "gpt_oss": {"scoring_func": ("softmax",)},
@@ -177,6 +178,11 @@ def _glm4_moe(cfg: dict[str, Any]) -> MoeConfig:
     )
 
 
+def _mistral4(cfg: dict[str, Any]) -> MoeConfig:
+    """DeepSeek V3's keys, scored by a softmax with no correction bias."""
+    return replace(_glm4_moe(cfg), scoring="softmax", score_correction_bias=False)
+
+
 def _glm_dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     """The first `first_k_dense_replace` layers, or GLM-4.7-Flash's `mlp_layer_types` list."""
     kinds = cfg.get("mlp_layer_types")
@@ -199,7 +205,7 @@ def _gemma4(cfg: dict[str, Any]) -> MoeConfig | None:
 
 _READERS: dict[str, Callable[[dict[str, Any]], MoeConfig | None]] = {
     "mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
-    "deepseek_v3": _glm4_moe, "glm4_moe_lite": _glm4_moe,
+    "deepseek_v3": _glm4_moe, "glm4_moe_lite": _glm4_moe, "mistral4": _mistral4,
     "gemma4_text": _gemma4, "qwen3_5_moe_text": _qwen_hybrid, "qwen3_next": _qwen_hybrid,
 }  # fmt: skip
 

@@ -12,6 +12,7 @@ from metal_engine.models import (
     gpt_oss,
     llama,
     mistral,
+    mistral4,
     mixtral,
     phi3,
     qwen2,
@@ -39,6 +40,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_next": qwen3_5.Model,  # its fused projections are split at conversion
     "deepseek_v3": deepseek_v3.Model,
     "glm4_moe_lite": deepseek_v3.Model,  # GLM-4.7-Flash: DeepSeek V3's layers
+    "mistral4": mistral4.Model,
 }
 
 

@@ -46,6 +46,9 @@ class RopeParameters:
     attention_factor: float | None = None  # yarn, longrope: cos/sin scale
     short_factor: tuple[float, ...] | None = None  # longrope, contexts up to the original
     long_factor: tuple[float, ...] | None = None  # longrope, longer contexts
+    # Mistral 4: queries scaled up with the position's multiple of the pretraining length
+    # (Llama 4's attention temperature, models/mistral4.py); not a rope of its own.
+    llama_4_scaling_beta: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:

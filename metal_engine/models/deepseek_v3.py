@@ -15,8 +15,10 @@ from metal_engine.models.mla import MlaAttention, rope_pairs_as_halves
 
 
 class Model(CausalLM):
+    attention: type[MlaAttention] = MlaAttention  # a family's variant of it (mistral4.py)
+
     def __init__(self, cfg: ModelConfig) -> None:
-        layers = [PreNormDecoderLayer(cfg, MlaAttention(cfg, i), feed_forward(cfg, i))
+        layers = [PreNormDecoderLayer(cfg, self.attention(cfg, i), feed_forward(cfg, i))
                   for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, layers)
 

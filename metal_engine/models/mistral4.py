@@ -14,9 +14,7 @@ import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.loading.model_config import ModelConfig
-from metal_engine.models.decoder import CausalLM
-from metal_engine.models.glm4_moe import feed_forward
-from metal_engine.models.layers import PreNormDecoderLayer
+from metal_engine.models import deepseek_v3
 from metal_engine.models.mla import MlaAttention
 
 
@@ -39,8 +37,5 @@ class Mistral4Attention(MlaAttention):
         return queries * mx.array(scale[:, None, None]).astype(queries.dtype)
 
 
-class Model(CausalLM):
-    def __init__(self, cfg: ModelConfig) -> None:
-        layers = [PreNormDecoderLayer(cfg, Mistral4Attention(cfg, i), feed_forward(cfg, i))
-                  for i in range(cfg.num_hidden_layers)]
-        super().__init__(cfg, layers)
+class Model(deepseek_v3.Model):
+    attention = Mistral4Attention

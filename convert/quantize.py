@@ -20,11 +20,12 @@ from metal_engine.models.registry import model_class
 
 MODE = "affine"
 # model_type -> (module path suffix, params) that mlx-lm quantizes differently. The routers of
-# Qwen3-MoE, GPT-OSS and Gemma 4 stay at 8 bits: which experts a token picks is sensitive to
-# rounding; so do Qwen3.5-MoE's and Qwen3-Next's, and their shared experts' gates.
+# Qwen3-MoE, MiniMax M2, GPT-OSS and Gemma 4 stay at 8 bits: which experts a token picks is
+# sensitive to rounding; so do Qwen3.5-MoE's and Qwen3-Next's, and their shared experts' gates.
 _QWEN_HYBRID_GATES = (("mlp.gate", QuantParams(64, 8)), ("shared_expert_gate", QuantParams(64, 8)))
 FAMILY_MODULE_PARAMS = {
     "qwen3_moe": (("mlp.gate", QuantParams(64, 8)),),
+    "minimax_m2": (("block_sparse_moe.gate", QuantParams(64, 8)),),
     "gpt_oss": (("router", QuantParams(64, 8)),),
     "gemma4_text": (("router.proj", QuantParams(64, 8)),),
     "qwen3_5_moe_text": _QWEN_HYBRID_GATES,

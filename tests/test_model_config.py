@@ -52,6 +52,16 @@ def test_keys_a_gemma2_config_leaves_out_get_transformers_defaults():
     assert config.window(0) == 4096 and config.window(1) is None
 
 
+def test_minimax_m2_rotary_dim_is_the_rotated_share_of_a_head():
+    """MiniMax M2's released configs give the rotated width as `rotary_dim`, and leave the
+    rope theta to the family's default."""
+    raw = {**SHAPE, "rotary_dim": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
+    hf = transformers.MiniMaxM2Config(**raw).rope_parameters
+    config = ModelConfig.from_dict({**raw, "model_type": "minimax_m2"})
+    assert config.rope.partial_rotary_factor == hf["partial_rotary_factor"] == 0.5
+    assert config.rope.rope_theta == hf["rope_theta"] == 5e6
+
+
 @pytest.mark.parametrize("model_type", list(TINY_MODELS))
 def test_written_config_reads_back_the_same(model_type):
     config_class, _, overrides = TINY_MODELS[model_type]

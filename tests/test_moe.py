@@ -32,7 +32,10 @@ ROUTERS = {
     "qwen3_moe": "qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter",
     "glm4_moe": "glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter",
     "mistral4": "mistral4.modeling_mistral4.Mistral4TopkRouter",
+    "minimax_m2": "minimax_m2.modeling_minimax_m2.MiniMaxM2TopKRouter",
 }
+# Routers handed the correction bias by their block, which holds it.
+BIAS_FROM_BLOCK = ("minimax_m2",)
 
 
 @pytest.mark.parametrize("model_type", list(ROUTERS))
@@ -47,11 +50,15 @@ def test_routing_matches_transformers_router(model_type):
         router.weight.normal_(0, 0.5)
         if hasattr(router, "e_score_correction_bias"):
             router.e_score_correction_bias.normal_(0, 0.5)
+    correction = getattr(router, "e_score_correction_bias", None)
+    block_bias = ()
+    if model_type in BIAS_FROM_BLOCK:
+        correction = 0.5 * torch.randn(router.weight.shape[0])
+        block_bias = (correction,)
     x = torch.randn(40, COMMON["hidden_size"])
     with torch.no_grad():
-        _, want_weights, want_experts = router(x)
+        _, want_weights, want_experts = router(x, *block_bias)
     moe = read_moe(hf)
-    correction = getattr(router, "e_score_correction_bias", None)
     logits = mx.array(x.numpy()) @ mx.array(router.weight.detach().numpy()).T
     weights, experts = route(logits, moe, None if correction is None
                              else mx.array(correction.numpy()))  # fmt: skip
@@ -133,9 +140,11 @@ def test_layers_the_config_keeps_dense():
     ("glm4_moe", "scoring_func", "softmax"),
     ("glm4_moe", "topk_method", "greedy"),
     ("qwen3_moe", "scoring_func", "sigmoid"),
+    ("minimax_m2", "scoring_func", "softmax"),
+    ("minimax_m2", "use_routing_bias", False),
 ])
 def test_unsupported_router_variants_are_refused_by_name(model_type, field, value):
-    with pytest.raises(ValueError, match=f"{field}='{value}'"):
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
         ModelConfig.from_dict({**_hf_config(model_type), field: value})
 
 

@@ -39,7 +39,7 @@ def counted_from_tensors(hf_dir: Path) -> ParameterCount:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "llama",
-                                        "deepseek_v3", "mistral4"])
+                                        "deepseek_v3", "mistral4", "minimax_m2"])
 def test_counts_equal_the_checkpoints_tensors(model_type: str, tmp_path: Path) -> None:
     build_tiny_model(model_type, tmp_path)
     config = ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))

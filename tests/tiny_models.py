@@ -54,6 +54,10 @@ TINY_MODELS = {
     # MoE: few experts and a k > 1, so every prompt spreads over all of them.
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    # q and k normed across all heads, half of each head turned (the legacy `rotary_dim`),
+    # sigmoid routing with the block's correction bias.
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        num_local_experts=6, num_experts_per_tok=2, rotary_dim=8)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, mlp_only_layers=[1])),

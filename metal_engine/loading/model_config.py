@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "mistral4": "Mistral4ForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -65,6 +66,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 128},
     "glm4_moe": {"partial_rotary_factor": 0.5},
     "mistral4": {"first_k_dense_replace": 0, "q_lora_rank": 1024},
+    "minimax_m2": {"head_dim": 128, "rope_theta": 5_000_000.0},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
     "gemma4_text": gemma4_config.DEFAULTS,
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
@@ -227,6 +229,8 @@ class ModelConfig:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         cfg = {**_FAMILY_DEFAULTS.get(model_type, {}), **cfg, "model_type": model_type}
+        if model_type == "minimax_m2":
+            cfg = _rotary_dim_as_share(cfg)
         missing = [k for k in REQUIRED_KEYS if k not in cfg]
         if missing:
             raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
@@ -363,9 +367,17 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
         return None  # transformers' Llama has no window, whatever the config says
     if model_type in (*QWEN, "qwen3_moe") and not cfg.get("use_sliding_window"):
         return None
-    if model_type in ("glm4_moe", *HYBRID):
+    if model_type in ("glm4_moe", "minimax_m2", *HYBRID):
         return None  # their transformers classes have no window
     return cfg.get("sliding_window")
+
+
+def _rotary_dim_as_share(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax M2's released configs give the rotated width as `rotary_dim`; transformers
+    takes it as a share of head_dim where no partial_rotary_factor is set."""
+    if cfg.get("rotary_dim") is None or cfg.get("partial_rotary_factor") is not None:
+        return cfg
+    return {**cfg, "partial_rotary_factor": cfg["rotary_dim"] / cfg["head_dim"]}
 
 
 def _mla_head_dim(mla: MlaConfig, rope: RopeParameters) -> int:

@@ -201,7 +201,8 @@ class Attention(nn.Module, OpsUser):
         """q, k and v: the fused linear, or the three as packed linears."""
         return self.qkv_proj if "qkv_proj" in self else self._qkv
 
-    def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The rows' q, k and v projections, `[total, heads x head_dim]` each."""
         if "qkv_proj" in self:  # head counts read per call: a tensor-parallel rank has fewer
             q_end = self.num_heads * self.head_dim
             k_end = q_end + self.num_kv_heads * self.head_dim
@@ -214,16 +215,27 @@ class Attention(nn.Module, OpsUser):
                  pool: int) -> mx.array:
         """`rope`: the step's rope of this layer's kind (`Ops.rope_step`); `pool`: the KV
         pool this layer writes and attends over (ModelConfig.kv_pool)."""
+        out = self.heads_out(x, rope, meta, cache, pool)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def heads_out(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+                  pool: int) -> mx.array:
+        """Each head's output `[total, heads, head_dim]`, before o_proj."""
+        q, k, v = self.heads(x)
+        q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
+        return self.attend(q, k, v, meta, cache, pool)
+
+    def heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The rows' q, k and v split into heads (`[total, heads, head_dim]`), q and k normed
+        per head where the layer has q/k norms."""
         total = x.shape[0]
-        q, k, v = self._project(x)
+        q, k, v = self.project(x)
         q = q.reshape(total, self.num_heads, self.head_dim)
         k = k.reshape(total, self.num_kv_heads, self.head_dim)
         v = v.reshape(total, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
-        out = self.attend(q, k, v, meta, cache, pool)
-        return self.o_proj(out.reshape(total, self.num_heads * self.head_dim))
+        return q, k, v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, meta: AttentionMetadata,
                cache: KVCache, pool: int) -> mx.array:

@@ -164,20 +164,26 @@ def _best_groups_only(choice: mx.array, moe: MoeConfig) -> mx.array:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ the shared expert GLM adds to every token)."""
+    """Router + experts (+ the shared expert GLM adds to every token). The correction bias of
+    the expert choice is the router's (GLM's `CorrectedGate`) or, with `correction_on_block`,
+    the block's own (MiniMax M2's `block_sparse_moe.e_score_correction_bias`)."""
 
     def __init__(self, hidden: int, moe: MoeConfig, activation: Activation,
-                 gate: nn.Module, shared: nn.Module | None = None) -> None:
+                 gate: nn.Module, shared: nn.Module | None = None,
+                 correction_on_block: bool = False) -> None:
         super().__init__()
         self.gate = gate
         self.switch_mlp = SwitchGLU(hidden, moe.expert_intermediate_size, moe.num_experts,
                                     activation)
         if shared is not None:
             self.shared_experts = shared
+        if correction_on_block:
+            self.e_score_correction_bias = mx.zeros((moe.num_experts,))
         self._moe = moe
 
     def __call__(self, x: mx.array) -> mx.array:
-        correction = self.gate.get("e_score_correction_bias")
+        correction = self.get("e_score_correction_bias",
+                              self.gate.get("e_score_correction_bias"))
         weights, experts = route(self.gate(x), self._moe, correction)
         out = self.switch_mlp.mix(x, weights, experts)
         return out if "shared_experts" not in self else out + self.shared_experts(x)

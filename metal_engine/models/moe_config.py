@@ -19,6 +19,7 @@ _ROUTER_FIELDS = {
     "deepseek_v3": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "glm4_moe_lite": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "mistral4": {},  # its router always takes a softmax; transformers reads no variant field
+    "minimax_m2": {"scoring_func": ("sigmoid",), "use_routing_bias": (True,)},
     "qwen3_moe": {"scoring_func": ("softmax",)},
     "mixtral": {"scoring_func": ("softmax",)},
     "gpt_oss": {"scoring_func": ("softmax",)},
@@ -91,7 +92,7 @@ class MoeConfig:
         if model_type == "gpt_oss":
             return {**common, "num_local_experts": self.num_experts,
                     "swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
-        if model_type == "mixtral":
+        if model_type in ("mixtral", "minimax_m2"):
             return {**common, "num_local_experts": self.num_experts}
         if model_type == "qwen3_moe":
             return {**common, "num_experts": self.num_experts,
@@ -134,6 +135,18 @@ def _gpt_oss(cfg: dict[str, Any]) -> MoeConfig:
         normalize_top_k=True,  # its softmax over the top-k logits is the same thing
         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+    )
+
+
+def _minimax_m2(cfg: dict[str, Any]) -> MoeConfig:
+    """Sigmoid scores, a correction bias for the choice only, the top k renormalized."""
+    return MoeConfig(
+        num_experts=_required(cfg, "num_local_experts"),
+        experts_per_token=_experts_per_token(cfg),
+        expert_intermediate_size=cfg["intermediate_size"],
+        scoring="sigmoid",
+        normalize_top_k=True,
+        score_correction_bias=True,
     )
 
 
@@ -205,6 +218,7 @@ def _gemma4(cfg: dict[str, Any]) -> MoeConfig | None:
 
 _READERS: dict[str, Callable[[dict[str, Any]], MoeConfig | None]] = {
     "mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
+    "minimax_m2": _minimax_m2,
     "deepseek_v3": _glm4_moe, "glm4_moe_lite": _glm4_moe, "mistral4": _mistral4,
     "gemma4_text": _gemma4, "qwen3_5_moe_text": _qwen_hybrid, "qwen3_next": _qwen_hybrid,
 }  # fmt: skip

@@ -11,6 +11,7 @@ from metal_engine.models import (
     glm4_moe,
     gpt_oss,
     llama,
+    minimax_m2,
     mistral,
     mistral4,
     mixtral,
@@ -41,6 +42,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "deepseek_v3": deepseek_v3.Model,
     "glm4_moe_lite": deepseek_v3.Model,  # GLM-4.7-Flash: DeepSeek V3's layers
     "mistral4": mistral4.Model,
+    "minimax_m2": minimax_m2.Model,
 }
 
 

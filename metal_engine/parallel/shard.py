@@ -104,7 +104,9 @@ def _layer_parts(model: CausalLM) -> list[nn.Module]:
 
 
 def _shardable(module: nn.Module) -> bool:
-    if isinstance(module, (Attention, GatedAttention, GatedDeltaNet, MLP)):
+    # Exactly these classes: a subclass may hold what the split does not know (MiniMax M2's
+    # norms across all heads, an output gate's rows).
+    if type(module) in (Attention, GatedAttention, GatedDeltaNet, MLP):
         return True
     # An experts block: its experts and any dense MLP inside are split, the rest stays whole.
     children = module.children().values()

@@ -3,8 +3,9 @@
 Tensors pass through unchanged (the model classes use the Hugging Face names and layouts),
 except MoE experts, which are stacked (see convert.expert_stacking), GPT-OSS's MXFP4 ones,
 which stay packed (see convert.mxfp4_experts), Qwen3-Next's fused projections, which are split,
-and float dirs in mlx-lm's hybrid layout, which are read back into Hugging Face's
-(metal_engine.loading.weights.to_this_layout).
+tensors a family keeps beside another module than the one using them (Laguna's router bias:
+`metal_engine.loading.weights.moved_name`), and float dirs in mlx-lm's hybrid layout, which are
+read back into Hugging Face's (metal_engine.loading.weights.to_this_layout).
 
 Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
 speculative decoding (metal_engine.drafting.mtp): under its own names, laid out as the
@@ -31,11 +32,12 @@ from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, stor
 from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
-from metal_engine.loading.model_config import TEXT_PARTS, text_part_config
+from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, text_part_config
 from metal_engine.loading.weights import (
     MTP_PREFIX,
     from_mlx_lm_hybrid,
     is_mlx_lm_hybrid,
+    moved_name,
     safetensors_files,
     text_model_name,
 )
@@ -55,8 +57,7 @@ def open_hf_dir(path: Path) -> ModelSource:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     model_config = config_from_hf(config)
     files = _weight_files(path)
-    names_by_file = _tensor_names(files, tied=model_config.tie_word_embeddings,
-                                  layers=model_config.num_hidden_layers,
+    names_by_file = _tensor_names(files, model_config,
                                   text_part=config.get("model_type") in TEXT_PARTS)
     fp8_scales = _fp8_scales(names_by_file, fp8_block(config))
     found = {target: shape for names in names_by_file.values()
@@ -98,16 +99,18 @@ def _weight_files(path: Path) -> list[Path]:
     return safetensors_files(path)  # refuses a dir of pickle checkpoints
 
 
-def _tensor_names(files: list[Path], tied: bool, layers: int,
+def _tensor_names(files: list[Path], config: ModelConfig,
                   text_part: bool) -> dict[Path, dict[str, tuple[str, tuple[int, ...]]]]:
     """Per file, the tensors to convert: source name -> (name here, shape), read from the
     headers only. `text_part`: a multimodal checkpoint, of which only the text model is kept."""
     names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     seen: set[str] = set()
+    tied, layers = config.tie_word_embeddings, config.num_hidden_layers
     for file in files:
         with safe_open(file, framework="numpy") as handle:
             shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
         targets = {n: text_model_name(n) if text_part else n for n in shapes}
+        targets = {n: t and moved_name(config.model_type, t) for n, t in targets.items()}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
         names = {n: (t, shapes[n]) for n, t in targets.items()
                  if t is not None and not t.endswith(IGNORED_SUFFIXES)

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, models
 from convert import convert_model
 from convert.expert_stacking import FUSED_LAYOUTS
 from convert.validate import prompt_logits
-from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.model_config import ROPE_PER_LAYER_TYPE, ModelConfig
 from metal_engine.loading.weights import load_model
 
 
@@ -51,7 +51,7 @@ def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Pa
     config = json.loads((out / "config.json").read_text())
     source_config = json.loads((source / "config.json").read_text())
     assert "rope_theta" not in source_config and "rope_parameters" in config
-    if model_type in ("gemma3_text", "gemma4_text"):  # a rope per layer type
+    if model_type in ROPE_PER_LAYER_TYPE:
         assert config["rope_theta"] == config["rope_parameters"]["full_attention"]["rope_theta"]
         assert (config["rope_local_base_freq"]
                 == config["rope_parameters"]["sliding_attention"]["rope_theta"])
@@ -71,11 +71,13 @@ def test_every_family_converts_with_both_rope_keys(model_type: str, tmp_path: Pa
 
 def _stacked_experts(tensors: dict[str, np.ndarray], model_type: str) -> dict[str, np.ndarray]:
     """Per-expert tensors (`...experts.E.w1.weight`, `...experts.E.gate_proj.weight`) stacked
-    into `...switch_mlp.gate_proj.weight [experts, out, in]`; the rest as they are."""
+    into `...switch_mlp.gate_proj.weight [experts, out, in]`, Laguna's router bias (stored
+    beside its experts) under its router; the rest as they are."""
     names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
     out: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in tensors.items():
+        name = name.replace(".experts.e_score_correction_bias", ".gate.e_score_correction_bias")
         match = re.fullmatch(r"(.+)\.experts\.(\d+)\.(\w+)\.weight", name)
         fused = re.fullmatch(r"(.+)\.experts\.(gate_up_proj|down_proj)(_bias)?", name)
         if fused is not None:

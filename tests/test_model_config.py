@@ -62,6 +62,14 @@ def test_minimax_m2_rotary_dim_is_the_rotated_share_of_a_head():
     assert config.rope.rope_theta == hf["rope_theta"] == 5e6
 
 
+def test_a_laguna_gate_setting_read_two_ways_is_refused():
+    """transformers reads `gating: false` as a gate per element, mlx-lm as no gate."""
+    config_class, _, overrides = TINY_MODELS["laguna"]
+    raw = {**hf_config(config_class, **{**COMMON, **overrides}), "gating": False}
+    with pytest.raises(ValueError, match="gating=False"):
+        ModelConfig.from_dict(raw)
+
+
 @pytest.mark.parametrize("model_type", list(TINY_MODELS))
 def test_written_config_reads_back_the_same(model_type):
     config_class, _, overrides = TINY_MODELS[model_type]

@@ -33,9 +33,12 @@ ROUTERS = {
     "glm4_moe": "glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter",
     "mistral4": "mistral4.modeling_mistral4.Mistral4TopkRouter",
     "minimax_m2": "minimax_m2.modeling_minimax_m2.MiniMaxM2TopKRouter",
+    "laguna": "laguna.modeling_laguna.LagunaTopKRouter",
 }
 # Routers handed the correction bias by their block, which holds it.
 BIAS_FROM_BLOCK = ("minimax_m2",)
+# Routers whose block, not the router, scales the routed output by routed_scaling_factor.
+SCALED_BY_BLOCK = ("laguna",)
 
 
 @pytest.mark.parametrize("model_type", list(ROUTERS))
@@ -59,6 +62,8 @@ def test_routing_matches_transformers_router(model_type):
     with torch.no_grad():
         _, want_weights, want_experts = router(x, *block_bias)
     moe = read_moe(hf)
+    if model_type in SCALED_BY_BLOCK:
+        want_weights = want_weights * moe.routed_scaling_factor
     logits = mx.array(x.numpy()) @ mx.array(router.weight.detach().numpy()).T
     weights, experts = route(logits, moe, None if correction is None
                              else mx.array(correction.numpy()))  # fmt: skip
@@ -142,6 +147,8 @@ def test_layers_the_config_keeps_dense():
     ("qwen3_moe", "scoring_func", "sigmoid"),
     ("minimax_m2", "scoring_func", "softmax"),
     ("minimax_m2", "use_routing_bias", False),
+    ("laguna", "moe_router_score_func", "sqrtsoftplus"),
+    ("laguna", "moe_apply_router_weight_on_input", True),
 ])
 def test_unsupported_router_variants_are_refused_by_name(model_type, field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):

@@ -96,6 +96,21 @@ TINY_MODELS = {
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
                              mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0,
                              original_max_position_embeddings=16, llama_4_scaling_beta=0.1))),
+    # Laguna: a query head count per layer, a softplus gate per head, sliding and full layers
+    # each with its rope (YaRN on half the full heads), soft-capped sigmoid routing with a
+    # correction bias and scaled weights, a shared expert, dense layers listed by kind.
+    "laguna": ("LagunaConfig", "LagunaForCausalLM", dict(
+        num_hidden_layers=4, attention_bias=True, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        num_attention_heads_per_layer=[4, 2, 6, 4], num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_layer_types=["dense", "sparse", "sparse", "dense"], moe_routed_scaling_factor=2.5,
+        moe_router_logit_softcapping=2.0,
+        rope_parameters={"full_attention": dict(rope_type="yarn", rope_theta=500000.0,
+                                                factor=4.0, partial_rotary_factor=0.5,
+                                                original_max_position_embeddings=32),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
     # Windows shorter than the prompts on the sliding layers; sinks are random parameters.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,

@@ -40,13 +40,15 @@ ARCHITECTURES = {
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "mistral4": "Mistral4ForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "laguna": "LagunaForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+OutputGate = Literal["per-head", "per-element"]
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
-ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text")  # a rope dict per layer type
+ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text", "laguna")  # a rope dict per layer type
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
 TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
               "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -67,6 +69,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"partial_rotary_factor": 0.5},
     "mistral4": {"first_k_dense_replace": 0, "q_lora_rank": 1024},
     "minimax_m2": {"head_dim": 128, "rope_theta": 5_000_000.0},
+    "laguna": {"head_dim": 128, "sliding_window": 512, "shared_expert_intermediate_size": 512,
+               "rope_parameters": {
+                   "full_attention": {"rope_type": "default", "rope_theta": 500_000.0,
+                                      "partial_rotary_factor": 0.5},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
     "gemma4_text": gemma4_config.DEFAULTS,
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
@@ -107,6 +114,11 @@ class ModelConfig:
     # fields above for every layer.
     layer_kv_shapes: tuple[tuple[int, int], ...] = ()
     kv_shared_layers: int = 0  # the last layers read K/V an earlier layer wrote (Gemma 4)
+    # Query heads of each layer where they differ by layer (Laguna); empty: num_attention_heads.
+    layer_heads: tuple[int, ...] = ()
+    # Attention output gated by a projection of the layer's input, one value per head or per
+    # feature (Laguna, Muse Glimmer); None: not gated.
+    output_gate: OutputGate | None = None
     qk_norm: bool = False  # an RMSNorm over each head of q and k where the family makes it optional
     moe: MoeConfig | None = None  # None: every layer has a dense MLP
     gemma4: Gemma4Options | None = None
@@ -127,11 +139,15 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        if self.layer_heads and len(self.layer_heads) != self.num_hidden_layers:
+            raise ValueError(f"num_attention_heads_per_layer lists {len(self.layer_heads)} "
+                             f"layers, the model has {self.num_hidden_layers}")
+        for heads in {self.num_attention_heads, *self.layer_heads}:
+            if heads % self.num_key_value_heads:
+                raise ValueError(
+                    f"num_attention_heads ({heads}) must be a multiple of "
+                    f"num_key_value_heads ({self.num_key_value_heads})"
+                )
         for rope in (self.rope, self.local_rope or self.rope):
             if int(self.head_dim * rope.partial_rotary_factor) % 2:
                 raise ValueError(f"the rotated part of head_dim {self.head_dim} must be even")
@@ -157,6 +173,10 @@ class ModelConfig:
 
     def layer_type(self, layer: int) -> LayerType:
         return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    def attention_heads(self, layer: int) -> int:
+        """Query heads of layer `layer`."""
+        return self.layer_heads[layer] if self.layer_heads else self.num_attention_heads
 
     def window(self, layer: int) -> int | None:
         """Keys layer `layer` attends to (its own included); None: the whole context."""
@@ -265,6 +285,8 @@ class ModelConfig:
             layer_types=layer_types,
             layer_kv_shapes=gemma4_config.layer_kv_shapes(cfg, layer_types) if gemma4 else (),
             kv_shared_layers=cfg.get("num_kv_shared_layers") or 0,
+            layer_heads=_layer_heads(cfg),
+            output_gate=_output_gate(cfg),
             gemma4=read_gemma4(cfg) if gemma4 else None,
             linear_attention=(GatedDeltaNetConfig.from_hf(cfg)
                               if "linear_attention" in layer_types else None),
@@ -304,7 +326,7 @@ class ModelConfig:
             config["use_qk_norm"] = self.qk_norm
         if self.moe is not None:
             config.update(self.moe.to_hf(self.model_type))
-        if self.model_type == "glm4_moe_lite":  # its dense layers by kind, not by count
+        if self.model_type in ("glm4_moe_lite", "laguna"):  # dense layers by kind, not count
             config["mlp_layer_types"] = [
                 "sparse" if self.moe is not None and self.moe.is_moe_layer(i) else "dense"
                 for i in range(self.num_hidden_layers)]
@@ -312,7 +334,10 @@ class ModelConfig:
             config.update(self.linear_attention.to_hf())
         if self.mla is not None:
             config.update(self.mla.to_hf())
-        if self.model_type in (*QWEN, *GEMMA, *HYBRID, "gpt_oss"):  # others: from the window
+        if self.model_type == "laguna":
+            config.update(gating=self.output_gate, num_attention_heads_per_layer=[
+                self.attention_heads(i) for i in range(self.num_hidden_layers)])
+        if self.model_type in (*QWEN, *GEMMA, *HYBRID, "gpt_oss", "laguna"):  # others: window
             config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
         if self.model_type in (*QWEN, "qwen3_moe"):
             config["use_sliding_window"] = self.sliding_window is not None
@@ -332,8 +357,9 @@ class ModelConfig:
         full = self.rope.to_hf()
         keys: dict[str, Any] = {"rope_theta": self.rope.rope_theta, "rope_parameters": full}
         # transformers' Gemma 4 config takes a rope_scaling as every layer's rope (replacing the
-        # per-layer-type dict, then refusing it: no rope_theta); Gemma 3's as the full layers'.
-        if self.rope.rope_type != "default" and self.model_type != "gemma4_text":
+        # per-layer-type dict, then refusing it: no rope_theta); Gemma 3's as the full layers';
+        # Laguna's reads only rope_parameters.
+        if self.rope.rope_type != "default" and self.model_type not in ("gemma4_text", "laguna"):
             keys["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
         if self.model_type in ROPE_PER_LAYER_TYPE:
             # Each layer type's dict holds its own partial_rotary_factor: a top-level one
@@ -372,6 +398,26 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     return cfg.get("sliding_window")
 
 
+def _layer_heads(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Laguna's per-layer query heads, where they are not all num_attention_heads."""
+    heads = tuple(cfg.get("num_attention_heads_per_layer") or ())
+    return heads if set(heads) - {cfg["num_attention_heads"]} else ()
+
+
+def _output_gate(cfg: dict[str, Any]) -> OutputGate | None:
+    """Laguna's `gating`: true or "per-head" gates each head, "per-element" each feature.
+    (transformers reads false as per element too, mlx-lm as no gate: it is refused.)"""
+    if cfg["model_type"] != "laguna":
+        return None
+    gating = cfg.get("gating", True)
+    if gating is True or gating == "per-head":
+        return "per-head"
+    if gating == "per-element":
+        return "per-element"
+    raise ValueError(f"config.json sets gating={gating!r}: this laguna attention gate is not "
+                     "supported (supported: true, 'per-head', 'per-element')")
+
+
 def _rotary_dim_as_share(cfg: dict[str, Any]) -> dict[str, Any]:
     """MiniMax M2's released configs give the rotated width as `rotary_dim`; transformers
     takes it as a share of head_dim where no partial_rotary_factor is set."""
@@ -390,6 +436,8 @@ def _mla_head_dim(mla: MlaConfig, rope: RopeParameters) -> int:
 def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ...]:
     """Which layers slide. ALL_LAYERS_SLIDE families slide on every layer once a window is set."""
     n, model_type = cfg["num_hidden_layers"], cfg["model_type"]
+    if model_type == "laguna":  # every layer full unless listed
+        return _listed_layer_types(cfg) or ("full_attention",) * n
     if model_type in HYBRID:
         return _listed_layer_types(cfg) or tuple(
             "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0

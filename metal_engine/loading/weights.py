@@ -37,6 +37,10 @@ _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "m
 # The Qwen3.5 / Qwen3-Next norms that scale by `1 + w`: mlx-lm stores them with the 1 added.
 _MLX_LM_SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                          "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+# Tensors a family's checkpoints keep beside another module than the one that uses them, moved
+# there as transformers moves them at load: Laguna's choice bias, stored with its experts, is
+# its router's.
+_MOVED = {"laguna": {".mlp.experts.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"}}
 # Qwen3-Next's fused projection -> the ones it splits into (see `split_fused`).
 FUSED_PROJECTIONS = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
                      "in_proj_ba": ("in_proj_b", "in_proj_a")}
@@ -117,7 +121,8 @@ def to_this_layout(weights: dict[str, mx.array], config: ModelConfig,
     if multimodal:
         weights = {target: v for n, v in weights.items()
                    if (target := text_model_name(n)) is not None}
-    weights = {n: v for n, v in weights.items() if not n.startswith(MTP_PREFIX)}
+    weights = {moved_name(config.model_type, n): v for n, v in weights.items()
+               if not n.startswith(MTP_PREFIX)}
     if config.linear_attention is None:
         return weights
     if is_mlx_lm_hybrid({n: tuple(v.shape) for n, v in weights.items()}):
@@ -134,6 +139,14 @@ def text_model_name(name: str) -> str | None:
         return name
     prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
     return None if prefix is None else _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
+
+
+def moved_name(model_type: str, name: str) -> str:
+    """`name` where the family's model keeps that tensor (see `_MOVED`)."""
+    for stored, used in _MOVED.get(model_type, {}).items():
+        if name.endswith(stored):
+            return name.removesuffix(stored) + used
+    return name
 
 
 def is_mlx_lm_hybrid(shapes: dict[str, tuple[int, ...]]) -> bool:

@@ -167,7 +167,8 @@ class Attention(nn.Module, OpsUser):
 
     Options by family: biases on q/k/v and on o, a per-head norm of q and k before rope
     (`qk_norm`: the norm class), one fused `qkv_proj` (Phi-3), and a learned sink logit per
-    head (`sinks`, GPT-OSS). Window, soft-capping and scale come from the config.
+    head (`sinks`, GPT-OSS). Window, soft-capping, scale and the layer's query heads come from
+    the config.
     """
 
     OPS_ONLY = True
@@ -176,7 +177,7 @@ class Attention(nn.Module, OpsUser):
                  o_bias: bool = False, qk_norm: type[nn.Module] | None = None,
                  fused_qkv: bool = False, sinks: bool = False) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads, self.num_kv_heads = cfg.attention_heads(layer), cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.window = cfg.window(layer)

@@ -114,14 +114,18 @@ class SwitchGLU(nn.Module, OpsUser):
 
 
 class CorrectedGate(nn.Module):
-    """GLM's router weights plus the bias its expert choice (not the weights) adds."""
+    """A router's weights plus the bias its expert choice (not the weights) adds. GLM and
+    DeepSeek take the logits in float32, Laguna in the model's dtype (`float32_logits`)."""
 
-    def __init__(self, hidden: int, num_experts: int) -> None:
+    def __init__(self, hidden: int, num_experts: int, float32_logits: bool = True) -> None:
         super().__init__()
         self.weight = mx.zeros((num_experts, hidden))
         self.e_score_correction_bias = mx.zeros((num_experts,))
+        self._float32_logits = float32_logits
 
     def __call__(self, x: mx.array) -> mx.array:
+        if not self._float32_logits:
+            return x @ self.weight.T
         return x.astype(mx.float32) @ self.weight.astype(mx.float32).T
 
 
@@ -129,6 +133,9 @@ def route(logits: mx.array, moe: MoeConfig,
           correction: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """(weights `[rows, k]` float32, expert ids `[rows, k]`) from router logits."""
     logits = logits.astype(mx.float32)
+    cap = moe.router_logit_softcapping
+    if cap is not None:
+        logits = mx.tanh(logits / cap) * cap
     if moe.scoring == "softmax":
         scores = mx.softmax(logits, axis=-1, precise=True)
     else:
@@ -164,29 +171,30 @@ def _best_groups_only(choice: mx.array, moe: MoeConfig) -> mx.array:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ the shared expert GLM adds to every token). The correction bias of
-    the expert choice is the router's (GLM's `CorrectedGate`) or, with `correction_on_block`,
-    the block's own (MiniMax M2's `block_sparse_moe.e_score_correction_bias`)."""
+    """Router + experts (+ the shared expert GLM adds to every token, under `shared_name`).
+    The correction bias of the expert choice is the router's (`CorrectedGate`) or, with
+    `correction_on_block`, the block's own (MiniMax M2's)."""
 
     def __init__(self, hidden: int, moe: MoeConfig, activation: Activation,
                  gate: nn.Module, shared: nn.Module | None = None,
-                 correction_on_block: bool = False) -> None:
+                 correction_on_block: bool = False, shared_name: str = "shared_experts") -> None:
         super().__init__()
         self.gate = gate
         self.switch_mlp = SwitchGLU(hidden, moe.expert_intermediate_size, moe.num_experts,
                                     activation)
         if shared is not None:
-            self.shared_experts = shared
+            setattr(self, shared_name, shared)
         if correction_on_block:
             self.e_score_correction_bias = mx.zeros((moe.num_experts,))
-        self._moe = moe
+        self._moe, self._shared_name = moe, shared_name
 
     def __call__(self, x: mx.array) -> mx.array:
         correction = self.get("e_score_correction_bias",
                               self.gate.get("e_score_correction_bias"))
         weights, experts = route(self.gate(x), self._moe, correction)
         out = self.switch_mlp.mix(x, weights, experts)
-        return out if "shared_experts" not in self else out + self.shared_experts(x)
+        shared = self.get(self._shared_name)
+        return out if shared is None else out + shared(x)
 
 
 def set_dispatch(model: nn.Module, dispatch: Dispatch | None) -> int:

@@ -20,6 +20,7 @@ _ROUTER_FIELDS = {
     "glm4_moe_lite": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "mistral4": {},  # its router always takes a softmax; transformers reads no variant field
     "minimax_m2": {"scoring_func": ("sigmoid",), "use_routing_bias": (True,)},
+    "laguna": {"moe_router_score_func": ("sigmoid",), "moe_apply_router_weight_on_input": (False,)},
     "qwen3_moe": {"scoring_func": ("softmax",)},
     "mixtral": {"scoring_func": ("softmax",)},
     "gpt_oss": {"scoring_func": ("softmax",)},
@@ -33,11 +34,11 @@ _ROUTER_FIELDS = {
 class MoeConfig:
     """How a token picks experts, and which layers have them.
 
-    Routing: `scoring` turns router logits into scores (softmax over all experts, or an
-    independent sigmoid each); the top `experts_per_token` are chosen (for sigmoid scoring with
-    `score_correction_bias` added, and only among the best `groups_per_token` of `num_groups`
-    groups); their scores become the weights, renormalized to sum 1 when `normalize_top_k`,
-    then times `routed_scaling_factor`.
+    Routing: `scoring` turns router logits (soft-capped at ±`router_logit_softcapping` where
+    set) into scores (softmax over all experts, or an independent sigmoid each); the top
+    `experts_per_token` are chosen (for sigmoid scoring with `score_correction_bias` added, and
+    only among the best `groups_per_token` of `num_groups` groups); their scores become the
+    weights, renormalized to sum 1 when `normalize_top_k`, then times `routed_scaling_factor`.
     """
 
     num_experts: int
@@ -56,6 +57,7 @@ class MoeConfig:
     # g = min(gate, limit). None: the config's hidden_act.
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    router_logit_softcapping: float | None = None  # Laguna: `cap * tanh(logits / cap)`
 
     def __post_init__(self) -> None:
         if not 1 <= self.experts_per_token <= self.num_experts:
@@ -84,6 +86,12 @@ class MoeConfig:
                     "shared_expert_intermediate_size": self.shared_intermediate_size,
                     "norm_topk_prob": self.normalize_top_k, "decoder_sparse_step": 1,
                     "mlp_only_layers": list(self.dense_layers)}  # fmt: skip
+        if model_type == "laguna":
+            return {"num_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token,
+                    "moe_intermediate_size": self.expert_intermediate_size,
+                    "shared_expert_intermediate_size": self.shared_intermediate_size,
+                    "moe_routed_scaling_factor": self.routed_scaling_factor,
+                    "moe_router_logit_softcapping": self.router_logit_softcapping or 0.0}
         if model_type == "gemma4_text":
             return {"enable_moe_block": True, "num_experts": self.num_experts,
                     "top_k_experts": self.experts_per_token,
@@ -196,8 +204,26 @@ def _mistral4(cfg: dict[str, Any]) -> MoeConfig:
     return replace(_glm4_moe(cfg), scoring="softmax", score_correction_bias=False)
 
 
+def _laguna(cfg: dict[str, Any]) -> MoeConfig:
+    """Sigmoid scores of (optionally soft-capped) logits with a choice-only correction bias,
+    the top k renormalized then scaled, a shared expert; dense layers listed by kind."""
+    return MoeConfig(
+        num_experts=_required(cfg, "num_experts"),
+        experts_per_token=_experts_per_token(cfg),
+        expert_intermediate_size=_required(cfg, "moe_intermediate_size"),
+        scoring="sigmoid",
+        normalize_top_k=True,
+        routed_scaling_factor=float(cfg.get("moe_routed_scaling_factor", 1.0)),
+        score_correction_bias=True,
+        shared_intermediate_size=cfg["shared_expert_intermediate_size"],
+        dense_layers=_glm_dense_layers(cfg),
+        router_logit_softcapping=cfg.get("moe_router_logit_softcapping") or None,
+    )
+
+
 def _glm_dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
-    """The first `first_k_dense_replace` layers, or GLM-4.7-Flash's `mlp_layer_types` list."""
+    """The first `first_k_dense_replace` layers, or the `mlp_layer_types` list (GLM-4.7-Flash,
+    Laguna)."""
     kinds = cfg.get("mlp_layer_types")
     if kinds is not None:
         return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
@@ -218,7 +244,7 @@ def _gemma4(cfg: dict[str, Any]) -> MoeConfig | None:
 
 _READERS: dict[str, Callable[[dict[str, Any]], MoeConfig | None]] = {
     "mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
-    "minimax_m2": _minimax_m2,
+    "minimax_m2": _minimax_m2, "laguna": _laguna,
     "deepseek_v3": _glm4_moe, "glm4_moe_lite": _glm4_moe, "mistral4": _mistral4,
     "gemma4_text": _gemma4, "qwen3_5_moe_text": _qwen_hybrid, "qwen3_next": _qwen_hybrid,
 }  # fmt: skip

@@ -10,6 +10,7 @@ from metal_engine.models import (
     gemma4,
     glm4_moe,
     gpt_oss,
+    laguna,
     llama,
     minimax_m2,
     mistral,
@@ -43,6 +44,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "glm4_moe_lite": deepseek_v3.Model,  # GLM-4.7-Flash: DeepSeek V3's layers
     "mistral4": mistral4.Model,
     "minimax_m2": minimax_m2.Model,
+    "laguna": laguna.Model,
 }
 
 

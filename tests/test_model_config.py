@@ -70,6 +70,26 @@ def test_a_laguna_gate_setting_read_two_ways_is_refused():
         ModelConfig.from_dict(raw)
 
 
+def test_keys_a_muse_glimmer_config_leaves_out_get_transformers_defaults():
+    hf = transformers.MuseGlimmerTextConfig(**SHAPE)
+    config = ModelConfig.from_dict({**SHAPE, "model_type": "muse_glimmer_text"})
+    assert config.layer_types == tuple(hf.layer_types)
+    nope = [not config.muse_glimmer.rotary(i) for i in range(SHAPE["num_hidden_layers"])]
+    assert nope == [theta == 0 for theta in hf.layer_rope_theta]
+    assert (config.sliding_window, config.final_logit_softcapping, config.rms_norm_eps) == (
+        hf.sliding_window, hf.final_logit_softcapping, hf.rms_norm_eps)
+    assert config.muse_glimmer.post_norm_eps == hf.post_norm_eps
+
+
+def test_a_muse_glimmer_rope_theta_of_its_own_per_layer_is_refused():
+    """transformers turns every rope layer by rope_theta, whatever theta a layer lists."""
+    config_class, _, overrides = TINY_MODELS["muse_glimmer_text"]
+    raw = hf_config(config_class, **{**COMMON, **overrides})
+    raw["layer_rope_theta"] = [0, 5e5, 1e4, 1e4, 0]
+    with pytest.raises(ValueError, match="layer_rope_theta gives layer 1 theta 500000.0"):
+        ModelConfig.from_dict(raw)
+
+
 @pytest.mark.parametrize("model_type", list(TINY_MODELS))
 def test_written_config_reads_back_the_same(model_type):
     config_class, _, overrides = TINY_MODELS[model_type]

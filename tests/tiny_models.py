@@ -2,7 +2,9 @@
 
 Each config switches on what sets its family apart (biases, q/k norms, soft-capping, fused
 projections, partial rotary) plus a rope kind and, where the family has one, a sliding window
-much shorter than the test prompts.
+much shorter than the test prompts. A text model with no causal-LM class of its own (Muse
+Glimmer's) is saved inside its multimodal model, with a tiny vision tower the conversion
+leaves out.
 """
 
 from __future__ import annotations
@@ -111,6 +113,11 @@ TINY_MODELS = {
                                                 factor=4.0, partial_rotary_factor=0.5,
                                                 original_max_position_embeddings=32),
                          "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
+    # Muse Glimmer (text): NoPE full layers among rope sliding ones, biases, a scaled q.
+    "muse_glimmer_text": ("MuseGlimmerTextConfig", "MuseGlimmerForConditionalGeneration", dict(
+        num_hidden_layers=5, sliding_window=WINDOW, attention_bias=True, qk_scale_factor=2.5,
+        output_multiplier=0.5, final_logit_softcapping=3.0, post_norm_eps=1e-3,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
     # Windows shorter than the prompts on the sliding layers; sinks are random parameters.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
@@ -152,12 +159,25 @@ TINY_MODELS = {
 }
 
 
+# model_type -> the multimodal config its tiny text config is saved in (vision kept tiny).
+MULTIMODAL = {
+    "muse_glimmer_text": lambda text: transformers.MuseGlimmerConfig(
+        text_config=text.to_dict(), out_hidden_size=128, projector_hidden_size=32,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, patch_size=2, pos_emb_height=4,
+                           pos_emb_width=4)),
+}
+
+
 def build_tiny_model(model_type: str, path: Path, **extra):
     """Save a tiny random `model_type` checkpoint (+ a word-level tokenizer) into `path` and
     return the float32 PyTorch model. `extra`: config fields over the family's."""
     config_class, model_class, overrides = TINY_MODELS[model_type]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**COMMON, **overrides, **extra})
+    if model_type in MULTIMODAL:
+        config = MULTIMODAL[model_type](config)
+        config._attn_implementation = COMMON["attn_implementation"]
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         # Move norms off 1 (or 0) and biases off 0, so a misread one cannot go unnoticed.

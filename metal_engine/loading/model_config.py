@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from metal_engine.models import gemma4_config
+from metal_engine.models import gemma4_config, muse_glimmer_config
 from metal_engine.models.gemma4_config import Gemma4Options, read_gemma4
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.mla_config import MlaConfig
 from metal_engine.models.moe_config import MoeConfig, read_moe
+from metal_engine.models.muse_glimmer_config import MuseGlimmerOptions, read_muse_glimmer
 from metal_engine.models.rope_parameters import RopeParameters, read_rope, read_rope_theta
 
 # model_type -> the transformers class that runs it (config.json's `architectures`).
@@ -41,6 +42,8 @@ ARCHITECTURES = {
     "mistral4": "Mistral4ForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "laguna": "LagunaForCausalLM",
+    # No causal-LM class of its own (its multimodal model holds the head): the text decoder's.
+    "muse_glimmer_text": "MuseGlimmerTextModel",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -51,7 +54,7 @@ GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text", "laguna")  # a rope dict per layer type
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
 TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
-              "qwen3_5_moe": "qwen3_5_moe_text"}
+              "qwen3_5_moe": "qwen3_5_moe_text", "muse_glimmer": "muse_glimmer_text"}
 # Families with linear-attention layers beside full attention.
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QWEN = ("qwen2", "qwen3")
@@ -76,6 +79,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
     "gemma4_text": gemma4_config.DEFAULTS,
+    "muse_glimmer_text": muse_glimmer_config.DEFAULTS,
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
     "qwen3_5_moe_text": {"partial_rotary_factor": 0.25},
     "qwen3_next": {"partial_rotary_factor": 0.25},
@@ -122,6 +126,7 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each head of q and k where the family makes it optional
     moe: MoeConfig | None = None  # None: every layer has a dense MLP
     gemma4: Gemma4Options | None = None
+    muse_glimmer: MuseGlimmerOptions | None = None
     # Linear-attention layers' shape (Qwen3.5); None: the model has none.
     linear_attention: GatedDeltaNetConfig | None = None
     # Multi-head latent attention's shape; None: the model's attention keeps K and V per head.
@@ -288,6 +293,8 @@ class ModelConfig:
             layer_heads=_layer_heads(cfg),
             output_gate=_output_gate(cfg),
             gemma4=read_gemma4(cfg) if gemma4 else None,
+            muse_glimmer=(read_muse_glimmer(cfg, rope.rope_theta)
+                          if model_type == "muse_glimmer_text" else None),
             linear_attention=(GatedDeltaNetConfig.from_hf(cfg)
                               if "linear_attention" in layer_types else None),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if model_type in GEMMA else None,
@@ -316,7 +323,8 @@ class ModelConfig:
                 "max_position_embeddings", "tie_word_embeddings", "attention_bias",
                 "bos_token_id")},
             "eos_token_id": eos if self.eos_token_ids else None,
-            "hidden_activation" if self.model_type in GEMMA else "hidden_act": self.hidden_act,
+            "hidden_activation" if self.model_type in (*GEMMA, "muse_glimmer_text")
+            else "hidden_act": self.hidden_act,
         }
         if self.model_type == "llama":
             config["mlp_bias"] = self.mlp_bias
@@ -337,7 +345,11 @@ class ModelConfig:
         if self.model_type == "laguna":
             config.update(gating=self.output_gate, num_attention_heads_per_layer=[
                 self.attention_heads(i) for i in range(self.num_hidden_layers)])
-        if self.model_type in (*QWEN, *GEMMA, *HYBRID, "gpt_oss", "laguna"):  # others: window
+        if self.muse_glimmer is not None:
+            config.update(self.muse_glimmer.to_hf(self.rope.rope_theta, self.num_hidden_layers),
+                          final_logit_softcapping=self.final_logit_softcapping)
+        if self.model_type in (*QWEN, *GEMMA, *HYBRID, "gpt_oss", "laguna",
+                               "muse_glimmer_text"):  # others: from the window
             config["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
         if self.model_type in (*QWEN, "qwen3_moe"):
             config["use_sliding_window"] = self.sliding_window is not None
@@ -405,8 +417,11 @@ def _layer_heads(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _output_gate(cfg: dict[str, Any]) -> OutputGate | None:
-    """Laguna's `gating`: true or "per-head" gates each head, "per-element" each feature.
-    (transformers reads false as per element too, mlx-lm as no gate: it is refused.)"""
+    """Laguna's `gating`: true or "per-head" gates each head, "per-element" each feature
+    (transformers reads false as per element too, mlx-lm as no gate: it is refused). Muse
+    Glimmer gates each feature."""
+    if cfg["model_type"] == "muse_glimmer_text":
+        return "per-element"
     if cfg["model_type"] != "laguna":
         return None
     gating = cfg.get("gating", True)
@@ -438,6 +453,8 @@ def _layer_types(cfg: dict[str, Any], window: int | None) -> tuple[LayerType, ..
     n, model_type = cfg["num_hidden_layers"], cfg["model_type"]
     if model_type == "laguna":  # every layer full unless listed
         return _listed_layer_types(cfg) or ("full_attention",) * n
+    if model_type == "muse_glimmer_text":
+        return _listed_layer_types(cfg) or muse_glimmer_config.default_layer_types(n)
     if model_type in HYBRID:
         return _listed_layer_types(cfg) or tuple(
             "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0

@@ -95,13 +95,19 @@ class CausalLM(nn.Module, OpsUser):
         return self.model(input_ids, positions, meta, cache)
 
     def logits(self, hidden: mx.array) -> mx.array:
+        return self.capped(self.head(hidden))
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """The LM head's product: `lm_head`, or the tied embedding's."""
         embed = self.model.embed_tokens
         if not self.config.tie_word_embeddings:
-            logits = self.lm_head(hidden)
-        elif isinstance(embed, nn.QuantizedEmbedding):  # its weight is packed
-            logits = embed.as_linear(hidden)
-        else:
-            logits = self.ops.linear(hidden, embed)
+            return self.lm_head(hidden)
+        if isinstance(embed, nn.QuantizedEmbedding):  # its weight is packed
+            return embed.as_linear(hidden)
+        return self.ops.linear(hidden, embed)
+
+    def capped(self, logits: mx.array) -> mx.array:
+        """`logits` soft-capped where the config says."""
         cap = self.config.final_logit_softcapping
         return logits if cap is None else self.ops.softcap(logits, cap)
 

@@ -12,17 +12,20 @@ from metal_engine.models.layers import MLP, Attention, OffsetRMSNorm
 
 
 class SandwichDecoderLayer(nn.Module):
-    """`h = x + norm(attn(norm(x))); h + norm(mlp(norm(h)))` (Gemma 2 and 3)."""
+    """`h = x + norm(attn(norm(x))); h + norm(mlp(norm(h)))` (Gemma 2 and 3, Muse Glimmer);
+    `post_norm_eps`: the eps of the norms after attention and MLP where it is their own."""
 
-    def __init__(self, cfg: ModelConfig, attention: Attention, mlp: MLP) -> None:
+    def __init__(self, cfg: ModelConfig, attention: Attention, mlp: MLP,
+                 post_norm_eps: float | None = None) -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        post_eps = eps if post_norm_eps is None else post_norm_eps
         self.input_layernorm = OffsetRMSNorm(hidden, eps)
-        self.post_attention_layernorm = OffsetRMSNorm(hidden, eps)
+        self.post_attention_layernorm = OffsetRMSNorm(hidden, post_eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(hidden, post_eps)
 
     def __call__(self, x, rope, meta, cache, pool):
         attn = self.self_attn(self.input_layernorm(x), rope, meta, cache, pool)

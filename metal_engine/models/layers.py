@@ -104,6 +104,19 @@ class RMSNorm(nn.RMSNorm, OpsUser):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
+class UnitRMSNorm(nn.Module, OpsUser):
+    """RMSNorm without a learned scale (Muse Glimmer's q/k norms): it has no parameters."""
+
+    OPS_ONLY = True
+
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.ops.rms_norm(x, None, self.eps)
+
+
 class OffsetScale:
     """`1 + w` of an offset norm's weight, in the weight's dtype, made again when the weight
     is replaced: computed per call, it is a kernel per norm per step."""
@@ -166,20 +179,23 @@ class Attention(nn.Module, OpsUser):
     """Self-attention of packed rows over the paged KV cache.
 
     Options by family: biases on q/k/v and on o, a per-head norm of q and k before rope
-    (`qk_norm`: the norm class), one fused `qkv_proj` (Phi-3), and a learned sink logit per
-    head (`sinks`, GPT-OSS). Window, soft-capping, scale and the layer's query heads come from
-    the config.
+    (`qk_norm`: the norm class), one fused `qkv_proj` (Phi-3), a learned sink logit per head
+    (`sinks`, GPT-OSS), q scaled after its norm (`query_scale`, folded into the softmax scale)
+    and no rope (`rotary` false: a NoPE layer; Muse Glimmer). Window, soft-capping, scale and
+    the layer's query heads come from the config.
     """
 
     OPS_ONLY = True
 
     def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: type[nn.Module] | None = None,
-                 fused_qkv: bool = False, sinks: bool = False) -> None:
+                 fused_qkv: bool = False, sinks: bool = False, query_scale: float = 1.0,
+                 rotary: bool = True) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.attention_heads(layer), cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5 * query_scale
+        self.rotary = rotary
         self.window = cfg.window(layer)
         self.softcap = cfg.attn_logit_softcapping
         hidden = cfg.hidden_size
@@ -223,7 +239,8 @@ class Attention(nn.Module, OpsUser):
                   pool: int) -> mx.array:
         """Each head's output `[total, heads, head_dim]`, before o_proj."""
         q, k, v = self.heads(x)
-        q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
+        if self.rotary:
+            q, k = self.ops.rope(q, rope), self.ops.rope(k, rope)
         return self.attend(q, k, v, meta, cache, pool)
 
     def heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -271,9 +288,9 @@ class PreNormDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def is_plain(self) -> bool:
-        """This class exactly, a plain `Attention` (its q/k norms RMSNorms if any) and a
-        SwiGLU `MLP`: a layer a backend may run as one fused step (the CPU host loops do)."""
+        """This class exactly, a plain `Attention` (rotary, its q/k norms RMSNorms if any) and
+        a SwiGLU `MLP`: a layer a backend may run as one fused step (the CPU host loops do)."""
         attention, mlp = self.self_attn, self.mlp
         return (type(self) is PreNormDecoderLayer and type(attention) is Attention
-                and type(mlp) is MLP and mlp.act == "silu"
+                and attention.rotary and type(mlp) is MLP and mlp.act == "silu"
                 and ("q_norm" not in attention or type(attention.q_norm) is RMSNorm))

@@ -16,6 +16,7 @@ from metal_engine.models import (
     mistral,
     mistral4,
     mixtral,
+    muse_glimmer,
     phi3,
     qwen2,
     qwen3,
@@ -45,6 +46,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "mistral4": mistral4.Model,
     "minimax_m2": minimax_m2.Model,
     "laguna": laguna.Model,
+    "muse_glimmer_text": muse_glimmer.Model,
 }
 
 

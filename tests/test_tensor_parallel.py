@@ -22,7 +22,15 @@ from tiny_models import build_tiny_model
 
 from metal_engine.config import EngineConfig
 from metal_engine.loading.model_config import ModelConfig
-from metal_engine.parallel.shard import RankShare, rank_config, share, take_columns, take_rows
+from metal_engine.models.registry import model_class
+from metal_engine.parallel.shard import (
+    RankShare,
+    rank_config,
+    shard_model,
+    share,
+    take_columns,
+    take_rows,
+)
 from server.bench.server_process import free_port, log_tail, wait_ready
 
 
@@ -77,6 +85,16 @@ def test_what_tensor_parallelism_does_not_combine_with_is_refused_by_option(tmp_
         EngineConfig(model_dir=tmp_path, tensor_parallel_size=2, kv_cache_dir=tmp_path)
     with pytest.raises(ValueError, match="does not combine with --async-scheduling"):
         EngineConfig(model_dir=tmp_path, tensor_parallel_size=2, async_scheduling=True)
+
+
+@pytest.mark.parametrize(("family", "layer"), [
+    ("minimax_m2", "CrossHeadNormAttention"), ("laguna", "OutputGatedAttention")])
+def test_attention_the_split_does_not_know_is_refused_by_class(family, layer, tmp_path):
+    """Norms across all heads and output gates hold rows a split by heads would cut wrong."""
+    build_tiny_model(family, tmp_path)
+    config = ModelConfig.from_model_dir(tmp_path)
+    with pytest.raises(ValueError, match=f"does not split {family}'s {layer} layers"):
+        shard_model(model_class(family)(config), RankShare(0, 2, lambda x: x))
 
 
 # Dense with fused projections (Phi-3), experts beside dense layers (Qwen3-MoE), and Gated

@@ -110,7 +110,8 @@ def _tensor_names(files: list[Path], config: ModelConfig,
         with safe_open(file, framework="numpy") as handle:
             shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
         targets = {n: text_model_name(n) if text_part else n for n in shapes}
-        targets = {n: t and moved_name(config.model_type, t) for n, t in targets.items()}
+        targets = {n: moved_name(config.model_type, t) for n, t in targets.items()
+                   if t is not None}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
         names = {n: (t, shapes[n]) for n, t in targets.items()
                  if t is not None and not t.endswith(IGNORED_SUFFIXES)

@@ -269,3 +269,31 @@ def test_an_fp8_block_quantized_checkpoint_converts_to_its_dequantized_weights(t
     error = np.abs(logits["fp8"] - exact).max() / np.abs(exact).max()
     # e4m3 keeps 4 significant bits: a tiny random model's logits move by 7% of the largest.
     assert 0 < error < 0.15, error
+
+
+def test_a_warmed_up_server_streams_an_mla_models_greedy_tokens(tiny_deepseek, default_tokenizer,
+                                                                 tmp_path):
+    """The whole stack: the warm-up, the engine thread and a real server, with the official
+    client streaming a completion of token ids."""
+    import shutil
+
+    import openai
+    from server_helpers import running_server
+
+    from metal_engine.warm_up import warm_up
+
+    model, path = tiny_deepseek
+    served = tmp_path / "model"
+    shutil.copytree(path, served)
+    default_tokenizer.save_pretrained(served)
+    engine = build_engine(EngineConfig(model_dir=served, dtype="float32", max_num_seqs=4,
+                                       kv_cache_memory=1 << 22))
+    warm_up(engine)
+    ids = random_ids(8, 12)
+    with running_server(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        stream = client.completions.create(model="default", prompt=ids, max_tokens=6,
+                                           temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text == default_tokenizer.decode(hf_greedy(model, ids, 6), skip_special_tokens=True)

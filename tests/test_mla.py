@@ -82,15 +82,21 @@ def test_preempted_requests_resume_exactly(tiny_deepseek):
         assert request.output_token_ids == hf_greedy(model, asked[request.request_id], 10)
 
 
-def test_the_engine_serves_prefix_hits_exactly(tiny_deepseek, default_tokenizer, tmp_path):
+def served_engine(path, tokenizer, tmp_path):
+    """An engine of the model dir `path` with `tokenizer`'s files beside it, as `serve`
+    builds one."""
     import shutil
 
-    model, path = tiny_deepseek
     served = tmp_path / "model"
     shutil.copytree(path, served)
-    default_tokenizer.save_pretrained(served)
-    engine = build_engine(EngineConfig(model_dir=served, dtype="float32", max_num_seqs=4,
-                                       kv_cache_memory=1 << 22))
+    tokenizer.save_pretrained(served)
+    return build_engine(EngineConfig(model_dir=served, dtype="float32", max_num_seqs=4,
+                                     kv_cache_memory=1 << 22))
+
+
+def test_the_engine_serves_prefix_hits_exactly(tiny_deepseek, default_tokenizer, tmp_path):
+    model, path = tiny_deepseek
+    engine = served_engine(path, default_tokenizer, tmp_path)
     shared = random_ids(9, 40)
     asked = {"first": shared + [5, 6, 7], "second": shared + [8, 9]}
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -275,19 +281,13 @@ def test_a_warmed_up_server_streams_an_mla_models_greedy_tokens(tiny_deepseek, d
                                                                  tmp_path):
     """The whole stack: the warm-up, the engine thread and a real server, with the official
     client streaming a completion of token ids."""
-    import shutil
-
     import openai
     from server_helpers import running_server
 
     from metal_engine.warm_up import warm_up
 
     model, path = tiny_deepseek
-    served = tmp_path / "model"
-    shutil.copytree(path, served)
-    default_tokenizer.save_pretrained(served)
-    engine = build_engine(EngineConfig(model_dir=served, dtype="float32", max_num_seqs=4,
-                                       kv_cache_memory=1 << 22))
+    engine = served_engine(path, default_tokenizer, tmp_path)
     warm_up(engine)
     ids = random_ids(8, 12)
     with running_server(engine) as url:

@@ -10,7 +10,9 @@ read back into Hugging Face's (metal_engine.loading.weights.to_this_layout).
 Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
 speculative decoding (metal_engine.drafting.mtp): under its own names, laid out as the
 decoder layers are (experts stacked), and never quantized (metal_engine.drafting.mtp loads
-it as float: one layer).
+it as float: one layer). So is DeepSeek V3's and GLM-4.7-Flash's, the layer after the stack
+(`model.layers.{num_hidden_layers}.*`): moved under `mtp.*` as their head class names it
+(`_mtp_name`), the count written as `mtp_num_hidden_layers`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ from metal_engine.loading.weights import (
 
 INDEX_FILE = "model.safetensors.index.json"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Families whose multi-token-prediction layer follows the stack (`model.layers.{N}.*`) and has
+# a head class here (metal_engine.models.deepseek_v3.MultiTokenPredictor).
+MTP_AFTER_THE_STACK = ("deepseek_v3", "glm4_moe_lite")
+# The MTP layer's parts as that head names them; its `embed_tokens` and `shared_head.head` are
+# the model's own again (dropped).
+_MTP_PARTS = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.",
+              "shared_head.norm.": "norm.", "self_attn.": "layers.0.self_attn.",
+              "mlp.": "layers.0.mlp.", "input_layernorm.": "layers.0.input_layernorm.",
+              "post_attention_layernorm.": "layers.0.post_attention_layernorm."}
 
 
 def open_hf_dir(path: Path) -> ModelSource:
@@ -71,6 +82,8 @@ def open_hf_dir(path: Path) -> ModelSource:
                   stored_shapes(model_config, quantized))
     base_config = dict(text_part_config(config))  # a multimodal config's text model
     base_config.pop("quantization_config", None)  # how the source stored it, not the output
+    if extra and model_config.model_type in MTP_AFTER_THE_STACK:  # the one layer kept
+        base_config["mtp_num_hidden_layers"] = 1
     return ModelSource(
         kind="hf",
         path=path,
@@ -112,6 +125,8 @@ def _tensor_names(files: list[Path], config: ModelConfig,
         targets = {n: text_model_name(n) if text_part else n for n in shapes}
         targets = {n: moved_name(config.model_type, t) for n, t in targets.items()
                    if t is not None}
+        if config.model_type in MTP_AFTER_THE_STACK:
+            targets = {n: _mtp_name(t, layers) for n, t in targets.items()}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
         names = {n: (t, shapes[n]) for n, t in targets.items()
                  if t is not None and not t.endswith(IGNORED_SUFFIXES)
@@ -135,6 +150,20 @@ def _beyond_the_stack(name: str, layers: int) -> bool:
     transformers does not run either."""
     match = _LAYER.match(name)
     return match is not None and int(match[1]) >= layers
+
+
+def _mtp_name(name: str | None, layers: int) -> str | None:
+    """The name here of a tensor of the first layer after the stack (the MTP layer): under
+    `mtp.*` as the head names it, None for the model's embedding and head it repeats; other
+    names as they are (further MTP layers are dropped as beyond the stack)."""
+    prefix = f"model.layers.{layers}."
+    if name is None or not name.startswith(prefix):
+        return name
+    part = name.removeprefix(prefix)
+    for source, target in _MTP_PARTS.items():
+        if part.startswith(source):
+            return MTP_PREFIX + target + part.removeprefix(source)
+    return None  # embed_tokens, shared_head.head
 
 
 def _fp8_scales(names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]],

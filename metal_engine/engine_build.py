@@ -23,7 +23,7 @@ from metal_engine.config import (
     resolve_max_model_len,
 )
 from metal_engine.drafting.draft_model import DraftModel, load_draft_model
-from metal_engine.drafting.mtp import MtpDrafter, load_mtp_head, with_draft_length
+from metal_engine.drafting.mtp import MtpDrafter, head_cache, load_mtp_head, with_draft_length
 from metal_engine.engine import LLMEngine
 from metal_engine.kv_disk.connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk.directory import KVDiskDir
@@ -151,14 +151,21 @@ def _device_drafter(model: CausalLM, drafter: CausalLM | nn.Module, plan: CacheP
                     config: EngineConfig, dtype: mx.Dtype) -> DraftModel | MtpDrafter:
     """The drafter with its K/V pools, one block per block of the model's pool."""
     shapes = _drafter_pool_shapes(drafter)
-    cache = KVCache(shapes, plan.num_blocks, config.block_size, dtype)
-    size = plan.num_blocks * bytes_per_block(shapes, config.block_size, dtype) / 2**20
+    size = plan.num_blocks * _drafter_block_bytes(drafter, config, dtype) / 2**20
     if isinstance(drafter, CausalLM):
         log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's",
                  config.speculative_config.model, drafter.config.num_hidden_layers, size)
-        return DraftModel(drafter, cache)
+        return DraftModel(drafter, KVCache(shapes, plan.num_blocks, config.block_size, dtype))
     log.info("MTP head: its K/V in %.1f MiB beside the pool's", size)
-    return MtpDrafter(model, drafter, cache)
+    return MtpDrafter(model, drafter, head_cache(drafter, plan.num_blocks, config.block_size,
+                                                 dtype))
+
+
+def _drafter_block_bytes(drafter: CausalLM | nn.Module, config: EngineConfig,
+                         dtype: mx.Dtype) -> int:
+    """One block of the drafter's pools (an MTP head over latents keeps keys only)."""
+    return bytes_per_block(_drafter_pool_shapes(drafter), config.block_size, dtype,
+                           values=not getattr(drafter, "keys_only", False))
 
 
 def _disk_store(config: EngineConfig, disk: KVDiskDir, kind: str, layout: Layout) -> KVDiskStore:
@@ -177,7 +184,7 @@ def _plan_pool(config: EngineConfig, cfg: ModelConfig, budget: int, dtype: mx.Dt
     if drafter is None:
         return plan(budget)
     block = plan(budget).bytes_per_block
-    drafter_bytes = bytes_per_block(_drafter_pool_shapes(drafter), config.block_size, dtype)
+    drafter_bytes = _drafter_block_bytes(drafter, config, dtype)
     return plan(int(budget * block / (block + drafter_bytes)))
 
 

@@ -10,7 +10,7 @@ from scheduler_helpers import run_step
 from metal_engine.cache.cache_plan import CachePlan, window_blocks
 from metal_engine.cache.kv_cache import KVCache
 from metal_engine.drafting.draft_model import DraftModel
-from metal_engine.drafting.mtp import MtpDrafter, load_mtp_head, with_draft_length
+from metal_engine.drafting.mtp import MtpDrafter, head_cache, load_mtp_head, with_draft_length
 from metal_engine.loading.weights import load_model
 from metal_engine.runner import ModelRunner
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -51,8 +51,7 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
         draft = DraftModel(draft_model, draft_cache)
     elif speculative is not None and speculative.method == "mtp":
         head = load_mtp_head(model_dir, model, mx.float32)
-        draft = MtpDrafter(model, head, KVCache([head.pool_shape()], num_blocks, block_size,
-                                                mx.float32))
+        draft = MtpDrafter(model, head, head_cache(head, num_blocks, block_size, mx.float32))
     return ModelRunner(model, cache, draft), scheduler
 
 

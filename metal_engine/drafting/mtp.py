@@ -57,11 +57,14 @@ class MtpDrafter:
         self.model = model
         self.head = head
         self.cache = cache
-        # Per request, the hidden states of its last step. The families with a head are
-        # hybrid: after a rejection a request recomputes from its last known token, and
-        # under async scheduling it sits out a step behind its drafts, so the position
-        # before the one it feeds is always in its last step (or its K/V written already).
-        self._computed: dict[str, _Computed] = {}
+        # Per request, the hidden states of its last two steps, newest first. A hybrid
+        # model's request recomputes from its last known token after a rejection, and under
+        # async scheduling sits out a step behind its drafts, so the position before the one
+        # it feeds is always in its last step (or its K/V written already). An attention-only
+        # model's (DeepSeek's) goes on under async scheduling: after a rejection it feeds the
+        # token after the last accepted one, computed by the step before its last (whose
+        # rows past it were drafts rejected since).
+        self._computed: dict[str, tuple[_Computed, ...]] = {}
 
     def draft(self, out: SchedulerOutput, input_ids: mx.array, draft_rows: np.ndarray,
               batch: DraftBatch | None, tables: BlockTables,
@@ -139,8 +142,9 @@ class MtpDrafter:
                 token_rows += range(row + 1, row + n)
                 items.append(_rows(s, s.start_position, n - 1))
         for s in out.scheduled:
-            self._computed[s.request_id] = _Computed(hidden, first_rows[s.request_id],
-                                                     s.start_position, len(s.token_ids))
+            last = _Computed(hidden, first_rows[s.request_id], s.start_position,
+                             len(s.token_ids))
+            self._computed[s.request_id] = (last, *self._computed.get(s.request_id, ())[:1])
         if not items:
             return
         source = mx.concatenate([hidden, self._gather(kept)]) if kept else hidden
@@ -155,11 +159,12 @@ class MtpDrafter:
             self._computed.pop(request_id, None)
 
     def _find(self, request_id: str, position: int) -> tuple[mx.array, int] | None:
-        """(hidden states, row) of `position`, if the request's last step computed it."""
-        computed = self._computed.get(request_id)
-        if computed is None or not computed.start <= position < computed.start + computed.count:
-            return None
-        return computed.hidden, computed.row + position - computed.start
+        """(hidden states, row) of `position`, if one of the request's last two steps computed
+        it (the newest that did)."""
+        for computed in self._computed.get(request_id, ()):
+            if computed.start <= position < computed.start + computed.count:
+                return computed.hidden, computed.row + position - computed.start
+        return None
 
     @staticmethod
     def _gather(found: list[tuple[mx.array, int]]) -> mx.array:
@@ -213,6 +218,12 @@ def with_draft_length(spec: SpeculativeConfig) -> SpeculativeConfig:
     return replace(spec, num_speculative_tokens=1)
 
 
+def head_cache(head: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype) -> KVCache:
+    """The head's pool, one block per block of the model's (keys only for latent attention)."""
+    return KVCache([head.pool_shape()], num_blocks, block_size, dtype,
+                   keys_only=getattr(head, "keys_only", False))
+
+
 def load_mtp_head(path: Path, target: CausalLM, dtype: mx.Dtype) -> nn.Module:
     """The multi-token-prediction head of the model dir `path` (the served model's own, or
     a dir holding its `mtp.*` weights), checked to draft for `target`."""
@@ -220,7 +231,8 @@ def load_mtp_head(path: Path, target: CausalLM, dtype: mx.Dtype) -> nn.Module:
     head_class = type(target).mtp_class
     if head_class is None:
         raise ValueError(f'--speculative-config: method "mtp" needs a model with a '
-                         f"multi-token-prediction head (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); "
+                         f"multi-token-prediction head (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
+                         f"DeepSeek V3, GLM-4.7-Flash); "
                          f"{cfg.model_type} has none: use ngram, suffix or draft_model")
     raw = read_config_json(path)
     num_layers = raw.get("text_config", raw).get("mtp_num_hidden_layers", 0)
@@ -242,6 +254,8 @@ def load_mtp_head(path: Path, target: CausalLM, dtype: mx.Dtype) -> nn.Module:
     if cfg.moe is not None:
         weights = stack_per_expert(weights, cfg.moe.num_experts)
     head = head_class(cfg, moe=any(".mlp.switch_mlp." in name for name in weights))
+    if hasattr(head, "sanitize"):  # e.g. DeepSeek's rope rows, reordered as the model's
+        weights = head.sanitize(weights)
     head.load_weights([(name, tensor.astype(dtype)) for name, tensor in weights.items()],
                       strict=True)
     head.eval()

@@ -1,21 +1,82 @@
 """DeepSeek V3 / R1, Kimi K2's text model (deepseek_v3) and GLM-4.7-Flash (glm4_moe_lite, the
 same layers): multi-head latent attention over a latent pool (models/mla.py); sigmoid-routed
 experts chosen by group with a correction bias, scaled, plus shared experts every token runs;
-the first layers (or those listed dense) keep a dense MLP."""
+the first layers (or those listed dense) keep a dense MLP.
+
+Their checkpoints carry a multi-token-prediction layer after the stack (`model.layers.{N}.*`,
+N = num_hidden_layers), which `metal-serve convert` keeps as `mtp.*` (convert/hf_source.py)
+for speculative decoding (`MultiTokenPredictor`, metal_engine.drafting.mtp)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
+from kernels_metal.metadata import AttentionMetadata
+from metal_engine.cache.kv_cache import KVCache
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
-from metal_engine.models.glm4_moe import feed_forward
-from metal_engine.models.layers import PreNormDecoderLayer
+from metal_engine.models.glm4_moe import experts, feed_forward
+from metal_engine.models.layers import MLP, Linear, PreNormDecoderLayer, RMSNorm
 from metal_engine.models.mla import MlaAttention, rope_pairs_as_halves
+from metal_engine.models.rope import RotaryEmbedding
+
+
+class MultiTokenPredictor(nn.Module):
+    """The checkpoint's multi-token-prediction layer (transformers' `MtpLayer`, under the
+    names DeepSeek's layer `N` keeps, `shared_head.norm` as `norm`): from the final hidden
+    state h at position p and the embedding e of the token at p + 1, one decoder layer of the
+    model's kind (latent attention, experts) predicts the token at p + 2 through the model's
+    own head:
+
+        norm(layers.0(eh_proj([enorm(e), hnorm(h)])))
+
+    Its latents are a keys-only pool of their own (see metal_engine.drafting.mtp)."""
+
+    keys_only = True  # its pool holds latent rows, no values (models/mla.py)
+
+    def __init__(self, cfg: ModelConfig, moe: bool) -> None:
+        super().__init__()
+        hidden, eps, index = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_hidden_layers
+        self.enorm = RMSNorm(hidden, eps=eps)
+        self.hnorm = RMSNorm(hidden, eps=eps)
+        self.eh_proj = Linear(2 * hidden, hidden, bias=False)
+        self.layers = [PreNormDecoderLayer(cfg, MlaAttention(cfg, index),
+                                           experts(cfg) if moe else MLP(cfg))]
+        self.norm = RMSNorm(hidden, eps=eps)
+        self._rope = RotaryEmbedding(cfg.rope_for(cfg.layer_type(0)), cfg.rope_head_dim(0),
+                                     cfg.max_position_embeddings)
+        self._config = cfg
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
+                 meta: AttentionMetadata, cache: KVCache) -> mx.array:
+        """The head's final hidden states at the rows (`cache`: its one pool)."""
+        layer = self.layers[0]
+        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
+        return self.norm(layer(self._input(embeds, hidden), rope, meta, cache, 0))
+
+    def write_kv(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
+                 meta: AttentionMetadata, cache: KVCache) -> None:
+        """Only the rows' latents, written into the head's pool."""
+        layer = self.layers[0]
+        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
+        layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)), rope, meta,
+                                 cache, 0)
+
+    def pool_shape(self) -> tuple[int, int]:
+        return self._config.kv_shape(0)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The head's weights (its own names) with the rope rows reordered as the model's."""
+        return rope_pairs_as_halves(weights, self._config)
+
+    def _input(self, embeds: mx.array, hidden: mx.array) -> mx.array:
+        return self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
 
 
 class Model(CausalLM):
     attention: type[MlaAttention] = MlaAttention  # a family's variant of it (mistral4.py)
+    mtp_class = MultiTokenPredictor
 
     def __init__(self, cfg: ModelConfig) -> None:
         layers = [PreNormDecoderLayer(cfg, self.attention(cfg, i), feed_forward(cfg, i))

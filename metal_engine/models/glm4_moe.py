@@ -21,9 +21,12 @@ from metal_engine.models.moe import CorrectedGate, SparseMoeBlock
 def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
     """The layer's dense MLP, or its experts (and shared experts) under a router with the
     correction bias, or a plain one (Mistral 4)."""
+    return experts(cfg) if cfg.moe.is_moe_layer(layer) else MLP(cfg)
+
+
+def experts(cfg: ModelConfig) -> nn.Module:
+    """A MoE layer's feed-forward: experts (and shared experts) under their router."""
     moe = cfg.moe
-    if not moe.is_moe_layer(layer):
-        return MLP(cfg)
     shared = MLP(cfg, inner=moe.shared_intermediate_size) if moe.shared_intermediate_size else None
     gate = (CorrectedGate(cfg.hidden_size, moe.num_experts) if moe.score_correction_bias
             else Linear(cfg.hidden_size, moe.num_experts, bias=False))

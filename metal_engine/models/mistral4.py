@@ -39,3 +39,4 @@ class Mistral4Attention(MlaAttention):
 
 class Model(deepseek_v3.Model):
     attention = Mistral4Attention
+    mtp_class = None  # its checkpoints carry no multi-token-prediction layer

@@ -68,15 +68,12 @@ class MlaAttention(nn.Module, OpsUser):
                  pool: int) -> mx.array:
         total, heads = x.shape[0], self.num_heads
         q = self._queries(x).reshape(total, heads, self.nope + self.rope_dim)
-        compressed = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(compressed[:, : self.rank])
-        k_rope = self.ops.rope(compressed[:, None, self.rank :], rope)
+        rows = self._latent_rows(x, rope)
         q_rope = self.ops.rope(q[..., self.nope :], rope)
         w_uk, w_uv = self._absorbed(self.kv_b_proj)
         q_latent = mx.swapaxes(mx.swapaxes(q[..., : self.nope], 0, 1) @ w_uk, 0, 1)
         queries = mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
         queries = self.scale_queries(queries, meta)
-        rows = mx.concatenate([latent[:, None], k_rope.astype(latent.dtype)], axis=-1)
         k_pool, v_pool = cache.take(pool)
         try:
             k_pool = self.ops.write_kv(k_pool, rows, meta)
@@ -85,6 +82,23 @@ class MlaAttention(nn.Module, OpsUser):
             cache.put(pool, k_pool, v_pool)
         out = mx.swapaxes(mx.swapaxes(out, 0, 1) @ w_uv, 0, 1)  # [total, heads, v_head_dim]
         return self.o_proj(out.reshape(total, heads * self.v_head_dim))
+
+    def write_kv(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
+                 pool: int) -> None:
+        """Only the rows' latents, written into pool `pool` (a speculative head's follow
+        pass, metal_engine.drafting.mtp)."""
+        k_pool, v_pool = cache.take(pool)
+        try:
+            k_pool = self.ops.write_kv(k_pool, self._latent_rows(x, rope), meta)
+        finally:
+            cache.put(pool, k_pool, v_pool)
+
+    def _latent_rows(self, x: mx.array, rope) -> mx.array:
+        """The rows' pool rows `[total, 1, rank + rope]`: normed latent, then rope key."""
+        compressed = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(compressed[:, : self.rank])
+        k_rope = self.ops.rope(compressed[:, None, self.rank :], rope)
+        return mx.concatenate([latent[:, None], k_rope.astype(latent.dtype)], axis=-1)
 
     def scale_queries(self, queries: mx.array, meta: AttentionMetadata) -> mx.array:
         """The rows' queries `[total, heads, rank + rope]` as they attend: as they are (a

@@ -10,19 +10,17 @@ for speculative decoding (`MultiTokenPredictor`, metal_engine.drafting.mtp)."""
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from kernels_metal.metadata import AttentionMetadata
-from metal_engine.cache.kv_cache import KVCache
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.glm4_moe import experts, feed_forward
 from metal_engine.models.layers import MLP, Linear, PreNormDecoderLayer, RMSNorm
 from metal_engine.models.mla import MlaAttention, rope_pairs_as_halves
+from metal_engine.models.mtp_head import OneLayerHead
 from metal_engine.models.rope import RotaryEmbedding
 
 
-class MultiTokenPredictor(nn.Module):
+class MultiTokenPredictor(OneLayerHead):
     """The checkpoint's multi-token-prediction layer (transformers' `MtpLayer`, under the
     names DeepSeek's layer `N` keeps, `shared_head.norm` as `norm`): from the final hidden
     state h at position p and the embedding e of the token at p + 1, one decoder layer of the
@@ -47,21 +45,6 @@ class MultiTokenPredictor(nn.Module):
         self._rope = RotaryEmbedding(cfg.rope_for(cfg.layer_type(0)), cfg.rope_head_dim(0),
                                      cfg.max_position_embeddings)
         self._config = cfg
-
-    def __call__(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
-                 meta: AttentionMetadata, cache: KVCache) -> mx.array:
-        """The head's final hidden states at the rows (`cache`: its one pool)."""
-        layer = self.layers[0]
-        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
-        return self.norm(layer(self._input(embeds, hidden), rope, meta, cache, 0))
-
-    def write_kv(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
-                 meta: AttentionMetadata, cache: KVCache) -> None:
-        """Only the rows' latents, written into the head's pool."""
-        layer = self.layers[0]
-        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
-        layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)), rope, meta,
-                                 cache, 0)
 
     def pool_shape(self) -> tuple[int, int]:
         return self._config.kv_shape(0)

@@ -20,6 +20,7 @@ from metal_engine.models.decoder import CausalLM
 from metal_engine.models.gated_delta import GatedDeltaNet
 from metal_engine.models.layers import MLP, Linear, OffsetRMSNorm, PackedLinears
 from metal_engine.models.moe import SwitchGLU, route
+from metal_engine.models.mtp_head import OneLayerHead
 from metal_engine.models.ops_user import OpsUser
 from metal_engine.models.rope import RotaryEmbedding
 
@@ -142,7 +143,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MultiTokenPredictor(nn.Module):
+class MultiTokenPredictor(OneLayerHead):
     """The checkpoint's multi-token-prediction head (`mtp.*`, as vLLM's Qwen3.5 and Qwen3-Next
     MTP models read it): from the final hidden state h at position p and the embedding e of
     the token at p + 1, one full-attention decoder layer predicts the token at p + 2 through
@@ -162,22 +163,6 @@ class MultiTokenPredictor(nn.Module):
         self.norm = OffsetRMSNorm(hidden, eps)
         self._rope = RotaryEmbedding(cfg.rope_for("full_attention"), cfg.head_dim,
                                      cfg.max_position_embeddings)
-
-    def __call__(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
-                 meta: AttentionMetadata, cache: KVCache) -> mx.array:
-        """The head's final hidden states at the rows (`cache`: its one pool)."""
-        x = self._input(embeds, hidden)
-        layer = self.layers[0]
-        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
-        return self.norm(layer(x, rope, meta, cache, 0))
-
-    def write_kv(self, embeds: mx.array, hidden: mx.array, positions: mx.array,
-                 meta: AttentionMetadata, cache: KVCache) -> None:
-        """Only the rows' K and V, written into the head's pool."""
-        layer = self.layers[0]
-        rope = layer.self_attn.ops.rope_step(self._rope, positions, meta)
-        layer.self_attn.write_kv(layer.input_layernorm(self._input(embeds, hidden)), rope, meta,
-                                 cache, 0)
 
     def pool_shape(self) -> tuple[int, int]:
         attention = self.layers[0].self_attn

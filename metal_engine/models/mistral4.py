@@ -32,9 +32,14 @@ class Mistral4Attention(MlaAttention):
     def scale_queries(self, queries: mx.array, meta: AttentionMetadata) -> mx.array:
         if self._beta is None:
             return queries
-        multiple = np.floor(meta.positions.astype(np.float32) / np.float32(self._original))
-        scale = 1 + np.float32(self._beta) * np.log(1 + multiple)
-        return queries * mx.array(scale[:, None, None]).astype(queries.dtype)
+        # The same for every layer of the step: made once, looked up by the others.
+        key = ("llama4-query-scale", self._beta, self._original, queries.dtype)
+        scale = meta.backend_plans.get(key)
+        if scale is None:
+            multiple = np.floor(meta.positions.astype(np.float32) / np.float32(self._original))
+            rows = 1 + np.float32(self._beta) * np.log(1 + multiple)
+            scale = meta.backend_plans[key] = mx.array(rows[:, None, None]).astype(queries.dtype)
+        return queries * scale
 
 
 class Model(deepseek_v3.Model):

@@ -13,6 +13,7 @@ from metal_engine.parallel.group import RankLost
 from metal_engine.runner import LaunchedStep, ModelRunner, SamplingContext
 from metal_engine.sampling.structured import StructuredOutputs
 from scheduler import Request, SamplingParams, Scheduler
+from scheduler.media import PromptMedia
 from scheduler.output import RequestUpdate, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -65,16 +66,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, media: PromptMedia | None = None) -> None:
         """Queue a request; ValueError (with the limits) if it can never be served, or naming
         the schema feature if its structured output cannot be enforced.
 
         `priority` orders admission under the priority policy: lower values go first.
-        Requests share prefix-cache blocks only when their `cache_salt` is equal.
+        Requests share prefix-cache blocks only when their `cache_salt` is equal. `media`:
+        the prompt's images (their placeholder tokens are in `prompt_token_ids`).
         """
         grammar = self.structured.compile(params.structured) if params.structured else None
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                          priority=priority, cache_salt=cache_salt)
+                          priority=priority, cache_salt=cache_salt, media=media)
         self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)

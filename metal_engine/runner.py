@@ -25,6 +25,9 @@ from metal_engine.sampling.rejection_sampler import (
 )
 from metal_engine.sampling.sampler import SamplingBatch, sample
 from metal_engine.sampling.sampling_row import SamplingRow
+from metal_engine.vision.encoder_cache import EncoderCache
+from metal_engine.vision.step_media import step_images, step_positions
+from scheduler.media import PromptMedia
 from scheduler.output import ScheduledRequest, SchedulerOutput, TokenHistory
 
 if TYPE_CHECKING:
@@ -108,16 +111,19 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, cache: KVCache,
                  draft: DraftModel | MtpDrafter | None = None,
-                 peers: Peers | None = None, stage: PipelineStage | None = None) -> None:
+                 peers: Peers | None = None, stage: PipelineStage | None = None,
+                 encoder: EncoderCache | None = None) -> None:
         """`draft`: speculative decoding's drafter on the device (a draft model or the
         model's MTP head), which runs in every step. `peers`: the other ranks of an engine
         over several (this runner is rank 0's), sent each step before it runs. `stage`: this
-        rank's layers, with pipeline parallelism."""
+        rank's layers, with pipeline parallelism. `encoder`: the vision tower's outputs, for
+        a model that takes images."""
         self.model = model
         self.cache = cache
         self.draft = draft
         self.peers = peers
         self.stage = stage
+        self.encoder = encoder
         self.block_tables = BlockTables()
         self.window_tables = BlockTables(kind="window")
         self._queued = False  # work queued on the device and not waited for since
@@ -125,6 +131,8 @@ class ModelRunner:
         # Token histories of the requests whose sampling reads them, from their admission
         # (ScheduledRequest.history) on, with what this runner sampled for them since.
         self._histories: dict[str, TokenHistory] = {}
+        # The images of the requests whose prompts have them, from their admission on.
+        self._media: dict[str, PromptMedia] = {}
 
     def release(self, request_ids: list[str]) -> None:
         """Drop state kept for requests that finished (call with every step's finished ids)."""
@@ -134,6 +142,7 @@ class ModelRunner:
         self.window_tables.release(request_ids)
         for request_id in request_ids:
             self._histories.pop(request_id, None)
+            self._media.pop(request_id, None)
         if self.draft is not None:
             self.draft.release(request_ids)
 
@@ -152,7 +161,16 @@ class ModelRunner:
         if states is not None:
             states.copy(out.state_plan.restores)
             states.bind(out.scheduled)
-        hidden = self.model(input_ids, mx.array(step.positions), step.attention, self.cache)
+        for s in out.scheduled:
+            if s.media is not None:
+                self._media[s.request_id] = s.media
+        positions, images = step.positions, None
+        if self._media:
+            positions = step_positions(out.scheduled, self._media, positions)
+            images = step_images(out.scheduled, self._media, step.attention.cu_seqlens_q,
+                                 self.encoder)
+        more = {} if images is None else {"images": images}
+        hidden = self.model(input_ids, mx.array(positions), step.attention, self.cache, **more)
         if states is not None:
             states.copy(out.state_plan.saves)
         return hidden

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.media import PromptMedia
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
@@ -107,6 +108,8 @@ class ScheduledRequest:
     token_epoch: int = 0  # the request's when scheduled (see Request.token_epoch)
     # Set in the step that admits a request whose sampling reads its history (not basic).
     history: TokenHistory | None = None
+    # Set in the step that admits a request whose prompt has images: the runner keeps it.
+    media: PromptMedia | None = None
 
 
 @dataclass

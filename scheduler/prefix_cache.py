@@ -133,7 +133,8 @@ class PrefixCache:
 
     def _hash(self, request: Request, num_blocks: int) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            num_blocks, cache_salt=request.cache_salt)  # fmt: skip
+                            num_blocks, cache_salt=request.cache_salt,
+                            media=request.media)  # fmt: skip
 
     def _max_blocks(self, request: Request) -> int:
         return (request.num_tokens - 1) // self.block_size

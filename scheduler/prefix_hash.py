@@ -15,6 +15,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.media import PromptMedia
 
 BlockHash = bytes
 
@@ -48,11 +52,14 @@ def salt_root(cache_salt: str | None) -> BlockHash | None:
 
 def extend_block_hashes(
     hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int,
-    extra_keys: tuple = (), cache_salt: str | None = None,
+    extra_keys: tuple = (), cache_salt: str | None = None, media: PromptMedia | None = None,
 ) -> None:
-    """Append to `hashes` (in place) until it covers the first `num_blocks` full blocks."""
+    """Append to `hashes` (in place) until it covers the first `num_blocks` full blocks.
+    A block that holds an image's placeholder tokens also takes the image's content hash
+    (`media`)."""
     num_blocks = min(num_blocks, len(token_ids) // block_size)
     for i in range(len(hashes), num_blocks):
         parent = hashes[-1] if hashes else salt_root(cache_salt)
         block = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block(parent, block, extra_keys))
+        keys = extra_keys if media is None else (*extra_keys, *media.block_keys(i, block_size))
+        hashes.append(hash_block(parent, block, keys))

@@ -6,6 +6,7 @@ import enum
 import itertools
 from typing import Literal
 
+from scheduler.media import PromptMedia
 from scheduler.sampling_params import SamplingParams
 
 # "error": the request failed on its own (its grammar broke while generating); the others ran on.
@@ -42,6 +43,7 @@ class Request:
         arrival_index: int = 0,
         priority: int = 0,
         cache_salt: str | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -54,6 +56,7 @@ class Request:
         self.arrival_index = arrival_index
         self.priority = priority
         self.cache_salt = cache_salt  # prompts share cached blocks only under the same salt
+        self.media = media  # its prompt's images, if any
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0

@@ -272,6 +272,7 @@ class Scheduler:
         if not request.params.is_basic:  # its sampling reads its history: the runner keeps it
             item.history = TokenHistory(list(request.prompt_token_ids),
                                         list(request.output_token_ids), request.eos_token_ids)
+        item.media = request.media
         out.scheduled.append(item)
 
     def _num_new(self, request: Request, num_cached_blocks: int, budget: int) -> int:

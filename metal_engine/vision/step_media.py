@@ -1,0 +1,66 @@
+"""What a step's images add to its packed rows: the tower's embeddings in the rows of image
+placeholder tokens, and the three-axis rope positions of a step that holds any such prompt.
+
+A request's share of a step may hold part of an image (a chunk cut through it): it takes
+that part's rows of the image's features, which the encoder cache keeps for the next chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from metal_engine.models.step_images import StepImages
+from metal_engine.vision.encoder_cache import EncoderCache
+from scheduler.media import ImageSpan, PromptMedia
+from scheduler.output import ScheduledRequest
+
+
+def step_images(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],
+                cu_seqlens: np.ndarray, encoder: EncoderCache) -> StepImages | None:
+    """The step's image rows and their features (None: no row of this step is an image's)."""
+    pieces: list[tuple[int, ImageSpan, int, int]] = []  # (first row, image, from, to)
+    for index, item in enumerate(scheduled):
+        prompt_media = media.get(item.request_id)
+        if prompt_media is None:
+            continue
+        start = item.start_position
+        end = start + len(item.token_ids)
+        for image in prompt_media.overlapping(start, end):
+            first, last = max(start, image.offset), min(end, image.end)
+            row = int(cu_seqlens[index]) + first - start
+            pieces.append((row, image, first - image.offset, last - image.offset))
+    if not pieces:
+        return None
+    features = encoder.features([image for _, image, _, _ in pieces])
+    rows = np.concatenate([np.arange(row, row + to - frm) for row, _, frm, to in pieces])
+    embeds = mx.concatenate([f.embeds[frm:to] for f, (_, _, frm, to) in zip(features, pieces,
+                                                                              strict=True)])
+    num_deep = len(features[0].deepstack)
+    deepstack = tuple(
+        mx.concatenate([f.deepstack[layer][frm:to]
+                        for f, (_, _, frm, to) in zip(features, pieces, strict=True)])
+        for layer in range(num_deep))
+    return StepImages(mx.array(rows.astype(np.int32)), embeds, deepstack)
+
+
+def step_positions(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],
+                   positions: np.ndarray) -> np.ndarray:
+    """`positions` as the three-axis rows a multimodal rope takes, where a request of the step
+    has them (its images moved its later tokens' positions); as they are otherwise."""
+    if not any(getattr(media.get(s.request_id), "positions", None) is not None
+               for s in scheduled):
+        return positions
+    parts, row = [], 0
+    for item in scheduled:
+        count = len(item.token_ids)
+        prompt_media = media.get(item.request_id)
+        if prompt_media is not None and prompt_media.positions is not None:
+            start = item.start_position
+            parts.append(prompt_media.positions_of(start, start + count))
+        else:
+            parts.append(np.broadcast_to(positions[row:row + count], (3, count)))
+        row += count
+    return np.concatenate(parts, axis=1).astype(np.int32)

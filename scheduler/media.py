@@ -1,0 +1,64 @@
+"""A prompt's images as the scheduler and the runner see them. Plain data.
+
+    prompt:  [ text ][ image 0: its placeholder tokens ][ text ][ image 1 ... ][ text ]
+                    ^ offset, length                           ^ offset, length
+
+The prompt already holds each image's placeholder tokens (as many as the vision tower gives
+the image embeddings); the forward puts the tower's embeddings in their rows. A placeholder
+token is the same id for every image, so the blocks an image's tokens occupy take its content
+hash into their block hashes: the same picture in the next turn is a cache hit, two pictures
+never share a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """One image of a prompt: where its placeholder tokens sit and what the tower encodes."""
+
+    offset: int  # index of its first placeholder token in the prompt
+    length: int  # its placeholder tokens (= the embeddings the tower gives it)
+    content_hash: str  # of the decoded picture and how it was preprocessed
+    pixels: np.ndarray  # the tower's input, as the model's image processor made it
+    grid: tuple[int, int, int]  # (frames, patch rows, patch columns) of `pixels`
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, eq=False)
+class PromptMedia:
+    """A prompt's images, in order, and the positions its model's rope takes for them.
+
+    `positions` is `[3, num_prompt_tokens]` (temporal, height, width) for a model with
+    multimodal rope (Qwen's M-RoPE), whose tokens after the prompt sit at
+    `index + position_delta` on all three axes; None for a model whose positions stay the
+    tokens' indices.
+    """
+
+    images: tuple[ImageSpan, ...]
+    positions: np.ndarray | None = None
+    position_delta: int = 0
+
+    def block_keys(self, block_index: int, block_size: int) -> tuple[str, ...]:
+        """Content hashes of the images whose tokens fall in block `block_index`."""
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        return tuple(image.content_hash for image in self.images
+                     if image.offset < end and image.end > start)
+
+    def overlapping(self, start: int, end: int) -> list[ImageSpan]:
+        """The images with placeholder tokens among prompt tokens `start .. end`."""
+        return [image for image in self.images if image.offset < end and image.end > start]
+
+    def positions_of(self, start: int, end: int) -> np.ndarray:
+        """`[3, end - start]` rope positions of tokens `start .. end` (past the prompt too)."""
+        num_prompt = self.positions.shape[1]
+        inside = self.positions[:, start:min(end, num_prompt)]
+        after = np.arange(max(start, num_prompt), end) + self.position_delta
+        return np.concatenate([inside, np.broadcast_to(after, (3, len(after)))], axis=1)

@@ -31,6 +31,9 @@ _PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Qwen3.5's and Qwen3-Next's multi-token-prediction head: kept in model dirs, loaded apart by
 # speculative decoding's `mtp` method (metal_engine.drafting.mtp).
 MTP_PREFIX = "mtp."
+# A converted dir keeps a Qwen vision tower under Hugging Face's names; metal_engine.vision
+# loads it, the text model skips it.
+TOWER_PREFIX = "model.visual."
 # Where a multimodal checkpoint keeps its text model: Hugging Face's prefix, mlx-lm's two.
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                   "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
@@ -117,12 +120,13 @@ def to_this_layout(weights: dict[str, mx.array], config: ModelConfig,
     hybrid families differs: a multimodal wrapper's text model sits under `language_model.`
     beside its vision tower, conv1d weights are MLX's `[C, K, 1]`, some norms carry `1 + w`,
     and Qwen3-Next's fused projections stay fused (also quantized). The multi-token-prediction
-    head (`mtp.*`) is set aside: metal_engine.drafting.mtp loads it."""
+    head (`mtp.*`) is set aside: metal_engine.drafting.mtp loads it; so is a converted dir's
+    vision tower (`model.visual.*`: metal_engine.vision)."""
     if multimodal:
         weights = {target: v for n, v in weights.items()
                    if (target := text_model_name(n)) is not None}
     weights = {moved_name(config.model_type, n): v for n, v in weights.items()
-               if not n.startswith(MTP_PREFIX)}
+               if not n.startswith((MTP_PREFIX, TOWER_PREFIX))}
     if config.linear_attention is None:
         return weights
     if is_mlx_lm_hybrid({n: tuple(v.shape) for n, v in weights.items()}):

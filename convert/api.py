@@ -25,10 +25,11 @@ def local_source(source: str | Path, revision: str | None = None) -> Path:
     return path
 
 
-def open_source(path: Path) -> ModelSource:
-    """Open a local .gguf file or Hugging Face dir; nothing heavy is read yet."""
+def open_source(path: Path, text_only: bool = False) -> ModelSource:
+    """Open a local .gguf file or Hugging Face dir; nothing heavy is read yet. `text_only`:
+    leave a multimodal checkpoint's vision tower out."""
     if path.is_dir():
-        return open_hf_dir(path)
+        return open_hf_dir(path, text_only)
     if path.is_file() and path.suffix == ".gguf":
         return open_gguf(path)
     raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model dir")
@@ -43,9 +44,11 @@ def convert_model(
     quantize: int | None = None,
     group_size: int = 64,
     revision: str | None = None,
+    text_only: bool = False,
 ) -> Path:
     """Convert `source` (a .gguf file, a Hugging Face model dir or hub repo id) into the model
-    dir `out`, with Linear/Embedding weights quantized to `quantize` bits if given.
+    dir `out`, with Linear/Embedding weights quantized to `quantize` bits if given. A Qwen
+    vision tower comes along (float, never quantized) unless `text_only`.
 
     `out` appears only once complete; an existing non-empty `out` is replaced only with `force`.
     Returns `out`.
@@ -57,4 +60,5 @@ def convert_model(
     if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
         raise ValueError(f"--out {out} would replace the source {source}; choose another --out")
     check_out_dir(out, force)  # before reading a large source, not after
-    return write_model_dir(open_source(path), out, dtype, force, progress, quantization)
+    return write_model_dir(open_source(path, text_only), out, dtype, force, progress,
+                           quantization)

@@ -29,6 +29,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                              "(MLX affine quantization, as mlx-lm writes it)")
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
                         help="weights sharing one scale and bias when quantizing (default: 64)")
+    parser.add_argument("--text-only", action="store_true",
+                        help="leave a multimodal checkpoint's vision tower out (Qwen3.5, "
+                             "Qwen3-VL keep it by default)")
     parser.add_argument("--revision", help="branch, tag or commit of a hub repo (default: main)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--no-validate", dest="validate", action="store_false",
@@ -43,7 +46,8 @@ def run_convert(args: argparse.Namespace) -> int:
     try:
         out = convert_model(args.source, args.out, dtype=args.dtype, force=args.force,
                             progress=not args.no_progress, quantize=args.quantize,
-                            group_size=args.group_size, revision=args.revision)
+                            group_size=args.group_size, revision=args.revision,
+                            text_only=args.text_only)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"metal-serve convert: error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,11 @@ tensors a family keeps beside another module than the one using them (Laguna's r
 `metal_engine.loading.weights.moved_name`), and float dirs in mlx-lm's hybrid layout, which are
 read back into Hugging Face's (metal_engine.loading.weights.to_this_layout).
 
+A Qwen vision tower (Qwen3.5's, Qwen3-VL's) is kept unless `text_only`: under Hugging Face's
+names (`model.visual.*`, also from mlx-vlm's `vision_tower.*`, its conv weight laid back out),
+float, beside the image processor's preprocessor_config.json, its `vision_config` and image
+token ids written into config.json (metal_engine.vision loads it).
+
 Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
 speculative decoding (metal_engine.drafting.mtp): under its own names, laid out as the
 decoder layers are (experts stacked), and never quantized (metal_engine.drafting.mtp loads
@@ -19,10 +24,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from safetensors import safe_open
@@ -37,11 +43,25 @@ from convert.tokenizer_files import copy_hf_tokenizer
 from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, text_part_config
 from metal_engine.loading.weights import (
     MTP_PREFIX,
+    TOWER_PREFIX,
     from_mlx_lm_hybrid,
     is_mlx_lm_hybrid,
     moved_name,
     safetensors_files,
     text_model_name,
+)
+from metal_engine.vision.qwen_image_processing import PREPROCESSOR_FILE
+from metal_engine.vision.qwen_vision_config import (
+    QwenVisionConfig,
+    read_vision_config,
+    tower_config_entries,
+)
+from metal_engine.vision.qwen_vision_loading import (
+    HF_PATCH_EMBED,
+    conv_as_hf,
+    conv_shape_as_hf,
+    hf_tower_shapes,
+    tower_name,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,8 +77,9 @@ _MTP_PARTS = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.",
               "post_attention_layernorm.": "layers.0.post_attention_layernorm."}
 
 
-def open_hf_dir(path: Path) -> ModelSource:
-    """Validate names and shapes of every tensor against config.json; load nothing yet."""
+def open_hf_dir(path: Path, text_only: bool = False) -> ModelSource:
+    """Validate names and shapes of every tensor against config.json; load nothing yet.
+    `text_only`: leave a Qwen vision tower out (it is kept by default)."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
@@ -68,8 +89,10 @@ def open_hf_dir(path: Path) -> ModelSource:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     model_config = config_from_hf(config)
     files = _weight_files(path)
+    tower = None if text_only else read_vision_config(config)
     names_by_file = _tensor_names(files, model_config,
-                                  text_part=config.get("model_type") in TEXT_PARTS)
+                                  text_part=config.get("model_type") in TEXT_PARTS,
+                                  keep_tower=tower is not None)
     fp8_scales = _fp8_scales(names_by_file, fp8_block(config))
     found = {target: shape for names in names_by_file.values()
              for target, shape in names.values()}
@@ -77,13 +100,17 @@ def open_hf_dir(path: Path) -> ModelSource:
     quantized = packed_modules(list(found))
     laid_out = unfused_shapes(model_config, stacked_shapes(
         model_config, relaid_shapes(_hf_shapes(found) if mlx_lm else found)))
-    extra = {n: shape for n, shape in laid_out.items() if n.startswith(MTP_PREFIX)}
+    extra = {n: shape for n, shape in laid_out.items()
+             if n.startswith((MTP_PREFIX, TOWER_PREFIX))}
     check_tensors({n: shape for n, shape in laid_out.items() if n not in extra},
                   stored_shapes(model_config, quantized))
     base_config = dict(text_part_config(config))  # a multimodal config's text model
     base_config.pop("quantization_config", None)  # how the source stored it, not the output
-    if extra and model_config.model_type in MTP_AFTER_THE_STACK:  # the one layer kept
+    mtp = any(n.startswith(MTP_PREFIX) for n in extra)
+    if mtp and model_config.model_type in MTP_AFTER_THE_STACK:  # the one layer kept
         base_config["mtp_num_hidden_layers"] = 1
+    tower_shapes = {n: shape for n, shape in extra.items() if n.startswith(TOWER_PREFIX)}
+    base_config = _with_tower_entries(base_config, config, tower, tower_shapes)
     return ModelSource(
         kind="hf",
         path=path,
@@ -91,7 +118,7 @@ def open_hf_dir(path: Path) -> ModelSource:
         base_config=base_config,
         tensors=lambda: unfuse(model_config, stack_experts(
             model_config, relay_tensors(_read_tensors(names_by_file, mlx_lm, fp8_scales)))),
-        write_tokenizer=partial(copy_hf_tokenizer, path),
+        write_tokenizer=partial(_copy_side_files, path, bool(tower_shapes)),
         files=(config_path, *files),
         quantized=quantized,
         extra_shapes=extra,
@@ -112,23 +139,45 @@ def _weight_files(path: Path) -> list[Path]:
     return safetensors_files(path)  # refuses a dir of pickle checkpoints
 
 
-def _tensor_names(files: list[Path], config: ModelConfig,
-                  text_part: bool) -> dict[Path, dict[str, tuple[str, tuple[int, ...]]]]:
+def _with_tower_entries(base_config: dict[str, Any], config: dict[str, Any],
+                        tower: QwenVisionConfig | None,
+                        tower_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """`base_config` describing the kept tower, whose tensors are checked against it, or no
+    tower (mlx-lm's dirs keep the vision_config without the tower; a converted dir converted
+    again `text_only` would)."""
+    entries = tower_config_entries(config)
+    if tower is None or not tower_shapes:
+        return {k: v for k, v in base_config.items() if k not in entries}
+    check_tensors(tower_shapes, hf_tower_shapes(tower))
+    return {**base_config, **entries}
+
+
+def _copy_side_files(source: Path, keep_tower: bool, out: Path) -> None:
+    """The tokenizer files, and the image processor's config beside a kept tower."""
+    copy_hf_tokenizer(source, out)
+    if keep_tower and (source / PREPROCESSOR_FILE).is_file():
+        shutil.copy2(source / PREPROCESSOR_FILE, out / PREPROCESSOR_FILE)
+
+
+def _tensor_names(files: list[Path], config: ModelConfig, text_part: bool,
+                  keep_tower: bool) -> dict[Path, dict[str, tuple[str, tuple[int, ...]]]]:
     """Per file, the tensors to convert: source name -> (name here, shape), read from the
-    headers only. `text_part`: a multimodal checkpoint, of which only the text model is kept."""
+    headers only. `text_part`: a multimodal checkpoint, of which the text model is kept, and
+    with `keep_tower` its Qwen vision tower (under Hugging Face's names and conv layout)."""
     names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     seen: set[str] = set()
     tied, layers = config.tie_word_embeddings, config.num_hidden_layers
     for file in files:
         with safe_open(file, framework="numpy") as handle:
             shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
-        targets = {n: text_model_name(n) if text_part else n for n in shapes}
+        targets = {n: _target_name(n, text_part, keep_tower) for n in shapes}
         targets = {n: moved_name(config.model_type, t) for n, t in targets.items()
                    if t is not None}
         if config.model_type in MTP_AFTER_THE_STACK:
             targets = {n: _mtp_name(t, layers) for n, t in targets.items()}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
-        names = {n: (t, shapes[n]) for n, t in targets.items()
+        names = {n: (t, conv_shape_as_hf(shapes[n]) if t == HF_PATCH_EMBED else shapes[n])
+                 for n, t in targets.items()
                  if t is not None and not t.endswith(IGNORED_SUFFIXES)
                  and not (tied and t == "lm_head.weight") and not _beyond_the_stack(t, layers)}
         duplicates = seen.intersection(names)
@@ -137,6 +186,15 @@ def _tensor_names(files: list[Path], config: ModelConfig,
         seen.update(names)
         names_by_file[file] = names
     return names_by_file
+
+
+def _target_name(name: str, text_part: bool, keep_tower: bool) -> str | None:
+    """A source tensor's name here: a vision tower's under `model.visual.` (None unless kept),
+    a multimodal checkpoint's text model's as the text model names it."""
+    tower = tower_name(name)
+    if tower is not None:
+        return tower if keep_tower else None
+    return text_model_name(name) if text_part else name
 
 
 def _hf_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -198,4 +256,5 @@ def _read_tensors(names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]
         weights = mx.load(str(file))
         for source, (target, _) in names.items():
             tensor = from_mlx_lm_hybrid(target, weights[source]) if mlx_lm else weights[source]
+            tensor = conv_as_hf(tensor) if target == HF_PATCH_EMBED else tensor
             yield target, tensor if fp8 is None else fp8.dequantized(target, tensor)

@@ -25,8 +25,9 @@ class ModelSource:
     `tensor_shapes(config)`, each exactly once, except that the modules in `quantized` come
     already packed, as `stored_shapes(config, quantized)` names them (GPT-OSS's MXFP4 experts),
     and the `extra_shapes` tensors, which the model does not load but the dir keeps, in float
-    (Qwen3.5's multi-token-prediction head, for speculative decoding).
-    `write_tokenizer(dir)` writes the tokenizer files into dir. `base_config` holds source
+    (Qwen3.5's multi-token-prediction head, for speculative decoding; a Qwen vision tower).
+    `write_tokenizer(dir)` writes the tokenizer files into dir (and the image processor's
+    config beside a kept vision tower). `base_config` holds source
     config keys to keep (empty for GGUF); `files` are the source files the manifest
     fingerprints.
     """

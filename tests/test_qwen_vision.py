@@ -1,7 +1,7 @@
 """The Qwen vision side against transformers: image preprocessing (Qwen2VLImageProcessorPil,
 which Qwen3-VL and Qwen3.5 use), the tower's embeddings and deepstack features
 (`get_image_features` of tiny random Qwen3-VL and Qwen3.5 checkpoints), loading from
-`save_pretrained` dirs and mlx-vlm's layout."""
+`save_pretrained` dirs and mlx-vlm's layout, and conversion keeping the tower."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ import torch
 import transformers
 from mlx_dirs import mlx_lm_hybrid_tensors, save_mlx_dir
 from PIL import Image
+from safetensors.numpy import load_file
 from tiny_models import COMMON, TINY_MODELS, VOCAB
 from tokenizers import Tokenizer, models
 from transformers import Qwen2VLImageProcessorPil
 
+from convert import convert_model
+from metal_engine.loading.weights import load_model
 from metal_engine.vision.qwen_image_processing import (
     PREPROCESSOR_FILE,
     QwenImageProcessing,
@@ -26,6 +29,7 @@ from metal_engine.vision.qwen_image_processing import (
     preprocess_image,
 )
 from metal_engine.vision.qwen_vision_config import (
+    ImageTokenIds,
     read_image_token_ids,
     read_vision_config,
 )
@@ -170,9 +174,9 @@ def test_the_tower_computes_what_transformers_does(checkpoint) -> None:
     assert_same_features(folder, model, folder, [random_image(70, 40), random_image(150, 100)])
 
 
-def test_the_mlx_vlm_layout_loads(checkpoint, tmp_path: Path) -> None:
+def test_the_mlx_vlm_layout_loads_and_converts(checkpoint, tmp_path: Path) -> None:
     """mlx-vlm's dirs: the tower under `vision_tower.`, its conv channel-last; they load as
-    they are. mlx-lm's keep no tower."""
+    they are and convert back to Hugging Face's tensors. mlx-lm's keep no tower."""
     family, model, folder = checkpoint
     hf = mx.load(str(folder / "model.safetensors"))
     text = save_mlx_dir(tmp_path / "mlx-lm", folder, mlx_lm_hybrid_tensors(hf, True), None)
@@ -185,7 +189,44 @@ def test_the_mlx_vlm_layout_loads(checkpoint, tmp_path: Path) -> None:
     (theirs / PREPROCESSOR_FILE).write_bytes((folder / PREPROCESSOR_FILE).read_bytes())
     assert tower["vision_tower.patch_embed.proj.weight"].shape[-1] == 3
     assert_same_features(theirs, model, folder, [random_image(70, 40), random_image(90, 60)])
+    if family == "qwen3_5":  # the text model of Qwen3-VL is not served yet
+        out = convert_model(theirs, tmp_path / "out", progress=False)
+        got, want = load_file(out / "model.safetensors"), load_file(folder / "model.safetensors")
+        for name in [n for n in want if n.startswith("model.visual.")]:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
+
+def test_conversion_keeps_the_tower_in_float(tmp_path: Path) -> None:
+    """A converted Qwen3.5 dir holds the tower (never quantized), its vision_config, image
+    token ids and preprocessor config; the text model loads past it; `text_only` drops it."""
+    source = tmp_path / "hf"
+    source.mkdir()
+    model = build_checkpoint("qwen3_5", source)
+    images = [random_image(70, 40), random_image(150, 100)]
+    for quantize in (None, 4):
+        out = convert_model(source, tmp_path / f"q{quantize}", quantize=quantize, group_size=32,
+                            progress=False)
+        tensors = mx.load(str(out / "model.safetensors"))
+        assert any(n.endswith(".scales") for n in tensors) == (quantize is not None)
+        tower = {n: t for n, t in tensors.items() if n.startswith("model.visual.")}
+        assert tower and all(t.dtype == mx.float32 for t in tower.values())
+        config = json.loads((out / "config.json").read_text())
+        assert config["model_type"] == "qwen3_5_text"
+        assert read_image_token_ids(config) == ImageTokenIds(248056, 248057, 248053, 248054)
+        assert (out / PREPROCESSOR_FILE).is_file()
+        load_model(out, mx.float32)  # strict: the tower's tensors are not the text model's
+        assert_same_features(out, model, source, images)
+
+    again = convert_model(tmp_path / "qNone", tmp_path / "again", progress=False)
+    assert_same_features(again, model, source, images)  # a converted dir converts again
+    for text_source in (source, again):
+        text_only = convert_model(text_source, tmp_path / "text", progress=False, force=True,
+                                  text_only=True)
+        names = load_file(text_only / "model.safetensors")
+        assert not any(n.startswith("model.visual.") for n in names)
+        assert "vision_config" not in json.loads((text_only / "config.json").read_text())
+        assert load_vision_tower(text_only, mx.float32) is None
+        assert not (text_only / PREPROCESSOR_FILE).exists()
 
 
 def test_the_config_reader_applies_each_familys_defaults() -> None:

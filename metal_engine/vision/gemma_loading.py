@@ -1,0 +1,83 @@
+"""Load Gemma 3's or Gemma 4's vision tower from a model dir: a Hugging Face multimodal
+checkpoint (`model.vision_tower.*` as transformers 5 saves Gemma 4, `vision_tower.*` and
+`multi_modal_projector.*` as it saves Gemma 3, `vision_tower.vision_model.*` in Google's
+Gemma 3 uploads) or mlx-vlm's (the same names without `model.`, Gemma 3's patch convolution
+in MLX's `[out, p, p, channels]` layout, linears possibly quantized: dequantized here).
+
+The text model's tensors are never read: metal_engine.loading.weights loads those.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from metal_engine.loading.model_config import read_config_json
+from metal_engine.loading.quantization import QuantizationConfig, dequantize_weights
+from metal_engine.loading.weights import safetensors_files
+from metal_engine.vision.gemma3_vision import Gemma3VisionTower
+from metal_engine.vision.gemma4_vision import Gemma4VisionTower
+from metal_engine.vision.gemma_config import Gemma3VisionConfig, read_gemma_vision
+
+GemmaVisionTower = Gemma3VisionTower | Gemma4VisionTower
+_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "embed_vision.")
+# Stored beside the tower but unused by it: SigLIP's pooling head (Gemma 3 reads patches) and
+# position-id buffers.
+_UNUSED = ("vision_tower.head.", "position_ids")
+_CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+
+
+def load_gemma_vision(model_dir: Path | str, dtype: mx.Dtype) -> GemmaVisionTower | None:
+    """The dir's Gemma vision tower with float weights in `dtype`; None when the config is
+    not a Gemma 3 / Gemma 4 multimodal one (a converted text-only dir included)."""
+    raw = read_config_json(Path(model_dir))
+    config = read_gemma_vision(raw)
+    if config is None:
+        return None
+    stored: dict[str, mx.array] = {}
+    for path in safetensors_files(Path(model_dir)):
+        stored.update({n: t for n, t in mx.load(str(path)).items() if tower_name(n)})
+    quantization = QuantizationConfig.from_config(raw)
+    if quantization is not None:
+        stored = dequantize_weights(stored, quantization)
+    tower = (Gemma3VisionTower if isinstance(config, Gemma3VisionConfig)
+             else Gemma4VisionTower)(config)
+    wanted = {name for name, _ in tree_flatten(tower.parameters())}
+    weights = {}
+    for name, tensor in stored.items():
+        target = tower_name(name)
+        if target in wanted:
+            weights[target] = tensor
+        elif not _ignored(target):
+            raise ValueError(f"{model_dir}: tensor {name!r} is not part of the "
+                             f"{raw['model_type']} vision tower")
+    if isinstance(config, Gemma3VisionConfig):
+        weights = _conv_as_stored_by_torch(weights, config.vision.num_channels)
+    tower.load_weights([(n, t.astype(dtype)) for n, t in weights.items()], strict=True)
+    tower.eval()
+    mx.eval(tower.parameters())
+    return tower
+
+
+def tower_name(name: str) -> str | None:
+    """The tower's name for a stored tensor; None for the text model's (and audio's)."""
+    name = name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.")
+    return name if name.startswith(_TOWER_PREFIXES) else None
+
+
+def _ignored(name: str) -> bool:
+    """Tensors a checkpoint may hold that the tower has no use for; clip bounds of a tower
+    configured without clipping too, as transformers leaves them then."""
+    return any(part in name for part in _UNUSED) or name.endswith(_CLIP_BOUNDS)
+
+
+def _conv_as_stored_by_torch(weights: dict[str, mx.array], channels: int) -> dict[str, mx.array]:
+    """Gemma 3's patch convolution as `[out, channels, p, p]`; mlx-vlm stores it
+    `[out, p, p, channels]`."""
+    name = "vision_tower.embeddings.patch_embedding.weight"
+    conv = weights.get(name)
+    if conv is not None and conv.shape[1] != channels and conv.shape[3] == channels:
+        weights = {**weights, name: conv.transpose(0, 3, 1, 2)}
+    return weights

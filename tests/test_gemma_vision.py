@@ -4,6 +4,7 @@ transformers' PIL image processors, the towers' soft tokens against `get_image_f
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -185,6 +186,27 @@ def test_mlx_vlm_layout_loads_the_same_tower(gemma3, tmp_path: Path) -> None:
     ours = load_gemma_vision(tmp_path, mx.float32).encode([image]).embeds
     reference = load_gemma_vision(path, mx.float32).encode([image]).embeds
     np.testing.assert_array_equal(np.array(ours), np.array(reference))
+
+
+def test_mlx_vlm_quantized_tower_loads_dequantized(gemma4, tmp_path: Path) -> None:
+    """mlx-vlm's Gemma 4: no `model.` prefix, the tower's linears quantized (8 bits)."""
+    path, _ = gemma4
+    saved = mx.load(str(path / "model.safetensors"))
+    stored = {name.removeprefix("model."): tensor for name, tensor in saved.items()}
+    for name in [n for n, t in stored.items() if n.endswith("linear.weight")]:
+        module = name.removesuffix(".weight")
+        stored[name], stored[f"{module}.scales"], stored[f"{module}.biases"] = mx.quantize(
+            stored[name], group_size=32, bits=8)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), stored)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    float_tower = load_gemma_vision(path, mx.float32)
+    image = Gemma4ImageProcessor.from_model_dir(path, float_tower.config)(_images()[0])
+    ours = load_gemma_vision(tmp_path, mx.float32).encode([image]).embeds
+    reference = float_tower.encode([image]).embeds
+    np.testing.assert_allclose(np.array(ours), np.array(reference), atol=0.05, rtol=0)
+    assert not np.array_equal(np.array(ours), np.array(reference))
 
 
 def test_text_only_dir_has_no_tower(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ from metal_engine.loading.weights import (
     safetensors_files,
     text_model_name,
 )
-from metal_engine.vision.qwen_image_processing import PREPROCESSOR_FILE
+from metal_engine.vision.pixels import IMAGE_PROCESSOR_CONFIG, PROCESSOR_CONFIG
 from metal_engine.vision.qwen_vision_config import (
     QwenVisionConfig,
     read_vision_config,
@@ -155,8 +155,9 @@ def _with_tower_entries(base_config: dict[str, Any], config: dict[str, Any],
 def _copy_side_files(source: Path, keep_tower: bool, out: Path) -> None:
     """The tokenizer files, and the image processor's config beside a kept tower."""
     copy_hf_tokenizer(source, out)
-    if keep_tower and (source / PREPROCESSOR_FILE).is_file():
-        shutil.copy2(source / PREPROCESSOR_FILE, out / PREPROCESSOR_FILE)
+    for name in (PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG) if keep_tower else ():
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
 
 
 def _tensor_names(files: list[Path], config: ModelConfig, text_part: bool,

@@ -22,8 +22,8 @@ from transformers import Qwen2VLImageProcessorPil
 
 from convert import convert_model
 from metal_engine.loading.weights import load_model
+from metal_engine.vision.pixels import IMAGE_PROCESSOR_CONFIG
 from metal_engine.vision.qwen_image_processing import (
-    PREPROCESSOR_FILE,
     QwenImageProcessing,
     image_token_count,
     preprocess_image,
@@ -65,10 +65,10 @@ def assert_same_processing(ours: QwenImageProcessing, theirs, image: Image.Image
                   **({"size": {"shortest_edge": bounds["min_pixels"],
                                "longest_edge": bounds["max_pixels"]}} if bounds else {}))
     got = preprocess_image(image, ours, **bounds)
-    assert got.grid_thw == tuple(want["image_grid_thw"][0])
+    assert got.grid == tuple(want["image_grid_thw"][0])
     np.testing.assert_allclose(got.pixel_values, want["pixel_values"], atol=1e-5, rtol=0)
     tokens = image_token_count(image.height, image.width, ours, **bounds)
-    assert tokens == got.num_patches // 4 == want["pixel_values"].shape[0] // 4
+    assert tokens == got.num_tokens == want["pixel_values"].shape[0] // 4
 
 
 @pytest.mark.parametrize("spelling", ["size", "min_max_pixels"])
@@ -77,7 +77,7 @@ def test_preprocessing_matches_transformers(spelling: str, tmp_path: Path) -> No
     processor = hf_processor(14, resample=Image.Resampling.BILINEAR)
     processor.save_pretrained(tmp_path)
     if spelling == "min_max_pixels":  # how Qwen2-VL era checkpoints wrote the bounds
-        path = tmp_path / PREPROCESSOR_FILE
+        path = tmp_path / IMAGE_PROCESSOR_CONFIG
         raw = json.loads(path.read_text())
         raw.pop("size")
         raw.update(min_pixels=PIXELS["shortest_edge"], max_pixels=PIXELS["longest_edge"])
@@ -186,7 +186,7 @@ def test_the_mlx_vlm_layout_loads_and_converts(checkpoint, tmp_path: Path) -> No
              for name, tensor in hf.items() if name.startswith("model.visual.")}
     theirs = save_mlx_dir(tmp_path / "mlx-vlm", folder,
                           {**mlx_lm_hybrid_tensors(hf, multimodal=True), **tower}, None)
-    (theirs / PREPROCESSOR_FILE).write_bytes((folder / PREPROCESSOR_FILE).read_bytes())
+    (theirs / IMAGE_PROCESSOR_CONFIG).write_bytes((folder / IMAGE_PROCESSOR_CONFIG).read_bytes())
     assert tower["vision_tower.patch_embed.proj.weight"].shape[-1] == 3
     assert_same_features(theirs, model, folder, [random_image(70, 40), random_image(90, 60)])
     if family == "qwen3_5":  # the text model of Qwen3-VL is not served yet
@@ -213,7 +213,7 @@ def test_conversion_keeps_the_tower_in_float(tmp_path: Path) -> None:
         config = json.loads((out / "config.json").read_text())
         assert config["model_type"] == "qwen3_5_text"
         assert read_image_token_ids(config) == ImageTokenIds(248056, 248057, 248053, 248054)
-        assert (out / PREPROCESSOR_FILE).is_file()
+        assert (out / IMAGE_PROCESSOR_CONFIG).is_file()
         load_model(out, mx.float32)  # strict: the tower's tensors are not the text model's
         assert_same_features(out, model, source, images)
 
@@ -226,7 +226,7 @@ def test_conversion_keeps_the_tower_in_float(tmp_path: Path) -> None:
         assert not any(n.startswith("model.visual.") for n in names)
         assert "vision_config" not in json.loads((text_only / "config.json").read_text())
         assert load_vision_tower(text_only, mx.float32) is None
-        assert not (text_only / PREPROCESSOR_FILE).exists()
+        assert not (text_only / IMAGE_PROCESSOR_CONFIG).exists()
 
 
 def test_the_config_reader_applies_each_familys_defaults() -> None:

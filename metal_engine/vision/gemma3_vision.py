@@ -68,4 +68,5 @@ class Gemma3VisionTower(nn.Module):
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
         pixels = mx.array(np.stack([image.pixel_values for image in images])).astype(dtype)
         embeds = self(pixels)
-        return VisionFeatures(embeds.reshape(-1, embeds.shape[-1]))
+        return VisionFeatures(embeds.reshape(-1, embeds.shape[-1]), (),
+                              tuple(image.num_tokens for image in images))

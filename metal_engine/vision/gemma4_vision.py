@@ -201,4 +201,5 @@ class Gemma4VisionTower(nn.Module):
         dtype = self.embed_vision.embedding_projection.weight.dtype
         embeds = [self(mx.array(image.pixel_values).astype(dtype), image.grid)
                   for image in images]
-        return VisionFeatures(mx.concatenate(embeds, axis=0))
+        return VisionFeatures(mx.concatenate(embeds, axis=0), (),
+                              tuple(image.num_tokens for image in images))

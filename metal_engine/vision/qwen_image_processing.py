@@ -17,7 +17,6 @@ kernel, which can differ from Pillow's by a few levels per pixel.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-PREPROCESSOR_FILE = "preprocessor_config.json"
+from metal_engine.vision.features import ProcessedImage
+from metal_engine.vision.pixels import IMAGE_PROCESSOR_CONFIG, read_image_processor_config, to_rgb
+
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
@@ -84,26 +85,13 @@ class QwenImageProcessing:
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> QwenImageProcessing:
-        path = Path(model_dir) / PREPROCESSOR_FILE
-        if not path.is_file():
+        settings = read_image_processor_config(model_dir)
+        if not settings:
             raise FileNotFoundError(
-                f"{model_dir} has no {PREPROCESSOR_FILE}, which says how images are resized and "
-                "normalized for its vision tower: copy it from the original checkpoint"
-            )
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
-
-
-@dataclass(frozen=True)
-class ProcessedImage:
-    """One image as the tower's input: `pixel_values` [num_patches, patch_dim] float32 and its
-    patch grid (t, h, w)."""
-
-    pixel_values: np.ndarray
-    grid_thw: tuple[int, int, int]
-
-    @property
-    def num_patches(self) -> int:
-        return math.prod(self.grid_thw)
+                f"{model_dir} has no {IMAGE_PROCESSOR_CONFIG}, which says how images are "
+                "resized and normalized for its vision tower: copy it from the original "
+                "checkpoint")
+        return cls.from_dict(settings)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
@@ -147,7 +135,7 @@ def preprocess_image(image: Image.Image, options: QwenImageProcessing,
                      min_pixels: int | None = None,
                      max_pixels: int | None = None) -> ProcessedImage:
     """`image` as the tower's patches (see the module docstring)."""
-    rgb = as_rgb(image)
+    rgb = to_rgb(image)
     grid = patch_grid(rgb.height, rgb.width, options, min_pixels, max_pixels)
     if options.do_resize:
         size = (grid[2] * options.patch_size, grid[1] * options.patch_size)  # Pillow: (w, h)
@@ -163,7 +151,8 @@ def preprocess_image(image: Image.Image, options: QwenImageProcessing,
         mean, std = (np.asarray(v, dtype=np.float32) for v in (options.image_mean,
                                                                options.image_std))
         values = (values - mean) / std
-    return ProcessedImage(patchify(values.transpose(2, 0, 1), options), grid)
+    return ProcessedImage(patchify(values.transpose(2, 0, 1), options), grid,
+                          math.prod(grid) // options.merge_size ** 2)
 
 
 def patchify(image: np.ndarray, options: QwenImageProcessing) -> np.ndarray:
@@ -177,12 +166,3 @@ def patchify(image: np.ndarray, options: QwenImageProcessing) -> np.ndarray:
     repeated = np.broadcast_to(blocks[:, :, :, :, :, None],
                                (*blocks.shape[:5], t, p, p))
     return np.ascontiguousarray(repeated.reshape(-1, channels * t * p * p), dtype=np.float32)
-
-
-def as_rgb(image: Image.Image) -> Image.Image:
-    """`image` in RGB; a transparent one composited onto white first."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")

@@ -14,13 +14,12 @@ Linear here and loading flattens the conv weight (metal_engine.vision.qwen_visio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from metal_engine.vision.qwen_image_processing import ProcessedImage
+from metal_engine.vision.features import ProcessedImage, VisionFeatures
 from metal_engine.vision.qwen_vision_config import QwenVisionConfig
 from metal_engine.vision.qwen_vision_grid import (
     Grid,
@@ -31,18 +30,6 @@ from metal_engine.vision.qwen_vision_grid import (
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu, "silu": nn.silu}
 _NORM_EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class VisionFeatures:
-    """What a batch of images hands the text model, rows in image order: `embeds`
-    [num_tokens, text_hidden] replace the image tokens; `deepstack` (Qwen3-VL) holds one
-    [num_tokens, text_hidden] array per deepstack layer, added to the text model's hidden
-    states at those tokens; `token_counts` is each image's share of the rows."""
-
-    embeds: mx.array
-    deepstack: tuple[mx.array, ...]
-    token_counts: tuple[int, ...]
 
 
 class VisionAttention(nn.Module):
@@ -162,7 +149,7 @@ class QwenVisionTower(nn.Module):
     def encode(self, images: Sequence[ProcessedImage]) -> VisionFeatures:
         """The features of preprocessed images, batched in one pass."""
         pixels = np.concatenate([image.pixel_values for image in images])
-        return self(mx.array(pixels), [image.grid_thw for image in images])
+        return self(mx.array(pixels), [image.grid for image in images])
 
     def learned_positions(self, grids: Sequence[Grid]) -> mx.array:
         """The learned position grid resampled to each image's: [num_patches, hidden]."""

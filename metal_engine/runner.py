@@ -27,8 +27,7 @@ from metal_engine.sampling.sampler import SamplingBatch, sample
 from metal_engine.sampling.sampling_row import SamplingRow
 from metal_engine.vision.encoder_cache import EncoderCache
 from metal_engine.vision.step_media import step_images, step_positions
-from scheduler.media import PromptMedia
-from scheduler.output import ScheduledRequest, SchedulerOutput, TokenHistory
+from scheduler.output import PromptMedia, ScheduledRequest, SchedulerOutput, TokenHistory
 
 if TYPE_CHECKING:
     from metal_engine.parallel.peers import Peers

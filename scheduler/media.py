@@ -13,8 +13,7 @@ never share a block.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Any
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,8 +23,9 @@ class ImageSpan:
     offset: int  # index of its first placeholder token in the prompt
     length: int  # its placeholder tokens (= the embeddings the tower gives it)
     content_hash: str  # of the decoded picture and how it was preprocessed
-    pixels: np.ndarray  # the tower's input, as the model's image processor made it
-    grid: tuple[int, int, int]  # (frames, patch rows, patch columns) of `pixels`
+    # The tower's input as the model's image processor made it (its pixels and patch grid,
+    # metal_engine.vision.features.ProcessedImage): the scheduler only carries it.
+    processed: Any
 
     @property
     def end(self) -> int:
@@ -43,7 +43,7 @@ class PromptMedia:
     """
 
     images: tuple[ImageSpan, ...]
-    positions: np.ndarray | None = None
+    positions: Any = None  # numpy int [3, num_prompt_tokens]: the runner's to read
     position_delta: int = 0
 
     def block_keys(self, block_index: int, block_size: int) -> tuple[str, ...]:
@@ -55,10 +55,3 @@ class PromptMedia:
     def overlapping(self, start: int, end: int) -> list[ImageSpan]:
         """The images with placeholder tokens among prompt tokens `start .. end`."""
         return [image for image in self.images if image.offset < end and image.end > start]
-
-    def positions_of(self, start: int, end: int) -> np.ndarray:
-        """`[3, end - start]` rope positions of tokens `start .. end` (past the prompt too)."""
-        num_prompt = self.positions.shape[1]
-        inside = self.positions[:, start:min(end, num_prompt)]
-        after = np.arange(max(start, num_prompt), end) + self.position_delta
-        return np.concatenate([inside, np.broadcast_to(after, (3, len(after)))], axis=1)

@@ -8,7 +8,8 @@
                        (`StatePlan`)
     RequestUpdate      what one step did to one request
 
-Plain data, imported by both sides; it imports no scheduler machinery.
+Plain data, imported by both sides; it imports no scheduler machinery. A prompt's images
+(`PromptMedia`, scheduler.media) reach the runner through it.
 """
 
 from __future__ import annotations

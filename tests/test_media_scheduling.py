@@ -18,8 +18,7 @@ PAD = 99  # the placeholder token: the same id for every image
 
 
 def image(offset: int, length: int, content_hash: str) -> ImageSpan:
-    return ImageSpan(offset, length, content_hash, np.zeros((length, 3), np.float32),
-                     (1, 1, length))
+    return ImageSpan(offset, length, content_hash, processed=None)
 
 
 def prompt_with(content_hash: str) -> tuple[list[int], PromptMedia]:

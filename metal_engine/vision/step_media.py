@@ -59,8 +59,17 @@ def step_positions(scheduled: Sequence[ScheduledRequest], media: Mapping[str, Pr
         prompt_media = media.get(item.request_id)
         if prompt_media is not None and prompt_media.positions is not None:
             start = item.start_position
-            parts.append(prompt_media.positions_of(start, start + count))
+            parts.append(_positions_of(prompt_media, start, start + count))
         else:
             parts.append(np.broadcast_to(positions[row:row + count], (3, count)))
         row += count
     return np.concatenate(parts, axis=1).astype(np.int32)
+
+
+def _positions_of(media: PromptMedia, start: int, end: int) -> np.ndarray:
+    """`[3, end - start]` rope positions of a request's tokens `start .. end`: its prompt's
+    from the table, those past it at `index + position_delta` on all three axes."""
+    num_prompt = media.positions.shape[1]
+    inside = media.positions[:, start:min(end, num_prompt)]
+    after = np.arange(max(start, num_prompt), end) + media.position_delta
+    return np.concatenate([inside, np.broadcast_to(after, (3, len(after)))], axis=1)

@@ -39,6 +39,7 @@ from server.bridge.request_log import log_finish, log_queued
 from server.bridge.stream import QueuedAdd, RequestStream
 from server.http.logs import current_request_id
 from server.http.tenants import current_tenant
+from server.media.options import MediaOptions
 from server.prompt_worker import LONG_PROMPTS_WAITING_BYTES, PromptWorker, max_prompt_text_bytes
 from server.sampling_defaults import SamplingDefaults
 
@@ -55,8 +56,10 @@ class AsyncEngine:
     """Async front of an engine that only one thread may touch.
 
     `generate` and `prepare` may be called from any event loop; `tokenizer`, `model_name`,
-    `max_model_len`, `max_prompt_bytes` and `sampling_defaults` (what requests get for the
-    sampling fields they leave unset) are read-only and safe to use from handlers; `stats()`
+    `max_model_len`, `max_prompt_bytes`, `sampling_defaults` (what requests get for the
+    sampling fields they leave unset), `vision` (whether the model reads images) and `media`
+    (where images may come from, and their limits) are read-only and safe to use from
+    handlers; `stats()`
     is a snapshot the engine thread publishes after every step, and `live_requests()` what the
     handlers have seen of theirs. At most `max_queued_requests` requests (None:
     no limit) may wait for their first output; more raise `QueueFull`. Without
@@ -66,9 +69,12 @@ class AsyncEngine:
     def __init__(
         self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False,
         sampling_defaults: SamplingDefaults | None = None, report_cached_tokens: bool = True,
+        vision: bool = False, media: MediaOptions | None = None,
     ) -> None:
         self.engine = engine
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
+        self.vision = vision
+        self.media = media or MediaOptions()
         self.log_prompts = log_prompts
         self.report_cached_tokens = report_cached_tokens
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot

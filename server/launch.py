@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from metal_engine.loading.model_config import ModelConfig
     from metal_engine.loading.parameter_count import ParameterCount
     from server.app import HttpOptions
+    from server.media.options import MediaOptions
     from server.sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("metal_serve")
@@ -68,7 +69,8 @@ def serve(args: argparse.Namespace) -> int:
 
     bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
                          sampling_defaults=defaults,
-                         report_cached_tokens=args.report_cached_tokens)
+                         report_cached_tokens=args.report_cached_tokens,
+                         media=_media_options(args))
     try:  # on the thread that steps: the CPU backend's loops run slower on any other
         bridge.run_on_engine_thread(lambda: _warm_up(engine))
     except (RuntimeError, ValueError, OSError) as exc:
@@ -310,6 +312,15 @@ def _parameter_count(engine: LLMEngine) -> ParameterCount:
     from metal_engine.loading.parameter_count import count_parameters
 
     return count_parameters(engine.runner.model.config)
+
+
+def _media_options(args: argparse.Namespace) -> MediaOptions:
+    from server.media.options import MediaOptions
+
+    return MediaOptions(
+        args.allowed_media_domains, args.allow_media_urls, args.limit_mm_per_prompt,
+        args.max_image_pixels, args.max_image_bytes, args.media_fetch_timeout,
+    )  # fmt: skip
 
 
 def _http_options(args: argparse.Namespace) -> HttpOptions:

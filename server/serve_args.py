@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from pathlib import Path
@@ -10,6 +11,12 @@ from typing import Literal
 
 from scheduler.spec_decode.config import SpeculativeConfig
 from server.core.tool_parser_choice import PARSERS
+from server.media.options import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+)
 from server.sampling_defaults import FROM_MODEL, parse_override
 
 _UNITS = {
@@ -77,6 +84,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_parallel_arguments(parser.add_argument_group("ranks (docs/distributed.md)"))
     _add_sampling_arguments(parser.add_argument_group("sampling defaults"))
     _add_prefix_cache_arguments(parser.add_argument_group("prefix cache"))
+    _add_image_arguments(parser.add_argument_group("images (models with vision)"))
     add_hardening_arguments(parser)
 
 
@@ -266,6 +274,60 @@ def _add_prefix_cache_arguments(group: argparse._ArgumentGroup) -> None:
         help="save each block to --kv-cache-dir as soon as it is computed, before the "
         "request's answer goes out: the prefill server of a prefill/decode split, whose "
         "decode server shares the directory (see docs/distributed.md)",
+    )
+
+
+def _image_limit(text: str) -> int:
+    """Images per request: N, or vLLM's JSON spelling '{"image": N}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f'expected N or {{"image": N}}, got {text!r}') from None
+    if isinstance(value, dict) and set(value) <= {"image"}:
+        value = value.get("image", DEFAULT_MAX_IMAGES)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f'expected N or {{"image": N}} with N at least 0 (only images are read), got {text!r}'
+        )
+    return value
+
+
+def _hosts(text: str) -> frozenset[str]:
+    return frozenset(_origins(text.lower()))
+
+
+def _add_image_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--allowed-media-domains", type=_hosts,
+        default=frozenset(), metavar="HOSTS",
+        help="comma-separated hosts whose http(s) image URLs the server fetches, e.g. "
+        '"upload.wikimedia.org" (default: none; images come as data URLs)',
+    )
+    group.add_argument(
+        "--allow-media-urls", action="store_true",
+        help="fetch image URLs from any host, internal addresses included: only for trusted "
+        "clients",
+    )
+    group.add_argument(
+        "--limit-mm-per-prompt", type=_image_limit, default=DEFAULT_MAX_IMAGES,
+        metavar='N|{"image":N}',
+        help=f"most images one request may hold (default {DEFAULT_MAX_IMAGES})",
+    )
+    group.add_argument(
+        "--max-image-pixels", type=_positive_int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+        help="most pixels (width x height) of one image, checked before it is decoded "
+        f"(default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+    group.add_argument(
+        "--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
+        help="largest image file, fetched or sent (default 20MiB; data URLs also count "
+        "toward --max-request-body)",
+    )
+    group.add_argument(
+        "--media-fetch-timeout", type=_positive_seconds, default=DEFAULT_FETCH_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to fetch one image URL, redirects included (default "
+        f"{DEFAULT_FETCH_TIMEOUT_S:.0f})",
     )
 
 

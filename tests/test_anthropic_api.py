@@ -407,15 +407,16 @@ BAD_PROMPTS = [
     ({"messages": []}, "messages"),
     ({"tools": [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(513)]},
      "at most 512"),
-    ({"messages": [{"role": "user", "content": [IMAGE]}]}, "'image'"),
+    ({"messages": [{"role": "user", "content": [IMAGE]}]},
+     "messages[0].content[0].source: this model reads text only"),
     ({"messages": [*QUESTION, {"role": "assistant", "content": "The"}]}, "prefill"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
     ({"tool_choice": {"type": "any"}}, "needs tools"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1",
-         "content": [{"type": "text", "text": "A screenshot:"}, IMAGE]}
-    ]}]}, "messages[0].content[0].content[1]: a tool_result holds a block of type 'image'"),
+         "content": [{"type": "text", "text": "A paper:"}, {"type": "document"}]}
+    ]}]}, "messages[0].content[0].content[1]: a tool_result holds a block of type 'document'"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
                                                 {"type": "mystery"}]}]},
      "messages[0].content[1]: content blocks of type 'mystery' are not supported"),

@@ -219,11 +219,15 @@ def test_invalid_chat_requests(client, body, param, contains):
     assert_openai_error(client.post("/v1/chat/completions", json=body), param, contains)
 
 
-def test_image_parts_are_refused(client):
+def test_image_parts_are_refused_by_a_model_without_vision(client):
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
-    body = {"messages": [{"role": "user", "content": [image]}]}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "See:"}, image]}]}
     response = client.post("/v1/chat/completions", json=body)
-    assert_openai_error(response, "messages[0].content[0].type", "image_url")
+    assert_openai_error(response, "messages[0].content[1].image_url", "reads text only")
+    # In an assistant message an image is wrong for any model.
+    body = {"messages": [{"role": "assistant", "content": [image]}]}
+    response = client.post("/v1/chat/completions", json=body)
+    assert_openai_error(response, "messages[0].content[0].type", "images go in user messages")
 
 
 def test_prompt_longer_than_context(client):

@@ -309,6 +309,10 @@ BAD_REQUESTS = [
     ({"prompt": {"id": "pmpt_123"}}, "prompt"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].image_url"),  # the model has no vision
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
      "input[0]"),
     ({"input": [{"type": "function_call", "name": "get_weather"}]}, "input[0]"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}},

@@ -370,7 +370,7 @@ def test_an_image_in_a_tool_output_becomes_a_note():
         })  # fmt: skip
     assert response.status_code == 200, response.text
     _, turns = last_prompt(engine)
-    assert turns[-1]["content"] == "plot.png:[image left out: this server reads text only]"
+    assert turns[-1]["content"] == "plot.png:[image left out: this model reads text only]"
 
 
 # A tool's type, or a namespace member's, that is not a string (it was looked up in a set).

@@ -16,7 +16,7 @@ from server.anthropic.output import MessageBuilder
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from server.async_engine import AsyncEngine
 from server.core import turn_events
-from server.core.chat_format import prepare_chat
+from server.core.chat_format import prepared_chat
 from server.core.turn_http import serve_turn
 from server.http.limits import check_request_limits
 
@@ -43,7 +43,7 @@ def anthropic_router(
         chat = chat_request(body)
         # Counted in full whatever its length (no context to fit): clients size conversations
         # past the context with it. Long ones take the prompt worker's long lane.
-        prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, tool_call_parser)
+        prepared = await prepared_chat(engine, chat, tool_call_parser, None)
         return TokenCount(input_tokens=len(prepared.ids)).model_dump()
 
     return router

@@ -3,8 +3,9 @@
 The chat path then renders the prompt (tools included), constrains tool calls and parses
 them, so both APIs share one behaviour. The translation is lenient where clients are sloppy
 (`system` messages inside `messages` join the system prompt) and refuses what it cannot
-render (images, documents) with a message naming the message and block,
-`messages[i].content[j]`.
+render (documents) with a message naming the message and block, `messages[i].content[j]`.
+Image blocks (in a `tool_result` too) become the chat's image parts, named by their
+`source` for the errors of loading them (server.core.chat_images).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ _BILLING_HEADER = "x-anthropic-billing-header:"
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request for `body`; a `MessagesRequest` also brings its sampling fields."""
-    fields: dict[str, Any] = {"messages": _system(body) + _conversation(body.messages)}
+    image_fields: list[str] = []
+    messages = _system(body) + _conversation(body.messages, image_fields)
+    fields: dict[str, Any] = {"messages": messages}
     tools = offered_tools(body)
     choice = body.tool_choice
     chat_choice = _tool_choice(choice, body, tools) if choice is not None else None
@@ -54,7 +57,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
             top_k=body.top_k,
             stop=body.stop_sequences,
         )
-    return validated_chat_request(fields)
+    return validated_chat_request(fields, image_fields=image_fields)
 
 
 def _function(tool: Tool) -> dict:
@@ -101,7 +104,8 @@ def _system_message(content: str | list[ContentBlock], where: str) -> str:
     return _BLOCK_SEPARATOR.join(texts)
 
 
-def _conversation(messages: list[InputMessage]) -> list[dict]:
+def _conversation(messages: list[InputMessage], image_fields: list[str]) -> list[dict]:
+    """The chat messages; each image's field joins `image_fields`, in order."""
     chat: list[dict] = []
     turns = [(i, m) for i, m in enumerate(messages) if m.role != "system"]
     if not turns:
@@ -117,7 +121,7 @@ def _conversation(messages: list[InputMessage]) -> list[dict]:
         if message.role == "assistant":
             chat.append(_assistant(message.content, where))
         else:
-            chat.extend(_user(message.content, where))
+            chat.extend(_user(message.content, where, image_fields))
     return chat
 
 
@@ -144,50 +148,95 @@ def _call(block: ContentBlock, where: str) -> dict:
     return {"id": block.id, "type": "function", "function": function}
 
 
-def _user(content: str | list[ContentBlock], where: str) -> list[dict]:
-    """Tool results become tool messages; text between them becomes user messages."""
+def _user(content: str | list[ContentBlock], where: str, image_fields: list[str]) -> list[dict]:
+    """Tool results become tool messages; text and images between them become user messages."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     messages: list[dict] = []
-    texts: list[str] = []
+    pieces: list[str | dict] = []
     for index, block in enumerate(content):
         at = f"{where}.content[{index}]"
-        if block.type != "tool_result":
-            texts.append(_block_text(block, at, "text and tool_result"))
-            continue
-        if texts:
-            messages.append({"role": "user", "content": _BLOCK_SEPARATOR.join(texts)})
-            texts = []
-        messages.append(_tool_result(block, at))
-    if texts:
-        messages.append({"role": "user", "content": _BLOCK_SEPARATOR.join(texts)})
+        if block.type == "tool_result":
+            if pieces:
+                messages.append({"role": "user", "content": _joined(pieces)})
+                pieces = []
+            messages.append(_tool_result(block, at, image_fields))
+        elif block.type == "image":
+            pieces.append(_image(block, at, image_fields))
+        else:
+            pieces.append(_block_text(block, at, "text, image and tool_result"))
+    if pieces:
+        messages.append({"role": "user", "content": _joined(pieces)})
     return messages
 
 
-def _tool_result(block: ContentBlock, where: str) -> dict:
+def _tool_result(block: ContentBlock, where: str, image_fields: list[str]) -> dict:
     if block.tool_use_id is None:
         raise APIError(f"{where}: a tool_result block needs its tool_use_id.")
     content = block.content or ""
     if isinstance(content, str):
-        text = content
+        result: str | list[dict] = content
     else:
-        texts = [_result_text(inner, f"{where}.content[{i}]") for i, inner in enumerate(content)]
-        text = _BLOCK_SEPARATOR.join(texts)
+        result = _joined([_result_piece(inner, f"{where}.content[{i}]", image_fields)
+                          for i, inner in enumerate(content)])
     if block.is_error:
-        text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
+        error = "Error: "
+        result = error + result if isinstance(result, str) else [_text(error), *result]
+    return {"role": "tool", "tool_call_id": block.tool_use_id, "content": result}
 
 
-def _result_text(block: ContentBlock, where: str) -> str:
-    """A tool result's text; a tool search's `tool_reference` loaded its tool into `tools`."""
+def _result_piece(block: ContentBlock, where: str, image_fields: list[str]) -> str | dict:
+    """A tool result's text or image; a tool search's `tool_reference` loaded its tool into
+    `tools`."""
     if block.type == "tool_reference":
         return f"Tool {block.tool_name} loaded."
-    if block.type in ("image", "document"):
+    if block.type == "image":
+        return _image(block, where, image_fields)
+    if block.type == "document":
         raise APIError(
-            f"{where}: a tool_result holds a block of type {block.type!r}; this model reads "
-            "text only, so tool results must be text (a string or text blocks)."
+            f"{where}: a tool_result holds a block of type 'document'; documents are not read "
+            "here, so send their text (a string or text blocks)."
         )
-    return _block_text(block, where, "text and tool_reference")
+    return _block_text(block, where, "text, image and tool_reference")
+
+
+def _image(block: ContentBlock, where: str, image_fields: list[str]) -> dict:
+    """The chat image part of an image block; its source's field joins `image_fields`."""
+    source, field = block.source, f"{where}.source"
+    if source is None:
+        raise APIError(f"{where}: an image block needs its source.")
+    if source.type == "base64" and source.media_type and source.data is not None:
+        url = f"data:{source.media_type};base64,{source.data}"
+    elif source.type == "url" and source.url:
+        url = source.url
+    else:
+        raise APIError(
+            f"{field}: image sources of type {source.type!r} are not read here; send a base64 "
+            "source (with media_type and data) or a url source (with url)."
+        )
+    image_fields.append(field)
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _joined(pieces: list[str | dict]) -> str | list[dict]:
+    """Text blocks as one string, each separate; with images, parts: each run of text blocks
+    one text part, each image in its place."""
+    texts = [piece for piece in pieces if isinstance(piece, str)]
+    if len(texts) == len(pieces):
+        return _BLOCK_SEPARATOR.join(texts)
+    parts: list[dict] = []
+    for piece in pieces:
+        if isinstance(piece, dict):
+            parts.append(piece)
+        elif parts and parts[-1]["type"] == "text":
+            parts[-1]["text"] += _BLOCK_SEPARATOR + piece
+        else:
+            parts.append(_text(piece))
+    return parts
+
+
+def _text(text: str) -> dict:
+    return {"type": "text", "text": text}
 
 
 def _system_field(system: str | list[ContentBlock] | None) -> str:

@@ -17,9 +17,18 @@ from server.core.chat_request_tools import ToolName
 # ---- requests -------------------------------------------------------------------------------
 
 
+class ImageSource(BaseModel):
+    """An image block's picture: `base64` (`media_type` and `data`) or `url`."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
 class ContentBlock(BaseModel):
-    """A `text`, `tool_use` or `tool_result` block, the `tool_reference` blocks that load
-    deferred tools, the `tool_addition` / `tool_removal` blocks of a `system` message that
+    """A `text`, `image`, `tool_use` or `tool_result` block, the `tool_reference` blocks that
+    load deferred tools, the `tool_addition` / `tool_removal` blocks of a `system` message that
     change the tools mid-conversation (or a block we reject when translating)."""
 
     type: str
@@ -32,6 +41,7 @@ class ContentBlock(BaseModel):
     is_error: bool = False  # tool_result
     tool_name: str | None = None  # tool_reference (in a tool_result)
     tool: ToolChange | None = None  # tool_addition, tool_removal
+    source: ImageSource | None = None  # image
 
 
 class ToolChange(BaseModel):

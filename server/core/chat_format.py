@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler.sampling_params import StructuredOutput
+from server.core.chat_images import chat_images
 from server.core.chat_request import ChatCompletionRequest
 from server.core.harmony_encoding import harmony_encoding, speaks_harmony
 from server.core.harmony_parsing import HarmonyTurnParser
@@ -23,6 +24,7 @@ from server.core.reasoning import ReasoningStream, opens_reasoning
 from server.core.tool_call_stream import ToolCallStream
 from server.core.turn_parsing import TemplateTurnParser, TurnParser
 from server.http.errors import APIError
+from server.media.images import ImageInput
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
@@ -32,13 +34,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PreparedChat:
-    """The prompt's token ids, what the sampler must add for this format, and a factory of
-    parsers for the answer (one per choice)."""
+    """The prompt's token ids, what the sampler must add for this format, a factory of
+    parsers for the answer (one per choice), and the request's images in the order the
+    prompt shows them: where each one is, `ids` hold what the chat template writes for an
+    image (e.g. Qwen's `<|vision_start|><|image_pad|><|vision_end|>`), once."""
 
     ids: list[int]
     structured: StructuredOutput | None  # a forced call's or response_format's schema
     stop_token_ids: tuple[int, ...]  # the format's own ends of a turn
     new_parser: Callable[[], TurnParser]
+    images: tuple[ImageInput, ...] = ()  # only for a model with vision
 
     def sampling_params(
         self, chat: ChatCompletionRequest, max_tokens: int, defaults: SamplingDefaults
@@ -57,13 +62,25 @@ def load_chat_format(tokenizer: Any) -> None:
         harmony_encoding(tokenizer)
 
 
+async def prepared_chat(
+    engine: AsyncEngine, chat: ChatCompletionRequest, parser_name: str | None,
+    max_text_bytes: int | None,
+) -> PreparedChat:
+    """`prepare_chat` on the engine's prompt worker, once the request's images are loaded
+    (server.core.chat_images): every route that renders a chat request starts here."""
+    chat, images = await chat_images(chat, engine.vision, engine.media)
+    return await engine.prepare(prepare_chat, engine.tokenizer, chat, parser_name,
+                                max_text_bytes, images)
+
+
 def prepare_chat(
     tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None,
-    max_text_bytes: int | None = None,
+    max_text_bytes: int | None = None, images: Sequence[ImageInput] = (),
 ) -> PreparedChat:
     """The request in the model's format; a 400 for what that format cannot carry.
     `parser_name` (`--tool-call-parser`) only concerns chat templates; a rendered template
-    past `max_text_bytes` is refused before it is tokenized."""
+    past `max_text_bytes` is refused before it is tokenized. `images`: the decoded images of
+    `chat`'s image parts, in order (a model without vision gets none: `chat_images`)."""
     if speaks_harmony(tokenizer):
         return _harmony_chat(tokenizer, chat)
     prompt, plan = prompt_of(tokenizer, chat, parser_name, max_text_bytes)
@@ -74,16 +91,15 @@ def prepare_chat(
         return TemplateTurnParser(ReasoningStream(starts_inside=starts_inside), tools)
 
     structured = plan.structured() or chat.response_structure()
-    return PreparedChat(prompt.ids, structured, (), new_parser)
+    return PreparedChat(prompt.ids, structured, (), new_parser, tuple(images))
 
 
 async def render_ids(
     engine: AsyncEngine, chat: ChatCompletionRequest, parser_name: str | None
 ) -> list[int]:
     """The prompt ids a turn of `chat` would be scheduled with, without generating (vLLM's
-    render routes), prepared on the engine's prompt worker as a generating route does."""
-    prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, parser_name,
-                                    engine.max_prompt_bytes)
+    render routes), prepared as a generating route does."""
+    prepared = await prepared_chat(engine, chat, parser_name, engine.max_prompt_bytes)
     return prepared.ids
 
 

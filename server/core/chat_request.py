@@ -12,13 +12,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from scheduler import SamplingParams
 from scheduler.sampling_params import MAX_REPETITION_PENALTY, StructuredOutput
 from server.core.chat_request_tools import ResponseFormat, Tool, ToolCall, ToolChoice
 from server.http.errors import APIError, Problem, clip, invalid_at
 from server.http.unicode import refuse_lone_surrogates
+from server.media.images import Detail
 from server.sampling_defaults import SAMPLING_KEYS, SamplingDefaults
 from server.serve_args import MAX_N
 
@@ -40,14 +41,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
+class ImageURL(BaseModel):
+    url: str  # a data URL (data:image/png;base64,...) or an http(s) URL
+    detail: Detail = "auto"
+
+
+class ContentPart(BaseModel):
+    """A `text` part, or an `image_url` part (its `image_url` an object, or the URL alone)."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
 
 
 # The roles whose messages must have content; an assistant message needs content or calls.
 _CONTENT_REQUIRED = ("system", "developer", "user", "tool")
-_TEXT_PART = "{'type': 'text', 'text': ...}"
+# Images are the user's, or a tool's output (a screenshot, a file it read).
+_IMAGE_ROLES = ("user", "tool")
+_PARTS = "{'type': 'text', 'text': ...} or {'type': 'image_url', 'image_url': {'url': ...}}"
 
 
 class ChatMessage(BaseModel):
@@ -55,7 +71,7 @@ class ChatMessage(BaseModel):
     by `tool_call_id`). Which roles exist is the chat template's business, not checked here."""
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None  # on assistant messages
     tool_call_id: str | None = None  # on tool messages
     name: str | None = None
@@ -87,19 +103,40 @@ class ChatMessage(BaseModel):
 
     def _part_problems(self) -> list[Problem]:
         problems: list[Problem] = []
-        for index, part in enumerate(self.content if isinstance(self.content, list) else ()):
-            if part.type != "text":
-                refused = f"content parts of type {clip(part.type)!r} are not supported"
-                problems.append((("content", index, "type"), f"{refused}; send {_TEXT_PART}"))
-            elif part.text is None:
+        for index, part in enumerate(self.parts()):
+            if part.type == "text" and part.text is None:
                 problems.append((("content", index, "text"), "a text part needs its text"))
+            elif part.type == "image_url" and part.image_url is None:
+                needs = "an image_url part needs its image_url ({'url': ...})"
+                problems.append((("content", index, "image_url"), needs))
+            elif part.type == "image_url" and self.role not in _IMAGE_ROLES:
+                refused = f"images go in user messages (or tool results), not {self.role} ones"
+                problems.append((("content", index, "type"), refused))
+            elif part.type not in ("text", "image_url"):
+                refused = f"content parts of type {clip(part.type)!r} are not supported"
+                problems.append((("content", index, "type"), f"{refused}; send {_PARTS}"))
         return problems
 
+    def parts(self) -> list[ContentPart]:
+        """The content parts; none for string content."""
+        return self.content if isinstance(self.content, list) else []
+
     def text(self) -> str:
-        """The content as one string (the parts are text parts: validation saw to it)."""
+        """The content's text as one string; image parts are left out."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text or "" for part in self.content)
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """The content as chat templates take it: one string, or with images, text parts and
+        a `{"type": "image"}` part where each image is (how vision models' templates place
+        the image's tokens)."""
+        if not any(part.type == "image_url" for part in self.parts()):
+            return self.text()
+        return [
+            {"type": "text", "text": part.text or ""} if part.type == "text" else {"type": "image"}
+            for part in self.parts()
+        ]
 
 
 # Fields that OpenAI documents as nullable: null means "the default" rather than a 400.
@@ -264,6 +301,9 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool = True
     # How long GPT-OSS (harmony) models think: low, medium or high; other models ignore it.
     reasoning_effort: str | None = None
+    # The caller's field of each image part, in order, where an API adapter translated the
+    # request into this one (Anthropic's `messages[1].content[0].source`); see `image_parts`.
+    _image_fields: list[str] | None = PrivateAttr(default=None)
 
     @field_validator("messages")
     @classmethod
@@ -271,6 +311,27 @@ class ChatCompletionRequest(GenerationRequest):
         if not messages:
             raise ValueError("messages must contain at least one message")
         return messages
+
+    def image_parts(self) -> list[tuple[ChatMessage, ContentPart, str]]:
+        """Each image part, in the order the conversation shows them, with its message and
+        the field errors name: the translated request's (`name_images`), else this one's
+        (`messages[2].content[1].image_url`)."""
+        found = [
+            (message, part, f"messages[{i}].content[{j}].image_url")
+            for i, message in enumerate(self.messages)
+            for j, part in enumerate(message.parts())
+            if part.type == "image_url"
+        ]
+        if self._image_fields is None:
+            return found
+        return [(m, p, field) for (m, p, _), field in zip(found, self._image_fields, strict=True)]
+
+    def name_images(self, fields: list[str]) -> None:
+        """Name the image parts, in order, by the fields of the request this one translates."""
+        count = sum(part.type == "image_url" for m in self.messages for part in m.parts())
+        if len(fields) != count:
+            raise ValueError(f"{len(fields)} image fields for {count} image parts")
+        self._image_fields = list(fields)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.

@@ -80,7 +80,7 @@ class ToolPlan:
 
     def _turn(self, message: ChatMessage) -> dict[str, Any]:
         role = _ROLE_ALIASES.get(message.role, message.role)
-        content = message.text()
+        content = message.template_content()
         if self.native:
             turn: dict[str, Any] = {"role": role, "content": content}
             if message.tool_calls:
@@ -90,19 +90,27 @@ class ToolPlan:
             if message.name is not None:
                 turn["name"] = message.name
             return turn
-        if message.tool_calls:
+        if message.tool_calls:  # an assistant's: its content is text
             blocks = [f"<tool_call>{_call_json(call)}</tool_call>" for call in message.tool_calls]
-            content = "\n".join([content, *blocks]).strip()
+            content = "\n".join([message.text(), *blocks]).strip()
         if role == "tool":
             # Templates without tool syntax often refuse unknown roles: results come as user text.
             source = message.name or message.tool_call_id or "a function"
-            return {"role": "user", "content": f"Result of the call to {source}:\n{content}"}
+            return {"role": "user", "content": _led_by(f"Result of the call to {source}:\n",
+                                                       content)}
         return {"role": role, "content": content}
 
     def _description(self) -> str:
         functions = json.dumps([t.function.model_dump(exclude_none=True) for t in self.offered])
         how = _FORCED_CALL_FORMAT if self.forced else _DESCRIBED_CALL_FORMAT
         return f"You can call these functions:\n{functions}\n{how}"
+
+
+def _led_by(text: str, content: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
+    """`content` (a string, or parts with images) after `text`."""
+    if isinstance(content, str):
+        return text + content
+    return [{"type": "text", "text": text}, *content]
 
 
 def plan_tools(body: ChatCompletionRequest, template: str, parser_name: str | None) -> ToolPlan:

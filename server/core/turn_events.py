@@ -21,7 +21,7 @@ from scheduler.request import FinishReason
 from server.async_engine import AsyncEngine, EngineError
 from server.core import engine_choices
 from server.core.chat_choice import ChatChoiceSplitter
-from server.core.chat_format import prepare_chat
+from server.core.chat_format import prepared_chat
 from server.core.chat_request import ChatCompletionRequest, Usage
 from server.core.prompt_ids import check_context
 from server.core.tool_call_stream import CallPiece
@@ -86,18 +86,23 @@ class Turn:
 
 
 def validated_chat_request(
-    fields: dict[str, Any], param_names: dict[str, str] | None = None
+    fields: dict[str, Any], param_names: dict[str, str] | None = None,
+    image_fields: list[str] | None = None,
 ) -> ChatCompletionRequest:
     """The chat request from translated `fields`; a 400 names the caller's field, through
-    `param_names` (chat field -> the API's own name)."""
+    `param_names` (chat field -> the API's own name), and so does an error of loading an
+    image, through `image_fields` (the caller's field of each image part, in order)."""
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        chat = ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         chat_field = str(error["loc"][0]) if error["loc"] else None
         param = (param_names or {}).get(chat_field, chat_field) if chat_field else None
         message = str(error["msg"]).removeprefix("Value error, ")
         raise APIError(f"Invalid request: {param or 'body'}: {message}", param=param) from exc
+    if image_fields is not None:
+        chat.name_images(image_fields)
+    return chat
 
 
 async def start(
@@ -111,8 +116,7 @@ async def start(
     still a 400; its `param` is renamed through `param_names` to the caller's field."""
     names = param_names or {}
     try:
-        prepared = await engine.prepare(prepare_chat, engine.tokenizer, chat, parser_name,
-                                        engine.max_prompt_bytes)
+        prepared = await prepared_chat(engine, chat, parser_name, engine.max_prompt_bytes)
         max_tokens = check_context(
             len(prepared.ids),
             engine.sampling_defaults.max_tokens(chat.requested_max_tokens()),

@@ -125,7 +125,7 @@ def validation_error(exc: RequestValidationError, path: str = "") -> APIError:
     return APIError("Invalid request: " + "; ".join(parts) + more, param=param)
 
 
-# pydantic puts the union member it tried into the location ("str", "list[TextPart]",
+# pydantic puts the union member it tried into the location ("str", "list[ContentPart]",
 # "NamedToolChoice"); field names are lower-case words without brackets.
 _SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none"})
 _QUOTE_LIMIT = 64  # a location part (a dict key may be the client's) is cut to this

@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from server.async_engine import AsyncEngine
 from server.core import engine_choices
-from server.core.chat_format import prepare_chat
+from server.core.chat_format import prepared_chat
 from server.core.chat_request import ChatCompletionRequest, Usage
 from server.core.prompt_ids import check_context, check_token_ids, completion_prompts_ids
 from server.core.tool_parser_choice import parser_named
@@ -75,8 +75,8 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         tokenizer = self.engine.tokenizer
         self._check_count(body.n, 1)
-        prepared = await self.engine.prepare(prepare_chat, tokenizer, body, self.tool_call_parser,
-                                             self.engine.max_prompt_bytes)
+        prepared = await prepared_chat(self.engine, body, self.tool_call_parser,
+                                       self.engine.max_prompt_bytes)
 
         def new_stream(_: int) -> ChatChoiceStream:
             return ChatChoiceStream(

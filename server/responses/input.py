@@ -4,7 +4,7 @@ The chat path then renders the prompt (tools included), enforces `text.format` a
 choices with the grammar, and parses tool calls, so both APIs share one behaviour. Tools and
 calls go by the names `tools.ToolSet` offers the model (`namespace.name`; a custom tool's
 input is the one argument of a function). Errors name the Responses field (`input[2]`,
-`text.format`), not the chat field behind it.
+`text.format`, `input[3].output[1].image_url`), not the chat field behind it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from server.core.chat_request import ChatCompletionRequest
 from server.core.turn_events import validated_chat_request
 from server.http.errors import APIError
+from server.media.images import DETAILS
 from server.responses.custom_input import arguments_of
 from server.responses.protocol import ContentPart, InputItem, ResponsesRequest, TextFormat
 from server.responses.tools import ToolSet, exposed_name
@@ -35,8 +36,12 @@ _LEFT_OUT = frozenset({
     "code_interpreter_call",
 })  # fmt: skip
 _OUTPUTS = ("function_call_output", "custom_tool_call_output")
-_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+# A tool's files and sounds become notes (an agent cannot keep its tools from returning
+# them, and a 400 would end its session); its images are images (server.core.chat_images).
+_NOTED_PARTS = ("input_file", "input_audio")
 _LEFT_OUT_PART = "[{} left out: this server reads text only]"
+# Where the items of a stored conversation are named in errors.
+_HISTORY = "previous_response_id"
 
 
 def chat_request(
@@ -52,8 +57,9 @@ def chat_request(
             "input.",
             param="previous_response_id",
         )
+    image_fields: list[str] = []
     fields: dict[str, Any] = {
-        "messages": _messages(body, history or ()),
+        "messages": _messages(body, history or (), image_fields),
         "max_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -66,7 +72,7 @@ def chat_request(
     # "auto" (the default) and "none" mean nothing without tools; other choices need them.
     if fields["tools"] or body.tool_choice not in ("auto", "none"):
         fields["tool_choice"] = tools.chat_choice(body.tool_choice)
-    return validated_chat_request(fields, RESPONSES_PARAMS)
+    return validated_chat_request(fields, RESPONSES_PARAMS, image_fields)
 
 
 def _response_format(text_format: TextFormat) -> dict:
@@ -84,25 +90,27 @@ def _response_format(text_format: TextFormat) -> dict:
     }
 
 
-def _messages(body: ResponsesRequest, history: Sequence[InputItem]) -> list[dict]:
+def _messages(
+    body: ResponsesRequest, history: Sequence[InputItem], image_fields: list[str]
+) -> list[dict]:
     """The instructions (not carried over from a previous response, as in OpenAI's API),
-    then the history, then the input."""
+    then the history, then the input; each image's field joins `image_fields`, in order."""
     messages: list[dict] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     located = [
-        *((item, "previous_response_id") for item in history),
+        *((item, _HISTORY) for item in history),
         *((item, f"input[{index}]") for index, item in enumerate(body.input_items())),
     ]
     for item, where in located:
         if item.type == "message":
-            messages.append(_message(item, where))
+            messages.append(_message(item, where, image_fields))
         elif item.type in ("function_call", "custom_tool_call"):
             _add_call(messages, _call(item, where))
         elif item.type in _OUTPUTS:
             if item.call_id is None or item.output is None:
                 raise _item_error(where, f"a {item.type} needs call_id and output.")
-            output = _output_text(item.output, where)
+            output = _output(item.output, where, image_fields)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         elif item.type not in _LEFT_OUT:
             raise _item_error(
@@ -113,11 +121,11 @@ def _messages(body: ResponsesRequest, history: Sequence[InputItem]) -> list[dict
     return messages
 
 
-def _message(item: InputItem, where: str) -> dict:
+def _message(item: InputItem, where: str, image_fields: list[str]) -> dict:
     if item.role not in _ROLES or item.content is None:
         roles = ", ".join(_ROLES)
         raise _item_error(where, f"a message needs a role (one of {roles}) and content.")
-    return {"role": item.role, "content": _text(item.content, where)}
+    return {"role": item.role, "content": _content(item.content, where, "content", image_fields)}
 
 
 def _call(item: InputItem, where: str) -> dict:
@@ -142,32 +150,65 @@ def _add_call(messages: list[dict], call: dict) -> None:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
-def _output_text(content: str | list[ContentPart], where: str) -> str:
-    """A tool's output. An agent cannot keep a tool (Codex's view_image) from returning an
-    image, so images and files become a note instead of a 400 that would end its session."""
+def _output(
+    content: str | list[ContentPart], where: str, image_fields: list[str]
+) -> str | list[dict]:
+    """A tool's output; its files and sounds become notes."""
     if isinstance(content, str):
         return content
     parts = [
         ContentPart(type="input_text", text=_LEFT_OUT_PART.format(part.type[len("input_"):]))
-        if part.type in _MEDIA_PARTS else part
+        if part.type in _NOTED_PARTS else part
         for part in content
     ]  # fmt: skip
-    return _text(parts, where)
+    return _content(parts, where, "output", image_fields)
 
 
-def _text(content: str | list[ContentPart], where: str) -> str:
+def _content(
+    content: str | list[ContentPart], where: str, key: str, image_fields: list[str]
+) -> str | list[dict]:
+    """The chat content of an item's `key` (its content or output): one string of its text
+    parts, or with images, text and image parts in order."""
     if isinstance(content, str):
         return content
-    texts = []
-    for part in content:
-        if part.type not in _TEXT_PARTS or part.text is None:
-            raise _item_error(
-                where,
-                f"content parts of type {part.type!r} are not supported; send input_text "
-                "parts (output_text for earlier assistant turns).",
-            )
-        texts.append(part.text)
-    return "".join(texts)
+    parts = [_part(part, where, f"{key}[{i}]", image_fields) for i, part in enumerate(content)]
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _part(part: ContentPart, where: str, path: str, image_fields: list[str]) -> dict:
+    if part.type == "input_image":
+        return _image(part, where, path, image_fields)
+    if part.type not in _TEXT_PARTS or part.text is None:
+        raise _item_error(
+            where,
+            f"content parts of type {part.type!r} are not supported; send input_text and "
+            "input_image parts (output_text for earlier assistant turns).",
+        )
+    return {"type": "text", "text": part.text}
+
+
+def _image(part: ContentPart, where: str, path: str, image_fields: list[str]) -> dict:
+    """The chat image part of an input_image; its field joins `image_fields`."""
+    if part.image_url is None:
+        by_id = part.file_id is not None
+        field = _inside(where, f"{path}.{'file_id' if by_id else 'image_url'}")
+        how = ("file ids are not supported (this server keeps no files)" if by_id
+               else "an input_image needs its image_url")
+        raise APIError(
+            f"{field}: {how}; send the image in image_url, as a data URL "
+            "(data:image/png;base64,...) or an http(s) URL.",
+            param=field,
+        )  # fmt: skip
+    image_fields.append(_inside(where, f"{path}.image_url"))
+    detail = part.detail if part.detail in DETAILS else "auto"
+    return {"type": "image_url", "image_url": {"url": part.image_url, "detail": detail}}
+
+
+def _inside(where: str, path: str) -> str:
+    """The field at `path` in the item at `where`; a stored item's is `previous_response_id`."""
+    return where if where == _HISTORY else f"{where}.{path}"
 
 
 def _item_error(where: str, problem: str) -> APIError:

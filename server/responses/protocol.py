@@ -25,8 +25,11 @@ from server.http.unicode import (
 
 
 class ContentPart(BaseModel):
-    type: str  # input_text / output_text are supported
+    type: str  # input_text, output_text and input_image are supported
     text: str | None = None
+    image_url: str | None = None  # input_image: a data URL or an http(s) URL
+    file_id: str | None = None  # input_image, input_file: refused (no files are kept)
+    detail: str | None = None  # input_image: low, high or auto (others read as auto)
 
 
 class InputItem(BaseModel):

@@ -12,6 +12,7 @@ import pytest
 
 import convert
 from server.cli import main, parse_size
+from server.media.options import MediaOptions
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,9 @@ def test_parse_size(text, size):
         ["serve", "--max-num-seqs", "0"],
         ["serve", "--scheduling-policy", "lifo"],
         ["serve", "--max-n", "0"],
+        ["serve", "--limit-mm-per-prompt", '{"video": 1}'],
+        ["serve", "--limit-mm-per-prompt", "-1"],
+        ["serve", "--max-image-pixels", "0"],
         ["nonsense"],
     ],
 )
@@ -146,6 +150,32 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", str(tmp_path), *argv]) == 0
     assert built == [seen]
+
+
+@pytest.mark.parametrize(
+    ("argv", "media"),
+    [
+        ([], MediaOptions()),
+        (["--allowed-media-domains", "Example.com, cdn.example.org", "--allow-media-urls",
+          "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000",
+          "--max-image-bytes", "1MiB", "--media-fetch-timeout", "2.5"],
+         MediaOptions(frozenset({"example.com", "cdn.example.org"}), True, 2, 1000, 1 << 20, 2.5)),
+        (["--limit-mm-per-prompt", "0"], MediaOptions(max_images=0)),
+    ],
+)  # fmt: skip
+def test_image_options_reach_the_engine_bridge(tmp_path, monkeypatch, argv, media):
+    from metal_engine.loading.parameter_count import ParameterCount
+    from server import app, launch
+    from server.http import shutdown
+
+    bridges = []
+    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: _engine_stub())
+    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
+    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
+    monkeypatch.setattr(app, "build_app", lambda engine, *args, **kwargs: bridges.append(engine))
+    monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
+    assert main(["serve", str(tmp_path), *argv]) == 0
+    assert bridges[0].media == media and bridges[0].vision is False
 
 
 def _engine_stub() -> SimpleNamespace:

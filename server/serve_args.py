@@ -319,7 +319,7 @@ def _add_image_arguments(group: argparse._ArgumentGroup) -> None:
         f"(default {DEFAULT_MAX_IMAGE_PIXELS})",
     )
     group.add_argument(
-        "--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
+        "--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES, metavar="SIZE",
         help="largest image file, fetched or sent (default 20MiB; data URLs also count "
         "toward --max-request-body)",
     )

@@ -17,7 +17,7 @@ from server.core.chat_request_tools import ToolName
 # ---- requests -------------------------------------------------------------------------------
 
 
-class ImageSource(BaseModel):
+class ImageBlockSource(BaseModel):
     """An image block's picture: `base64` (`media_type` and `data`) or `url`."""
 
     type: str
@@ -41,7 +41,7 @@ class ContentBlock(BaseModel):
     is_error: bool = False  # tool_result
     tool_name: str | None = None  # tool_reference (in a tool_result)
     tool: ToolChange | None = None  # tool_addition, tool_removal
-    source: ImageSource | None = None  # image
+    source: ImageBlockSource | None = None  # image
 
 
 class ToolChange(BaseModel):

@@ -7,7 +7,8 @@ kind lives in `freqs` (periods, `1 / inv_freq`; 0 frequencies as infinite period
 scale (YaRN's and LongRoPE's attention factor) scales the rotated features first, which is the
 same since rotation is linear. LongRoPE switches frequency sets at the pretraining length:
 a step whose requests sit on both sides turns with both sets and picks per row. Dynamic NTK
-has a base per context length: its rows keep the float32 tables (`RotaryTables`).
+has a base per context length, and 3-D (multimodal) positions turn each frequency by its
+own axis: those steps keep the float32 tables (`RotaryTables`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,6 @@ class RotaryTables:
 
 def rope_step(rope, positions: mx.array, meta: AttentionMetadata) -> FastRope | RotaryTables:
     """The step's rope of `rope`'s kind on Metal."""
-    if rope.base_per_length:
+    if rope.base_per_length or positions.ndim == 2:
         return RotaryTables(rope, positions, meta)
     return FastRope(rope, positions, meta)

@@ -165,7 +165,10 @@ class HostRope:
             rope = self._rope
             inv_freq = rope.row_frequencies(self._meta)
             inv_freq = rope.inv_freq[None, :] if inv_freq is None else inv_freq
-            angles = to_host(self._positions).astype(np.float32)[:, None] * inv_freq
+            positions = to_host(self._positions)
+            # 3-D (multimodal) positions: each frequency turns by its own axis.
+            turned = positions[:, None] if positions.ndim == 1 else positions[rope.mrope_axes].T
+            angles = turned.astype(np.float32) * inv_freq
             cos, sin = np.cos(angles), np.sin(angles)
             if rope.scale != 1.0:
                 cos, sin = cos * rope.scale, sin * rope.scale

@@ -6,6 +6,11 @@ Every row carries its own position (tables are `[total_q, 1, rotary_dim / 2]`). 
 the non-interleaved ("rotate half") form over the first `rotary_dim` features; the rest pass
 through (partial rotary).
 
+Multimodal rope (M-RoPE: Qwen3-VL, Qwen3.5) gives image tokens 3-D positions (time, height,
+width): a step with image rows passes positions `[3, total_q]` (text rows with three equal
+ones), and each frequency turns by one axis, as `mrope_axes` assigns them. Steps without
+image rows pass `[total_q]` and take the one-axis path unchanged.
+
 Frequencies follow transformers' `modeling_rope_utils` for each kind. Two kinds depend on the
 sequence length: transformers recomputes them from the longest position of a forward; here a
 row uses its own request's context length after the step, which gives the same tables for a
@@ -112,6 +117,18 @@ def _longrope(exponents: np.ndarray, p: RopeParameters, max_positions: int,
     return 1.0 / (stretch * p.rope_theta**exponents), attention_factor
 
 
+def mrope_axes(section: tuple[int, ...] | None, half: int) -> np.ndarray:
+    """`[half]` int32: the position axis (0 time, 1 height, 2 width) each frequency turns by.
+    Interleaved as transformers' Qwen3-VL and Qwen3.5 lay it out: height takes frequencies
+    1, 4, 7, ... below `3 * section[1]`, width 2, 5, 8, ... below `3 * section[2]`, time the
+    rest (those families interleave whatever `mrope_interleaved` says). No section: all time."""
+    axes = np.zeros(half, np.int32)
+    if section is not None:
+        for axis in (1, 2):
+            axes[axis:3 * section[axis]:3] = axis
+    return axes
+
+
 class RotaryEmbedding:
     """One rope kind: its frequencies, and each step's cos/sin tables or the periods
     `mx.fast.rope` takes (the backend says which: kernels_metal.ops)."""
@@ -125,6 +142,8 @@ class RotaryEmbedding:
         inv_freq, self.scale = frequencies(params, self.rotary_dim, max_position_embeddings)
         self.inv_freq = inv_freq.astype(np.float32)
         self._inv_freq = mx.array(self.inv_freq)
+        self.mrope_axes = mrope_axes(params.mrope_section, len(inv_freq))
+        self._mrope_axes = mx.array(self.mrope_axes)
         # LongRoPE's frequencies change past the pretraining length; dynamic NTK's base
         # changes with every length.
         self.switches_at_length = params.rope_type == "longrope"
@@ -132,7 +151,7 @@ class RotaryEmbedding:
         self.base_per_length = params.rope_type == "dynamic"
         self._periods = {long: self._periods_of(long) for long in (False, True)}
         # Evaluate now: a lazy array built here cannot be evaluated on the engine thread.
-        mx.eval(self._inv_freq, self._periods)
+        mx.eval(self._inv_freq, self._mrope_axes, self._periods)
 
     def _periods_of(self, long: bool) -> mx.array:
         context = self.switch_length + 1 if long and self.switches_at_length else None
@@ -148,10 +167,14 @@ class RotaryEmbedding:
     def tables(self, positions: mx.array,
                meta: AttentionMetadata) -> tuple[mx.array, mx.array]:
         """(cos, sin) float32, each `[total_q, 1, rotary_dim / 2]`, for rows at
-        `positions`."""
+        `positions` (`[total_q]`, or 3-D `[3, total_q]`)."""
         rows = self.row_frequencies(meta)
         inv_freq = self._inv_freq[None, :] if rows is None else mx.array(rows)
-        angles = positions.astype(mx.float32)[:, None] * inv_freq
+        if positions.ndim == 1:
+            angles = positions.astype(mx.float32)[:, None] * inv_freq
+        else:
+            turned = positions[self._mrope_axes].T  # [total_q, half]: each frequency's axis
+            angles = turned.astype(mx.float32) * inv_freq
         cos, sin = mx.cos(angles), mx.sin(angles)
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale

@@ -49,6 +49,10 @@ class RopeParameters:
     # Mistral 4: queries scaled up with the position's multiple of the pretraining length
     # (Llama 4's attention temperature, models/mistral4.py); not a rope of its own.
     llama_4_scaling_beta: float | None = None
+    # Multimodal rope (Qwen3-VL, Qwen3.5): how many frequencies turn by each axis of a 3-D
+    # position (time, height, width), interleaved (see models/rope.py `mrope_axes`).
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool | None = None  # kept as read: Qwen3-VL and Qwen3.5 interleave anyway
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -65,13 +69,16 @@ class RopeParameters:
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(
                 f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.mrope_section is not None and len(self.mrope_section) != 3:
+            raise ValueError(f"mrope_section must list 3 counts (time, height, width), got "
+                             f"{list(self.mrope_section)}")
 
     def to_hf(self) -> dict[str, Any]:
         """The `rope_parameters` dict transformers 5 reads (unset keys left out)."""
         params = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         if params["partial_rotary_factor"] == 1.0:
             del params["partial_rotary_factor"]
-        for key in ("short_factor", "long_factor"):
+        for key in ("short_factor", "long_factor", "mrope_section"):
             if key in params:
                 params[key] = list(params[key])
         return params
@@ -95,7 +102,7 @@ def read_rope(cfg: dict[str, Any], params: dict[str, Any] | None, theta: float) 
             or values.get("original_max_position_embeddings")
             or cfg.get("max_position_embeddings", 2048)
         )
-    for key in ("short_factor", "long_factor"):
+    for key in ("short_factor", "long_factor", "mrope_section"):
         if key in values:
             values[key] = tuple(values[key])
     return RopeParameters(rope_type=kind, **values)

@@ -1,6 +1,7 @@
 """The decoder stack and causal-LM head every family builds on.
 
-A family's `Model` passes its layers and norm class; this module embeds the packed tokens,
+A family's `Model` passes its layers and norm class; this module embeds the packed tokens
+(image rows taking their vision features where a step has images: models/step_images.py),
 has its ops backend run the layers (each step's rope built once per distinct rope, e.g.
 Gemma 3's local and global) and computes logits for the rows that need them.
 """
@@ -20,6 +21,7 @@ from metal_engine.models import ops_user
 from metal_engine.models.layers import Linear, RMSNorm
 from metal_engine.models.ops_user import OpsUser
 from metal_engine.models.rope import LayerRopes
+from metal_engine.models.step_images import StepImages
 
 # Source checkpoints may hold these; they are derived from the config, not parameters here.
 DERIVED_WEIGHTS = ("rotary_emb.inv_freq",)
@@ -49,16 +51,24 @@ class DecoderModel(nn.Module, OpsUser):
         return self._pools
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
-                 cache: KVCache) -> mx.array:
+                 cache: KVCache, images: StepImages | None = None) -> mx.array:
         h = self.embed(input_ids)
-        h = self.run_layers(h, positions, meta, cache, range(len(self.layers)))
+        if images is not None:
+            h = images.placed(h)
+        h = self.run_layers(h, positions, meta, cache, range(len(self.layers)), images)
         return self.norm(h)
 
     def run_layers(self, h: mx.array, positions: mx.array, meta: AttentionMetadata,
-                   cache: KVCache, layers: range) -> mx.array:
+                   cache: KVCache, layers: range, images: StepImages | None = None) -> mx.array:
         """Layers `layers` over hidden states `h` (a pipeline stage runs its own), as the
-        model's ops backend runs them."""
-        return self.ops.run_layers(self, h, positions, meta, cache, layers)
+        model's ops backend runs them; `images`' deepstack features added after their
+        layers."""
+        if images is None or not images.deepstack:
+            return self.ops.run_layers(self, h, positions, meta, cache, layers)
+        for stretch in images.stretches(layers):
+            h = self.ops.run_layers(self, h, positions, meta, cache, stretch)
+            h = images.after_layer(stretch.stop - 1, h)
+        return h
 
     def embed(self, input_ids: mx.array) -> mx.array:
         h = self.embed_tokens(input_ids)
@@ -91,8 +101,13 @@ class CausalLM(nn.Module, OpsUser):
         ops_user.use_ops(self, ops_named(name))
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
-                 cache: KVCache) -> mx.array:
-        return self.model(input_ids, positions, meta, cache)
+                 cache: KVCache, images: StepImages | None = None) -> mx.array:
+        """Final hidden states of the packed rows. `positions`: `[total_q]`, or `[3, total_q]`
+        (time, height, width) for a multimodal-rope step with image rows; `images`: the
+        step's image rows and their features (None: a text-only step, today's graph)."""
+        if images is None:  # also the decoders that take no images (Gemma 4's)
+            return self.model(input_ids, positions, meta, cache)
+        return self.model(input_ids, positions, meta, cache, images)
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.capped(self.head(hidden))

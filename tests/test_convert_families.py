@@ -20,7 +20,7 @@ from tiny_models import COMMON, TINY_MODELS, build_tiny_model
 from tokenizers import Tokenizer, models
 
 from convert import convert_model
-from convert.expert_stacking import FUSED_LAYOUTS
+from convert.expert_stacking import FUSED_LAYOUTS, stack_experts
 from convert.validate import prompt_logits
 from metal_engine.loading.model_config import (
     ROPE_PER_LAYER_TYPE,
@@ -191,6 +191,28 @@ def test_a_multimodal_checkpoint_converts_to_its_text_model(build, text_type,
         expected = model(torch.tensor([ids])).logits[0].numpy()
     got = prompt_logits(load_model(out, mx.float32), ids)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_vl_moe_experts_split_from_either_stored_layout() -> None:
+    """Published Qwen3-VL-MoE checkpoints store fused experts `[experts, in, out]`,
+    transformers saves them `[experts, out, in]`: each splits into the same projections."""
+    config = ModelConfig.from_dict(dict(
+        model_type="qwen3_vl_moe_text", vocab_size=128, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48))
+    rng = np.random.default_rng(0)
+    gate, up = rng.standard_normal((2, 4, 48, 64)).astype(np.float32)  # [experts, out, in]
+    down = rng.standard_normal((4, 64, 48)).astype(np.float32)
+    saved = {"l.mlp.experts.gate_up_proj": np.concatenate([gate, up], axis=1),
+             "l.mlp.experts.down_proj": down}
+    published = {name: tensor.transpose(0, 2, 1) for name, tensor in saved.items()}
+    expected = {"l.mlp.switch_mlp.gate_proj.weight": gate, "l.mlp.switch_mlp.up_proj.weight": up,
+                "l.mlp.switch_mlp.down_proj.weight": down}
+    for stored in (saved, published):
+        got = dict(stack_experts(config, iter((n, mx.array(t)) for n, t in stored.items())))
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            np.testing.assert_array_equal(np.array(got[name]), tensor, err_msg=name)
 
 
 def test_a_checkpoint_missing_an_expert_is_refused_by_name(tmp_path: Path) -> None:

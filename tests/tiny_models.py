@@ -3,12 +3,14 @@
 Each config switches on what sets its family apart (biases, q/k norms, soft-capping, fused
 projections, partial rotary) plus a rope kind and, where the family has one, a sliding window
 much shorter than the test prompts. A text model with no causal-LM class of its own (Muse
-Glimmer's) is saved inside its multimodal model, with a tiny vision tower the conversion
-leaves out.
+Glimmer's, Qwen3-VL's) is saved inside its multimodal model, with a tiny vision tower the
+conversion leaves out; `build_tiny_model(..., vision=True)` saves any vision-language family
+so, for tests that feed images.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +26,9 @@ COMMON = dict(
     rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=None, pad_token_id=0,
     attn_implementation="eager",
 )
+# Multimodal rope over 8 frequency pairs (head_dim 16): 2 turn by time, 3 by height, 3 by width.
+MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
+             mrope_interleaved=True)
 # model_type -> (transformers config class, model class, config overrides)
 TINY_MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -140,27 +145,65 @@ TINY_MODELS = {
                                                 partial_rotary_factor=0.25),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     # Linear-attention (Gated DeltaNet) layers around gated full attention.
+    # A quarter of each 32-wide head turns: 4 frequency pairs, one per rope axis and a time one.
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
-        num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention", "linear_attention",
-                     "full_attention"])),
+                     "full_attention"],
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[2, 1, 1], mrope_interleaved=True))),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         num_hidden_layers=3, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        layer_types=["linear_attention", "full_attention", "linear_attention"])),
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[1, 1, 0], mrope_interleaved=True))),
     # Qwen3.5-MoE's layout with fused linear-attention projections and a dense MLP layer.
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         num_hidden_layers=3, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2],
         layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # Qwen3-VL's text models (saved in their multimodal models): Qwen3's and Qwen3-MoE's
+    # layers turned by a multimodal rope.
+    "qwen3_vl_text": ("Qwen3VLTextConfig", "Qwen3VLForConditionalGeneration", dict(
+        rope_parameters=MROPE)),
+    "qwen3_vl_moe_text": ("Qwen3VLMoeTextConfig", "Qwen3VLMoeForConditionalGeneration", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[1], rope_parameters=MROPE)),
 }
+
+
+# Image tokens inside the tiny vocabulary; a 2 x 2 patch merge.
+IMAGE_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122,
+                    vision_end_token_id=123)
+QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2,
+                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                   num_position_embeddings=16)
+# text model_type -> (multimodal config class, its model class, vision config) of the
+# vision-language families whose text models take image features.
+VISION_LANGUAGE = {
+    "qwen3_vl_text": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                      dict(QWEN_VISION, deepstack_visual_indexes=[0, 1])),
+    "qwen3_vl_moe_text": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                          dict(QWEN_VISION, deepstack_visual_indexes=[0, 1])),
+    "qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN_VISION),
+    "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", QWEN_VISION),
+}
+
+
+def _vision_language_config(model_type: str, text):
+    config_class, _, vision = VISION_LANGUAGE[model_type]
+    return getattr(transformers, config_class)(text_config=text.to_dict(), vision_config=vision,
+                                               **IMAGE_TOKENS)
 
 
 # model_type -> the multimodal config its tiny text config is saved in (vision kept tiny).
 MULTIMODAL = {
+    "qwen3_vl_text": partial(_vision_language_config, "qwen3_vl_text"),
+    "qwen3_vl_moe_text": partial(_vision_language_config, "qwen3_vl_moe_text"),
     "muse_glimmer_text": lambda text: transformers.MuseGlimmerConfig(
         text_config=text.to_dict(), out_hidden_size=128, projector_hidden_size=32,
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -169,15 +212,19 @@ MULTIMODAL = {
 }
 
 
-def build_tiny_model(model_type: str, path: Path, **extra):
+def build_tiny_model(model_type: str, path: Path, vision: bool = False, **extra):
     """Save a tiny random `model_type` checkpoint (+ a word-level tokenizer) into `path` and
-    return the float32 PyTorch model. `extra`: config fields over the family's."""
+    return the float32 PyTorch model. `vision`: saved in its vision-language model
+    (`VISION_LANGUAGE`). `extra`: config fields over the family's."""
     config_class, model_class, overrides = TINY_MODELS[model_type]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**COMMON, **overrides, **extra})
-    if model_type in MULTIMODAL:
-        config = MULTIMODAL[model_type](config)
+    wrap = partial(_vision_language_config, model_type) if vision else MULTIMODAL.get(model_type)
+    if wrap is not None:
+        config = wrap(config)
         config._attn_implementation = COMMON["attn_implementation"]
+    if vision:
+        model_class = VISION_LANGUAGE[model_type][1]
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         # Move norms off 1 (or 0) and biases off 0, so a misread one cannot go unnoticed.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from metal_engine.models import gemma4_config, muse_glimmer_config
+from metal_engine.models import gemma4_config, muse_glimmer_config, qwen3_vl_config
 from metal_engine.models.gemma4_config import Gemma4Options, read_gemma4
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.mla_config import MlaConfig
@@ -44,6 +44,8 @@ ARCHITECTURES = {
     "laguna": "LagunaForCausalLM",
     # No causal-LM class of its own (its multimodal model holds the head): the text decoder's.
     "muse_glimmer_text": "MuseGlimmerTextModel",
+    "qwen3_vl_text": "Qwen3VLTextModel",
+    "qwen3_vl_moe_text": "Qwen3VLMoeTextModel",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -54,10 +56,12 @@ GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text", "laguna")  # a rope dict per layer type
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
 TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
-              "qwen3_5_moe": "qwen3_5_moe_text", "muse_glimmer": "muse_glimmer_text"}
+              "qwen3_5_moe": "qwen3_5_moe_text", "muse_glimmer": "muse_glimmer_text",
+              **qwen3_vl_config.TEXT_PARTS}
 # Families with linear-attention layers beside full attention.
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QWEN = ("qwen2", "qwen3")
+QWEN3_VL = ("qwen3_vl_text", "qwen3_vl_moe_text")
 # Families whose attention keeps a latent per token (multi-head latent attention).
 MLA = ("deepseek_v3", "glm4_moe_lite", "mistral4")
 # Families whose every layer slides once a window is set.
@@ -83,6 +87,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
     "qwen3_5_moe_text": {"partial_rotary_factor": 0.25},
     "qwen3_next": {"partial_rotary_factor": 0.25},
+    "qwen3_vl_text": qwen3_vl_config.DEFAULTS,
+    "qwen3_vl_moe_text": qwen3_vl_config.DEFAULTS,
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
@@ -405,7 +411,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
         return None  # transformers' Llama has no window, whatever the config says
     if model_type in (*QWEN, "qwen3_moe") and not cfg.get("use_sliding_window"):
         return None
-    if model_type in ("glm4_moe", "minimax_m2", *HYBRID):
+    if model_type in ("glm4_moe", "minimax_m2", *HYBRID, *QWEN3_VL):
         return None  # their transformers classes have no window
     return cfg.get("sliding_window")
 
@@ -494,7 +500,8 @@ def _ropes(cfg: dict[str, Any]) -> tuple[RopeParameters, RopeParameters | None]:
     params = cfg.get("rope_parameters") or {}
     if cfg["model_type"] not in ROPE_PER_LAYER_TYPE:
         theta = read_rope_theta(cfg)
-        return read_rope(cfg, params or cfg.get("rope_scaling"), theta), None
+        rope = read_rope(cfg, params or cfg.get("rope_scaling"), theta)
+        return qwen3_vl_config.with_mrope_section(cfg["model_type"], rope), None
     if "full_attention" in params:  # transformers 5: one dict per layer type
         full, local = params["full_attention"], params.get("sliding_attention")
     else:  # older: rope_theta and rope_scaling are global, rope_local_base_freq local
@@ -509,9 +516,11 @@ def text_part_config(cfg: dict[str, Any]) -> dict[str, Any]:
     text_type = TEXT_PARTS.get(cfg.get("model_type"))
     if text_type is None:
         return cfg
-    inherited = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
-                 if k in cfg}
-    return {**inherited, **(cfg.get("text_config") or {}), "model_type": text_type}
+    inherited = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+    text = {**inherited, **(cfg.get("text_config") or {}), "model_type": text_type}
+    if "tie_word_embeddings" in cfg:  # transformers ties by the outer config's
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
 
 
 def _as_tuple(value) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ _ROUTER_FIELDS = {
     "minimax_m2": {"scoring_func": ("sigmoid",), "use_routing_bias": (True,)},
     "laguna": {"moe_router_score_func": ("sigmoid",), "moe_apply_router_weight_on_input": (False,)},
     "qwen3_moe": {"scoring_func": ("softmax",)},
+    "qwen3_vl_moe_text": {},
     "mixtral": {"scoring_func": ("softmax",)},
     "gpt_oss": {"scoring_func": ("softmax",)},
     "gemma4_text": {},
@@ -102,7 +103,7 @@ class MoeConfig:
                     "swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
         if model_type in ("mixtral", "minimax_m2"):
             return {**common, "num_local_experts": self.num_experts}
-        if model_type == "qwen3_moe":
+        if model_type in ("qwen3_moe", "qwen3_vl_moe_text"):
             return {**common, "num_experts": self.num_experts,
                     "moe_intermediate_size": self.expert_intermediate_size,
                     "norm_topk_prob": self.normalize_top_k, "decoder_sparse_step": 1,
@@ -166,6 +167,12 @@ def _qwen3_moe(cfg: dict[str, Any]) -> MoeConfig:
         normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=_qwen_dense_layers(cfg, cfg["num_hidden_layers"]),
     )
+
+
+def _qwen3_vl_moe(cfg: dict[str, Any]) -> MoeConfig:
+    """Qwen3-MoE's experts, the top k always renormalized (transformers reads no
+    norm_topk_prob for Qwen3-VL-MoE)."""
+    return replace(_qwen3_moe(cfg), normalize_top_k=True)
 
 
 def _qwen_hybrid(cfg: dict[str, Any]) -> MoeConfig:
@@ -244,7 +251,7 @@ def _gemma4(cfg: dict[str, Any]) -> MoeConfig | None:
 
 _READERS: dict[str, Callable[[dict[str, Any]], MoeConfig | None]] = {
     "mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
-    "minimax_m2": _minimax_m2, "laguna": _laguna,
+    "minimax_m2": _minimax_m2, "laguna": _laguna, "qwen3_vl_moe_text": _qwen3_vl_moe,
     "deepseek_v3": _glm4_moe, "glm4_moe_lite": _glm4_moe, "mistral4": _mistral4,
     "gemma4_text": _gemma4, "qwen3_5_moe_text": _qwen_hybrid, "qwen3_next": _qwen_hybrid,
 }  # fmt: skip

@@ -47,6 +47,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "minimax_m2": minimax_m2.Model,
     "laguna": laguna.Model,
     "muse_glimmer_text": muse_glimmer.Model,
+    # Qwen3-VL's text models: Qwen3's layers, turned by 3-D positions on image tokens.
+    "qwen3_vl_text": qwen3.Model,
+    "qwen3_vl_moe_text": qwen3_moe.Model,
 }
 
 

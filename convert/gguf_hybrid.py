@@ -64,6 +64,12 @@ def hybrid_keys(model_type: str, meta: Metadata, names: Collection[str],
         "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                         for i in range(layers)],
     }
+    sections = meta("rope.dimension_sections")
+    if sections is not None and model_type != "qwen3_next":
+        # llama.cpp turns Qwen3.5's image tokens with the interleaved multimodal rope.
+        keys["rope_scaling"] = {"rope_type": "default",
+                                "mrope_section": [int(n) for n in sections[:3]],
+                                "mrope_interleaved": True}
     if model_type == "qwen3_5_text":
         return keys
     experts = moe_layers(names, layers)

@@ -210,7 +210,7 @@ def _add_hybrid_metadata(writer: GGUFWriter, cfg: dict, mtp_layers: int) -> None
     writer.add_full_attention_interval(interval)
     writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     if cfg["model_type"] != "qwen3_next":
-        writer.add_rope_dimension_sections([11, 11, 10, 0])  # text positions: plain rope
+        writer.add_rope_dimension_sections([*rope.get("mrope_section", [11, 11, 10]), 0])
     if "num_experts" in cfg:
         writer.add_expert_count(cfg["num_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])

@@ -18,6 +18,7 @@ from scheduler.output import RequestUpdate, SchedulerOutput
 
 if TYPE_CHECKING:
     from metal_engine.parallel.peers import Peers
+    from metal_engine.vision.image_model import ImageModel
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class LLMEngine:
         self._checks: dict[str, RequestOutputCheck] = {}  # its text and grammar, by request
         self._pending: list[RequestOutput] = []
         self._in_flight: LaunchedStep | None = None
+
+    @property
+    def image_model(self) -> ImageModel | None:
+        """The model's vision side (None: it reads text only)."""
+        return self.runner.image_model
 
     def stats(self) -> EngineStats:
         """The engine's numbers now, as plain data; only the engine thread may call this."""

@@ -35,6 +35,8 @@ from metal_engine.loading.weights import load_model, parameter_bytes
 from metal_engine.models.decoder import CausalLM
 from metal_engine.parallel.peers import Peers
 from metal_engine.runner import ModelRunner
+from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES
+from metal_engine.vision.image_model import ImageModel, load_image_model
 from scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     dtype = resolve_dtype(config.dtype, config.model_dir, metal=metal)
     split = peers.split if peers is not None else None
     model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
+    image_model = _load_image_model(config, dtype, peers)
     tokenizer = load_tokenizer(config.model_dir)
     drafter = _load_drafter(config, model, tokenizer, dtype)
     spec = config.speculative_config
@@ -67,6 +70,8 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     mc = model.config
     held = mc if split is None else split.cache_config(mc)  # what this rank's cache holds
     weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
+    if image_model is not None:  # the tower and what its outputs may take
+        weights += parameter_bytes(image_model.tower) + ENCODER_CACHE_BYTES
     planned = held if split is None or not split.by_layers else mc
     if peers is not None and peers.one_host:  # every rank's share and pool on this machine
         weights, planned = weights * peers.size, mc
@@ -107,8 +112,20 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     )
     name = config.model_name or config.model_dir.name
     stage = split.stage(model, cache, dtype) if split else None
-    runner = ModelRunner(model, cache, device_drafter, peers, stage)
+    runner = ModelRunner(model, cache, device_drafter, peers, stage, image_model)
     return LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
+
+
+def _load_image_model(config: EngineConfig, dtype: mx.Dtype,
+                      peers: Peers | None) -> ImageModel | None:
+    """The checkpoint's vision side, if it has one; none over several ranks, whose other
+    ranks have no tower (its requests' images are refused as for a text model)."""
+    image_model = load_image_model(config.model_dir, dtype)
+    if image_model is not None and peers is not None:
+        log.warning("images are not read over several ranks (tensor or pipeline "
+                    "parallelism): serving text only")
+        return None
+    return image_model
 
 
 def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector | None:

@@ -25,7 +25,8 @@ from metal_engine.sampling.rejection_sampler import (
 )
 from metal_engine.sampling.sampler import SamplingBatch, sample
 from metal_engine.sampling.sampling_row import SamplingRow
-from metal_engine.vision.encoder_cache import EncoderCache
+from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES, EncoderCache
+from metal_engine.vision.image_model import ImageModel
 from metal_engine.vision.step_media import step_images, step_positions
 from scheduler.output import PromptMedia, ScheduledRequest, SchedulerOutput, TokenHistory
 
@@ -111,18 +112,20 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache,
                  draft: DraftModel | MtpDrafter | None = None,
                  peers: Peers | None = None, stage: PipelineStage | None = None,
-                 encoder: EncoderCache | None = None) -> None:
+                 image_model: ImageModel | None = None) -> None:
         """`draft`: speculative decoding's drafter on the device (a draft model or the
         model's MTP head), which runs in every step. `peers`: the other ranks of an engine
         over several (this runner is rank 0's), sent each step before it runs. `stage`: this
-        rank's layers, with pipeline parallelism. `encoder`: the vision tower's outputs, for
-        a model that takes images."""
+        rank's layers, with pipeline parallelism. `image_model`: the model's vision side,
+        for a model that reads images."""
         self.model = model
         self.cache = cache
         self.draft = draft
         self.peers = peers
         self.stage = stage
-        self.encoder = encoder
+        self.image_model = image_model
+        self.encoder = (EncoderCache(image_model.encode, ENCODER_CACHE_BYTES)
+                        if image_model is not None else None)
         self.block_tables = BlockTables()
         self.window_tables = BlockTables(kind="window")
         self._queued = False  # work queued on the device and not waited for since

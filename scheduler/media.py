@@ -36,15 +36,14 @@ class ImageSpan:
 class PromptMedia:
     """A prompt's images, in order, and the positions its model's rope takes for them.
 
-    `positions` is `[3, num_prompt_tokens]` (temporal, height, width) for a model with
-    multimodal rope (Qwen's M-RoPE), whose tokens after the prompt sit at
-    `index + position_delta` on all three axes; None for a model whose positions stay the
-    tokens' indices.
+    `positions`: for a model with multimodal rope (Qwen's M-RoPE), each token's (time,
+    height, width) position, the prompt's and those after it
+    (metal_engine.models.mrope_positions.MropePositions, the runner's to read); None for a
+    model whose positions stay the tokens' indices.
     """
 
     images: tuple[ImageSpan, ...]
-    positions: Any = None  # numpy int [3, num_prompt_tokens]: the runner's to read
-    position_delta: int = 0
+    positions: Any = None
 
     def block_keys(self, block_index: int, block_size: int) -> tuple[str, ...]:
         """Content hashes of the images whose tokens fall in block `block_index`."""

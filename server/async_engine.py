@@ -45,6 +45,7 @@ from server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
+    from scheduler.media import PromptMedia
 
 __all__ = ["AsyncEngine", "Engine", "EngineError", "LiveRequest", "QueueFull", "RequestObserver"]
 
@@ -69,11 +70,12 @@ class AsyncEngine:
     def __init__(
         self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False,
         sampling_defaults: SamplingDefaults | None = None, report_cached_tokens: bool = True,
-        vision: bool = False, media: MediaOptions | None = None,
+        media: MediaOptions | None = None,
     ) -> None:
         self.engine = engine
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
-        self.vision = vision
+        # The model's vision side (prompt workers place images with it), if it reads images.
+        self.image_model = getattr(engine, "image_model", None)
         self.media = media or MediaOptions()
         self.log_prompts = log_prompts
         self.report_cached_tokens = report_cached_tokens
@@ -87,6 +89,10 @@ class AsyncEngine:
         self._prompts = PromptWorker()
         # Prompt text longer than this cannot fit the context: refused before tokenizing.
         self.max_prompt_bytes = max_prompt_text_bytes(engine.tokenizer, engine.max_model_len)
+
+    @property
+    def vision(self) -> bool:
+        return self.image_model is not None
 
     @property
     def tokenizer(self) -> Any:
@@ -164,10 +170,10 @@ class AsyncEngine:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, media: PromptMedia | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until one is finished. It shares prefix-cache blocks
-        only with requests of the same `cache_salt`.
+        only with requests of the same `cache_salt`; `media`: its prompt's images.
 
         Raises `QueueFull` if too many requests wait already, the engine's `ValueError` if it
         refuses the request (both before any output), and `EngineError` if the engine fails.
@@ -177,7 +183,7 @@ class AsyncEngine:
         observer = self._observe()
         try:
             await self._submit(QueuedAdd(request_id, list(prompt_ids), params, priority,
-                                         cache_salt, stream))
+                                         cache_salt, stream, media))
         except (ValueError, QueueFull):
             observer.on_finish("rejected")
             raise

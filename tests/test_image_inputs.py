@@ -1,5 +1,6 @@
 """Images through the three APIs, driven by the official clients: kept in their place in the
-conversation up to the chat template for a model with vision (a scripted one), refused with
+conversation up to the chat template for a model with vision (a scripted one, whose vision
+side records the images it is handed; tests/test_vision_serving.py serves a real one), refused with
 each API's 400 naming the field for a bad image, and for the text-only default model refused
 in user messages but a note in tool outputs (an agent's session goes on)."""
 
@@ -15,6 +16,7 @@ from fake_engine import ScriptedEngine, ToolTemplateTokenizer
 from image_files import data_url, encoded, picture
 from server_helpers import running_app, running_server, small_engine
 
+from scheduler.media import PromptMedia
 from server.app import build_app
 from server.async_engine import AsyncEngine
 from server.core.chat_format import prepared_chat
@@ -49,6 +51,32 @@ TOOL_USE = {"role": "assistant", "content": [
 BASE64_PNG = {"type": "base64", "media_type": "image/png", "data": PNG.split(",", 1)[1]}
 
 
+class ImageRecorder:
+    """A vision side that leaves the prompt as the template wrote it and records the images
+    each prompt was given, in order."""
+
+    def __init__(self) -> None:
+        self.images: list[list] = []
+
+    def place(self, token_ids, images):
+        self.images.append(list(images))
+        return list(token_ids), PromptMedia(())
+
+
+class VisionEngine(ScriptedEngine):
+    """A scripted engine of a model that reads images."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.image_model = ImageRecorder()
+        self.media: dict[str, PromptMedia] = {}
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None,
+                    media=None):
+        self.media[request_id] = media
+        super().add_request(request_id, prompt_token_ids, params, priority, cache_salt)
+
+
 def turns_of(engine: ScriptedEngine) -> list[dict]:
     """The messages of the latest prompt as the chat template got them (one JSON a line)."""
     _, *turns, _ = list(engine.prompts.values())[-1].split("\n")
@@ -58,8 +86,8 @@ def turns_of(engine: ScriptedEngine) -> list[dict]:
 @pytest.fixture(scope="module")
 def vision():
     """(engine, base URL) of a scripted model that reads images, at most 3 a request."""
-    engine = ScriptedEngine(["I see."], ToolTemplateTokenizer())
-    bridge = AsyncEngine(engine, vision=True, media=MediaOptions(max_images=3))
+    engine = VisionEngine(["I see."], ToolTemplateTokenizer())
+    bridge = AsyncEngine(engine, media=MediaOptions(max_images=3))
     with running_app(build_app(bridge, "m")) as url:
         yield engine, url
 
@@ -81,6 +109,8 @@ def test_chat_images_keep_their_place_up_to_the_template(vision):
     reply = openai_client(url).chat.completions.create(
         model="m", messages=[{"role": "user", "content": content}])
     assert reply.choices[0].message.content == "I see."
+    assert [image.detail for image in engine.image_model.images[-1]] == ["low", "auto"]
+    assert list(engine.media.values())[-1] is not None  # the placed images reach the engine
     assert turns_of(engine)[-1]["content"] == [
         {"type": "text", "text": "Compare"}, {"type": "image"},
         {"type": "text", "text": "with"}, {"type": "image"},
@@ -141,7 +171,8 @@ def test_bad_images_get_each_apis_400_naming_the_field(vision):
 
 
 def test_prompt_building_gets_the_decoded_images_in_order():
-    bridge = AsyncEngine(ScriptedEngine(["ok"], ToolTemplateTokenizer()), vision=True)
+    engine = VisionEngine(["ok"], ToolTemplateTokenizer())
+    bridge = AsyncEngine(engine)
     chat = ChatCompletionRequest.model_validate({"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": WEBP}]},
         {"role": "assistant", "content": "A square."},
@@ -152,9 +183,11 @@ def test_prompt_building_gets_the_decoded_images_in_order():
         prepared = asyncio.run(prepared_chat(bridge, chat, None, None))
     finally:
         bridge.shutdown()
-    assert [image.field for image in prepared.images] == [
+    [images] = engine.image_model.images
+    assert [image.field for image in images] == [
         "messages[0].content[0].image_url", "messages[2].content[1].image_url"]
-    assert [image.image.size for image in prepared.images] == [(8, 8), (24, 16)]
+    assert [image.image.size for image in images] == [(8, 8), (24, 16)]
+    assert prepared.media is not None
 
 
 # ---- the text-only default model ------------------------------------------------------------

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 from scheduler_helpers import resolve_step
 
+from metal_engine.models.mrope_positions import MropePositions
 from metal_engine.vision.encoder_cache import EncoderCache
 from metal_engine.vision.step_media import step_images, step_positions
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -117,13 +118,15 @@ def test_the_encoder_cache_drops_the_least_recently_used_past_its_budget():
     assert cache.num_bytes <= cache.budget_bytes
 
 
-def test_positions_are_three_axis_only_in_steps_holding_such_a_prompt():
+def test_positions_are_three_axis_only_in_steps_holding_image_rows():
     table = np.stack([np.arange(6), np.arange(6) * 2, np.arange(6) * 3])
-    media = {"r": PromptMedia((), positions=table, position_delta=-2)}
+    media = {"r": PromptMedia((), positions=MropePositions(table, delta=-2))}
     flat = np.array([40, 41, 3, 4, 5, 6], np.int32)
     text_only = [scheduled("t", 40, 2)]
-    assert step_positions(text_only, media, flat[:2]).shape == (2,)
+    assert step_positions(text_only, media, flat[:2]).tolist() == [40, 41]
     mixed = [scheduled("t", 40, 2), scheduled("r", 3, 4)]  # prompt tokens 3-5, then one more
     positions = step_positions(mixed, media, flat)
     assert positions.tolist() == [[40, 41, 3, 4, 5, 4], [40, 41, 6, 8, 10, 4],
                                   [40, 41, 9, 12, 15, 4]]
+    decode = [scheduled("t", 42, 1), scheduled("r", 7, 1)]  # past its prompt: index + delta
+    assert step_positions(decode, media, np.array([42, 7], np.int32)).tolist() == [42, 5]

@@ -26,6 +26,9 @@ class ImageFeatures(Protocol):
     deepstack: tuple[mx.array, ...]
 
 
+# What the tower's outputs may take: ~100 screenshots of a 30B model's width (2k tokens each).
+ENCODER_CACHE_BYTES = 256 * 2**20
+
 Encode = Callable[[Sequence[ImageSpan]], list[ImageFeatures]]
 
 

@@ -48,8 +48,9 @@ def step_images(scheduled: Sequence[ScheduledRequest], media: Mapping[str, Promp
 
 def step_positions(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],
                    positions: np.ndarray) -> np.ndarray:
-    """`positions` as the three-axis rows a multimodal rope takes, where a request of the step
-    has them (its images moved its later tokens' positions); as they are otherwise."""
+    """The step's rope positions: three-axis rows where a row of the step sits at different
+    time, height and width positions (an image's), else one axis, where a request's images
+    shifted its later tokens."""
     if not any(getattr(media.get(s.request_id), "positions", None) is not None
                for s in scheduled):
         return positions
@@ -59,17 +60,12 @@ def step_positions(scheduled: Sequence[ScheduledRequest], media: Mapping[str, Pr
         prompt_media = media.get(item.request_id)
         if prompt_media is not None and prompt_media.positions is not None:
             start = item.start_position
-            parts.append(_positions_of(prompt_media, start, start + count))
+            parts.append(prompt_media.positions.rows(start, start + count))
         else:
             parts.append(np.broadcast_to(positions[row:row + count], (3, count)))
         row += count
-    return np.concatenate(parts, axis=1).astype(np.int32)
+    three = np.concatenate(parts, axis=1).astype(np.int32)
+    # Rows past the images (decodes, text) have three equal positions: one axis keeps the
+    # step on the text path's rope.
+    return three[0] if (three == three[0]).all() else three
 
-
-def _positions_of(media: PromptMedia, start: int, end: int) -> np.ndarray:
-    """`[3, end - start]` rope positions of a request's tokens `start .. end`: its prompt's
-    from the table, those past it at `index + position_delta` on all three axes."""
-    num_prompt = media.positions.shape[1]
-    inside = media.positions[:, start:min(end, num_prompt)]
-    after = np.arange(max(start, num_prompt), end) + media.position_delta
-    return np.concatenate([inside, np.broadcast_to(after, (3, len(after)))], axis=1)

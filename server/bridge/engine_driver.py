@@ -96,8 +96,9 @@ class EngineDriver:
 
     def _add(self, add: QueuedAdd) -> None:
         try:
+            images = {} if add.media is None else {"media": add.media}  # only to a reader
             self.engine.add_request(add.request_id, add.prompt_ids, add.params,
-                                    priority=add.priority, cache_salt=add.cache_salt)
+                                    priority=add.priority, cache_salt=add.cache_salt, **images)
         except ValueError as exc:
             add.stream.put(exc)
             return

@@ -16,6 +16,7 @@ from metal_engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from scheduler import SamplingParams
+    from scheduler.media import PromptMedia
 
 
 @dataclass
@@ -57,3 +58,4 @@ class QueuedAdd:
     priority: int
     cache_salt: str | None
     stream: RequestStream
+    media: PromptMedia | None = None  # its prompt's images

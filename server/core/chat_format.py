@@ -27,7 +27,9 @@ from server.http.errors import APIError
 from server.media.images import ImageInput
 
 if TYPE_CHECKING:
+    from metal_engine.vision.image_model import ImageModel
     from scheduler import SamplingParams
+    from scheduler.media import PromptMedia
     from server.async_engine import AsyncEngine
     from server.sampling_defaults import SamplingDefaults
 
@@ -35,15 +37,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PreparedChat:
     """The prompt's token ids, what the sampler must add for this format, a factory of
-    parsers for the answer (one per choice), and the request's images in the order the
-    prompt shows them: where each one is, `ids` hold what the chat template writes for an
-    image (e.g. Qwen's `<|vision_start|><|image_pad|><|vision_end|>`), once."""
+    parsers for the answer (one per choice), and the prompt's images: where each one is,
+    `ids` hold as many placeholder tokens as the model's tower gives it embeddings."""
 
     ids: list[int]
     structured: StructuredOutput | None  # a forced call's or response_format's schema
     stop_token_ids: tuple[int, ...]  # the format's own ends of a turn
     new_parser: Callable[[], TurnParser]
-    images: tuple[ImageInput, ...] = ()  # only for a model with vision
+    media: PromptMedia | None = None  # only for a model with vision
 
     def sampling_params(
         self, chat: ChatCompletionRequest, max_tokens: int, defaults: SamplingDefaults
@@ -70,17 +71,19 @@ async def prepared_chat(
     (server.core.chat_images): every route that renders a chat request starts here."""
     chat, images = await chat_images(chat, engine.vision, engine.media)
     return await engine.prepare(prepare_chat, engine.tokenizer, chat, parser_name,
-                                max_text_bytes, images)
+                                max_text_bytes, images, engine.image_model)
 
 
 def prepare_chat(
     tokenizer: Any, chat: ChatCompletionRequest, parser_name: str | None,
     max_text_bytes: int | None = None, images: Sequence[ImageInput] = (),
+    image_model: ImageModel | None = None,
 ) -> PreparedChat:
     """The request in the model's format; a 400 for what that format cannot carry.
     `parser_name` (`--tool-call-parser`) only concerns chat templates; a rendered template
     past `max_text_bytes` is refused before it is tokenized. `images`: the decoded images of
-    `chat`'s image parts, in order (a model without vision gets none: `chat_images`)."""
+    `chat`'s image parts, in order (a model without vision gets none: `chat_images`), which
+    `image_model` (the model's vision side) puts in the prompt."""
     if speaks_harmony(tokenizer):
         return _harmony_chat(tokenizer, chat)
     prompt, plan = prompt_of(tokenizer, chat, parser_name, max_text_bytes)
@@ -91,7 +94,14 @@ def prepare_chat(
         return TemplateTurnParser(ReasoningStream(starts_inside=starts_inside), tools)
 
     structured = plan.structured() or chat.response_structure()
-    return PreparedChat(prompt.ids, structured, (), new_parser, tuple(images))
+    ids, media = prompt.ids, None
+    if images:
+        try:
+            ids, media = image_model.place(prompt.ids, images)
+        except ValueError as exc:  # e.g. a template that writes no image placeholder
+            raise APIError(f"The images could not be placed in the prompt: {exc}",
+                           param="messages") from exc
+    return PreparedChat(ids, structured, (), new_parser, media)
 
 
 async def render_ids(

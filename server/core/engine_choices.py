@@ -24,6 +24,7 @@ from server.http.sse import DONE, sse
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
     from scheduler import SamplingParams
+    from scheduler.media import PromptMedia
 
 T = TypeVar("T")
 Outputs = AsyncGenerator["RequestOutput", None]
@@ -64,9 +65,11 @@ async def start(
     n: int = 1,
     priority: int = 0,
     cache_salt: str | None = None,
+    media: PromptMedia | None = None,
 ) -> Choices:
-    """`start_prompts` for a single prompt."""
-    return await start_prompts(engine, [prompt_ids], params, request_id, n, priority, cache_salt)
+    """`start_prompts` for a single prompt (with its images, `media`)."""
+    return await start_prompts(engine, [prompt_ids], params, request_id, n, priority, cache_salt,
+                               media)
 
 
 async def start_prompts(
@@ -77,15 +80,18 @@ async def start_prompts(
     n: int = 1,
     priority: int = 0,
     cache_salt: str | None = None,
+    media: PromptMedia | None = None,
 ) -> Choices:
-    """Submit `n` choices of each prompt together and wait for each one's first output, so
-    that a refusal is still a 400. Submitted together, the choices of a prompt compute its
-    full blocks once and share them through the prefix cache, which they share with no
-    request of another API key (tenant) or another `cache_salt`."""
+    """Submit `n` choices of each prompt together (`media`: the images of a chat's one
+    prompt) and wait for each one's first output, so that a refusal is still a 400.
+    Submitted together, the choices of a prompt compute its full blocks once and share them
+    through the prefix cache, which they share with no request of another API key (tenant)
+    or another `cache_salt`."""
     ids = choice_request_ids(request_id, len(prompts) * n)
     salt = prefix_cache_salt(cache_salt)
     streams = [
-        engine.generate(prompts[k // n], choice_params(params, k % n), choice_id, priority, salt)
+        engine.generate(prompts[k // n], choice_params(params, k % n), choice_id, priority, salt,
+                        media)
         for k, choice_id in enumerate(ids)
     ]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]

@@ -125,7 +125,8 @@ async def start(
         )
         params = prepared.sampling_params(chat, max_tokens, engine.sampling_defaults)
         choices = await engine_choices.start(
-            engine, prepared.ids, params, request_id, cache_salt=chat.cache_salt
+            engine, prepared.ids, params, request_id, cache_salt=chat.cache_salt,
+            media=prepared.media,
         )
     except APIError as exc:
         exc.param = names.get(exc.param or "", exc.param)

@@ -35,6 +35,7 @@ from server.serve_args import MAX_N
 
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
+    from scheduler.media import PromptMedia
     from scheduler.sampling_params import StructuredOutput
 
 
@@ -98,7 +99,8 @@ class Serving:
 
         endpoint = _Endpoint("chatcmpl", "messages", new_stream, response, head,
                              prepared.stop_token_ids)  # fmt: skip
-        return await self._serve(body, request, [prepared.ids], prepared.structured, endpoint)
+        return await self._serve(body, request, [prepared.ids], prepared.structured, endpoint,
+                                 prepared.media)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         tokenizer = self.engine.tokenizer
@@ -132,6 +134,7 @@ class Serving:
         prompts: list[list[int]],
         structured: StructuredOutput | None,
         endpoint: _Endpoint,
+        media: PromptMedia | None = None,
     ) -> Response:
         count = len(prompts) * body.n
         # One SamplingParams serves every prompt, so the longest one bounds max_tokens.
@@ -147,7 +150,8 @@ class Serving:
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         start = engine_choices.start_prompts(
-            self.engine, prompts, params, request_id, body.n, body.priority, body.cache_salt
+            self.engine, prompts, params, request_id, body.n, body.priority, body.cache_salt,
+            media,
         )
         choices = await engine_choices.unless_disconnected(request, start)
         if choices is None:

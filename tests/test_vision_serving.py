@@ -1,0 +1,170 @@
+"""Images end to end on tiny random Qwen vision-language checkpoints, converted as users do:
+the picture preprocessed, encoded by our tower, placed in the prompt and served by the engine
+must give transformers' greedy tokens for the same picture (its own processor, tower and
+model); the same screenshot in the next request is a prefix-cache hit, encoded once; and the
+official openai client gets its answer from a real server.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+from server_helpers import running_server
+from tiny_models import IMAGE_TOKENS, QWEN_VISION, VOCAB, build_tiny_model
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+from convert import convert_model
+from metal_engine.config import EngineConfig
+from metal_engine.engine_build import build_engine
+from scheduler import SamplingParams
+
+IMAGE, START, END = (IMAGE_TOKENS[k] for k in ("image_token_id", "vision_start_token_id",
+                                               "vision_end_token_id"))
+NAMES = {IMAGE: "<|image_pad|>", START: "<|vision_start|>", END: "<|vision_end|>"}
+TEMPLATE = (
+    "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% else %}{{ p.text }}{% endif %} {% endfor %}{% endif %} {% endfor %}"
+)
+MAX_TOKENS = 6
+
+
+class Picture:
+    """A decoded picture as the server hands it to the vision side."""
+
+    def __init__(self, image: Image.Image, detail: str = "auto") -> None:
+        self.image = image
+        self.content_hash = f"{image.size}-{image.tobytes().hex()[:32]}"
+        self.detail = detail
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+    return Image.fromarray(pixels)
+
+
+def save_tokenizer(path) -> None:
+    """Words `w<id>` and the image tokens at their ids, with a template that shows images."""
+    vocab = {NAMES.get(i, f"w{i}"): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(name, special=True) for name in NAMES.values()])
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_vl_text"])
+def checkpoint(request, tmp_path_factory):
+    """(transformers' model, its image processor, our converted dir)."""
+    source = tmp_path_factory.mktemp(f"{request.param}-hf")
+    model = build_tiny_model(request.param, source, vision=True)
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=QWEN_VISION["patch_size"], merge_size=QWEN_VISION["spatial_merge_size"],
+        temporal_patch_size=QWEN_VISION["temporal_patch_size"],
+        size={"shortest_edge": 8 * 8, "longest_edge": 16 * 16})
+    processor.save_pretrained(source)
+    save_tokenizer(source)
+    out = convert_model(source, tmp_path_factory.mktemp(request.param) / "model",
+                        progress=False)
+    return model, processor, out
+
+
+def engine_of(model_dir, **options):
+    return build_engine(EngineConfig(model_dir=model_dir, max_model_len=256,
+                                     kv_cache_memory=16 << 20, block_size=8, **options))
+
+
+def transformers_greedy(model, processor, ids: list[int], image: Image.Image) -> list[int]:
+    """transformers' greedy tokens for `ids` (one image placeholder) and `image`."""
+    pixels = processor(images=[image], return_tensors="pt")
+    count = int(pixels["image_grid_thw"].prod()) // QWEN_VISION["spatial_merge_size"] ** 2
+    slot = ids.index(IMAGE)
+    expanded = torch.tensor([ids[:slot] + [IMAGE] * count + ids[slot + 1:]])
+    with torch.no_grad():
+        out = model.generate(expanded, pixel_values=pixels["pixel_values"],
+                             image_grid_thw=pixels["image_grid_thw"],
+                             mm_token_type_ids=(expanded == IMAGE).int(),
+                             max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, expanded.shape[1]:].tolist()
+
+
+def serve_all(engine, prompts: dict[str, tuple[list[int], object]]) -> dict[str, list[int]]:
+    """Each request's greedy tokens, all in one batch."""
+    for request_id, (ids, media) in prompts.items():
+        engine.add_request(request_id, ids, SamplingParams(max_tokens=MAX_TOKENS,
+                                                           temperature=0.0), media=media)
+    tokens = {request_id: [] for request_id in prompts}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    return tokens
+
+
+PROMPT = [5, 9, 17, START, IMAGE, END, 40, 41, 8]
+
+
+def test_served_tokens_equal_transformers_for_the_same_picture(checkpoint):
+    model, processor, model_dir = checkpoint
+    engine = engine_of(model_dir, max_num_batched_tokens=16)  # chunks cut through images
+    vision = engine.image_model
+    assert vision is not None
+    wide, tall = picture(24, 10, 1), picture(9, 20, 2)
+    prompts = {
+        "wide": vision.place(PROMPT, [Picture(wide)]),
+        "tall": vision.place([3, *PROMPT[1:]], [Picture(tall)]),
+        "text": ([7, 8, 9, 10], None),
+    }
+    got = serve_all(engine, prompts)
+    assert got["wide"] == transformers_greedy(model, processor, PROMPT, wide)
+    assert got["tall"] == transformers_greedy(model, processor, [3, *PROMPT[1:]], tall)
+    assert engine.runner.encoder.num_encoded == 2
+
+
+def test_the_same_screenshot_next_turn_is_a_cache_hit_encoded_once(checkpoint):
+    model, processor, model_dir = checkpoint
+    engine = engine_of(model_dir)
+    vision = engine.image_model
+    shot, other = picture(16, 16, 3), picture(16, 16, 4)
+    first = serve_all(engine, {"first": vision.place(PROMPT, [Picture(shot)])})
+    again = serve_all(engine, {"again": vision.place(PROMPT, [Picture(shot)])})
+    assert again["again"] == first["first"] == transformers_greedy(model, processor, PROMPT,
+                                                                   shot)
+    ids, _ = vision.place(PROMPT, [Picture(shot)])
+    assert engine.stats().prefix_cache_hit_tokens >= len(ids) - 8  # all but the last block
+    assert engine.runner.encoder.num_encoded == 1
+    hits = engine.stats().prefix_cache_hit_tokens
+    serve_all(engine, {"other": vision.place(PROMPT, [Picture(other)])})
+    # Only the block before the image's first is shared with another picture.
+    assert engine.stats().prefix_cache_hit_tokens - hits <= ids.index(IMAGE)
+
+
+def test_the_openai_client_sends_a_screenshot_to_a_real_server(checkpoint):
+    model, processor, model_dir = checkpoint
+    shot = picture(20, 12, 5)
+    buffer = io.BytesIO()
+    shot.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    # transformers loads the family's own tokenizer class over the test's word vocabulary,
+    # which reads only its special tokens: the prompt is the image alone.
+    content = [{"type": "image_url", "image_url": {"url": url}}]
+    with running_server(engine_of(model_dir)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        answer = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS, temperature=0)
+        again = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS, temperature=0)
+    want = transformers_greedy(model, processor, [START, IMAGE, END], shot)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert answer.choices[0].message.content == tokenizer.decode(want)
+    assert again.choices[0].message.content == answer.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0

@@ -82,12 +82,13 @@ def engine_of(model_dir, **options):
                                      kv_cache_memory=16 << 20, block_size=8, **options))
 
 
-def transformers_greedy(model, processor, ids: list[int], image: Image.Image) -> list[int]:
-    """transformers' greedy tokens for `ids` (one image placeholder) and `image`."""
-    pixels = processor(images=[image], return_tensors="pt")
-    count = int(pixels["image_grid_thw"].prod()) // QWEN_VISION["spatial_merge_size"] ** 2
-    slot = ids.index(IMAGE)
-    expanded = torch.tensor([ids[:slot] + [IMAGE] * count + ids[slot + 1:]])
+def transformers_greedy(model, processor, ids: list[int], *images: Image.Image) -> list[int]:
+    """transformers' greedy tokens for `ids` (a placeholder per image) and `images`."""
+    pixels = processor(images=list(images), return_tensors="pt")
+    counts = iter((pixels["image_grid_thw"].prod(-1) // QWEN_VISION["spatial_merge_size"] ** 2)
+                  .tolist())
+    expanded = torch.tensor([[t for token in ids
+                              for t in ([IMAGE] * next(counts) if token == IMAGE else [token])]])
     with torch.no_grad():
         out = model.generate(expanded, pixel_values=pixels["pixel_values"],
                              image_grid_thw=pixels["image_grid_thw"],
@@ -109,23 +110,25 @@ def serve_all(engine, prompts: dict[str, tuple[list[int], object]]) -> dict[str,
 
 
 PROMPT = [5, 9, 17, START, IMAGE, END, 40, 41, 8]
+TWO_IMAGES = [7, START, IMAGE, END, 33, 12, START, IMAGE, END, 61, 62]
 
 
-def test_served_tokens_equal_transformers_for_the_same_picture(checkpoint):
+@pytest.mark.parametrize("budget", [16, 256], ids=["chunked", "whole"])
+def test_served_tokens_equal_transformers_for_the_same_pictures(checkpoint, budget):
     model, processor, model_dir = checkpoint
-    engine = engine_of(model_dir, max_num_batched_tokens=16)  # chunks cut through images
+    engine = engine_of(model_dir, max_num_batched_tokens=budget)  # 16: chunks cut images
     vision = engine.image_model
     assert vision is not None
     wide, tall = picture(24, 10, 1), picture(9, 20, 2)
     prompts = {
         "wide": vision.place(PROMPT, [Picture(wide)]),
-        "tall": vision.place([3, *PROMPT[1:]], [Picture(tall)]),
+        "two": vision.place(TWO_IMAGES, [Picture(tall), Picture(wide)]),
         "text": ([7, 8, 9, 10], None),
     }
     got = serve_all(engine, prompts)
     assert got["wide"] == transformers_greedy(model, processor, PROMPT, wide)
-    assert got["tall"] == transformers_greedy(model, processor, [3, *PROMPT[1:]], tall)
-    assert engine.runner.encoder.num_encoded == 2
+    assert got["two"] == transformers_greedy(model, processor, TWO_IMAGES, tall, wide)
+    assert engine.runner.encoder.num_encoded == 2  # the wide picture once for both prompts
 
 
 def test_the_same_screenshot_next_turn_is_a_cache_hit_encoded_once(checkpoint):

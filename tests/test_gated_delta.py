@@ -17,6 +17,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 from metal_engine.loading.weights import split_fused
 from metal_engine.models.gated_delta import (
+    ONE_TAP_ROWS,
     GatedDeltaNet,
     GatedDeltaNetConfig,
     causal_conv1d,
@@ -128,9 +129,10 @@ def _torch_conv_update(x, weight, state):
     return out[0].T.numpy(), conv_state[0].T.numpy()
 
 
-def test_conv_packed_with_states_matches_transformers():
+@pytest.mark.parametrize("lens", [[1, 2, 0, 9, 1], [1, ONE_TAP_ROWS + 6, 0, 1]])
+def test_conv_packed_with_states_matches_transformers(lens):
     rng = np.random.default_rng(5)
-    channels, kernel, lens = 12, 4, [1, 2, 0, 9, 1]
+    channels, kernel = 12, 4
     cu = np.concatenate([[0], np.cumsum(lens)])
     x = rng.standard_normal((cu[-1], channels), dtype=np.float32)
     weight = rng.standard_normal((channels, 1, kernel), dtype=np.float32)

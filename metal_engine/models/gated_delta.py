@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from metal_engine.models.layers import Linear, PackedLinears
+from metal_engine.models.layers import FromWeight, Linear, PackedLinears
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.ops_user import OpsUser
 
@@ -64,15 +64,33 @@ def causal_conv1d(x: mx.array, weight: mx.array, cu_seqlens, state: mx.array,
                   silu=nn.silu) -> tuple[mx.array, mx.array]:
     """Depthwise causal conv of each request's rows `x [total_q, C]`, continuing from its
     `state [num_seqs, K - 1, C]`, then `silu`. `weight [C, 1, K]`. Returns (out, new state)."""
-    kernel_size, channels = weight.shape[-1], x.shape[-1]
+    return conv_with_taps(x, ConvTaps.of(weight), cu_seqlens, state, silu)
+
+
+class ConvTaps(NamedTuple):
+    """A conv weight `[C, 1, K]` as float32 taps: `whole [K, C]` and each tap's row `[1, C]`
+    (views of it). Summed in float32, since taps rounded to bfloat16 add up to visible error."""
+
+    whole: mx.array
+    rows: list[mx.array]
+
+    @classmethod
+    def of(cls, weight: mx.array) -> ConvTaps:
+        channels, kernel_size = weight.shape[0], weight.shape[-1]
+        whole = weight.reshape(channels, kernel_size).T.astype(mx.float32)
+        return cls(whole, mx.split(whole, kernel_size))
+
+
+def conv_with_taps(x: mx.array, taps: ConvTaps, cu_seqlens, state: mx.array,
+                   silu=nn.silu) -> tuple[mx.array, mx.array]:
+    """`causal_conv1d` with its weight's `ConvTaps`."""
+    kernel_size, channels = len(taps.rows), x.shape[-1]
     gathers = _conv_gathers(np.asarray(cu_seqlens, np.int64).tobytes(), kernel_size)
     source = mx.concatenate([x, state.astype(x.dtype).reshape(-1, channels)])
-    taps = weight.reshape(channels, kernel_size).T.astype(mx.float32)  # [K, C]
-    # Summed in float32, since taps rounded to bfloat16 add up to visible error.
     if len(gathers.windows) == 1:  # a few rows: every tap in one gather and one sum
-        out = _tapped(source[gathers.windows[0]], taps).sum(axis=1)
+        out = _tapped(source[gathers.windows[0]], taps.whole).sum(axis=1)
     else:
-        out = sum(_tapped(source[w], taps[j]) for j, w in enumerate(gathers.windows))
+        out = _tap_sum([source[w] for w in gathers.windows], taps.rows)
     return silu(out).astype(x.dtype), source[gathers.new_state]
 
 
@@ -81,13 +99,23 @@ def _tapped(values: mx.array, taps: mx.array) -> mx.array:
     return values.astype(mx.float32) * taps
 
 
+@partial(mx.compile, shapeless=True)
+def _tap_sum(columns: list[mx.array], taps: list[mx.array]) -> mx.array:
+    """`sum_j columns[j] * taps[j]` in float32, oldest tap first: one kernel on Metal."""
+    out = columns[0].astype(mx.float32) * taps[0]
+    for column, tap in zip(columns[1:], taps[1:], strict=True):
+        out = out + column.astype(mx.float32) * tap
+    return out
+
+
 class CausalConv1d(nn.Module, OpsUser):
     def __init__(self, channels: int, kernel_size: int) -> None:
         super().__init__()
         self.weight = mx.zeros((channels, 1, kernel_size))
+        self._taps = FromWeight(ConvTaps.of)
 
     def __call__(self, x: mx.array, cu_seqlens, state: mx.array) -> tuple[mx.array, mx.array]:
-        return causal_conv1d(x, self.weight, cu_seqlens, state, self.ops.silu)
+        return conv_with_taps(x, self._taps(self.weight), cu_seqlens, state, self.ops.silu)
 
 
 class GatedRMSNorm(nn.Module, OpsUser):

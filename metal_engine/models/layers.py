@@ -117,20 +117,26 @@ class UnitRMSNorm(nn.Module, OpsUser):
         return self.ops.rms_norm(x, None, self.eps)
 
 
-class OffsetScale:
-    """`1 + w` of an offset norm's weight, in the weight's dtype, made again when the weight
-    is replaced: computed per call, it is a kernel per norm per step."""
+class FromWeight:
+    """`derive(weight)`, made again only when the weight is replaced: derived per call, it
+    is a kernel per layer per step. A plain object, so a module holding it gains no
+    parameter."""
 
-    def __init__(self) -> None:
+    def __init__(self, derive) -> None:
+        self._derive = derive
         self._weight: mx.array | None = None
-        self._scale: mx.array | None = None
+        self._value = None
 
-    def __call__(self, weight: mx.array) -> mx.array:
+    def __call__(self, weight: mx.array):
         if weight is not self._weight:
-            # In float32, rounded once (`1 + w` in bfloat16 would round w first).
-            self._weight = weight
-            self._scale = (1.0 + weight.astype(mx.float32)).astype(weight.dtype)
-        return self._scale
+            self._weight, self._value = weight, self._derive(weight)
+        return self._value
+
+
+def offset_scale(weight: mx.array) -> mx.array:
+    """`1 + w` of an offset norm's weight, in the weight's dtype: in float32, rounded once
+    (`1 + w` in bfloat16 would round w first)."""
+    return (1.0 + weight.astype(mx.float32)).astype(weight.dtype)
 
 
 class OffsetRMSNorm(nn.Module, OpsUser):
@@ -142,7 +148,7 @@ class OffsetRMSNorm(nn.Module, OpsUser):
         super().__init__()
         self.weight = mx.zeros((dims,))
         self.eps = eps
-        self._scale = OffsetScale()
+        self._scale = FromWeight(offset_scale)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.ops.rms_norm(x, self._scale(self.weight), self.eps)

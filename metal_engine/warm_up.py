@@ -15,6 +15,8 @@ or loaded from numba's disk cache. The steps cover what the launches and loops d
                   joining late; sampling mixed      prefill + decode, decode-only with shared
                   (greedy, top-k/p, min-p,          blocks (the CPU's cascade decode)
                   penalties, logprobs)
+    a picture     1 with an image (a model with     the vision tower, image rows, three-axis
+                  vision only)                      rope positions
 
 Nothing else changes what is compiled: a launch's template, threadgroup and bindings do not
 depend on how long a context is (split-K partitions are in each variant's first-use check),
@@ -31,9 +33,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+from PIL import Image
 
 from kernels_metal.plan import DECODE_MAX_QUERY_LEN
 from scheduler import SamplingParams, Scheduler
@@ -74,6 +77,9 @@ def warm_up(engine) -> float:
     for phase in (([(question, SAMPLING[0])], []),
                   _batch(shapes, question, config.max_num_seqs)):
         used += _run(private, phase, ids)
+    if engine.image_model is not None:
+        used.append(next(ids))
+        _picture(private, used[-1], engine.image_model, question)
     engine.runner.release(used)
     engine.runner.model.settle()  # after the steps: they pack what the backend streams
     return time.perf_counter() - start
@@ -112,6 +118,23 @@ def _batch(s: _Shapes, question: list[int], max_num_seqs: int) -> _Phase:
               SAMPLING[i % len(SAMPLING)]) for i in range(n)]
     late = [((shared + s.tokens(130))[: s.longest], SAMPLING[1])]
     return first, late
+
+
+@dataclass(frozen=True)
+class _Picture:
+    """A grey screenshot-sized picture, as the server hands a decoded image over."""
+
+    image: Image.Image = field(default_factory=lambda: Image.new("RGB", (448, 448), "grey"))
+    content_hash: str = "metal-serve-warm-up"
+    detail: str = "auto"
+
+
+def _picture(engine, request_id: str, image_model, question: list[int]) -> None:
+    """One request with an image: the tower's first run and a step with image rows."""
+    ids, media = image_model.place([*question[:4], image_model.image_token_id], [_Picture()])
+    engine.add_request(request_id, ids, SAMPLING[0], media=media)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _run(engine, phase: _Phase, ids: Iterator[str]) -> list[str]:

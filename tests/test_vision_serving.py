@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 from convert import convert_model
 from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
+from metal_engine.warm_up import warm_up
 from scheduler import SamplingParams
 
 IMAGE, START, END = (IMAGE_TOKENS[k] for k in ("image_token_id", "vision_start_token_id",
@@ -171,3 +172,14 @@ def test_the_openai_client_sends_a_screenshot_to_a_real_server(checkpoint):
     assert answer.choices[0].message.content == tokenizer.decode(want)
     assert again.choices[0].message.content == answer.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_warm_up_runs_the_tower_before_the_first_image_request(checkpoint):
+    model, processor, model_dir = checkpoint
+    engine = engine_of(model_dir)
+    warm_up(engine)
+    assert engine.runner.encoder.num_encoded == 1  # the warm-up's picture
+    shot = picture(14, 18, 6)
+    got = serve_all(engine, {"after": engine.image_model.place(PROMPT, [Picture(shot)])})
+    assert got["after"] == transformers_greedy(model, processor, PROMPT, shot)
+    assert not engine.scheduler.requests  # the warm-up's request is not the engine's

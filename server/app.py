@@ -149,11 +149,18 @@ def _service_router(
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    capabilities = ["completion"]
+    if getattr(async_engine.tokenizer, "chat_template", None):
+        capabilities.append("chat")
+    if async_engine.vision:
+        capabilities.append("vision")
+
     @router.get("/v1/models")
     async def models() -> dict:
         cards = [
             ModelCard(id=model_id, created=created, max_model_len=async_engine.max_model_len,
-                      sampling_defaults=asdict(async_engine.sampling_defaults), **counts)
+                      sampling_defaults=asdict(async_engine.sampling_defaults),
+                      capabilities=capabilities, **counts)
             for model_id in model_ids
         ]  # fmt: skip
         return ModelList(data=cards).model_dump()

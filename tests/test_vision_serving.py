@@ -167,6 +167,9 @@ def test_the_openai_client_sends_a_screenshot_to_a_real_server(checkpoint):
         again = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": content}],
             max_tokens=MAX_TOKENS, temperature=0)
+        cards = client.models.list().data
+    assert {tuple(card.model_extra["capabilities"]) for card in cards} == {
+        ("completion", "chat", "vision")}
     want = transformers_greedy(model, processor, [START, IMAGE, END], shot)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert answer.choices[0].message.content == tokenizer.decode(want)

@@ -233,6 +233,8 @@ class ModelCard(BaseModel):
     # Parameters in all, and those each token runs through (fewer for a mixture of experts).
     num_parameters: int | None = None
     active_parameters: int | None = None
+    # What it serves: "completion", "chat" (a chat template), "vision" (it reads images).
+    capabilities: list[str] = []
 
 
 class ModelList(BaseModel):

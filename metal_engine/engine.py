@@ -15,6 +15,7 @@ from metal_engine.sampling.structured import StructuredOutputs
 from scheduler import Request, SamplingParams, Scheduler
 from scheduler.media import PromptMedia
 from scheduler.output import RequestUpdate, SchedulerOutput
+from scheduler.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from metal_engine.parallel.peers import Peers
@@ -72,22 +73,42 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, media: PromptMedia | None = None) -> None:
+                    cache_salt: str | None = None, media: PromptMedia | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         """Queue a request; ValueError (with the limits) if it can never be served, or naming
         the schema feature if its structured output cannot be enforced.
 
         `priority` orders admission under the priority policy: lower values go first.
         Requests share prefix-cache blocks only when their `cache_salt` is equal. `media`:
         the prompt's images (their placeholder tokens are in `prompt_token_ids`).
+        `pooling`: the request pools its prompt into one vector (`RequestOutput.pooled`)
+        instead of generating; `params` then counts for nothing but its checks.
         """
+        if pooling is not None:
+            self._check_pooling(pooling)
+        elif not self.runner.model.has_head:
+            raise ValueError("the model has no LM head: it serves embeddings, not generation")
         grammar = self.structured.compile(params.structured) if params.structured else None
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                          priority=priority, cache_salt=cache_salt, media=media)
+                          priority=priority, cache_salt=cache_salt, media=media,
+                          pooling=pooling)
         self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         self._checks[request_id] = RequestOutputCheck(request_id, detokenizer, self.structured)
+
+    def _check_pooling(self, pooling: PoolingParams) -> None:
+        """ValueError naming what this engine cannot pool so."""
+        hidden_size = self.runner.model.config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden_size:
+            raise ValueError(f"dimensions is {pooling.dimensions} but the model's embeddings "
+                             f"have {hidden_size}: ask for at most {hidden_size}")
+        if pooling.logit_token_ids and not self.runner.model.has_head:
+            raise ValueError("the model has no LM head to read token logits from")
+        if self.runner.stage is not None:
+            raise ValueError("pooling needs every row's hidden state, which pipeline "
+                             "parallelism does not keep on rank 0: serve on one rank")
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.requests.get(request_id)
@@ -175,15 +196,23 @@ class LLMEngine:
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
         sampled, logprobs = self.runner.sampled(launched), launched.sampled_logprobs()
+        pooled = launched.pooled_vectors()
         updates = self.scheduler.resolve(launched.out, sampled, self._checks)
         if self.connector is not None:  # before the outputs go out (write-through)
             self.connector.save_computed()
-        return [self._process(u, logprobs.get(u.request.request_id)) for u in updates]
+        return [self._process(u, logprobs.get(u.request.request_id),
+                              pooled.get(u.request.request_id)) for u in updates]
 
-    def _process(self, update: RequestUpdate,
-                 logprobs: list[TokenLogprobs] | None) -> RequestOutput:
-        """A request's new tokens as text (all of it once the request has ended)."""
+    def _process(self, update: RequestUpdate, logprobs: list[TokenLogprobs] | None,
+                 pooled: list[float] | None = None) -> RequestOutput:
+        """A request's new tokens as text (all of it once the request has ended), or the
+        vector it pooled."""
         request, reason = update.request, update.finish_reason
+        if pooled is not None:
+            self._forget(request.request_id)
+            output = self._output(request, [], "", reason, 0)
+            output.pooled = pooled
+            return output
         text = self._checks[request.request_id].take_delta(final=reason is not None)
         if reason is not None:
             self._forget(request.request_id)

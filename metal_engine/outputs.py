@@ -33,7 +33,8 @@ class RequestOutput:
     failed when the reason is "error" (a message for the client, quoting nothing it sent).
     `logprobs` has one entry per `new_token_ids` entry, or is None when the request did not
     ask for logprobs. With speculative decoding, `num_draft_tokens` counts the request's
-    drafts verified so far and `num_accepted_tokens` those accepted.
+    drafts verified so far and `num_accepted_tokens` those accepted. A pooling request has
+    one output, its last, with its vector in `pooled` and no tokens.
     """
 
     request_id: str
@@ -48,6 +49,7 @@ class RequestOutput:
     error: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,7 @@ from metal_engine.drafting.mtp import MtpDrafter
 from metal_engine.input_batch import StepInputs, build_step_inputs
 from metal_engine.models.decoder import CausalLM
 from metal_engine.outputs import TokenLogprobs
+from metal_engine.pooling import Pooler
 from metal_engine.sampling.logprobs import LogprobArrays, compute_logprobs
 from metal_engine.sampling.rejection_sampler import (
     AcceptedTokens,
@@ -52,6 +53,7 @@ class LaunchedStep:
     `token_ids` holds each sampling request's last token: the one it sampled or, where it
     verified drafts, the one it samples after all of them (what the next step feeds if they
     are all accepted). `verified` holds the whole verification, when the step had drafts.
+    `pooled` holds the vector of each request that pooled in the step.
     """
 
     out: SchedulerOutput
@@ -59,15 +61,21 @@ class LaunchedStep:
     token_ids: mx.array | None  # [len(sample_request_ids)], being computed
     logprobs: LogprobArrays | None = None
     verified: VerifiedTokens | None = None
+    pooled: dict[str, mx.array] = field(default_factory=dict)
     _accepted_on_host: list[AcceptedTokens] | None = field(default=None, init=False, repr=False)
 
     def arrays(self) -> list[mx.array]:
         """What the step computes for the host (the K/V writes aside)."""
+        pooled = list(self.pooled.values())
         if self.token_ids is None:
-            return []
+            return pooled
         if self.verified is not None:
-            return [self.token_ids, *self.verified.arrays()]
-        return [self.token_ids, *(self.logprobs.arrays() if self.logprobs else ())]
+            return [self.token_ids, *self.verified.arrays(), *pooled]
+        return [self.token_ids, *(self.logprobs.arrays() if self.logprobs else ()), *pooled]
+
+    def pooled_vectors(self) -> dict[str, list[float]]:
+        """The vector of each request that pooled (blocks until the device has them)."""
+        return {request_id: vector.tolist() for request_id, vector in self.pooled.items()}
 
     def sampled(self) -> dict[str, list[int]]:
         """The new tokens per sampling request (blocks until the device has them): its
@@ -127,6 +135,7 @@ class ModelRunner:
         self.encoder = (EncoderCache(image_model.encode, ENCODER_CACHE_BYTES)
                         if image_model is not None else None)
         self.block_tables = BlockTables()
+        self.pooler = Pooler()
         self.window_tables = BlockTables(kind="window")
         self._queued = False  # work queued on the device and not waited for since
         self._released: list[str] = []  # for the peers, with the next step
@@ -142,6 +151,7 @@ class ModelRunner:
             self._released += request_ids
         self.block_tables.release(request_ids)
         self.window_tables.release(request_ids)
+        self.pooler.release(request_ids)
         for request_id in request_ids:
             self._histories.pop(request_id, None)
             self._media.pop(request_id, None)
@@ -207,10 +217,11 @@ class ModelRunner:
         hidden = self._forward(out, input_ids, step)
         if self.draft is not None:
             self.draft.follow(out, input_ids, hidden, self.block_tables, self.window_tables)
+        pooled = self._pool(out, step, hidden)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V
             # ...and, with peers, end in the last layer's sums, which theirs pair with.
             more = [hidden] if self.peers is not None and self.stage is None else []
-            return self._queue(LaunchedStep(out, [], None), *more)
+            return self._queue(LaunchedStep(out, [], None, pooled=pooled), *more)
         sampled = hidden if self.stage is not None else hidden[mx.array(step.sample_rows)]
         logits = self.model.logits(sampled)
         if batch is not None:
@@ -218,16 +229,29 @@ class ModelRunner:
                         rejection_sample(logits, batch, drafted.probs, drafted.token_ids))
             last = verified.row_token_ids[mx.array(batch.row_starts + batch.num_draft_tokens)]
             return self._queue(LaunchedStep(out, step.sample_request_ids, last,
-                                            verified=verified))
+                                            verified=verified, pooled=pooled))
         token_ids = sample(logits, SamplingBatch.build(rows))
         logprobs = compute_logprobs(logits, token_ids, [r.params.logprobs for r in rows])
-        return self._queue(LaunchedStep(out, step.sample_request_ids, token_ids, logprobs))
+        return self._queue(LaunchedStep(out, step.sample_request_ids, token_ids, logprobs,
+                                        pooled=pooled))
+
+    def _pool(self, out: SchedulerOutput, step: StepInputs,
+              hidden: mx.array) -> dict[str, mx.array]:
+        """The vectors of the requests that pool in this step (metal_engine.pooling)."""
+        if not any(s.pooling is not None for s in out.scheduled):
+            return {}
+        if self.stage is not None:
+            raise ValueError("pooling requests need every row's hidden state, which a "
+                             "pipeline stage does not give: serve the model on one rank")
+        return self.pooler.pool(out.scheduled, step.attention.cu_seqlens_q, hidden,
+                                self.model.logits)
 
     def _queue(self, launched: LaunchedStep, *more: mx.array) -> LaunchedStep:
         """Evaluate the step's graph asynchronously, behind nothing that reads a pool."""
         self._wait_for_device()
         draft_pools = self.draft.cache.arrays() if self.draft is not None else []
-        mx.async_eval(*launched.arrays(), *more, self.cache.arrays(), draft_pools)
+        mx.async_eval(*launched.arrays(), *more, self.cache.arrays(), draft_pools,
+                      self.pooler.arrays())
         self._queued = True
         return launched
 

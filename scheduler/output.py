@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.media import PromptMedia
+from scheduler.pooling_params import PoolingParams
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
@@ -88,7 +89,8 @@ class ScheduledRequest:
     """One request's share of a step.
 
     The step feeds `token_ids` at positions `start_position ..` and writes their K/V into
-    the slots of `block_ids`; it samples the next token iff `samples`. The last
+    the slots of `block_ids`; it samples the next token iff `samples`, or, for a pooling
+    request (`pooling` set in each of its shares), pools its prompt iff `pools`. The last
     `len(draft_token_ids)` of `token_ids` are drafts: the step verifies them and samples
     after the ones it accepts.
     """
@@ -111,6 +113,8 @@ class ScheduledRequest:
     history: TokenHistory | None = None
     # Set in the step that admits a request whose prompt has images: the runner keeps it.
     media: PromptMedia | None = None
+    pooling: PoolingParams | None = None
+    pools: bool = False
 
 
 @dataclass

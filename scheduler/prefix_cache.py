@@ -137,6 +137,8 @@ class PrefixCache:
                             media=request.media)  # fmt: skip
 
     def _max_blocks(self, request: Request) -> int:
+        if request.pooling is not None and request.pooling.reads_every_row:
+            return 0  # its pooled vector reads every prompt token's hidden state
         return (request.num_tokens - 1) // self.block_size
 
     def register(self, request: Request, num_tokens: int) -> None:

@@ -7,6 +7,7 @@ import itertools
 from typing import Literal
 
 from scheduler.media import PromptMedia
+from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
 
 # "error": the request failed on its own (its grammar broke while generating); the others ran on.
@@ -31,7 +32,8 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V are written; the next step feeds
     `all_token_ids[num_computed_tokens:]` (or a chunk of it). A request samples in a step
-    exactly when that step brings it to `num_tokens`.
+    exactly when that step brings it to `num_tokens`; a pooling request (`pooling` set) pools
+    its prompt's hidden states in that step instead, and ends with it.
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         media: PromptMedia | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -57,6 +60,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt  # prompts share cached blocks only under the same salt
         self.media = media  # its prompt's images, if any
+        self.pooling = pooling
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0

@@ -27,7 +27,7 @@ from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.spec_decode.drafter import Drafter
 from scheduler.stats import RequestState, SchedulerStats
-from scheduler.stopping import OutputCheck, judge
+from scheduler.stopping import POOLED, OutputCheck, judge
 from scheduler.waiting_queue import WaitingQueue
 
 
@@ -184,6 +184,8 @@ class Scheduler:
                 continue  # preempted this step to make room for another
             if request.reached_length(self.config.max_model_len):
                 continue  # its last token is still being sampled; nothing more to compute
+            if request.num_uncomputed_tokens == 0:
+                continue  # a pooling request whose pooling step is in flight
             if any(group.holds_back(request) for group in self.groups):
                 continue  # e.g. its recurrent state may go back to before the drafts in flight
             num_new = min(request.num_uncomputed_tokens, budget)
@@ -322,17 +324,20 @@ class Scheduler:
         start = request.num_computed_tokens
         for group in self.groups:
             group.scheduled(request, num_new)
+        ends = start + num_new == request.num_tokens
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             start_position=start,
             block_ids=list(request.block_ids),
             block_table_epoch=request.block_table_epoch,
-            samples=start + num_new == request.num_tokens,
+            samples=ends and request.pooling is None,
             params=request.params,
             num_output_tokens=request.num_output_tokens,
             group_ids=self._group_ids(request),
             token_epoch=request.token_epoch,
+            pooling=request.pooling,
+            pools=ends and request.pooling is not None,
         )
 
     def advance(self, out: SchedulerOutput) -> None:
@@ -352,7 +357,8 @@ class Scheduler:
         """Fill in a launched step's sampled tokens; finish requests that stop on them.
 
         `sampled` maps each scheduled request that sampled to its token or, for one that
-        verified drafts, to its accepted drafts and the token after them. Drafts it rejected
+        verified drafts, to its accepted drafts and the token after them; a request that
+        pooled ends (its vector is the runner's). Drafts it rejected
         are dropped with whatever a later step scheduled after them. `checks`: each
         request's checks on its output text and grammar, if it has any (scheduler.stopping).
 
@@ -378,6 +384,8 @@ class Scheduler:
                 if rejected:
                     request.num_computed_tokens = num_computed
                 self.prefix_cache.register(request, num_computed)
+            if item.pools:
+                updates.append(self._pooled(request))
             if not item.samples:
                 continue
             if self.drafter is not None:
@@ -397,6 +405,10 @@ class Scheduler:
         self.finish_request(request.request_id, stop.reason)
         return RequestUpdate(request, tokens[:kept], stop.reason, index + kept, num_drafts,
                              stop.stop_string, stop.error)
+
+    def _pooled(self, request: Request) -> RequestUpdate:
+        self.finish_request(request.request_id, POOLED.reason)
+        return RequestUpdate(request, [], POOLED.reason, 0)
 
     def _request_of(self, item: ScheduledRequest) -> Request | None:
         """The request a step's share belongs to, unless it has finished or dropped the

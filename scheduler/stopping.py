@@ -8,6 +8,9 @@ At one new output token, the first of these that holds ends the request:
     the token completes its grammar                       "stop"
     max_tokens is reached, or the context is full         "length"
 
+A pooling request has no output tokens: it ends "stop" in the step that pools its prompt
+(`POOLED`).
+
 The first token that ends a request ends it: the outputs after it (drafts accepted in the same
 step) are dropped. Outside any step, `Scheduler.finish_request` ends a request as "abort" (its
 client left, the server shuts down).
@@ -31,6 +34,9 @@ class Stop:
     reason: FinishReason
     stop_string: str | None = None
     error: str | None = None
+
+
+POOLED = Stop("stop")
 
 
 class OutputCheck(Protocol):

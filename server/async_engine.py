@@ -46,6 +46,7 @@ from server.sampling_defaults import SamplingDefaults
 if TYPE_CHECKING:
     from scheduler import SamplingParams
     from scheduler.media import PromptMedia
+    from scheduler.pooling_params import PoolingParams
 
 __all__ = ["AsyncEngine", "Engine", "EngineError", "LiveRequest", "QueueFull", "RequestObserver"]
 
@@ -171,9 +172,11 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
         cache_salt: str | None = None, media: PromptMedia | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until one is finished. It shares prefix-cache blocks
-        only with requests of the same `cache_salt`; `media`: its prompt's images.
+        only with requests of the same `cache_salt`; `media`: its prompt's images; `pooling`:
+        it pools its prompt instead (one output, with `pooled`).
 
         Raises `QueueFull` if too many requests wait already, the engine's `ValueError` if it
         refuses the request (both before any output), and `EngineError` if the engine fails.
@@ -183,7 +186,7 @@ class AsyncEngine:
         observer = self._observe()
         try:
             await self._submit(QueuedAdd(request_id, list(prompt_ids), params, priority,
-                                         cache_salt, stream, media))
+                                         cache_salt, stream, media, pooling))
         except (ValueError, QueueFull):
             observer.on_finish("rejected")
             raise

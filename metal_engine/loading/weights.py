@@ -88,7 +88,9 @@ def load_model(model_dir: Path, dtype: mx.Dtype,
     for path in files:
         weights.update(mx.load(str(path)))
     multimodal = raw_config.get("model_type") in TEXT_PARTS
-    weights = to_this_layout(weights, config, multimodal)
+    weights = to_this_layout(with_model_prefix(weights), config, multimodal)
+    if not config.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
+        model.drop_head()  # an embedding model's base-model checkpoint
     if quantization is not None:
         quantization = this_layout_entries(quantization, multimodal)
     weights = join_kv_b_proj(weights, config, quantization)
@@ -112,6 +114,14 @@ def load_model(model_dir: Path, dtype: mx.Dtype,
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def with_model_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A checkpoint saved from the base model (transformers' `Qwen3Model`, as embedding
+    models are) names its tensors without the causal LM's `model.` prefix: add it."""
+    if "embed_tokens.weight" not in weights or any(k.startswith("model.") for k in weights):
+        return weights
+    return {f"model.{k}": v for k, v in weights.items()}
 
 
 def to_this_layout(weights: dict[str, mx.array], config: ModelConfig,

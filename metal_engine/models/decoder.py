@@ -109,6 +109,15 @@ class CausalLM(nn.Module, OpsUser):
             return self.model(input_ids, positions, meta, cache)
         return self.model(input_ids, positions, meta, cache, images)
 
+    @property
+    def has_head(self) -> bool:
+        """Whether it can compute logits: an embedding model's checkpoint may have no head."""
+        return self.config.tie_word_embeddings or "lm_head" in self
+
+    def drop_head(self) -> None:
+        """Go without the LM head (a checkpoint without one): it pools, it never samples."""
+        self.pop("lm_head", None)
+
     def logits(self, hidden: mx.array) -> mx.array:
         return self.capped(self.head(hidden))
 

@@ -96,9 +96,11 @@ class EngineDriver:
 
     def _add(self, add: QueuedAdd) -> None:
         try:
-            images = {} if add.media is None else {"media": add.media}  # only to a reader
+            more = {} if add.media is None else {"media": add.media}  # only to a reader
+            if add.pooling is not None:  # only to an engine that pools
+                more["pooling"] = add.pooling
             self.engine.add_request(add.request_id, add.prompt_ids, add.params,
-                                    priority=add.priority, cache_salt=add.cache_salt, **images)
+                                    priority=add.priority, cache_salt=add.cache_salt, **more)
         except ValueError as exc:
             add.stream.put(exc)
             return

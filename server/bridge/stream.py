@@ -17,6 +17,7 @@ from metal_engine.outputs import RequestOutput
 if TYPE_CHECKING:
     from scheduler import SamplingParams
     from scheduler.media import PromptMedia
+    from scheduler.pooling_params import PoolingParams
 
 
 @dataclass
@@ -59,3 +60,4 @@ class QueuedAdd:
     cache_salt: str | None
     stream: RequestStream
     media: PromptMedia | None = None  # its prompt's images
+    pooling: PoolingParams | None = None  # a pooling request's (embeddings, rerank)

@@ -1,0 +1,40 @@
+"""What a pooling request (embeddings, rerank) returns instead of sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# "last": the last prompt token's hidden state (decoder embedding models, Qwen3-Embedding);
+# "mean": the mean over every prompt token; "cls": the first token's (BERT-style).
+PoolingKind = Literal["last", "mean", "cls"]
+POOLING_KINDS: tuple[PoolingKind, ...] = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How one pooling request reduces its prompt's final hidden states to one vector.
+
+    The vector is truncated to its first `dimensions` (Matryoshka), then L2-normalized if
+    `normalize`. With `logit_token_ids` the request returns the LM head's logits of those
+    tokens at the pooled position instead (a reranker's yes/no pair); only "last" pools so.
+    """
+
+    kind: PoolingKind = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+    logit_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {POOLING_KINDS}, got {self.kind!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")
+        if self.logit_token_ids and self.kind != "last":
+            raise ValueError(f"logits are read at the last token, not with {self.kind!r} pooling")
+
+    @property
+    def reads_every_row(self) -> bool:
+        """Whether the pooled vector needs the hidden state of every prompt token from the
+        first on (mean, CLS): such a request computes its whole prompt, no cached prefix."""
+        return self.kind != "last"

@@ -18,6 +18,7 @@ from scheduler.output import RequestUpdate, SchedulerOutput
 from scheduler.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
+    from metal_engine.loading.pooling_config import PoolingConfig
     from metal_engine.parallel.peers import Peers
     from metal_engine.vision.image_model import ImageModel
 
@@ -56,6 +57,8 @@ class LLMEngine:
         self._checks: dict[str, RequestOutputCheck] = {}  # its text and grammar, by request
         self._pending: list[RequestOutput] = []
         self._in_flight: LaunchedStep | None = None
+        # Set where the model serves embeddings or rerank scores (engine_build reads it).
+        self.pooling: PoolingConfig | None = None
 
     @property
     def image_model(self) -> ImageModel | None:

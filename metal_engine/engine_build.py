@@ -30,6 +30,7 @@ from metal_engine.kv_disk.directory import KVDiskDir
 from metal_engine.kv_disk.store import KVDiskStore, Layout, model_identity
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.model_dtype import resolve_dtype
+from metal_engine.loading.pooling_config import read_pooling_config
 from metal_engine.loading.tokenizer_loading import load_tokenizer
 from metal_engine.loading.weights import load_model, parameter_bytes
 from metal_engine.models.decoder import CausalLM
@@ -113,7 +114,9 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     name = config.model_name or config.model_dir.name
     stage = split.stage(model, cache, dtype) if split else None
     runner = ModelRunner(model, cache, device_drafter, peers, stage, image_model)
-    return LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
+    engine = LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
+    engine.pooling = read_pooling_config(config.model_dir, name, model.has_head)
+    return engine
 
 
 def _load_image_model(config: EngineConfig, dtype: mx.Dtype,

@@ -26,6 +26,7 @@ from server.http.logs import RequestIdMiddleware
 from server.http.metrics import ServerMetrics
 from server.http.shutdown import Drain, DrainGate
 from server.openai.api import openai_router
+from server.openai.pooling_api import pooling_router
 from server.openai.protocol import ModelCard, ModelList
 from server.openai.render import render_router
 from server.openai.serving import Serving
@@ -119,6 +120,7 @@ def build_app(
     app.include_router(dashboard_router(async_engine, metrics, served_model_name,
                                         needs_key=bool(options.api_keys)))
     app.include_router(openai_router(serving, options.min_priority))
+    app.include_router(pooling_router(async_engine, served_model_name))
     app.include_router(render_router(async_engine, parser))
     app.include_router(responses_router(async_engine, served_model_name, parser))
     app.include_router(anthropic_router(async_engine, served_model_name, parser))

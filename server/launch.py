@@ -170,6 +170,9 @@ def _warm_up(engine: LLMEngine) -> None:
     from kernels_metal.fallbacks import all_fallbacks
     from metal_engine.warm_up import warm_up
 
+    if not engine.runner.model.has_head:  # warm-up samples; an embedding model pools
+        log.info("warm-up: skipped for a model without an LM head (embeddings only)")
+        return
     seconds = warm_up(engine)
     fallbacks = all_fallbacks()
     log.info("warm-up: kernels built and checked, compiled loops loaded, in %.1f s; kernel "

@@ -29,6 +29,9 @@ def word_tokenizer(path: Path, words: dict[str, int] | None = None) -> None:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(path / "tokenizer.json"))
+    # Else transformers builds the family's own tokenizer class, which reads no word level.
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w0"}))
 
 
 def build_embedding_model(path: Path, pooling: str = "lasttoken", normalize: bool = True,

@@ -85,3 +85,26 @@ def test_a_model_without_lm_head_refuses_generation(tmp_path):
     assert not engine.runner.model.has_head
     with pytest.raises(ValueError, match="no LM head"):
         engine.add_request("gen", [1, 2, 3], SamplingParams(max_tokens=4))
+
+
+def test_pooling_beside_generation_with_async_scheduling(tmp_path):
+    from embedding_models import build_reranker
+    from tiny_models import hf_greedy
+
+    reference = build_reranker(tmp_path)
+    engine = build_engine(EngineConfig(model_dir=tmp_path, max_model_len=128,
+                                       kv_cache_memory=16 << 20, max_num_batched_tokens=8,
+                                       async_scheduling=True))
+    ids = PROMPTS["b"]
+    engine.add_request("gen", ids, SamplingParams(max_tokens=6, temperature=0.0))
+    engine.add_request("pool", ids[:20], POOL_PARAMS, pooling=PoolingParams("mean"))
+    tokens, pooled = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == "gen":
+                tokens += output.new_token_ids
+            elif output.finished:
+                pooled = output.pooled
+    assert tokens == hf_greedy(reference, ids, 6)
+    np.testing.assert_allclose(pooled, _expected(hidden_states(reference.model, ids[:20]),
+                                                 "mean", True), atol=1e-4)

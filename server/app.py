@@ -151,11 +151,7 @@ def _service_router(
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    capabilities = ["completion"]
-    if getattr(async_engine.tokenizer, "chat_template", None):
-        capabilities.append("chat")
-    if async_engine.vision:
-        capabilities.append("vision")
+    capabilities = _capabilities(async_engine)
 
     @router.get("/v1/models")
     async def models() -> dict:
@@ -168,6 +164,22 @@ def _service_router(
         return ModelList(data=cards).model_dump()
 
     return router
+
+
+def _capabilities(async_engine: AsyncEngine) -> list[str]:
+    """What the model serves: "completion" and "chat" (a chat template) if it generates,
+    "vision" if it reads images, "embeddings" or "rerank" if it pools."""
+    runner = getattr(async_engine.engine, "runner", None)
+    generates = runner is None or runner.model.has_head
+    capabilities = ["completion"] if generates else []
+    if generates and getattr(async_engine.tokenizer, "chat_template", None):
+        capabilities.append("chat")
+    if async_engine.vision:
+        capabilities.append("vision")
+    pooling = getattr(async_engine.engine, "pooling", None)
+    if pooling is not None:
+        capabilities.append("embeddings" if pooling.task == "embed" else "rerank")
+    return capabilities
 
 
 def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:

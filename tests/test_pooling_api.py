@@ -51,6 +51,8 @@ def test_embeddings_of_texts_and_token_ids_equal_transformers(embedding_server):
     assert result.usage.prompt_tokens == result.usage.total_tokens == 15
     by_ids = client.embeddings.create(model="tiny-embed", input=[[3, 4, 5], [7]])
     np.testing.assert_allclose(by_ids.data[1].embedding, _expected(reference, [7]), atol=1e-4)
+    assert {tuple(card.model_extra["capabilities"]) for card in client.models.list().data} == {
+        ("embeddings",)}  # it has no head to generate with
 
 
 def test_base64_dimensions_and_named_prompt(embedding_server):
@@ -123,3 +125,5 @@ def test_rerank_and_score_equal_transformers(tmp_path):
         assert [d["score"] for d in scored.json()["data"]] == pytest.approx(expected, abs=1e-4)
         empty = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": []})
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
+        cards = httpx.get(f"{url}/v1/models").json()["data"]
+        assert all("rerank" in card["capabilities"] for card in cards)

@@ -41,6 +41,7 @@ from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
 from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, text_part_config
+from metal_engine.loading.pooling_config import sentence_transformers_files
 from metal_engine.loading.weights import (
     MTP_PREFIX,
     TOWER_PREFIX,
@@ -65,6 +66,9 @@ from metal_engine.vision.qwen_vision_loading import (
 )
 
 INDEX_FILE = "model.safetensors.index.json"
+# The tensors of a checkpoint saved from the base model (transformers' Qwen3Model) lack the
+# causal LM's `model.` prefix.
+BASE_MODEL_PARTS = ("embed_tokens.", "layers.", "norm.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Families whose multi-token-prediction layer follows the stack (`model.layers.{N}.*`) and has
 # a head class here (metal_engine.models.deepseek_v3.MultiTokenPredictor).
@@ -102,8 +106,10 @@ def open_hf_dir(path: Path, text_only: bool = False) -> ModelSource:
         model_config, relaid_shapes(_hf_shapes(found) if mlx_lm else found)))
     extra = {n: shape for n, shape in laid_out.items()
              if n.startswith((MTP_PREFIX, TOWER_PREFIX))}
-    check_tensors({n: shape for n, shape in laid_out.items() if n not in extra},
-                  stored_shapes(model_config, quantized))
+    expected = stored_shapes(model_config, quantized)
+    if not any(n.startswith("lm_head.") for n in laid_out):  # an embedding model's base model
+        expected = {n: shape for n, shape in expected.items() if not n.startswith("lm_head.")}
+    check_tensors({n: shape for n, shape in laid_out.items() if n not in extra}, expected)
     base_config = dict(text_part_config(config))  # a multimodal config's text model
     base_config.pop("quantization_config", None)  # how the source stored it, not the output
     mtp = any(n.startswith(MTP_PREFIX) for n in extra)
@@ -153,8 +159,12 @@ def _with_tower_entries(base_config: dict[str, Any], config: dict[str, Any],
 
 
 def _copy_side_files(source: Path, keep_tower: bool, out: Path) -> None:
-    """The tokenizer files, and the image processor's config beside a kept tower."""
+    """The tokenizer files, how an embedding model pools (sentence-transformers' files), and
+    the image processor's config beside a kept tower."""
     copy_hf_tokenizer(source, out)
+    for name in sentence_transformers_files(source):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / name, out / name)
     for name in (PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG) if keep_tower else ():
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
@@ -195,6 +205,8 @@ def _target_name(name: str, text_part: bool, keep_tower: bool) -> str | None:
     tower = tower_name(name)
     if tower is not None:
         return tower if keep_tower else None
+    if name.startswith(BASE_MODEL_PARTS):  # saved from the base model, as embedding models are
+        return f"model.{name}"
     return text_model_name(name) if text_part else name
 
 

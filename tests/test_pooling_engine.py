@@ -8,6 +8,7 @@ import pytest
 import torch
 from embedding_models import build_embedding_model, hidden_states
 
+from convert import convert_model
 from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
@@ -108,3 +109,14 @@ def test_pooling_beside_generation_with_async_scheduling(tmp_path):
     assert tokens == hf_greedy(reference, ids, 6)
     np.testing.assert_allclose(pooled, _expected(hidden_states(reference.model, ids[:20]),
                                                  "mean", True), atol=1e-4)
+
+
+def test_a_converted_embedding_model_pools_as_its_sentence_transformers_files_say(tmp_path):
+    reference = build_embedding_model(tmp_path / "hf", pooling="mean_tokens", normalize=True)
+    out = convert_model(tmp_path / "hf", tmp_path / "converted", progress=False)
+    engine = _engine(out, 512)
+    assert (engine.pooling.kind, engine.pooling.normalize) == ("mean", True)
+    ids = PROMPTS["d"]
+    pooled = _pool(engine, {"d": ids}, PoolingParams(engine.pooling.kind))["d"].pooled
+    expected = _expected(hidden_states(reference, ids), "mean", normalize=True)
+    np.testing.assert_allclose(pooled, expected, atol=1e-4)

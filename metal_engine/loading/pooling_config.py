@@ -50,6 +50,18 @@ def read_pooling_config(model_dir: Path, name: str, has_head: bool) -> PoolingCo
     return None
 
 
+def sentence_transformers_files(model_dir: Path) -> list[Path]:
+    """The sentence-transformers files of a dir (relative paths) that say how it pools: what a
+    conversion keeps beside the weights."""
+    modules_file = Path(model_dir) / "modules.json"
+    if not modules_file.is_file():
+        return []
+    modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    files = [Path("modules.json"), Path("config_sentence_transformers.json"),
+             *(Path(m["path"]) / "config.json" for m in modules if m.get("path"))]
+    return [f for f in files if (Path(model_dir) / f).is_file()]
+
+
 def _sentence_transformers(model_dir: Path) -> PoolingConfig:
     modules = json.loads((model_dir / "modules.json").read_text(encoding="utf-8"))
     kind: PoolingKind = "last"

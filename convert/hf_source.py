@@ -10,7 +10,10 @@ read back into Hugging Face's (metal_engine.loading.weights.to_this_layout).
 A Qwen vision tower (Qwen3.5's, Qwen3-VL's) is kept unless `text_only`: under Hugging Face's
 names (`model.visual.*`, also from mlx-vlm's `vision_tower.*`, its conv weight laid back out),
 float, beside the image processor's preprocessor_config.json, its `vision_config` and image
-token ids written into config.json (metal_engine.vision loads it).
+token ids written into config.json (metal_engine.vision loads it). So is a Gemma 3 / Gemma 4
+tower (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.embed_vision.*`) whose
+tensors are the float tower's; one that is not (mlx-vlm's quantized towers) is left out with a
+warning, the model converted as a text model.
 
 Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
 speculative decoding (metal_engine.drafting.mtp): under its own names, laid out as the
@@ -23,9 +26,10 @@ it as float: one layer). So is DeepSeek V3's and GLM-4.7-Flash's, the layer afte
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,14 +47,17 @@ from convert.tokenizer_files import copy_hf_tokenizer
 from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, text_part_config
 from metal_engine.loading.pooling_config import sentence_transformers_files
 from metal_engine.loading.weights import (
+    GEMMA_TOWER_PREFIXES,
     MTP_PREFIX,
-    TOWER_PREFIX,
+    TOWER_PREFIXES,
     from_mlx_lm_hybrid,
     is_mlx_lm_hybrid,
     moved_name,
     safetensors_files,
     text_model_name,
 )
+from metal_engine.vision import gemma_config
+from metal_engine.vision.gemma_loading import converted_tower_name, converted_tower_shapes
 from metal_engine.vision.pixels import IMAGE_PROCESSOR_CONFIG, PROCESSOR_CONFIG
 from metal_engine.vision.qwen_vision_config import (
     QwenVisionConfig,
@@ -65,6 +72,7 @@ from metal_engine.vision.qwen_vision_loading import (
     tower_name,
 )
 
+log = logging.getLogger("metal_serve")
 INDEX_FILE = "model.safetensors.index.json"
 # The tensors of a checkpoint saved from the base model (transformers' Qwen3Model) lack the
 # causal LM's `model.` prefix.
@@ -83,7 +91,7 @@ _MTP_PARTS = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.",
 
 def open_hf_dir(path: Path, text_only: bool = False) -> ModelSource:
     """Validate names and shapes of every tensor against config.json; load nothing yet.
-    `text_only`: leave a Qwen vision tower out (it is kept by default)."""
+    `text_only`: leave a vision tower out (it is kept by default)."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
@@ -94,9 +102,13 @@ def open_hf_dir(path: Path, text_only: bool = False) -> ModelSource:
     model_config = config_from_hf(config)
     files = _weight_files(path)
     tower = None if text_only else read_vision_config(config)
+    gemma = None if text_only else gemma_config.read_gemma_vision(config)
     names_by_file = _tensor_names(files, model_config,
                                   text_part=config.get("model_type") in TEXT_PARTS,
-                                  keep_tower=tower is not None)
+                                  keep_tower=tower is not None or gemma is not None,
+                                  gemma=gemma_config.gemma_family(config) is not None)
+    if gemma is not None and not _keeps_gemma_tower(names_by_file, gemma, path):
+        gemma = None
     fp8_scales = _fp8_scales(names_by_file, fp8_block(config))
     found = {target: shape for names in names_by_file.values()
              for target, shape in names.values()}
@@ -105,7 +117,7 @@ def open_hf_dir(path: Path, text_only: bool = False) -> ModelSource:
     laid_out = unfused_shapes(model_config, stacked_shapes(
         model_config, relaid_shapes(_hf_shapes(found) if mlx_lm else found)))
     extra = {n: shape for n, shape in laid_out.items()
-             if n.startswith((MTP_PREFIX, TOWER_PREFIX))}
+             if n.startswith((MTP_PREFIX, *TOWER_PREFIXES))}
     expected = stored_shapes(model_config, quantized)
     if not any(n.startswith("lm_head.") for n in laid_out):  # an embedding model's base model
         expected = {n: shape for n, shape in expected.items() if not n.startswith("lm_head.")}
@@ -115,8 +127,10 @@ def open_hf_dir(path: Path, text_only: bool = False) -> ModelSource:
     mtp = any(n.startswith(MTP_PREFIX) for n in extra)
     if mtp and model_config.model_type in MTP_AFTER_THE_STACK:  # the one layer kept
         base_config["mtp_num_hidden_layers"] = 1
-    tower_shapes = {n: shape for n, shape in extra.items() if n.startswith(TOWER_PREFIX)}
+    tower_shapes = {n: shape for n, shape in extra.items() if n.startswith(TOWER_PREFIXES)}
     base_config = _with_tower_entries(base_config, config, tower, tower_shapes)
+    if gemma is not None:
+        base_config.update(gemma_config.tower_config_entries(config))
     return ModelSource(
         kind="hf",
         path=path,
@@ -151,11 +165,36 @@ def _with_tower_entries(base_config: dict[str, Any], config: dict[str, Any],
     """`base_config` describing the kept tower, whose tensors are checked against it, or no
     tower (mlx-lm's dirs keep the vision_config without the tower; a converted dir converted
     again `text_only` would)."""
-    entries = tower_config_entries(config)
+    entries = {**tower_config_entries(config), **gemma_config.tower_config_entries(config)}
     if tower is None or not tower_shapes:
         return {k: v for k, v in base_config.items() if k not in entries}
     check_tensors(tower_shapes, hf_tower_shapes(tower))
     return {**base_config, **entries}
+
+
+def _keeps_gemma_tower(names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]],
+                       config: gemma_config.Gemma3VisionConfig | gemma_config.Gemma4VisionConfig,
+                       path: Path) -> bool:
+    """Whether the source holds the float Gemma tower, its tensors kept for it (those it has
+    no use for dropped); if not, every tower tensor is dropped."""
+    wanted = converted_tower_shapes(config)
+    found = {}
+    for names in names_by_file.values():
+        for source, (target, shape) in list(names.items()):
+            if target.startswith(GEMMA_TOWER_PREFIXES):
+                if target in wanted:
+                    found[target] = shape
+                else:
+                    del names[source]
+    if found == wanted:
+        return True
+    log.warning("%s: the vision tower's tensors are not the float %s tower's (a quantized "
+                "tower?); it is left out and the model converted as a text model", path,
+                config.__class__.__name__.removesuffix("VisionConfig"))
+    for names in names_by_file.values():
+        for source in [s for s, (t, _) in names.items() if t.startswith(GEMMA_TOWER_PREFIXES)]:
+            del names[source]
+    return False
 
 
 def _copy_side_files(source: Path, keep_tower: bool, out: Path) -> None:
@@ -170,18 +209,20 @@ def _copy_side_files(source: Path, keep_tower: bool, out: Path) -> None:
             shutil.copy2(source / name, out / name)
 
 
-def _tensor_names(files: list[Path], config: ModelConfig, text_part: bool,
-                  keep_tower: bool) -> dict[Path, dict[str, tuple[str, tuple[int, ...]]]]:
+def _tensor_names(files: list[Path], config: ModelConfig, text_part: bool, keep_tower: bool,
+                  gemma: bool = False) -> dict[Path, dict[str, tuple[str, tuple[int, ...]]]]:
     """Per file, the tensors to convert: source name -> (name here, shape), read from the
     headers only. `text_part`: a multimodal checkpoint, of which the text model is kept, and
-    with `keep_tower` its Qwen vision tower (under Hugging Face's names and conv layout)."""
+    with `keep_tower` its vision tower (a Qwen one under Hugging Face's names and conv layout;
+    `gemma`'s under `model.`)."""
+    towers = converted_tower_name if gemma else tower_name
     names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     seen: set[str] = set()
     tied, layers = config.tie_word_embeddings, config.num_hidden_layers
     for file in files:
         with safe_open(file, framework="numpy") as handle:
             shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118  (a file handle, not a dict)
-        targets = {n: _target_name(n, text_part, keep_tower) for n in shapes}
+        targets = {n: _target_name(n, text_part, keep_tower, towers) for n in shapes}
         targets = {n: moved_name(config.model_type, t) for n, t in targets.items()
                    if t is not None}
         if config.model_type in MTP_AFTER_THE_STACK:
@@ -199,10 +240,11 @@ def _tensor_names(files: list[Path], config: ModelConfig, text_part: bool,
     return names_by_file
 
 
-def _target_name(name: str, text_part: bool, keep_tower: bool) -> str | None:
-    """A source tensor's name here: a vision tower's under `model.visual.` (None unless kept),
+def _target_name(name: str, text_part: bool, keep_tower: bool,
+                 towers: Callable[[str], str | None]) -> str | None:
+    """A source tensor's name here: a vision tower's as `towers` names it (None unless kept),
     a multimodal checkpoint's text model's as the text model names it."""
-    tower = tower_name(name)
+    tower = towers(name)
     if tower is not None:
         return tower if keep_tower else None
     if name.startswith(BASE_MODEL_PARTS):  # saved from the base model, as embedding models are

@@ -182,22 +182,43 @@ IMAGE_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_i
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2,
                    spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
                    num_position_embeddings=16)
-# text model_type -> (multimodal config class, its model class, vision config) of the
-# vision-language families whose text models take image features.
+# Gemma's image tokens inside the tiny vocabulary (boi, the placeholder, eoi).
+GEMMA_IMAGE_TOKENS = dict(image_token_id=120, boi_token_id=121, eoi_token_id=122)
+# SigLIP over 32 x 32 pixels in 4 x 4 patches, pooled to 16 tokens an image: longer than the
+# text model's window, so the window cuts into an image's bidirectional attention.
+GEMMA3_VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4,
+                     vision_use_head=False)
+GEMMA3_TOKENS = dict(image_token_index=120, boi_token_index=121, eoi_token_index=122,
+                     mm_tokens_per_image=16)
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, patch_size=4,
+                     pooling_kernel_size=2, position_embedding_size=64)
+# text model_type -> (multimodal config class, its model class, vision config, image token
+# settings) of the vision-language families whose text models take image features.
 VISION_LANGUAGE = {
     "qwen3_vl_text": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
-                      dict(QWEN_VISION, deepstack_visual_indexes=[0, 1])),
+                      dict(QWEN_VISION, deepstack_visual_indexes=[0, 1]), IMAGE_TOKENS),
     "qwen3_vl_moe_text": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
-                          dict(QWEN_VISION, deepstack_visual_indexes=[0, 1])),
-    "qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN_VISION),
-    "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", QWEN_VISION),
+                          dict(QWEN_VISION, deepstack_visual_indexes=[0, 1]), IMAGE_TOKENS),
+    "qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN_VISION,
+                     IMAGE_TOKENS),
+    "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", QWEN_VISION,
+                         IMAGE_TOKENS),
+    "gemma3_text": ("Gemma3Config", "Gemma3ForConditionalGeneration", GEMMA3_VISION,
+                    GEMMA3_TOKENS),
+    # Its sliding layers let an image's tokens see each other (the larger Gemma 4s').
+    "gemma4_text": ("Gemma4Config", "Gemma4ForConditionalGeneration", GEMMA4_VISION,
+                    dict(GEMMA_IMAGE_TOKENS, audio_config=None)),
 }
+# Text config fields a family's vision-language checkpoint sets.
+VISION_TEXT_OVERRIDES = {"gemma4_text": dict(use_bidirectional_attention="vision")}
 
 
 def _vision_language_config(model_type: str, text):
-    config_class, _, vision = VISION_LANGUAGE[model_type]
+    config_class, _, vision, tokens = VISION_LANGUAGE[model_type]
     return getattr(transformers, config_class)(text_config=text.to_dict(), vision_config=vision,
-                                               **IMAGE_TOKENS)
+                                               **tokens)
 
 
 # model_type -> the multimodal config its tiny text config is saved in (vision kept tiny).
@@ -218,7 +239,8 @@ def build_tiny_model(model_type: str, path: Path, vision: bool = False, **extra)
     (`VISION_LANGUAGE`). `extra`: config fields over the family's."""
     config_class, model_class, overrides = TINY_MODELS[model_type]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**COMMON, **overrides, **extra})
+    own = VISION_TEXT_OVERRIDES.get(model_type, {}) if vision else {}
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides, **own, **extra})
     wrap = partial(_vision_language_config, model_type) if vision else MULTIMODAL.get(model_type)
     if wrap is not None:
         config = wrap(config)

@@ -55,7 +55,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text", "laguna")  # a rope dict per layer type
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
-TEXT_PARTS = {"gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
+TEXT_PARTS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
               "qwen3_5_moe": "qwen3_5_moe_text", "muse_glimmer": "muse_glimmer_text",
               **qwen3_vl_config.TEXT_PARTS}
 # Families with linear-attention layers beside full attention.

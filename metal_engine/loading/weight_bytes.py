@@ -17,7 +17,7 @@ from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, read_conf
 from metal_engine.loading.quantization import QuantizationConfig
 from metal_engine.loading.weights import (
     MTP_PREFIX,
-    TOWER_PREFIX,
+    TOWER_PREFIXES,
     keeps_quantized,
     safetensors_files,
     text_model_name,
@@ -51,7 +51,7 @@ def weight_bytes(config: ModelConfig, dtype: mx.Dtype,
 def _loaded(name: str, multimodal: bool) -> bool:
     """Whether load_model keeps tensor `name` (not a vision tower's, not the MTP head's)."""
     text_name = text_model_name(name) if multimodal else name
-    return text_name is not None and not text_name.startswith((MTP_PREFIX, TOWER_PREFIX))
+    return text_name is not None and not text_name.startswith((MTP_PREFIX, *TOWER_PREFIXES))
 
 
 def model_dir_weight_bytes(model_dir: Path, dtype: mx.Dtype) -> tuple[ModelConfig, int]:

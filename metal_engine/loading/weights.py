@@ -34,6 +34,10 @@ MTP_PREFIX = "mtp."
 # A converted dir keeps a Qwen vision tower under Hugging Face's names; metal_engine.vision
 # loads it, the text model skips it.
 TOWER_PREFIX = "model.visual."
+# Gemma's tower parts as a converted dir keeps them; every tower a converted dir keeps.
+GEMMA_TOWER_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.",
+                        "model.embed_vision.")
+TOWER_PREFIXES = (TOWER_PREFIX, *GEMMA_TOWER_PREFIXES)
 # Where a multimodal checkpoint keeps its text model: Hugging Face's prefix, mlx-lm's two.
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                   "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
@@ -131,12 +135,12 @@ def to_this_layout(weights: dict[str, mx.array], config: ModelConfig,
     beside its vision tower, conv1d weights are MLX's `[C, K, 1]`, some norms carry `1 + w`,
     and Qwen3-Next's fused projections stay fused (also quantized). The multi-token-prediction
     head (`mtp.*`) is set aside: metal_engine.drafting.mtp loads it; so is a converted dir's
-    vision tower (`model.visual.*`: metal_engine.vision)."""
+    vision tower (`TOWER_PREFIXES`: metal_engine.vision)."""
     if multimodal:
         weights = {target: v for n, v in weights.items()
                    if (target := text_model_name(n)) is not None}
     weights = {moved_name(config.model_type, n): v for n, v in weights.items()
-               if not n.startswith((MTP_PREFIX, TOWER_PREFIX))}
+               if not n.startswith((MTP_PREFIX, *TOWER_PREFIXES))}
     if config.linear_attention is None:
         return weights
     if is_mlx_lm_hybrid({n: tuple(v.shape) for n, v in weights.items()}):

@@ -1,11 +1,12 @@
 """Gemma 3's and Gemma 4's vision settings and image token ids, read from a multimodal
-config.json (`model_type` gemma3 / gemma4, with a `vision_config`) with transformers' defaults
-for the keys it leaves out."""
+config.json (`model_type` gemma3 / gemma4, with a `vision_config`) or a converted dir's (its
+text model's `model_type` beside the kept `vision_config` and token ids, `tower_config_entries`),
+with transformers' defaults for the keys it leaves out."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 # The activations the towers' MLPs use, by their transformers names.
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
@@ -15,6 +16,8 @@ _GEMMA3_DEFAULTS = {"image_token_index": 262_144, "boi_token_index": 255_999,
 _GEMMA4_DEFAULTS = {"image_token_id": 258_880, "boi_token_id": 255_999,
                     "eoi_token_id": 258_882}
 _TEXT_HIDDEN_DEFAULTS = {"gemma3": 2304, "gemma4": 2304}
+_FAMILIES: dict[Any, Literal["gemma3", "gemma4"]] = {
+    "gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4", "gemma4_text": "gemma4"}
 _GEMMA4_ROPE_THETA = 100.0
 
 
@@ -111,17 +114,41 @@ class Gemma4VisionConfig:
                 f"num_key_value_heads {self.num_key_value_heads}")
 
 
-def read_gemma_vision(cfg: dict[str, Any]) -> Gemma3VisionConfig | Gemma4VisionConfig | None:
-    """The vision settings of a Gemma 3 / Gemma 4 multimodal config.json; None for any other
-    config (a text-only Gemma included)."""
-    vision = cfg.get("vision_config")
-    if vision is None or cfg.get("model_type") not in ("gemma3", "gemma4"):
+def gemma_family(cfg: dict[str, Any]) -> Literal["gemma3", "gemma4"] | None:
+    """The Gemma vision family of a config.json with a `vision_config` (multimodal or
+    converted); None for any other config (a text-only Gemma included)."""
+    if not isinstance(cfg.get("vision_config"), dict):
         return None
-    text_hidden = (cfg.get("text_config") or {}).get(
-        "hidden_size", _TEXT_HIDDEN_DEFAULTS[cfg["model_type"]])
-    if cfg["model_type"] == "gemma3":
+    return _FAMILIES.get(cfg.get("model_type"))
+
+
+def read_gemma_vision(cfg: dict[str, Any]) -> Gemma3VisionConfig | Gemma4VisionConfig | None:
+    """The vision settings of a Gemma 3 / Gemma 4 config.json (multimodal or converted); None
+    for any other config."""
+    family = gemma_family(cfg)
+    if family is None:
+        return None
+    vision = cfg["vision_config"]
+    text_hidden = (cfg.get("text_config") or cfg).get("hidden_size",
+                                                      _TEXT_HIDDEN_DEFAULTS[family])
+    if family == "gemma3":
         return _read_gemma3(cfg, vision, text_hidden)
     return _read_gemma4(cfg, vision, text_hidden)
+
+
+def tower_config_entries(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config.json keys a converted (text) model dir keeps to describe a Gemma source's
+    tower: its `vision_config` and image token ids (Gemma 3's soft tokens per image too)."""
+    config = read_gemma_vision(cfg)
+    if config is None:
+        return {}
+    tokens = config.tokens
+    if isinstance(config, Gemma3VisionConfig):
+        return {"vision_config": cfg["vision_config"], "image_token_index": tokens.image_token_id,
+                "boi_token_index": tokens.boi_token_id, "eoi_token_index": tokens.eoi_token_id,
+                "mm_tokens_per_image": config.mm_tokens_per_image}
+    return {"vision_config": cfg["vision_config"], "image_token_id": tokens.image_token_id,
+            "boi_token_id": tokens.boi_token_id, "eoi_token_id": tokens.eoi_token_id}
 
 
 def _read_gemma3(cfg: dict[str, Any], vision: dict[str, Any],

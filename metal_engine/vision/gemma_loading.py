@@ -19,7 +19,11 @@ from metal_engine.loading.quantization import QuantizationConfig, dequantize_wei
 from metal_engine.loading.weights import safetensors_files
 from metal_engine.vision.gemma3_vision import Gemma3VisionTower
 from metal_engine.vision.gemma4_vision import Gemma4VisionTower
-from metal_engine.vision.gemma_config import Gemma3VisionConfig, read_gemma_vision
+from metal_engine.vision.gemma_config import (
+    Gemma3VisionConfig,
+    Gemma4VisionConfig,
+    read_gemma_vision,
+)
 
 GemmaVisionTower = Gemma3VisionTower | Gemma4VisionTower
 _TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "embed_vision.")
@@ -59,6 +63,23 @@ def load_gemma_vision(model_dir: Path | str, dtype: mx.Dtype) -> GemmaVisionTowe
     tower.eval()
     mx.eval(tower.parameters())
     return tower
+
+
+def converted_tower_shapes(config: Gemma3VisionConfig | Gemma4VisionConfig,
+                           ) -> dict[str, tuple[int, ...]]:
+    """The float tower's tensors as a converted dir keeps them (`model.` and the tower's
+    names, `weights.TOWER_PREFIXES`), with their shapes."""
+    tower = (Gemma3VisionTower if isinstance(config, Gemma3VisionConfig)
+             else Gemma4VisionTower)(config)
+    return {"model." + name: tuple(p.shape) for name, p in tree_flatten(tower.parameters())}
+
+
+def converted_tower_name(name: str) -> str | None:
+    """A stored tensor's name in a converted dir if it is the tower's (`model.` + its name
+    here), else None; the tensors the tower has no use for are the tower's too (dropped by
+    the caller's shape check unless wanted)."""
+    target = tower_name(name)
+    return None if target is None else "model." + target
 
 
 def tower_name(name: str) -> str | None:

@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from metal_engine.vision.gemma_config import gemma_family
+
 
 def image_blocks(token_ids: np.ndarray, image_token_id: int) -> np.ndarray:
     """Per position of one sequence, the index of the image its placeholder belongs to
@@ -38,10 +40,12 @@ def image_blocks(token_ids: np.ndarray, image_token_id: int) -> np.ndarray:
 
 
 def bidirectional_layers(config: dict[str, Any]) -> Literal["all", "sliding", "none"]:
-    """Which layers of a multimodal Gemma config.json let an image's tokens see each other."""
-    if config.get("model_type") == "gemma3":
+    """Which layers of a Gemma vision-language config.json (multimodal or converted) let an
+    image's tokens see each other."""
+    family = gemma_family(config)
+    if family == "gemma3":
         return "all"
-    text = config.get("text_config") or {}
-    if config.get("model_type") == "gemma4" and text.get("use_bidirectional_attention") == "vision":
+    text = config.get("text_config") or config
+    if family == "gemma4" and text.get("use_bidirectional_attention") == "vision":
         return "sliding"
     return "none"

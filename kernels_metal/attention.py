@@ -154,7 +154,10 @@ def _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
                                                         sinks)
 
     args = (q, k_pool, v_pool, sinks)
-    if not _state.on_kernels() or unsupported_reason(q, k_pool) is not None:
+    # Rows that see past their own position (an image's tokens in a Gemma prefill,
+    # `meta.last_keys`) are not in the kernels: the backend's own path serves those steps.
+    if (not _state.on_kernels() or unsupported_reason(q, k_pool) is not None
+            or meta.last_keys is not None):
         return without_kernels(*args), without_kernels
     return _state.serve(variant_of(q, k_pool, window, softcap, sinks), prepare, without_kernels,
                         args, (window, softcap))

@@ -9,11 +9,18 @@ A step packs the query tokens of all requests back to back:
 Row `t` of request `r` sits at position `seq_lens[r] - (cu_seqlens_q[r+1] - t)` and attends
 to positions `0..that` of request `r` only. Token at position `p` lives in KV slot
 `block_tables[r, p // block_size] * block_size + p % block_size`.
+
+A vision-language model whose image tokens see each other in prefill (Gemma 3 and 4) extends
+that limit per row: `last_keys[t]` is the last position row `t` sees, the end of its image
+for a row inside one (the chunk holds the image whole), its own position otherwise:
+
+    positions:  5 6 [7 8 9] 10        (an image at 7..9)
+    last_keys:  5 6  9 9 9  10        (a window still counts back from the row's position)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import mlx.core as mx
@@ -32,10 +39,26 @@ class AttentionMetadata:
     # The same rows through the blocks of a sliding-window group, whose windowed layers keep
     # pools of their own (metal_engine.cache.cache_plan); None: every layer uses these blocks.
     windowed: AttentionMetadata | None = field(default=None, compare=False, repr=False)
+    # [total_q] int64: each row's last visible key position, past its own inside an image
+    # (see above); None for every step without images that see themselves.
+    last_keys: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata a layer with this window attends through."""
         return self.windowed if window is not None and self.windowed is not None else self
+
+    def with_last_keys(self, last_keys: np.ndarray | None) -> AttentionMetadata:
+        """The same rows (and windowed rows) with `last_keys` (None: plain causal), with
+        plans of their own."""
+        if last_keys is None and self.last_keys is None:
+            return self
+        windowed = None if self.windowed is None else self.windowed.with_last_keys(last_keys)
+        return replace(self, backend_plans={}, windowed=windowed, last_keys=last_keys)
+
+    @cached_property
+    def causal(self) -> AttentionMetadata:
+        """These rows, each seeing up to its own position (a layer without the extension)."""
+        return self.with_last_keys(None)
 
     @property
     def num_requests(self) -> int:

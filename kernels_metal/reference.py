@@ -52,8 +52,10 @@ def paged_attention_reference(
     """Causal varlen attention of packed queries `[total_q, H, D]` over paged K/V.
 
     Decode rows of all requests go through one batched call; each prefill chunk gets its own
-    call with a causal mask offset by its cached prefix. With a `window` a row at position p
-    sees keys `p - window + 1 .. p` only; `softcap` squashes scores to `cap * tanh(s / cap)`.
+    call with a causal mask offset by its cached prefix (a row sees up to `meta.last_keys`
+    where the step has them: an image's tokens see each other). With a `window` a row at
+    position p sees keys from `p - window + 1` only; `softcap` squashes scores to
+    `cap * tanh(s / cap)`.
     `sinks [H]` (GPT-OSS) adds one logit per head to every row's softmax, after `scale` and
     `softcap` and not scaled by them, with no value: its probability is dropped.
     """
@@ -160,7 +162,7 @@ def _prefill_group(meta: AttentionMetadata, r: int, window: int | None) -> Atten
     seq_len = int(meta.seq_lens[r])
     q_pos = np.arange(seq_len - (end - start), seq_len)[:, None]
     keys = np.arange(seq_len)[None, :]
-    mask = keys <= q_pos
+    mask = keys <= (q_pos if meta.last_keys is None else meta.last_keys[start:end, None])
     if window is not None:
         mask &= keys > q_pos - window
     return AttentionGroup(

@@ -80,7 +80,8 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     for line in memory.describe():
         log.info("memory plan: %s", line)
     budget = memory.budget
-    token_budget = config.max_num_batched_tokens or default_token_budget(metal)
+    token_budget = _token_budget(config.max_num_batched_tokens or default_token_budget(metal),
+                                 image_model)
     quant = kv_quant_of(config.kv_cache_dtype)
     plan = _plan_pool(config, planned, budget, dtype, token_budget, quant, drafter)
     kv_tokens = plan.num_blocks * config.block_size
@@ -104,6 +105,7 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         num_window_blocks=plan.num_window_blocks,
         num_state_slots=plan.num_state_slots,
         speculative=spec,
+        whole_images=image_model is not None and image_model.whole_images,
     ), connector)
     device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
                       if drafter is not None else None)
@@ -117,6 +119,18 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     engine = LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
     engine.pooling = read_pooling_config(config.model_dir, name, model.has_head)
     return engine
+
+
+def _token_budget(budget: int, image_model: ImageModel | None) -> int:
+    """`budget`, raised to the model's largest image where a step must hold each image whole
+    (so that a chunk stretched to an image's end stays within what the pools are sized for)."""
+    if image_model is None or not image_model.whole_images:
+        return budget
+    largest = image_model.max_image_tokens
+    if budget < largest:
+        log.info("token budget raised from %d to %d: a step holds each image whole", budget,
+                 largest)
+    return max(budget, largest)
 
 
 def _load_image_model(config: EngineConfig, dtype: mx.Dtype,

@@ -28,7 +28,7 @@ from metal_engine.sampling.sampler import SamplingBatch, sample
 from metal_engine.sampling.sampling_row import SamplingRow
 from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES, EncoderCache
 from metal_engine.vision.image_model import ImageModel
-from metal_engine.vision.step_media import step_images, step_positions
+from metal_engine.vision.step_media import image_last_keys, step_images, step_positions
 from scheduler.output import PromptMedia, ScheduledRequest, SchedulerOutput, TokenHistory
 
 if TYPE_CHECKING:
@@ -176,13 +176,15 @@ class ModelRunner:
         for s in out.scheduled:
             if s.media is not None:
                 self._media[s.request_id] = s.media
-        positions, images = step.positions, None
+        positions, images, meta = step.positions, None, step.attention
         if self._media:
             positions = step_positions(out.scheduled, self._media, positions)
-            images = step_images(out.scheduled, self._media, step.attention.cu_seqlens_q,
-                                 self.encoder)
+            images = step_images(out.scheduled, self._media, meta.cu_seqlens_q, self.encoder)
+            if images is not None and self.image_model.whole_images:
+                meta = meta.with_last_keys(image_last_keys(out.scheduled, self._media,
+                                                           meta.cu_seqlens_q, meta.positions))
         more = {} if images is None else {"images": images}
-        hidden = self.model(input_ids, mx.array(positions), step.attention, self.cache, **more)
+        hidden = self.model(input_ids, mx.array(positions), meta, self.cache, **more)
         if states is not None:
             states.copy(out.state_plan.saves)
         return hidden

@@ -30,6 +30,8 @@ class SchedulerConfig:
     window: int | None = None
     # Speculative decoding: how decoding requests draft tokens that the step verifies.
     speculative: SpeculativeConfig | None = None
+    # A text model whose image tokens see each other in prefill: no chunk ends inside an image.
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -54,3 +54,18 @@ class PromptMedia:
     def overlapping(self, start: int, end: int) -> list[ImageSpan]:
         """The images with placeholder tokens among prompt tokens `start .. end`."""
         return [image for image in self.images if image.offset < end and image.end > start]
+
+
+def whole_image_chunk(media: PromptMedia | None, start: int, num_new: int) -> int:
+    """The tokens of a chunk from `start` that end outside every image: a chunk that would
+    end inside an image ends before it, and one that starts at or inside it takes it to its
+    end (for a text model whose image tokens see each other, the whole image must be in the
+    step). An image longer than what is left of the step's budget is so computed in one
+    chunk, over the budget; the engine makes the budget hold the model's largest image."""
+    if media is None:
+        return num_new
+    end = start + num_new
+    for image in media.images:
+        if image.offset < end < image.end:
+            return image.offset - start if image.offset > start else image.end - start
+    return num_new

@@ -15,6 +15,7 @@ from scheduler.block_pool import BlockPool, cdiv
 from scheduler.cache_groups import CacheGroup, FullAttentionGroup, groups_for
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnectorScheduler, TierLookup
+from scheduler.media import whole_image_chunk
 from scheduler.output import (
     CacheKind,
     RequestUpdate,
@@ -283,9 +284,13 @@ class Scheduler:
         return self._cut(request, num_cached, min(request.num_tokens - num_cached, budget))
 
     def _cut(self, request: Request, start: int, num_new: int) -> int:
-        """A chunk ends where a group must see a boundary (a hybrid model's checkpoint)."""
+        """A chunk ends where a group must see a boundary (a hybrid model's checkpoint), and
+        with `whole_images` outside every image of the prompt (last: it may also stretch a
+        chunk to an image's end)."""
         for group in self.groups:
             num_new = group.cut(request, start, num_new)
+        if self.config.whole_images:
+            num_new = whole_image_chunk(request.media, start, num_new)
         return num_new
 
     def _can_admit(self, request: Request, num_blocks: int, budget: int) -> bool:

@@ -311,13 +311,15 @@ def _chunk(meta: AttentionMetadata, r: int) -> cpu_prefill.Chunk:
     start, end = int(meta.cu_seqlens_q[r]), int(meta.cu_seqlens_q[r + 1])
     seq_len = int(meta.seq_lens[r])
     tables = meta.block_tables[r : r + 1, : -(-seq_len // meta.block_size)]
-    return cpu_prefill.Chunk(start, end - start, seq_len - (end - start), tables)
+    last_keys = None if meta.last_keys is None else meta.last_keys[start:end]
+    return cpu_prefill.Chunk(start, end - start, seq_len - (end - start), tables, last_keys)
 
 
 def _compiled_rows(meta: AttentionMetadata, decode: np.ndarray, prefill: np.ndarray,
                    window: int | None) -> cpu_decode.DecodeRows | None:
     """The decode requests' rows and every row of the `prefill` chunks as cpu_decode's rows:
-    a chunk's row at position p attends to keys up to p, as a decode row there would."""
+    a chunk's row at position p attends to keys up to p (or its `meta.last_keys`), as a
+    decode row there would."""
     starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)
     requests = np.concatenate([decode, prefill]).astype(np.int64)
     if not len(requests):
@@ -328,6 +330,8 @@ def _compiled_rows(meta: AttentionMetadata, decode: np.ndarray, prefill: np.ndar
     last_rows = np.repeat(starts[requests] + counts - 1, counts)
     seq_lens = (meta.seq_lens[owner] - (last_rows - rows)).astype(meta.seq_lens.dtype)
     first_keys = np.zeros_like(seq_lens) if window is None else np.maximum(seq_lens - window, 0)
+    if meta.last_keys is not None:
+        seq_lens = (meta.last_keys[rows] + 1).astype(seq_lens.dtype)
     return cpu_decode.DecodeRows(rows, meta.block_tables[owner], seq_lens, first_keys)
 
 

@@ -19,6 +19,7 @@ numpy's tiles, 38.8 with the blocks on one thread, 29.0 shared out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numba
 import numpy as np
@@ -41,16 +42,26 @@ Folded = tuple[np.ndarray, np.ndarray, np.ndarray]
 @dataclass(frozen=True)
 class Chunk:
     """`count` consecutive rows from packed row `start`, at positions `first_position`
-    onwards, over the keys of block table `tables [1, blocks]` up to their last row."""
+    onwards, over the keys of block table `tables [1, blocks]` up to their last row. Each
+    row sees keys up to its position, or up to its `last_keys` entry where there are any
+    (an image's tokens seeing each other: kernels_metal.metadata)."""
 
     start: int
     count: int
     first_position: int
     tables: np.ndarray
+    last_keys: np.ndarray | None = None
 
     @property
     def num_keys(self) -> int:
         return self.first_position + self.count
+
+    @cached_property
+    def row_last_keys(self) -> np.ndarray:
+        """`[count]` int64: the last key each row sees (non-decreasing)."""
+        if self.last_keys is None:
+            return np.arange(self.first_position, self.num_keys, dtype=np.int64)
+        return np.minimum(self.last_keys, self.num_keys - 1).astype(np.int64)
 
 
 def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, chunk: Chunk,
@@ -98,16 +109,17 @@ def _fold_blocks(q: np.ndarray, keys: np.ndarray, values: np.ndarray, begins: ra
     sums = np.zeros((rows * group, q.shape[1]), np.float32)
     for begin in begins:
         end = min(begin + block, chunk.num_keys)
-        # The rows that see any of these keys: from the first at or past `begin`, up to the
-        # last whose window reaches back to `end - 1`.
-        first = max(0, begin - chunk.first_position)
+        # The rows that see any of these keys: from the first whose last key is at or past
+        # `begin`, up to the last whose window reaches back to `end - 1`.
+        first = int(np.searchsorted(chunk.row_last_keys, begin))
         last = rows if window is None else min(rows, end - 1 + window - chunk.first_position)
         if first >= last:
             continue
         seen = slice(first * group, last * group)
         scores = q[seen] @ keys[begin:end].T
-        fold_block(scores, chunk.first_position + first, group, begin, window or 0,
-                   np.float32(softcap or 0.0), row_max[seen], totals[seen], sums[seen])
+        fold_block(scores, chunk.first_position + first, chunk.row_last_keys[first:last], group,
+                   begin, window or 0, np.float32(softcap or 0.0), row_max[seen], totals[seen],
+                   sums[seen])
         sums[seen] += scores @ values[begin:end]
     return row_max, totals, sums
 
@@ -169,12 +181,13 @@ def _largest(values, lanes):
 
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
-def fold_block(scores, first_position, group, first_key, window, softcap, row_max, totals,
-               sums):
+def fold_block(scores, first_position, last_keys, group, first_key, window, softcap, row_max,
+               totals, sums):
     """One block's scores `[rows * group, keys]` (keys from `first_key`) in place into
     softmax weights at each row's new running maximum; the row's `totals` and value `sums`
     rescaled to that maximum, its block weights added to `totals`. A row at position p
-    weighs keys up to p (and from p - window + 1 with a `window`); the rest get exactly 0.
+    weighs keys up to its `last_keys` entry (p, or past p inside an image), and from
+    p - window + 1 with a `window`; the rest get exactly 0.
 
     A row at a time, so that it stays in L1 from its first read to its last write."""
     count, keys = scores.shape
@@ -182,7 +195,7 @@ def fold_block(scores, first_position, group, first_key, window, softcap, row_ma
     powers = np.empty(keys, np.int32)
     for i in range(count):
         position = first_position + i // group
-        high = min(keys, position - first_key + 1)
+        high = min(keys, last_keys[i // group] - first_key + 1)
         low = 0 if window == 0 else min(high, max(0, position - window + 1 - first_key))
         row = scores[i]
         if softcap > 0:

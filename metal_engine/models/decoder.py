@@ -105,8 +105,6 @@ class CausalLM(nn.Module, OpsUser):
         """Final hidden states of the packed rows. `positions`: `[total_q]`, or `[3, total_q]`
         (time, height, width) for a multimodal-rope step with image rows; `images`: the
         step's image rows and their features (None: a text-only step, today's graph)."""
-        if images is None:  # also the decoders that take no images (Gemma 4's)
-            return self.model(input_ids, positions, meta, cache)
         return self.model(input_ids, positions, meta, cache, images)
 
     @property

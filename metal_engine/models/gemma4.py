@@ -8,6 +8,9 @@
   per-layer embedding of the token mixed with a projection of the first;
 - optionally a MoE block beside each dense MLP, routed from the layer's input;
 - each layer's output scaled by a learned `layer_scalar`.
+
+A step's image rows replace embeddings after the scale; their per-layer embeddings take the
+pad token's (metal_engine.vision.gemma_text_side).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from metal_engine.models.decoder import CausalLM, DecoderModel
 from metal_engine.models.layers import MLP, Linear
 from metal_engine.models.moe import SwitchGLU, route
 from metal_engine.models.ops_user import OpsUser
+from metal_engine.models.step_images import StepImages
 
 PER_LAYER_INPUT_MIX = 2.0**-0.5  # (projection + embedding) of the per-layer inputs, averaged
 
@@ -57,7 +61,9 @@ class Gemma4Attention(nn.Module, OpsUser):
         total = x.shape[0]
         q = self.q_norm(self.q_proj(x).reshape(total, self.num_heads, self.head_dim))
         q = self.ops.rope(q, rope)
-        meta = meta.for_window(self.window)  # a windowed pool's blocks may be its own
+        # A windowed pool's blocks may be its own; only sliding layers let an image's tokens
+        # see each other (`use_bidirectional_attention: vision`), full ones stay causal.
+        meta = meta.for_window(self.window) if self.window is not None else meta.causal
         if self.reads_shared_kv:
             k_pool, v_pool = cache.peek(pool)
         else:
@@ -139,6 +145,7 @@ class Gemma4Decoder(DecoderModel):
         super().__init__(cfg, layers, norm, embed_scale)
         size, layers_n = cfg.gemma4.per_layer_input_size, cfg.num_hidden_layers
         self._per_layer = size
+        self._pad_token_id = cfg.gemma4.pad_token_id
         if size:
             self.embed_tokens_per_layer = nn.Embedding(cfg.gemma4.per_layer_vocab_size,
                                                        layers_n * size)
@@ -147,8 +154,11 @@ class Gemma4Decoder(DecoderModel):
             self.per_layer_projection_norm = nn.RMSNorm(size, eps=cfg.rms_norm_eps)
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
-                 cache: KVCache) -> mx.array:
+                 cache: KVCache, images: StepImages | None = None) -> mx.array:
         h = self.embed(input_ids)
+        if images is not None:  # the tower's rows after the embedding scale
+            h = images.placed(h)
+            input_ids = self._image_rows_padded(input_ids, images)
         per_layer = self._per_layer_inputs(input_ids, h)
         ropes = self.ops.layer_ropes(self.ropes, positions, meta)
         for i, (layer, rope, pool) in enumerate(zip(self.layers, ropes, self.pools,
@@ -156,6 +166,15 @@ class Gemma4Decoder(DecoderModel):
             h = layer(h, rope, meta, cache, pool,
                       None if per_layer is None else per_layer[:, i])
         return self.norm(h)
+
+    def _image_rows_padded(self, input_ids: mx.array, images: StepImages) -> mx.array:
+        """The ids the per-layer embeddings look up: the pad token at image rows (their
+        projection part reads the image rows themselves)."""
+        if not self._per_layer:
+            return input_ids
+        ids = mx.array(input_ids)  # the caller's ids stay as they are
+        ids[images.rows] = self._pad_token_id
+        return ids
 
     def _per_layer_inputs(self, input_ids: mx.array, h: mx.array) -> mx.array | None:
         """`[rows, layers, size]`: a projection of the embedding, normed, mixed with the token's

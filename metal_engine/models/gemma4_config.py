@@ -31,6 +31,7 @@ class Gemma4Options:
     per_layer_vocab_size: int = 0
     values_are_keys: bool = False
     double_wide_mlp: bool = False
+    pad_token_id: int = 0  # what image rows' per-layer embeddings look up (config.json's)
 
     def to_hf(self) -> dict[str, Any]:
         return {"hidden_size_per_layer_input": self.per_layer_input_size,
@@ -45,6 +46,7 @@ def read_gemma4(cfg: dict[str, Any]) -> Gemma4Options:
         per_layer_vocab_size=cfg.get("vocab_size_per_layer_input") or 0,
         values_are_keys=bool(cfg.get("attention_k_eq_v", False)),
         double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+        pad_token_id=cfg.get("pad_token_id") or 0,
     )
 
 

@@ -46,6 +46,12 @@ class GemmaImageModel(PlacedImages):
         processed = processor(image.image)
         return f"{image.content_hash}:{processed.grid}", processed
 
+    @property
+    def max_image_tokens(self) -> int:
+        """The most image tokens one image takes (Gemma 3's one size, Gemma 4's budget)."""
+        processor = self.processors["auto"]
+        return getattr(processor, "max_soft_tokens", None) or processor.num_tokens
+
     def expansion(self, num_tokens: int) -> tuple[list[int], int]:
         return [*self.around, *self.tokens.around(num_tokens), *self.around], len(self.around) + 1
 

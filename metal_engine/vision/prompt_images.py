@@ -36,7 +36,8 @@ class PlacedImages:
 
     `placeholder_id`: the token the chat template writes where an image goes.
     `whole_images`: whether the text model lets an image's tokens see each other in prefill
-    (then a prefill chunk must hold each image whole: scheduler.media.whole_image_chunk)."""
+    (then a prefill chunk must hold each image whole: scheduler.media.whole_image_chunk, and
+    the family says its `max_image_tokens`)."""
 
     placeholder_id: int
     tower: Tower

@@ -1,5 +1,6 @@
 """What a step's images add to its packed rows: the tower's embeddings in the rows of image
-placeholder tokens, and the three-axis rope positions of a step that holds any such prompt.
+placeholder tokens, the three-axis rope positions of a step that holds any such prompt, and
+for a model whose image tokens see each other, how far each row sees.
 
 A request's share of a step may hold part of an image (a chunk cut through it): it takes
 that part's rows of the image's features, which the encoder cache keeps for the next chunk.
@@ -44,6 +45,27 @@ def step_images(scheduled: Sequence[ScheduledRequest], media: Mapping[str, Promp
                         for f, (_, _, frm, to) in zip(features, pieces, strict=True)])
         for layer in range(num_deep))
     return StepImages(mx.array(rows.astype(np.int32)), embeds, deepstack)
+
+
+def image_last_keys(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],
+                    cu_seqlens: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
+    """For a text model whose image tokens see each other in prefill: each row's last
+    visible key (AttentionMetadata.last_keys), the image's last token for a row inside one,
+    its own `positions` entry otherwise; None when no row of the step is an image's."""
+    last_keys = None
+    for index, item in enumerate(scheduled):
+        prompt_media = media.get(item.request_id)
+        if prompt_media is None:
+            continue
+        start = item.start_position
+        end = start + len(item.token_ids)
+        for image in prompt_media.overlapping(start, end):
+            if last_keys is None:
+                last_keys = positions.astype(np.int64)
+            first, last = max(start, image.offset), min(end, image.end)
+            row = int(cu_seqlens[index]) + first - start
+            last_keys[row:row + last - first] = last - 1  # the chunk holds the image whole
+    return last_keys
 
 
 def step_positions(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],

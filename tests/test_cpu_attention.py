@@ -167,9 +167,9 @@ def test_prefill_chunks_fold_blocks_of_keys_with_the_same_result(monkeypatch, wi
     folded = []  # (first position, first key, score rows, keys) of each block
     fold = cpu_prefill.fold_block
 
-    def recorded(scores, first_position, group, first_key, *args):
+    def recorded(scores, first_position, last_keys, group, first_key, *args):
         folded.append((first_position, first_key, *scores.shape))
-        fold(scores, first_position, group, first_key, *args)
+        fold(scores, first_position, last_keys, group, first_key, *args)
 
     monkeypatch.setattr(cpu_prefill, "fold_block", recorded)
     monkeypatch.setattr(cpu_threads, "threads", lambda: 2)  # two shares of blocks, merged
@@ -271,3 +271,31 @@ def test_the_host_write_and_attend_matches_an_mlx_write_then_the_reference(dtype
     np.testing.assert_array_equal(np.array(host_k), np.array(want_k))
     np.testing.assert_array_equal(np.array(host_v), np.array(want_v))
     np.testing.assert_allclose(got, np.array(want), atol=2e-3 if dtype == mx.float16 else 1e-5)
+
+
+def last_keys_with_images(meta, images: list[tuple[int, int]]) -> np.ndarray:
+    """`meta`'s positions with rows `row .. row + length - 1` seeing to the last of them."""
+    last_keys = meta.positions.copy()
+    for row, length in images:
+        last_keys[row:row + length] = last_keys[row + length - 1]
+    return last_keys
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("compiled_chunks", [True, False])
+def test_rows_inside_an_image_see_its_last_key_as_the_reference(monkeypatch, window,
+                                                               compiled_chunks):
+    """A chunk with two images (rows 3-9 and 12-14 of its 33) and a decode row; its image rows
+    see to their image's end, a window still counting back from the row's own position."""
+    q, k, v, meta, scale = shared_prefix_step(3, [40, 61, 9], [37, 1, 33])
+    if not compiled_chunks:
+        monkeypatch.setattr(cpu_attention, "COMPILED_PREFILL_SCORES", 0)
+        monkeypatch.setattr(cpu_prefill, "MIN_BLOCK_KEYS", 16)
+        monkeypatch.setattr(cpu_prefill, "MAX_BLOCK_KEYS", 16)
+    start = int(meta.cu_seqlens_q[2])
+    extended = meta.with_last_keys(last_keys_with_images(meta, [(start + 3, 7),
+                                                                (start + 12, 3)]))
+    assert_matches_reference(q, k, v, extended, scale, window)
+    plain = np.array(paged_attention_reference(q, k, v, meta, scale, window))
+    assert not np.allclose(np.array(paged_attention_reference(q, k, v, extended, scale, window)),
+                           plain, atol=1e-3)

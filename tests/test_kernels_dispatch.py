@@ -91,6 +91,24 @@ def test_use_kernels_routes_supported_calls_only(fresh_dispatch):
     assert kernels.calls == 1
 
 
+def test_a_step_whose_image_rows_see_ahead_goes_around_the_kernels(fresh_dispatch):
+    """`meta.last_keys` (an image's tokens seeing each other) is not in the kernels: such a
+    step gets the backend's own attention, the same rows without it the kernels."""
+    kernels = RecordingKernels()
+    q, k, v, meta, scale = make_inputs(CASE)
+    last_keys = meta.positions.copy()
+    last_keys[3:7] = last_keys[6]  # rows 3..6 of the 12-token chunk: one image
+    extended = meta.with_last_keys(last_keys)
+    with attention.use_kernels(kernels):
+        out = attention.paged_attention(q, k, v, extended, scale)
+        assert kernels.calls == 0
+        attention.paged_attention(q, k, v, extended.causal, scale)
+        assert kernels.calls == 1
+    np.testing.assert_allclose(np.array(out),
+                               np.array(paged_attention_reference(q, k, v, extended, scale)),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_a_kernel_that_fails_on_first_use_warns_once_then_reference(
         fresh_dispatch, monkeypatch, caplog):
     def broken_metal_kernel(**_):

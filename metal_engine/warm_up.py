@@ -131,7 +131,7 @@ class _Picture:
 
 def _picture(engine, request_id: str, image_model, question: list[int]) -> None:
     """One request with an image: the tower's first run and a step with image rows."""
-    ids, media = image_model.place([*question[:4], image_model.image_token_id], [_Picture()])
+    ids, media = image_model.place([*question[:4], image_model.placeholder_id], [_Picture()])
     engine.add_request(request_id, ids, SAMPLING[0], media=media)
     while engine.has_unfinished_requests():
         engine.step()

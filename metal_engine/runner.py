@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from metal_engine.cache.kv_cache import KVCache
 from metal_engine.drafting.draft_model import DraftModel
 from metal_engine.drafting.mtp import MtpDrafter
 from metal_engine.input_batch import StepInputs, build_step_inputs
+from metal_engine.lora.slots import AdapterSlots
 from metal_engine.models.decoder import CausalLM
 from metal_engine.outputs import TokenLogprobs
 from metal_engine.pooling import Pooler
@@ -120,18 +122,21 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache,
                  draft: DraftModel | MtpDrafter | None = None,
                  peers: Peers | None = None, stage: PipelineStage | None = None,
-                 image_model: ImageModel | None = None) -> None:
+                 image_model: ImageModel | None = None,
+                 adapters: AdapterSlots | None = None) -> None:
         """`draft`: speculative decoding's drafter on the device (a draft model or the
         model's MTP head), which runs in every step. `peers`: the other ranks of an engine
         over several (this runner is rank 0's), sent each step before it runs. `stage`: this
         rank's layers, with pipeline parallelism. `image_model`: the model's vision side,
-        for a model that reads images."""
+        for a model that reads images. `adapters`: the LoRA adapters loaded over the model,
+        which a request names (ScheduledRequest.lora_name)."""
         self.model = model
         self.cache = cache
         self.draft = draft
         self.peers = peers
         self.stage = stage
         self.image_model = image_model
+        self.adapters = adapters
         self.encoder = (EncoderCache(image_model.encode, ENCODER_CACHE_BYTES)
                         if image_model is not None else None)
         self.block_tables = BlockTables()
@@ -184,10 +189,21 @@ class ModelRunner:
                 meta = meta.with_last_keys(image_last_keys(out.scheduled, self._media,
                                                            meta.cu_seqlens_q, meta.positions))
         more = {} if images is None else {"images": images}
-        hidden = self.model(input_ids, mx.array(positions), meta, self.cache, **more)
+        with self._adapter_rows(out, step):
+            hidden = self.model(input_ids, mx.array(positions), meta, self.cache, **more)
         if states is not None:
             states.copy(out.state_plan.saves)
         return hidden
+
+    def _adapter_rows(self, out: SchedulerOutput, step: StepInputs):
+        """A scope in which the model's linears add the step's adapter rows' deltas."""
+        names = [s.lora_name for s in out.scheduled]
+        if self.adapters is None:
+            if any(name is not None for name in names):
+                raise ValueError("a request names a LoRA adapter but none are loaded")
+            return nullcontext()
+        return self.adapters.serving(self.adapters.step_rows(names,
+                                                             step.attention.cu_seqlens_q))
 
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None,
                context: SamplingContext | None = None) -> LaunchedStep:

@@ -115,6 +115,7 @@ class ScheduledRequest:
     media: PromptMedia | None = None
     pooling: PoolingParams | None = None
     pools: bool = False
+    lora_name: str | None = None  # the LoRA adapter its rows are computed with (None: base)
 
 
 @dataclass

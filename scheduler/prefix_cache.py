@@ -8,7 +8,8 @@ all.
 Two tiers: blocks in the KV pool (free ones keep their contents until evicted), and, when a
 connector is given, blocks its tier holds (e.g. on disk), loaded back into fresh pool blocks at
 admission (see scheduler.kv_connector). Requests share blocks only under the same `cache_salt`
-(e.g. one per API key): the salt roots the hash chain, so the tiers need not know of it.
+(e.g. one per API key): the salt roots the hash chain, so the tiers need not know of it. A
+request's LoRA adapter enters every block hash the same way.
 """
 
 from __future__ import annotations
@@ -132,8 +133,11 @@ class PrefixCache:
             stats.stored_hit_tokens += num_stored_hits * block_size
 
     def _hash(self, request: Request, num_blocks: int) -> None:
+        # An adapter's K/V differ from the base's for the same tokens: its blocks never
+        # serve another adapter, in the pool or on disk.
+        adapter = () if request.lora_name is None else (request.lora_name,)
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            num_blocks, cache_salt=request.cache_salt,
+                            num_blocks, adapter, cache_salt=request.cache_salt,
                             media=request.media)  # fmt: skip
 
     def _max_blocks(self, request: Request) -> int:

@@ -47,6 +47,7 @@ class Request:
         cache_salt: str | None = None,
         media: PromptMedia | None = None,
         pooling: PoolingParams | None = None,
+        lora_name: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -61,6 +62,7 @@ class Request:
         self.cache_salt = cache_salt  # prompts share cached blocks only under the same salt
         self.media = media  # its prompt's images, if any
         self.pooling = pooling
+        self.lora_name = lora_name  # the LoRA adapter it is served with (None: the base)
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
@@ -68,9 +70,9 @@ class Request:
         # other groups keep theirs, see scheduler.cache_groups).
         self.block_ids: list[int] = []
         self.block_table_epoch = 0  # new whenever block_ids starts over (each admission)
-        # Prefix caching: hashes of full blocks of `all_token_ids` (content and salt only, so
-        # they stay valid across preemption); how many leading `block_ids` are registered in
-        # the pool; prompt tokens found cached at admission.
+        # Prefix caching: hashes of full blocks of `all_token_ids` (content, salt and adapter
+        # only, so they stay valid across preemption); how many leading `block_ids` are
+        # registered in the pool; prompt tokens found cached at admission.
         self.block_hashes: list[bytes] = []
         self.num_hashed_blocks = 0
         self.num_cached_tokens = 0

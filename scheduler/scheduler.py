@@ -343,6 +343,7 @@ class Scheduler:
             token_epoch=request.token_epoch,
             pooling=request.pooling,
             pools=ends and request.pooling is not None,
+            lora_name=request.lora_name,
         )
 
     def advance(self, out: SchedulerOutput) -> None:

@@ -115,6 +115,9 @@ class HostOps(DispatchedKernels, Ops):
                    layers: range):
         """Each layer on the host or on MLX as the host plan says, all in one compiled call
         where the host stack can take them."""
+        if decoder.adapters is not None and decoder.adapters.rows is not None:
+            # The host loops know no adapters: a step with adapter rows runs on MLX.
+            return super().run_layers(decoder, h, positions, meta, cache, layers)
         modules, pools = decoder.layers, decoder.pools
         on_host = self.plan.layers_on_host(modules, cache)
         ropes = self.layer_ropes(decoder.ropes, positions, meta)

@@ -30,6 +30,8 @@ DERIVED_WEIGHTS = ("rotary_emb.inv_freq",)
 class DecoderModel(nn.Module, OpsUser):
     """Embedding, decoder layers and final norm (the `model.*` weights)."""
 
+    adapters = None  # the LoRA adapters loaded over it (metal_engine.lora.slots.AdapterSlots)
+
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: type[nn.Module],
                  embed_scale: float | None) -> None:
         super().__init__()

@@ -18,12 +18,15 @@ from metal_engine.models.ops_user import OpsUser
 
 
 class Linear(nn.Linear, OpsUser):
-    """nn.Linear (same parameters), computed by the model's ops."""
+    """nn.Linear (same parameters), computed by the model's ops; plus each row's LoRA delta
+    where adapters are loaded on it and the step has adapter rows (metal_engine.lora)."""
 
     OPS_ONLY = True
+    lora = None  # its metal_engine.lora.slots.LoraWeights, once an adapter targets it
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.ops.linear(x, self)
+        y = self.ops.linear(x, self)
+        return y if self.lora is None else self.lora.added(self.ops, x, y)
 
 
 class PackedLinears:
@@ -54,6 +57,8 @@ class PackedLinears:
     def packed(self) -> tuple[mx.array, mx.array | None] | None:
         """The packed weight and bias (None if they have none), packed first if need be; None
         if the linears do not pack."""
+        if self._adapted():  # each linear adds its own rows' deltas: they run apart
+            return None
         # Current while each linear holds the view it was given; checked inline, a step
         # asks ~60 times.
         current = bool(self._views)
@@ -70,6 +75,10 @@ class PackedLinears:
                 return None
             self._pack(linears)
         return self._packed["weight"], self._packed.get("bias")
+
+    def _adapted(self) -> bool:
+        return any(self._owner[name].lora is not None and self._owner[name].lora.active
+                   for name in self._names)
 
     def get(self, key: str) -> mx.array | None:
         """The packed "weight" or "bias", as a `Linear` has them (the linears must pack)."""

@@ -85,9 +85,10 @@ class Drafter:
 
     @staticmethod
     def _may_draft(item: ScheduledRequest, request: Request) -> bool:
-        """Decoding. A request that reads its history to sample (penalties, a grammar) drafts
-        only with that history known."""
-        if not item.samples or len(item.token_ids) != 1:
+        """Decoding, with the base model: drafts come from the base (or text), so a request
+        served with a LoRA adapter never drafts. A request that reads its history to sample
+        (penalties, a grammar) drafts only with that history known."""
+        if not item.samples or len(item.token_ids) != 1 or request.lora_name is not None:
             return False
         return not (request.params.needs_token_history and request.num_unknown_outputs)
 

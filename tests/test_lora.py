@@ -1,0 +1,135 @@
+"""LoRA adapters served per request: PEFT's and mlx-lm's files, parity with PEFT over tiny
+random bases, many adapters in one step, prefix caching keyed by adapter, bad adapters."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_helpers import make_runner_and_scheduler
+from lora_files import ATTENTION, save_as_mlx_lm, save_peft_adapter, torch_greedy, torch_logits
+from scheduler_helpers import run_step
+from tiny_models import build_tiny_model
+
+from convert import convert_model
+from metal_engine.lora.adapter_files import load_adapter
+from metal_engine.lora.slots import SORTED_ROWS, AdapterSlots
+from scheduler import Request, SamplingParams
+
+PROMPT = [5, 17, 3, 99, 42, 8, 61, 23, 70, 11, 4, 90, 33, 2, 56, 7, 19, 80, 64, 1]
+# name -> (rank, seed, targets, rsLoRA): two ranks, attention only and every projection
+ADAPTERS = {"r4": (4, 1, None, False), "r8": (8, 2, None, True), "attn": (4, 3, ATTENTION, False)}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def family(request, tmp_path_factory):
+    """(model dir, {adapter name: (dir, PEFT model)}, base torch model) of one family."""
+    root = tmp_path_factory.mktemp(request.param)
+    base = build_tiny_model(request.param, root / "hf")
+    model_dir = convert_model(root / "hf", root / "model", progress=False)
+    adapters = {}
+    for name, (rank, seed, targets, rslora) in ADAPTERS.items():
+        kwargs = {} if targets is None else {"targets": targets}
+        peft_model = save_peft_adapter(base, root / name, rank, seed, rslora=rslora, **kwargs)
+        adapters[name] = (root / name, peft_model)
+    return model_dir, adapters, base
+
+
+def serving(family, max_loras=4, max_rank=8, **kwargs):
+    model_dir, adapters, _ = family
+    runner, scheduler = make_runner_and_scheduler(model_dir, **kwargs)
+    runner.adapters = AdapterSlots(runner.model, max_loras, max_rank)
+    for name, (path, _) in adapters.items():
+        runner.adapters.load(load_adapter(name, path))
+    return runner, scheduler
+
+
+def prompt_logits(runner, scheduler, rid, ids, lora_name) -> np.ndarray:
+    request = Request(rid, ids, SamplingParams(max_tokens=1), lora_name=lora_name)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    logits = np.array(runner.forward_logits(out).astype(mx.float32))
+    scheduler.finish_request(rid, "abort")
+    return logits
+
+
+@pytest.mark.parametrize("ops", ["host", "reference"])
+def test_logits_equal_peft(family, ops):
+    runner, scheduler = serving(family)
+    runner.model.use_ops(ops)
+    base = prompt_logits(runner, scheduler, "base", PROMPT, None)
+    np.testing.assert_allclose(base, torch_logits(family[2], PROMPT), atol=1e-4, rtol=0)
+    for name, (_, peft_model) in family[1].items():
+        got = prompt_logits(runner, scheduler, name, PROMPT, name)
+        np.testing.assert_allclose(got, torch_logits(peft_model, PROMPT), atol=1e-4, rtol=0)
+        assert np.abs(got - base).max() > 0.01  # the adapter moves the logits
+
+
+def generate(runner, scheduler, prompts: dict[str, tuple[list[int], str | None]],
+             max_tokens: int) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = {rid: Request(rid, ids, params, lora_name=lora) for rid, (ids, lora) in
+                prompts.items()}
+    for request in requests.values():
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        run_step(runner, scheduler, scheduler.schedule())
+    return {rid: r.output_token_ids for rid, r in requests.items()}
+
+
+def test_one_batch_of_three_adapters_and_the_base_equals_each_alone(family):
+    """Greedy tokens of a mixed batch equal PEFT's; rows of every request in one step."""
+    prompts = {name: (PROMPT[i:], name) for i, name in enumerate(ADAPTERS)}
+    prompts["base"] = (PROMPT[3:], None)
+    runner, scheduler = serving(family)
+    together = generate(runner, scheduler, prompts, 6)
+    alone = {}
+    for rid, prompt in prompts.items():
+        runner, scheduler = serving(family)
+        alone.update(generate(runner, scheduler, {rid: prompt}, 6))
+    assert together == alone
+    for name, (_, peft_model) in family[1].items():
+        assert together[name] == torch_greedy(peft_model, prompts[name][0], 6)
+    assert together["base"] == torch_greedy(family[2], prompts["base"][0], 6)
+
+
+def test_rows_sorted_by_slot_in_a_long_step(family):
+    """A step of many rows sorts them by adapter before the gathered products."""
+    runner, scheduler = serving(family, max_num_batched_tokens=512)
+    long = (PROMPT * 3)[:SORTED_ROWS]
+    got = {name: prompt_logits(runner, scheduler, name, long, name) for name in ("r4", "r8")}
+    for name, logits in got.items():
+        np.testing.assert_allclose(logits, torch_logits(family[1][name][1], long), atol=1e-4,
+                                   rtol=0)
+
+
+def test_mlx_lm_adapter_equals_its_peft_original(family, tmp_path):
+    path, peft_model = family[1]["r4"]
+    save_as_mlx_lm(path, tmp_path / "mlx")
+    runner, scheduler = make_runner_and_scheduler(family[0])
+    runner.adapters = AdapterSlots(runner.model, 1, 8)
+    runner.adapters.load(load_adapter("m", tmp_path / "mlx"))
+    np.testing.assert_allclose(prompt_logits(runner, scheduler, "m", PROMPT, "m"),
+                               torch_logits(peft_model, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_prefix_cache_never_shares_blocks_across_adapters(family):
+    runner, scheduler = serving(family, block_size=4)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    cached = {}
+    for rid, lora in [("a", "r4"), ("b", "r8"), ("c", None), ("d", "r4")]:
+        request = Request(rid, PROMPT, params, lora_name=lora)
+        scheduler.add_request(request)
+        while scheduler.has_unfinished_requests():
+            run_step(runner, scheduler, scheduler.schedule())
+        cached[rid] = request.num_cached_tokens
+    assert cached == {"a": 0, "b": 0, "c": 0, "d": 16}
+
+
+def test_unloading_restacks_the_remaining_adapters(family):
+    runner, scheduler = serving(family)
+    runner.adapters.unload("r4")
+    got = prompt_logits(runner, scheduler, "r8", PROMPT, "r8")
+    np.testing.assert_allclose(got, torch_logits(family[1]["r8"][1], PROMPT), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="no adapter named 'r4'"):
+        prompt_logits(runner, scheduler, "gone", PROMPT, "r4")

@@ -65,3 +65,18 @@ def torch_greedy(model, ids: list[int], max_new: int) -> list[int]:
     for _ in range(max_new):
         tokens.append(int(torch_logits(model, tokens)[-1].argmax()))
     return tokens[len(ids):]
+
+
+def write_peft_files(path: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
+                     rank: int) -> Path:
+    """PEFT's files written by hand: `pairs` maps a module to (A `[r, in]`, B `[out, r]`)."""
+    path.mkdir(parents=True)
+    tensors = {}
+    for module, (a, b) in pairs.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.astype(np.float32)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.astype(np.float32)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in pairs})}))
+    return path

@@ -7,7 +7,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from engine_helpers import make_runner_and_scheduler
-from lora_files import ATTENTION, save_as_mlx_lm, save_peft_adapter, torch_greedy, torch_logits
+from lora_files import (
+    ATTENTION,
+    save_as_mlx_lm,
+    save_peft_adapter,
+    torch_greedy,
+    torch_logits,
+    write_peft_files,
+)
 from scheduler_helpers import run_step
 from tiny_models import build_tiny_model
 
@@ -133,3 +140,55 @@ def test_unloading_restacks_the_remaining_adapters(family):
     np.testing.assert_allclose(got, torch_logits(family[1]["r8"][1], PROMPT), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="no adapter named 'r4'"):
         prompt_logits(runner, scheduler, "gone", PROMPT, "r4")
+
+
+def lora_pair(rank: int, in_features: int, out_features: int):
+    return np.ones((rank, in_features)), np.ones((out_features, rank))
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(("pairs", "rank", "error"), [
+    ({Q: lora_pair(16, 64, 64)}, 16, "rank 16, over --max-lora-rank 8"),
+    ({Q: lora_pair(4, 32, 64)}, 4, "weight is 64x64: an adapter of another base"),
+    ({"model.layers.9.self_attn.q_proj": lora_pair(4, 64, 64)}, 4,
+     "which the base model does not have"),
+    ({"model.embed_tokens": lora_pair(4, 128, 64)}, 4, "not on this Embedding module"),
+])
+def test_bad_adapters_are_refused_by_name(family, tmp_path, pairs, rank, error):
+    runner, _ = make_runner_and_scheduler(family[0])
+    slots = AdapterSlots(runner.model, 2, 8)
+    with pytest.raises(ValueError, match=error):
+        slots.load(load_adapter("bad", write_peft_files(tmp_path / "bad", pairs, rank)))
+    assert slots.names == []
+    slots.load(load_adapter("r4", family[1]["r4"][0]))  # a good one still loads
+
+
+def test_unreadable_adapter_files_are_refused(tmp_path):
+    path = write_peft_files(tmp_path / "a", {Q: lora_pair(4, 64, 64)}, 4)
+    (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match="corrupt or not safetensors"):
+        load_adapter("a", path)
+    (path / "adapter_config.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot read .*adapter_config.json"):
+        load_adapter("a", path)
+    (path / "adapter_model.safetensors").unlink()
+    (path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="neither adapter_model.safetensors"):
+        load_adapter("a", path)
+
+
+def test_moe_base_attention_adapter_equals_peft_experts_refused(tmp_path):
+    base = build_tiny_model("qwen3_moe", tmp_path / "hf")
+    peft_model = save_peft_adapter(base, tmp_path / "peft", 4, 5, targets=ATTENTION)
+    model_dir = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
+    runner, scheduler = make_runner_and_scheduler(model_dir)
+    runner.adapters = AdapterSlots(runner.model, 2, 8)
+    runner.adapters.load(load_adapter("a", tmp_path / "peft"))
+    np.testing.assert_allclose(prompt_logits(runner, scheduler, "a", PROMPT, "a"),
+                               torch_logits(peft_model, PROMPT), atol=1e-4, rtol=0)
+    expert = "model.layers.0.mlp.experts.1.gate_proj"
+    path = write_peft_files(tmp_path / "e", {expert: lora_pair(4, 64, 32)}, 4)
+    with pytest.raises(ValueError, match=f"targets {expert}: adapters on a MoE's experts"):
+        runner.adapters.load(load_adapter("e", path))

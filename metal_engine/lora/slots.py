@@ -162,6 +162,9 @@ class AdapterSlots:
         """The base's linear at `path`, checked to take this pair."""
         module = _module_at(self.model, path)
         where = f"adapter {adapter.name!r} targets {path}"
+        if ".experts." in f"{path}." or ".switch_mlp." in path:
+            raise ValueError(f"{where}: adapters on a MoE's experts are not served; adapt "
+                             f"its attention ({', '.join(TARGETS[:4])}) instead")
         if module is None:
             raise ValueError(f"{where}, which the base model does not have (an adapter of "
                              "another base?)")

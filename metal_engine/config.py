@@ -57,6 +57,11 @@ class EngineConfig:
     # (metal_engine.parallel); one of the two at a time.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # LoRA adapters (`--lora-modules name=path`) loaded at start, and room for this many at
+    # once (`--max-loras`, 0: as many as given) of rank up to `--max-lora-rank`.
+    lora_modules: tuple[tuple[str, Path], ...] = ()
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -76,6 +81,12 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras must be at least 0 and --max-lora-rank at least 1, "
+                             f"got {self.max_loras} and {self.max_lora_rank}")
+        if self.max_loras and len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} --lora-modules given but --max-loras "
+                             f"is {self.max_loras}: raise it")
         if self.parallel_size > 1:
             self._check_parallel()
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -83,6 +94,10 @@ class EngineConfig:
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
 
+
+    @property
+    def serves_adapters(self) -> bool:
+        return bool(self.lora_modules) or self.max_loras > 0
 
     @property
     def parallel_size(self) -> int:
@@ -99,6 +114,7 @@ class EngineConfig:
             and self.pipeline_parallel_size > 1,
             "--async-scheduling": self.async_scheduling,
             "--kv-cache-dir": self.kv_cache_dir is not None,
+            "--lora-modules / --max-loras": self.serves_adapters,
             f"--speculative-config method {spec.method if spec else ''} (ngram and suffix "
             "drafts do combine)": spec is not None and spec.method in ("draft_model", "mtp"),
         }

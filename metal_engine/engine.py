@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_disk.connector import KVDiskConnector
+from metal_engine.lora.adapter_files import load_adapter
 from metal_engine.output_check import RequestOutputCheck
 from metal_engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
@@ -77,7 +78,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, media: PromptMedia | None = None,
-                    pooling: PoolingParams | None = None) -> None:
+                    pooling: PoolingParams | None = None,
+                    lora_name: str | None = None) -> None:
         """Queue a request; ValueError (with the limits) if it can never be served, or naming
         the schema feature if its structured output cannot be enforced.
 
@@ -86,15 +88,18 @@ class LLMEngine:
         the prompt's images (their placeholder tokens are in `prompt_token_ids`).
         `pooling`: the request pools its prompt into one vector (`RequestOutput.pooled`)
         instead of generating; `params` then counts for nothing but its checks.
+        `lora_name`: the loaded LoRA adapter to serve it with (None: the base model).
         """
         if pooling is not None:
             self._check_pooling(pooling)
         elif not self.runner.model.has_head:
             raise ValueError("the model has no LM head: it serves embeddings, not generation")
+        if lora_name is not None and lora_name not in self.adapter_names():
+            raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         grammar = self.structured.compile(params.structured) if params.structured else None
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           priority=priority, cache_salt=cache_salt, media=media,
-                          pooling=pooling)
+                          pooling=pooling, lora_name=lora_name)
         self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)
@@ -112,6 +117,26 @@ class LLMEngine:
         if self.runner.stage is not None:
             raise ValueError("pooling needs every row's hidden state, which pipeline "
                              "parallelism does not keep on rank 0: serve on one rank")
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters a request may name."""
+        adapters = self.runner.adapters
+        return [] if adapters is None else list(adapters.names)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter between steps; ValueError saying why it cannot be served."""
+        if self.runner.adapters is None:
+            raise ValueError("this server serves no LoRA adapters: start it with --max-loras")
+        self.runner.adapters.load(load_adapter(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload an adapter no unfinished request uses (ValueError otherwise)."""
+        if name not in self.adapter_names():
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        users = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} serves {users} unfinished requests")
+        self.runner.adapters.unload(name)
 
     def abort_request(self, request_id: str) -> None:
         request = self.scheduler.requests.get(request_id)

@@ -33,6 +33,8 @@ from metal_engine.loading.model_dtype import resolve_dtype
 from metal_engine.loading.pooling_config import read_pooling_config
 from metal_engine.loading.tokenizer_loading import load_tokenizer
 from metal_engine.loading.weights import load_model, parameter_bytes
+from metal_engine.lora.adapter_files import load_adapter
+from metal_engine.lora.slots import AdapterSlots
 from metal_engine.models.decoder import CausalLM
 from metal_engine.parallel.peers import Peers
 from metal_engine.runner import ModelRunner
@@ -115,7 +117,8 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     )
     name = config.model_name or config.model_dir.name
     stage = split.stage(model, cache, dtype) if split else None
-    runner = ModelRunner(model, cache, device_drafter, peers, stage, image_model)
+    runner = ModelRunner(model, cache, device_drafter, peers, stage, image_model,
+                         _adapters(model, config))
     engine = LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
     engine.pooling = read_pooling_config(config.model_dir, name, model.has_head)
     return engine
@@ -131,6 +134,18 @@ def _token_budget(budget: int, image_model: ImageModel | None) -> int:
         log.info("token budget raised from %d to %d: a step holds each image whole", budget,
                  largest)
     return max(budget, largest)
+
+
+def _adapters(model: CausalLM, config: EngineConfig) -> AdapterSlots | None:
+    """Room for the configured LoRA adapters, those given at start loaded."""
+    if not config.serves_adapters:
+        return None
+    slots = AdapterSlots(model, config.max_loras or len(config.lora_modules),
+                         config.max_lora_rank)
+    for name, path in config.lora_modules:
+        slots.load(load_adapter(name, path))
+        log.info("LoRA adapter %s loaded from %s (rank %d)", name, path, slots.ranks[name])
+    return slots
 
 
 def _load_image_model(config: EngineConfig, dtype: mx.Dtype,

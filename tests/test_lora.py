@@ -19,9 +19,12 @@ from scheduler_helpers import run_step
 from tiny_models import build_tiny_model
 
 from convert import convert_model
+from metal_engine.config import EngineConfig
+from metal_engine.engine_build import build_engine
 from metal_engine.lora.adapter_files import load_adapter
 from metal_engine.lora.slots import SORTED_ROWS, AdapterSlots
 from scheduler import Request, SamplingParams
+from scheduler.spec_decode.config import SpeculativeConfig
 
 PROMPT = [5, 17, 3, 99, 42, 8, 61, 23, 70, 11, 4, 90, 33, 2, 56, 7, 19, 80, 64, 1]
 # name -> (rank, seed, targets, rsLoRA): two ranks, attention only and every projection
@@ -192,3 +195,41 @@ def test_moe_base_attention_adapter_equals_peft_experts_refused(tmp_path):
     path = write_peft_files(tmp_path / "e", {expert: lora_pair(4, 64, 32)}, 4)
     with pytest.raises(ValueError, match=f"targets {expert}: adapters on a MoE's experts"):
         runner.adapters.load(load_adapter("e", path))
+
+
+def engine_tokens(engine, prompts: dict[str, tuple[list[int], str | None]],
+                  max_tokens: int) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for rid, (ids, lora) in prompts.items():
+        engine.add_request(rid, ids, params, lora_name=lora)
+    tokens = {rid: [] for rid in prompts}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id in tokens:  # not one aborted before
+                tokens[output.request_id] += output.new_token_ids
+    return tokens
+
+
+def test_engine_serves_adapters_by_name_and_loads_them_at_run_time(family):
+    model_dir, adapters, base = family
+    spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
+    engine = build_engine(EngineConfig(
+        model_dir=model_dir, max_model_len=256, kv_cache_memory=16 << 20, max_loras=2,
+        max_lora_rank=8, lora_modules=(("r4", adapters["r4"][0]),), speculative_config=spec))
+    repeated = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]  # ngram drafts for the base, none for adapters
+    engine.load_adapter("r8", str(adapters["r8"][0]))
+    assert engine.adapter_names() == ["r4", "r8"]
+    prompts = {"r4": (repeated, "r4"), "r8": (repeated, "r8"), "base": (repeated, None)}
+    with pytest.raises(ValueError, match="serves 1 unfinished"):
+        engine.add_request("hold", PROMPT, SamplingParams(max_tokens=1), lora_name="r8")
+        engine.unload_adapter("r8")
+    engine.abort_request("hold")
+    got = engine_tokens(engine, prompts, 6)
+    assert got == {rid: torch_greedy(adapters[lora][1] if lora else base, ids, 6)
+                   for rid, (ids, lora) in prompts.items()}
+    engine.unload_adapter("r4")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'r4'"):
+        engine.add_request("x", PROMPT, SamplingParams(max_tokens=1), lora_name="r4")
+    with pytest.raises(ValueError, match="over --max-lora-rank 2"):
+        build_engine(EngineConfig(model_dir=model_dir, max_lora_rank=2, kv_cache_memory=16 << 20,
+                                  lora_modules=(("r4", adapters["r4"][0]),)))

@@ -10,10 +10,11 @@ rate: on a 2-core AVX-512 Xeon, 768 x 64 against 64 x 512 at ~280 GFLOP/s, where
 softmax takes a row at a time from its maximum through exp to its sum while the row is in
 L1, where numpy's six passes each went over a slice larger than the L2.
 
-Each thread takes every other block, with its products on its own core, and the threads'
-running sums are merged at the end: one thread folding between two-thread products left the
-second core to BLAS's spinning worker. A layer of 256 rows at an 8k context: ~58 ms in
-numpy's tiles, 38.8 with the blocks on one thread, 29.0 shared out.
+Each thread takes every other block of a KV head (and a share of the heads), with its
+products on its own core, and the threads' running sums are merged at the end: one thread
+folding between two-thread products left the second core to BLAS's spinning worker. A
+layer of 256 rows at an 8k context: ~58 ms in numpy's tiles, 38.8 with the blocks on one
+thread, 29.0 shared out.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ class Chunk:
 def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, chunk: Chunk,
            scale: float, window: int | None, softcap: float | None,
            sinks: np.ndarray | None, out: np.ndarray) -> None:
-    """The chunk's rows of `queries [total_q, H, D]` over its keys and values
-    `[num_keys, kv_heads, D]` (float32, causal, within `window` if set), into its rows of
-    `out`."""
+    """The chunk's rows of `queries [total_q, H, D]` over its keys `[num_keys, kv_heads, D]`
+    and values `[num_keys, kv_heads, Dv]` (float32, causal, within `window` if set), into its
+    rows of `out [total_q, H, Dv]`."""
     rows, kv_heads = chunk.count, keys.shape[1]
     heads, head_dim = queries.shape[1], queries.shape[2]
     group = heads // kv_heads
@@ -89,24 +90,26 @@ def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, chunk: Chu
                             block, chunk, group, window, softcap)
 
     jobs = [(kv, share) for kv in range(kv_heads) for share in range(shares)]
-    folded = cpu_threads.map_on_threads(fold, jobs) if shares > 1 else list(map(fold, jobs))
+    # KV heads share out too: a chunk of one block folded head after head on one thread
+    # left BLAS's own spinning workers the cores (512 rows of 20 heads: 533 ms, 60 shared).
+    folded = cpu_threads.map_on_threads(fold, jobs) if len(jobs) > 1 else list(map(fold, jobs))
     for kv in range(kv_heads):
         row_max, totals, sums = _merged(folded[kv * shares:(kv + 1) * shares])
         if sinks is not None:
             _add_sinks(sinks[kv * group:(kv + 1) * group], row_max, totals, sums)
         sums /= totals[:, None]
-        out[chunk_rows, kv * group:(kv + 1) * group] = sums.reshape(rows, group, head_dim)
+        out[chunk_rows, kv * group:(kv + 1) * group] = sums.reshape(rows, group, -1)
 
 
 def _fold_blocks(q: np.ndarray, keys: np.ndarray, values: np.ndarray, begins: range,
                  block: int, chunk: Chunk, group: int, window: int | None,
                  softcap: float | None) -> Folded:
     """Scaled query rows `q [rows * group, D]` of one KV head folded over the blocks of
-    `keys`, `values` `[num_keys, D]` that start at `begins`."""
+    `keys [num_keys, D]`, `values [num_keys, Dv]` that start at `begins`."""
     rows = chunk.count
     row_max = np.full(rows * group, -np.inf, np.float32)
     totals = np.zeros(rows * group, np.float32)
-    sums = np.zeros((rows * group, q.shape[1]), np.float32)
+    sums = np.zeros((rows * group, values.shape[1]), np.float32)
     for begin in begins:
         end = min(begin + block, chunk.num_keys)
         # The rows that see any of these keys: from the first whose last key is at or past

@@ -64,6 +64,21 @@ class AttentionMetadata:
     def num_requests(self) -> int:
         return len(self.seq_lens)
 
+    def rows_of(self, requests: np.ndarray) -> np.ndarray:
+        """The packed rows of `requests` (ascending request ids), in order."""
+        starts, q_lens = self.cu_seqlens_q[requests], np.diff(self.cu_seqlens_q)[requests]
+        firsts = np.cumsum(q_lens) - q_lens  # where each request's rows start among them
+        return np.repeat(starts.astype(np.int64) - firsts, q_lens) + np.arange(q_lens.sum())
+
+    def of_requests(self, requests: np.ndarray) -> AttentionMetadata:
+        """The metadata of `requests` (ascending request ids) alone, their rows packed back
+        to back as `rows_of` lists them; no window group."""
+        q_lens = np.diff(self.cu_seqlens_q)[requests]
+        cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(self.cu_seqlens_q.dtype)
+        return AttentionMetadata(cu_seqlens_q, self.seq_lens[requests],
+                                 self.block_tables[requests],
+                                 self.slot_mapping[self.rows_of(requests)], self.block_size)
+
     @cached_property
     def positions(self) -> np.ndarray:
         """`[total_q]` int64: each row's position in its request (see the module docstring)."""

@@ -1,7 +1,8 @@
 """The operations model code calls, one implementation per backend, chosen once per model.
 
-    Ops             the interface: products, norms, rope, activations, attention, gated delta,
-                    KV writes, and how a decoder runs its layers
+    Ops             the interface: products, norms, rope, activations, attention (paged, latent,
+                    over a gathered context), gated delta, KV writes, and how a decoder runs
+                    its layers
     ReferenceOps    pure MLX: what every kernel is checked against; runs anywhere
     MetalOps        the Metal path: `mx.fast` rope and norms, fused products, compiled
                     elementwise chains, the paged-attention and gated-delta kernels
@@ -23,7 +24,12 @@ import mlx.nn as nn
 from kernels_metal import attention, fast_rope, gated_delta
 from kernels_metal.fast_rope import RotaryTables
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.reference import paged_attention_reference, write_kv
+from kernels_metal.reference import (
+    causal_chunk_attention,
+    gather_context,
+    paged_attention_reference,
+    write_kv,
+)
 from metal_engine.models import gated_delta_rule as gated_delta_reference
 
 OpsName = Literal["metal", "reference", "host"]
@@ -120,6 +126,16 @@ class Ops:
         of latent rows `[blocks, block_size, 1, W]` whose first `rank` values are also the
         values; `[total_q, H, rank]` out. Here the pure-MLX reference."""
         return attention.latent_reference(q, pool, rank, meta, scale)
+
+    def gather_context(self, pool, meta: AttentionMetadata, request: int, dtype: mx.Dtype):
+        """Request `request`'s rows of `pool`, written this step's too, as one contiguous
+        `[seq_len, kv_heads, head_dim]` in `dtype` (a quantized pool's dequantized)."""
+        return gather_context(pool, meta, request, dtype)
+
+    def chunk_attention(self, q, k, v, scale: float):
+        """Causal attention of one request's chunk rows, heads first: `q [H, n, D]` (its last
+        n positions) over its keys `k [H, L, D]` and values `v [H, L, Dv]`: `[H, n, Dv]`."""
+        return causal_chunk_attention(q, k, v, scale)
 
     def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
                          window=None, softcap=None, sinks=None):

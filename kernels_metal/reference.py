@@ -121,6 +121,33 @@ def _gather_kv(pool: Pool, tables: mx.array, num_keys: int) -> mx.array:
     return mx.swapaxes(kv, 1, 2).astype(mx.float32)
 
 
+def gather_context(pool: Pool, meta: AttentionMetadata, request: int,
+                   dtype: mx.Dtype) -> mx.array:
+    """Request `request`'s rows of `pool` at positions `0 .. seq_len - 1` (this step's own
+    among them once written): `[seq_len, kv_heads, head_dim]` in `dtype`."""
+    key = ("context-tables", request)
+    if key not in meta.backend_plans:  # made by a step's first layer, used by every layer
+        blocks = -(-int(meta.seq_lens[request]) // meta.block_size)
+        meta.backend_plans[key] = mx.array(meta.block_tables[request, :blocks])
+    tables = meta.backend_plans[key]
+    if isinstance(pool, QuantizedPool):
+        rows = gather_blocks(pool, tables, dtype)
+    else:
+        rows = pool[tables].astype(dtype)
+    return rows.reshape(-1, *rows.shape[2:])[: int(meta.seq_lens[request])]
+
+
+def causal_chunk_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Causal attention of one request's chunk, heads first: `q [H, n, D]`, the rows of its
+    last n positions, over all its keys `k [H, L, D]` and values `v [H, L, Dv]`;
+    `[H, n, Dv]` out. MLX's own attention, which masks from the bottom right (row i sees keys
+    to L - n + i): one fused kernel on Metal where MLX has one for the shape, its matmuls
+    elsewhere."""
+    out = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
+                                               mask="causal")
+    return out[0]
+
+
 def build_plan(meta: AttentionMetadata, window: int | None = None) -> ReferencePlan:
     """Group the step's rows once; every layer with this window reuses groups, tables, masks."""
     starts, q_lens = meta.cu_seqlens_q[:-1], np.diff(meta.cu_seqlens_q)

@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek V3's family) over its latent pool: exact against
 transformers without a q low rank and with the rope dims paired or not, through prefix-cache
-hits, preemption and the disk tier's round trip; the pool holds one row of latent and rope key
-per token and no values."""
+hits (short and long chunks after them), preemption and the disk tier's round trip; the pool
+holds one row of latent and rope key per token and no values."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from metal_engine.cache.kv_cache import KVCache
 from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
 from metal_engine.loading.model_config import ModelConfig
+from metal_engine.models.mla_forms import FormCosts
 from scheduler import Request, SamplingParams
 
 LATENT = 32 + 8  # the tiny config's kv_lora_rank + qk_rope_head_dim
@@ -98,7 +99,9 @@ def test_the_engine_serves_prefix_hits_exactly(tiny_deepseek, default_tokenizer,
     model, path = tiny_deepseek
     engine = served_engine(path, default_tokenizer, tmp_path)
     shared = random_ids(9, 40)
-    asked = {"first": shared + [5, 6, 7], "second": shared + [8, 9]}
+    # The second's 2 new rows attend absorbed over the hit, the third's 40 expanded.
+    asked = {"first": shared + [5, 6, 7], "second": shared + [8, 9],
+             "third": shared + random_ids(10, 40)}
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     got: dict[str, list[int]] = {}
     cached = {}
@@ -108,7 +111,11 @@ def test_the_engine_serves_prefix_hits_exactly(tiny_deepseek, default_tokenizer,
             for output in engine.step():
                 got.setdefault(rid, []).extend(output.new_token_ids)
                 cached[rid] = output.num_cached_tokens
-    assert cached["second"] >= 32
+    assert cached["second"] >= 32 and cached["third"] >= 32
+    costs = FormCosts.of(ModelConfig.from_model_dir(path).mla)
+    rows = np.array([len(asked[rid]) - cached[rid] for rid in ("second", "third")])
+    assert costs.expands(rows, [len(asked["second"]), len(asked["third"])]).tolist() == [
+        False, True]
     for rid, ids in asked.items():
         assert got[rid] == hf_greedy(model, ids, 8), rid
 
@@ -297,3 +304,4 @@ def test_a_warmed_up_server_streams_an_mla_models_greedy_tokens(tiny_deepseek, d
                                            extra_body={"ignore_eos": True})
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert text == default_tokenizer.decode(hf_greedy(model, ids, 6), skip_special_tokens=True)
+

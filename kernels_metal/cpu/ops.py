@@ -12,6 +12,7 @@ from kernels_metal.cpu import attention as cpu_attention
 from kernels_metal.cpu import host_forward, huge_pages
 from kernels_metal.cpu import loops as cpu_loops
 from kernels_metal.cpu import math as cpu_math
+from kernels_metal.cpu import prefill as cpu_prefill
 from kernels_metal.cpu.host_forward import HostPlan, HostStack, to_device, to_host
 from kernels_metal.cpu.layer_arrays import views
 from kernels_metal.metadata import AttentionMetadata
@@ -86,6 +87,20 @@ class HostOps(DispatchedKernels, Ops):
                                   scale: float, window=None, softcap=None, sinks=None):
         return cpu_attention.attention_or_reference(q, k_pool, v_pool, meta, scale, window,
                                                     softcap, sinks)
+
+    def chunk_attention(self, q, k, v, scale: float):
+        """float32 chunks folded over blocks of their keys by cpu_prefill (BLAS products, a
+        compiled softmax: MLX's own costs ~2x here, most of it in its softmax)."""
+        if q.dtype != mx.float32:
+            return super().chunk_attention(q, k, v, scale)
+        heads, rows, _ = q.shape
+        keys = k.shape[1]
+        # Rows first, as views: each head's keys and values stay contiguous for BLAS.
+        q_rows, k_rows, v_rows = (np.asarray(a).transpose(1, 0, 2) for a in (q, k, v))
+        out = np.empty((rows, heads, v.shape[-1]), np.float32)
+        chunk = cpu_prefill.Chunk(0, rows, keys - rows, np.empty((1, 0), np.int32))
+        cpu_prefill.attend(q_rows, k_rows, v_rows, chunk, scale, None, None, None, out)
+        return mx.swapaxes(mx.array(out), 0, 1)
 
     def write_kv(self, pool, new, meta: AttentionMetadata):
         if isinstance(new, np.ndarray):  # into the (evaluated) float pool's buffer

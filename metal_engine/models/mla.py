@@ -3,19 +3,26 @@ pool of latents.
 
 A token's row in its layer's pool is `kv_lora_rank + qk_rope_head_dim` wide (576 for
 DeepSeek V3, against 2 x 128 heads x 192 for the keys and values it stands for): its
-normed latent `c`, then its rope key, shared by every head. Attention runs in the absorbed
-form, for every row: a head's key is `W_uk c` beside the rope key, so its query's score
-`q_nope . W_uk c` is `(W_uk^T q_nope) . c`; the query goes into the latent space once and
-attends over the latent rows as multi-query attention of one key head, whose values are the
-latents themselves; each head's output then leaves through its `W_uv`.
+normed latent `c`, then its rope key, shared by every head. A request's rows of a step
+attend in one of two forms, the cheaper in FLOPs for its rows and keys. For n rows over c
+cached keys, P (row, key) pairs under the causal mask and r = kv_lora_rank, expanded is
+cheaper when `c r (nope + v) < P (2 r - nope - v)`: every fresh prompt's chunk, and past
+~171 rows (DeepSeek V3; GLM-4.7-Flash ~398) over a long cache (models/mla_forms.py has the
+sums and the measurements):
 
-Which form a chunk of n rows over L keys is cheaper in (FLOPs a layer, H heads): absorbed,
-n L H 2 (rank + rope + rank) = 2176 n L H at DeepSeek's shapes; expanded, the L keys
-up-projected once, 2 L rank H (nope + v) = 262144 L H, then n L H 2 (nope + rope + v) =
-640 n L H. Absorbed is cheaper below n = 170 rows (GLM-4.7-Flash: 398): every decode row and
-short chunk. Every row runs absorbed here, on Metal in the decode kernel; a long prefill
-chunk (512 rows: ~1.9x the FLOPs of the expanded form) would gain from the expanded form,
-which is not written yet.
+- absorbed: a head's key is `W_uk c` beside the rope key, so its query's score
+  `q_nope . W_uk c` is `(W_uk^T q_nope) . c`; the query goes into the latent space once and
+  attends over the latent rows as multi-query attention of one key head, whose values are
+  the latents themselves; each head's output then leaves through its `W_uv`. Every decode
+  row, and chunks short against their cached context; on Metal, the paged decode kernel.
+- expanded: the context's latents are gathered from the pool and up-projected to each
+  head's nope key (the rope key broadcast beside it) and value, and the chunk's rows attend
+  over them as ordinary causal attention of `nope + rope` wide keys and `v_head_dim` values
+  (`Ops.chunk_attention`: MLX's fused attention on Metal, cpu_prefill's folded blocks on the
+  CPU backend). A fresh prompt's chunks, and chunks long against their cached context.
+
+Either form reads the pool after the step's rows are written, so a quantized pool's
+latents are the same dequantized values in both.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from kernels_metal.metadata import AttentionMetadata
 from metal_engine.cache.kv_cache import KVCache
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.layers import Linear, RMSNorm
+from metal_engine.models.mla_forms import FormCosts, form_plan
 from metal_engine.models.ops_user import OpsUser
 
 # transformers' DeepSeek norms of the q and kv latents keep their class's eps, not the
@@ -62,26 +70,54 @@ class MlaAttention(nn.Module, OpsUser):
         self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                 bias=False)
         self.o_proj = Linear(heads * mla.v_head_dim, hidden, bias=bias)
-        self._absorbed = _AbsorbedWeights(heads, mla.qk_nope_head_dim, mla.kv_lora_rank)
+        self._absorbed_weights = _AbsorbedWeights(heads, mla.qk_nope_head_dim, mla.kv_lora_rank)
+        self.form_costs = FormCosts.of(mla)  # what decides each request's form
 
     def __call__(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
                  pool: int) -> mx.array:
         total, heads = x.shape[0], self.num_heads
         q = self._queries(x).reshape(total, heads, self.nope + self.rope_dim)
-        rows = self._latent_rows(x, rope)
-        q_rope = self.ops.rope(q[..., self.nope :], rope)
-        w_uk, w_uv = self._absorbed(self.kv_b_proj)
-        q_latent = mx.swapaxes(mx.swapaxes(q[..., : self.nope], 0, 1) @ w_uk, 0, 1)
-        queries = mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
-        queries = self.scale_queries(queries, meta)
+        q = self.scale_queries(q, meta)
+        q_nope = q[..., : self.nope]
+        q_rope = self.ops.rope(q[..., self.nope :], rope).astype(q.dtype)
+        plan = form_plan(meta, self.form_costs)
         k_pool, v_pool = cache.take(pool)
         try:
-            k_pool = self.ops.write_kv(k_pool, rows, meta)
-            out = self.ops.latent_attention(queries, k_pool, self.rank, meta, self.scale)
+            k_pool = self.ops.write_kv(k_pool, self._latent_rows(x, rope), meta)
+            parts = [self._expanded(q_nope[rows], q_rope[rows], k_pool, meta, request)
+                     for request, rows in plan.expanded]
+            if plan.absorbed is not None:
+                rows = plan.absorbed_rows
+                absorbed = (q_nope, q_rope) if rows is None else (q_nope[rows], q_rope[rows])
+                parts.insert(0, self._absorbed(*absorbed, k_pool, plan.absorbed))
         finally:
             cache.put(pool, k_pool, v_pool)
-        out = mx.swapaxes(mx.swapaxes(out, 0, 1) @ w_uv, 0, 1)  # [total, heads, v_head_dim]
+        out = plan.packed(parts)  # [total, heads, v_head_dim]
         return self.o_proj(out.reshape(total, heads * self.v_head_dim))
+
+    def _absorbed(self, q_nope: mx.array, q_rope: mx.array, pool,
+                  meta: AttentionMetadata) -> mx.array:
+        """The rows attended over the latent pool as it is: `[rows, heads, v_head_dim]`."""
+        w_uk, w_uv = self._absorbed_weights(self.kv_b_proj)
+        q_latent = mx.swapaxes(mx.swapaxes(q_nope, 0, 1) @ w_uk, 0, 1)
+        queries = mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+        out = self.ops.latent_attention(queries, pool, self.rank, meta, self.scale)
+        return mx.swapaxes(mx.swapaxes(out, 0, 1) @ w_uv, 0, 1)
+
+    def _expanded(self, q_nope: mx.array, q_rope: mx.array, pool, meta: AttentionMetadata,
+                  request: int) -> mx.array:
+        """One request's chunk attended over its context's latents up-projected to each
+        head's keys (nope part, then the shared rope key) and values: `[rows, heads, v]`."""
+        latents = self.ops.gather_context(pool, meta, request, q_nope.dtype)[:, 0]
+        keys, heads = latents.shape[0], self.num_heads
+        # One product for all heads, then heads first, as the attention takes them.
+        kv = self.kv_b_proj(latents[:, : self.rank]).reshape(keys, heads, -1)
+        kv = mx.swapaxes(kv, 0, 1)  # [heads, keys, nope + v]
+        k_rope = mx.broadcast_to(latents[None, :, self.rank :], (heads, keys, self.rope_dim))
+        k = mx.concatenate([kv[..., : self.nope], k_rope.astype(kv.dtype)], axis=-1)
+        q = mx.swapaxes(mx.concatenate([q_nope, q_rope], axis=-1), 0, 1)
+        out = self.ops.chunk_attention(q, k, kv[..., self.nope :], self.scale)
+        return mx.swapaxes(out, 0, 1)
 
     def write_kv(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
                  pool: int) -> None:
@@ -101,8 +137,9 @@ class MlaAttention(nn.Module, OpsUser):
         return mx.concatenate([latent[:, None], k_rope.astype(latent.dtype)], axis=-1)
 
     def scale_queries(self, queries: mx.array, meta: AttentionMetadata) -> mx.array:
-        """The rows' queries `[total, heads, rank + rope]` as they attend: as they are (a
-        family may scale them, models/mistral4.py)."""
+        """The rows' queries `[total, heads, nope + rope]` as they attend: as they are (a
+        family may scale them by row, models/mistral4.py; before the rope and in either form
+        alike, as a row's scalar commutes with both)."""
         return queries
 
     def _queries(self, x: mx.array) -> mx.array:

@@ -17,7 +17,6 @@ import transformers
 from hf_configs import assert_transformers_reads_the_same_rope
 from safetensors.numpy import load_file
 from tiny_models import COMMON, TINY_MODELS, build_tiny_model
-from tokenizers import Tokenizer, models
 
 from convert import convert_model
 from convert.expert_stacking import FUSED_LAYOUTS, stack_experts
@@ -168,18 +167,34 @@ def _qwen3_5_multimodal():
     return transformers.Qwen3_5ForConditionalGeneration(config)
 
 
+def _kimi_k25_multimodal():
+    """Kimi K2.5: Kimi K2's DeepSeek V3 text model (its lm_head its own) beside a vision
+    tower, which transformers saves under `language_model.model.blocks.`."""
+    vision = transformers.Kimi_K25VisionConfig(hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2,
+                                               pos_emb_height=4, pos_emb_width=4,
+                                               pos_emb_time=2)
+    text = transformers.DeepseekV3Config(**{**COMMON, **TINY_MODELS["deepseek_v3"][2]})
+    config = transformers.Kimi_K25Config(text_config=text.to_dict(),
+                                         vision_config=vision.to_dict(),
+                                         projection_hidden_size=32, tie_word_embeddings=False)
+    config._attn_implementation = COMMON["attn_implementation"]
+    return transformers.Kimi_K25ForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(("build", "text_type"), [(_gemma4_multimodal, "gemma4_text"),
-                                                  (_qwen3_5_multimodal, "qwen3_5_text")])
+                                                  (_qwen3_5_multimodal, "qwen3_5_text"),
+                                                  (_kimi_k25_multimodal, "deepseek_v3")])
 def test_a_multimodal_checkpoint_converts_to_its_text_model(build, text_type,
                                                             tmp_path: Path) -> None:
-    """Gemma 4's and Qwen3.5's published checkpoints are multimodal: the text model's
-    weights sit under `model.language_model.`, beside vision towers a text-only conversion
-    leaves out (tests/test_qwen_vision.py: Qwen's kept by default)."""
+    """Gemma 4's, Qwen3.5's and Kimi K2.5's published checkpoints are multimodal: the text
+    model's weights sit under `model.language_model.` (Kimi's under `language_model.`),
+    beside vision towers a text-only conversion leaves out (tests/test_qwen_vision.py: Qwen's
+    kept by default)."""
     torch.manual_seed(0)
     model = build().eval()
     model.save_pretrained(tmp_path / "hf")
-    vocab = {f"w{i}": i for i in range(tiny_models.VOCAB)}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "hf" / "tokenizer.json"))
+    tiny_models.save_word_tokenizer(tmp_path / "hf")
     out = convert_model(tmp_path / "hf", tmp_path / "out", progress=False, text_only=True)
     written = json.loads((out / "config.json").read_text())
     assert written["model_type"] == text_type and "vision_config" not in written

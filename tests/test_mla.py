@@ -8,10 +8,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_helpers import make_runner_and_scheduler, run_counting_preemptions
+from engine_helpers import generate_greedy, make_runner_and_scheduler, run_counting_preemptions
 from mlx.utils import tree_flatten
 from test_model_parity import TOL, random_ids, run_logits, torch_logits
-from tiny_models import build_tiny_model, hf_greedy
+from tiny_models import build_tiny_model, hf_greedy, save_word_tokenizer
 
 from convert import convert_model
 from metal_engine.cache.cache_plan import group_bytes
@@ -304,4 +304,21 @@ def test_a_warmed_up_server_streams_an_mla_models_greedy_tokens(tiny_deepseek, d
                                            extra_body={"ignore_eos": True})
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert text == default_tokenizer.decode(hf_greedy(model, ids, 6), skip_special_tokens=True)
+
+
+def test_kimi_k25s_text_model_serves_transformers_greedy_tokens(tmp_path):
+    """Kimi K2.5's checkpoint (a vision tower beside Kimi K2's text model) converts to its
+    text model, whose served tokens are the multimodal model's on a text prompt."""
+    import torch
+    from test_convert_families import _kimi_k25_multimodal
+
+    torch.manual_seed(0)
+    model = _kimi_k25_multimodal().eval()
+    model.save_pretrained(tmp_path / "hf")
+    save_word_tokenizer(tmp_path / "hf")
+    path = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
+    prompts = {"a": random_ids(11, 30), "b": random_ids(12, 5)}
+    got = generate_greedy(*make_runner_and_scheduler(path, block_size=8), prompts, 8)
+    for rid, ids in prompts.items():
+        assert got[rid] == hf_greedy(model, ids, 8), rid
 

@@ -256,9 +256,14 @@ def build_tiny_model(model_type: str, path: Path, vision: bool = False, **extra)
             if name.endswith("e_score_correction_bias"):  # GLM's choice-only router bias
                 buffer.add_(0.5 * torch.randn_like(buffer))
     model.save_pretrained(path, safe_serialization=True)
+    save_word_tokenizer(path)
+    return model
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer of the tiny vocabulary (`w0` .. `w127`) into `path`."""
     vocab = {f"w{i}": i for i in range(VOCAB)}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
-    return model
 
 
 def hf_greedy(model, ids: list[int], max_new: int) -> list[int]:

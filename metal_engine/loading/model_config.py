@@ -57,6 +57,7 @@ ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text", "laguna")  # a rope dict pe
 # Multimodal checkpoints whose text part is served: model_type -> the text model's.
 TEXT_PARTS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
               "qwen3_5_moe": "qwen3_5_moe_text", "muse_glimmer": "muse_glimmer_text",
+              "kimi_k25": "deepseek_v3",  # Kimi K2.5's text model is Kimi K2's
               **qwen3_vl_config.TEXT_PARTS}
 # Families with linear-attention layers beside full attention.
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")

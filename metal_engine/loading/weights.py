@@ -38,8 +38,12 @@ TOWER_PREFIX = "model.visual."
 GEMMA_TOWER_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.",
                         "model.embed_vision.")
 TOWER_PREFIXES = (TOWER_PREFIX, *GEMMA_TOWER_PREFIXES)
-# Where a multimodal checkpoint keeps its text model: Hugging Face's prefix, mlx-lm's two.
-_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+# Where a multimodal checkpoint keeps its text model: Hugging Face's prefix, mlx-lm's two
+# (also Kimi K2.5's own), and Kimi K2.5's as transformers saves it: its load renames the
+# vision tower's `blocks` to `layers`, and its save turns every `layers` back to `blocks`.
+_TEXT_PREFIXES = {"model.language_model.": "model.",
+                  "language_model.model.blocks.": "model.layers.",
+                  "language_model.model.": "model.",
                   "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
 # The Qwen3.5 / Qwen3-Next norms that scale by `1 + w`: mlx-lm stores them with the 1 added.
 _MLX_LM_SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",

@@ -26,6 +26,7 @@ from server.http.logs import RequestIdMiddleware
 from server.http.metrics import ServerMetrics
 from server.http.shutdown import Drain, DrainGate
 from server.openai.api import openai_router
+from server.openai.lora_api import lora_router
 from server.openai.pooling_api import pooling_router
 from server.openai.protocol import ModelCard, ModelList
 from server.openai.render import render_router
@@ -90,9 +91,11 @@ def build_app(
     """An app serving one model.
 
     The `model` field of requests is not checked: a single-model server answers whatever
-    name the client uses (clients send all sorts). `/v1/models` lists `served_model_name`
+    name the client uses (clients send all sorts), except that the name of a loaded LoRA
+    adapter picks that adapter (docs/lora.md). `/v1/models` lists `served_model_name`
     and the model directory's name, each with its context length and the sampling defaults
-    of requests (`async_engine.sampling_defaults`). A request may ask for up to `max_n` choices.
+    of requests (`async_engine.sampling_defaults`), then each adapter, its `parent` the first.
+    A request may ask for up to `max_n` choices.
     `tool_call_parser` names the tool-call format (default: picked from the chat template).
     `parameters`, when given, are listed on the model cards (total and active per token).
     `/dashboard` shows what the server is doing (server.dashboard).
@@ -121,6 +124,7 @@ def build_app(
                                         needs_key=bool(options.api_keys)))
     app.include_router(openai_router(serving, options.min_priority))
     app.include_router(pooling_router(async_engine, served_model_name))
+    app.include_router(lora_router(async_engine, model_ids))
     app.include_router(render_router(async_engine, parser))
     app.include_router(responses_router(async_engine, served_model_name, parser))
     app.include_router(anthropic_router(async_engine, served_model_name, parser))
@@ -160,6 +164,12 @@ def _service_router(
                       sampling_defaults=asdict(async_engine.sampling_defaults),
                       capabilities=capabilities, **counts)
             for model_id in model_ids
+        ]  # fmt: skip
+        cards += [
+            ModelCard(id=name, created=created, max_model_len=async_engine.max_model_len,
+                      sampling_defaults=asdict(async_engine.sampling_defaults),
+                      capabilities=capabilities, parent=model_ids[0], root=path)
+            for name, path in async_engine.adapters.served().items()
         ]  # fmt: skip
         return ModelList(data=cards).model_dump()
 

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,6 +35,7 @@ from server.bridge.errors import EngineError, QueueFull
 from server.bridge.grammar_worker import GrammarWorker
 from server.bridge.interfaces import Engine, NoObserver, RequestObserver
 from server.bridge.live_requests import LiveRequest
+from server.bridge.lora_adapters import LoraAdapters
 from server.bridge.request_log import log_finish, log_queued
 from server.bridge.stream import QueuedAdd, RequestStream
 from server.http.logs import current_request_id
@@ -44,6 +45,8 @@ from server.prompt_worker import LONG_PROMPTS_WAITING_BYTES, PromptWorker, max_p
 from server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from scheduler import SamplingParams
     from scheduler.media import PromptMedia
     from scheduler.pooling_params import PoolingParams
@@ -61,7 +64,7 @@ class AsyncEngine:
     `max_model_len`, `max_prompt_bytes`, `sampling_defaults` (what requests get for the
     sampling fields they leave unset), `vision` (whether the model reads images) and `media`
     (where images may come from, and their limits) are read-only and safe to use from
-    handlers; `stats()`
+    handlers, and `adapters` (the LoRA adapters requests may name) is theirs to use; `stats()`
     is a snapshot the engine thread publishes after every step, and `live_requests()` what the
     handlers have seen of theirs. At most `max_queued_requests` requests (None:
     no limit) may wait for their first output; more raise `QueueFull`. Without
@@ -71,7 +74,7 @@ class AsyncEngine:
     def __init__(
         self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False,
         sampling_defaults: SamplingDefaults | None = None, report_cached_tokens: bool = True,
-        media: MediaOptions | None = None,
+        media: MediaOptions | None = None, lora_paths: Mapping[str, Path] | None = None,
     ) -> None:
         self.engine = engine
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
@@ -84,6 +87,8 @@ class AsyncEngine:
         self._fatal_lock = threading.Lock()
         self._admission = Admission(max_queued_requests)
         self._thread = EngineThread(engine, self.report_fatal)
+        # The loaded LoRA adapters (`lora_paths`: where those loaded at start came from).
+        self.adapters = LoraAdapters(engine, self.run_on_engine_thread, lora_paths)
         self._observe: Callable[[], RequestObserver] = NoObserver
         self._live_requests: dict[str, LiveRequest] = {}  # handlers' side (their event loop)
         self._grammars = GrammarWorker(engine)
@@ -172,11 +177,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
         cache_salt: str | None = None, media: PromptMedia | None = None,
-        pooling: PoolingParams | None = None,
+        pooling: PoolingParams | None = None, lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until one is finished. It shares prefix-cache blocks
         only with requests of the same `cache_salt`; `media`: its prompt's images; `pooling`:
-        it pools its prompt instead (one output, with `pooled`).
+        it pools its prompt instead (one output, with `pooled`); `lora_name`: the loaded
+        LoRA adapter that serves it (None: the base model).
 
         Raises `QueueFull` if too many requests wait already, the engine's `ValueError` if it
         refuses the request (both before any output), and `EngineError` if the engine fails.
@@ -186,7 +192,7 @@ class AsyncEngine:
         observer = self._observe()
         try:
             await self._submit(QueuedAdd(request_id, list(prompt_ids), params, priority,
-                                         cache_salt, stream, media, pooling))
+                                         cache_salt, stream, media, pooling, lora_name))
         except (ValueError, QueueFull):
             observer.on_finish("rejected")
             raise

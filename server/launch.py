@@ -37,6 +37,7 @@ _ENGINE_OPTIONS = (
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
     "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
     "tensor_parallel_size", "pipeline_parallel_size", "kv_write_through", "dtype",
+    "lora_modules", "max_loras", "max_lora_rank",
 )  # fmt: skip
 # Third-party import-time advice that a server operator cannot act on, e.g. transformers'
 # "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.
@@ -70,7 +71,7 @@ def serve(args: argparse.Namespace) -> int:
     bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
                          sampling_defaults=defaults,
                          report_cached_tokens=args.report_cached_tokens,
-                         media=_media_options(args))
+                         media=_media_options(args), lora_paths=dict(args.lora_modules or ()))
     try:  # on the thread that steps: the CPU backend's loops run slower on any other
         bridge.run_on_engine_thread(lambda: _warm_up(engine))
     except (RuntimeError, ValueError, OSError) as exc:

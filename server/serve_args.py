@@ -85,6 +85,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_sampling_arguments(parser.add_argument_group("sampling defaults"))
     _add_prefix_cache_arguments(parser.add_argument_group("prefix cache"))
     _add_image_arguments(parser.add_argument_group("images (models with vision)"))
+    _add_lora_arguments(parser.add_argument_group("LoRA adapters (docs/lora.md)"))
     add_hardening_arguments(parser)
 
 
@@ -328,6 +329,65 @@ def _add_image_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="S",
         help=f"seconds to fetch one image URL, redirects included (default "
         f"{DEFAULT_FETCH_TIMEOUT_S:.0f})",
+    )
+
+
+def _lora_module(text: str) -> tuple[str, Path]:
+    """One adapter: name=path, or vLLM's JSON '{"name": ..., "path": ...}'."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc.msg}") from None
+        name, path = (value.get("name"), value.get("path")) if isinstance(value, dict) else (None,
+                                                                                             None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(
+            f'expected name=path or {{"name": ..., "path": ...}}, got {text!r}'
+        )
+    return name.strip(), Path(path)
+
+
+class _LoraModules(argparse.Action):
+    """Each --lora-modules adds its adapters; a name given twice is an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        modules = (getattr(namespace, self.dest) or ()) + tuple(values)
+        names = [name for name, _ in modules]
+        if len(set(names)) < len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            parser.error(f"argument {option_string}: adapter name given twice: {', '.join(twice)}")
+        setattr(namespace, self.dest, modules)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _add_lora_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--lora-modules", type=_lora_module, nargs="+", action=_LoraModules,
+        metavar="NAME=PATH",
+        help='LoRA adapters (PEFT or mlx-lm directories) to load at start, each as name=path '
+        'or \'{"name": ..., "path": ...}\'; a request whose `model` is a name is served with '
+        "that adapter",
+    )
+    group.add_argument(
+        "--max-loras", type=_non_negative_int, metavar="N",
+        help="room for N adapters at once, so that more can be loaded at run time with POST "
+        "/v1/load_lora_adapter (default: as many as --lora-modules gives, 0 without it: none)",
+    )
+    group.add_argument(
+        "--max-lora-rank", type=_positive_int, metavar="R",
+        help="largest adapter rank served (default 16)",
     )
 
 

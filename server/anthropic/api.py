@@ -24,7 +24,8 @@ from server.http.limits import check_request_limits
 def anthropic_router(
     engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None
 ) -> APIRouter:
-    """Routes answering as `model_name`; `tool_call_parser` overrides the template's parser."""
+    """Routes answering as `model_name` (or as the LoRA adapter a request names);
+    `tool_call_parser` overrides the template's parser."""
     router = APIRouter()
 
     @router.post("/v1/messages")
@@ -32,8 +33,9 @@ def anthropic_router(
         check_request_limits(body)
         message_id = f"msg_{uuid.uuid4().hex}"
         start = turn_events.start(engine, chat_request(body), message_id, tool_call_parser)
+        answering = engine.adapters.lora_name(body.model) or model_name
         return await serve_turn(
-            request, start, lambda turn: MessageBuilder(message_id, model_name, turn), body.stream
+            request, start, lambda turn: MessageBuilder(message_id, answering, turn), body.stream
         )
 
     @router.post("/v1/messages/count_tokens")

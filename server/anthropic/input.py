@@ -39,7 +39,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request for `body`; a `MessagesRequest` also brings its sampling fields."""
     image_fields: list[str] = []
     messages = _system(body) + _conversation(body.messages, image_fields)
-    fields: dict[str, Any] = {"messages": messages}
+    fields: dict[str, Any] = {"messages": messages, "model": body.model}
     tools = offered_tools(body)
     choice = body.tool_choice
     chat_choice = _tool_choice(choice, body, tools) if choice is not None else None

@@ -99,6 +99,8 @@ class EngineDriver:
             more = {} if add.media is None else {"media": add.media}  # only to a reader
             if add.pooling is not None:  # only to an engine that pools
                 more["pooling"] = add.pooling
+            if add.lora_name is not None:  # only to an engine that serves adapters
+                more["lora_name"] = add.lora_name
             self.engine.add_request(add.request_id, add.prompt_ids, add.params,
                                     priority=add.priority, cache_salt=add.cache_salt, **more)
         except ValueError as exc:

@@ -61,3 +61,4 @@ class QueuedAdd:
     stream: RequestStream
     media: PromptMedia | None = None  # its prompt's images
     pooling: PoolingParams | None = None  # a pooling request's (embeddings, rerank)
+    lora_name: str | None = None  # the LoRA adapter that serves it (None: the base model)

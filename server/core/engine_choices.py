@@ -66,10 +66,11 @@ async def start(
     priority: int = 0,
     cache_salt: str | None = None,
     media: PromptMedia | None = None,
+    lora_name: str | None = None,
 ) -> Choices:
     """`start_prompts` for a single prompt (with its images, `media`)."""
     return await start_prompts(engine, [prompt_ids], params, request_id, n, priority, cache_salt,
-                               media)
+                               media, lora_name)
 
 
 async def start_prompts(
@@ -81,9 +82,11 @@ async def start_prompts(
     priority: int = 0,
     cache_salt: str | None = None,
     media: PromptMedia | None = None,
+    lora_name: str | None = None,
 ) -> Choices:
     """Submit `n` choices of each prompt together (`media`: the images of a chat's one
-    prompt) and wait for each one's first output, so that a refusal is still a 400.
+    prompt; `lora_name`: the adapter that serves them, None for the base) and wait for
+    each one's first output, so that a refusal is still a 400.
     Submitted together, the choices of a prompt compute its full blocks once and share them
     through the prefix cache, which they share with no request of another API key (tenant)
     or another `cache_salt`."""
@@ -91,7 +94,7 @@ async def start_prompts(
     salt = prefix_cache_salt(cache_salt)
     streams = [
         engine.generate(prompts[k // n], choice_params(params, k % n), choice_id, priority, salt,
-                        media)
+                        media, lora_name=lora_name)
         for k, choice_id in enumerate(ids)
     ]
     firsts = [asyncio.ensure_future(anext(s)) for s in streams]

@@ -112,8 +112,9 @@ async def start(
     parser_name: str | None,
     param_names: dict[str, str] | None = None,
 ) -> Turn:
-    """Render and submit the turn, and wait for its first output, so that a refusal is
-    still a 400; its `param` is renamed through `param_names` to the caller's field."""
+    """Render and submit the turn (served by the LoRA adapter its `model` names, if any),
+    and wait for its first output, so that a refusal is still a 400; its `param` is renamed
+    through `param_names` to the caller's field."""
     names = param_names or {}
     try:
         prepared = await prepared_chat(engine, chat, parser_name, engine.max_prompt_bytes)
@@ -126,7 +127,7 @@ async def start(
         params = prepared.sampling_params(chat, max_tokens, engine.sampling_defaults)
         choices = await engine_choices.start(
             engine, prepared.ids, params, request_id, cache_salt=chat.cache_salt,
-            media=prepared.media,
+            media=prepared.media, lora_name=engine.adapters.lora_name(chat.model),
         )
     except APIError as exc:
         exc.param = names.get(exc.param or "", exc.param)

@@ -235,6 +235,9 @@ class ModelCard(BaseModel):
     active_parameters: int | None = None
     # What it serves: "completion", "chat" (a chat template), "vision" (it reads images).
     capabilities: list[str] = []
+    # A LoRA adapter's card: the base model's id, and where the adapter was loaded from.
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(BaseModel):

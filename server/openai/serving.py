@@ -91,7 +91,8 @@ class Serving:
         ) -> BaseModel:
             kind = ChatCompletionChunk if body.stream else ChatCompletion
             return kind(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id, created=created, model=self.answering(body.model), choices=choices,
+                usage=usage,
             )
 
         def head(index: int) -> BaseModel:
@@ -121,7 +122,8 @@ class Serving:
             request_id: str, created: int, choices: list[Any], usage: Usage | None
         ) -> BaseModel:
             return Completion(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id, created=created, model=self.answering(body.model), choices=choices,
+                usage=usage,
             )
 
         endpoint = _Endpoint("cmpl", "prompt", new_stream, response)
@@ -151,7 +153,7 @@ class Serving:
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         start = engine_choices.start_prompts(
             self.engine, prompts, params, request_id, body.n, body.priority, body.cache_salt,
-            media,
+            media, self.engine.adapters.lora_name(body.model),
         )
         choices = await engine_choices.unless_disconnected(request, start)
         if choices is None:
@@ -168,6 +170,10 @@ class Serving:
         return JSONResponse(
             endpoint.response(request_id, int(time.time()), whole, usage).model_dump()
         )
+
+    def answering(self, model: str | None) -> str:
+        """The model name a response gives: the LoRA adapter `model` names, else the base's."""
+        return self.engine.adapters.lora_name(model) or self.model_name
 
     def _check_count(self, n: int, num_prompts: int) -> None:
         if n * num_prompts > self.max_n:

@@ -35,7 +35,8 @@ from server.responses.tools import read_tools
 def responses_router(
     engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None
 ) -> APIRouter:
-    """Routes answering as `model_name`; `tool_call_parser` overrides the template's parser.
+    """Routes answering as `model_name` (or as the LoRA adapter a request names);
+    `tool_call_parser` overrides the template's parser.
     Each API key owns its stored responses apart (`current_caller`; one owner without keys)."""
     router = APIRouter()
     store = ResponseStore()
@@ -47,7 +48,8 @@ def responses_router(
         response_id = f"resp_{uuid.uuid4().hex}"
         tools = read_tools(body.tools)
         chat = chat_request(body, tools, previous.conversation if previous else ())
-        in_progress = _in_progress(body, response_id, model_name)
+        answering = engine.adapters.lora_name(body.model) or model_name
+        in_progress = _in_progress(body, response_id, answering)
         start = turn_events.start(engine, chat, response_id, tool_call_parser, RESPONSES_PARAMS)
         on_end = _storing(store, owner, body, previous) if in_progress.store else None
         builder = ResponseBuilder(in_progress, tools, on_end)

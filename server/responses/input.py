@@ -60,6 +60,7 @@ def chat_request(
     image_fields: list[str] = []
     fields: dict[str, Any] = {
         "messages": _messages(body, history or (), image_fields),
+        "model": body.model,
         "max_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,

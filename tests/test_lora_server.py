@@ -118,14 +118,15 @@ def test_models_lists_each_adapter_with_its_parent(served, client):
 
 def test_an_adapter_loads_while_another_streams_and_unloads(served, client):
     _, adapters, base = served
-    streamed, first = [], threading.Event()
+    streamed, first, done = [], threading.Event(), threading.Event()
 
     def stream() -> None:
-        chunks = client.completions.create(model="a", prompt=PROMPT, max_tokens=40,
+        chunks = client.completions.create(model="a", prompt=PROMPT, max_tokens=160,
                                            temperature=0, stream=True)
         for chunk in chunks:
             streamed.append(chunk.choices[0].text if chunk.choices else "")
             first.set()
+        done.set()
 
     thread = threading.Thread(target=stream)
     thread.start()
@@ -133,9 +134,10 @@ def test_an_adapter_loads_while_another_streams_and_unloads(served, client):
     loaded = post(served, "load_lora_adapter", {"lora_name": "c",
                                                  "lora_path": str(adapters["c"][0])})
     assert loaded.status_code == 200 and "'c'" in loaded.text
+    assert not done.is_set()  # loaded between two of the stream's steps
     assert completion_tokens(client, "c") == torch_greedy(adapters["c"][1], PROMPT, 6)
     thread.join(60)
-    assert tokens("".join(streamed)) == torch_greedy(adapters["a"][1], PROMPT, 40)
+    assert tokens("".join(streamed)) == torch_greedy(adapters["a"][1], PROMPT, 160)
     assert "c" in {card.id for card in client.models.list().data}
 
     assert post(served, "unload_lora_adapter", {"lora_name": "c"}).status_code == 200

@@ -68,8 +68,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The engine's numbers now, as plain data; only the engine thread may call this."""
+        encoder = self.runner.encoder
         return EngineStats(**vars(self.scheduler.stats()),
-                           kv_cache_dtype=self.runner.cache.storage)
+                           kv_cache_dtype=self.runner.cache.storage,
+                           encoder=encoder.stats() if encoder is not None else None)
 
     @property
     def max_model_len(self) -> int:

@@ -57,8 +57,19 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class EncoderStats:
+    """The vision tower's work since the engine started: images encoded (an image found in
+    the encoder cache is not counted again) and the wall time the tower took for them."""
+
+    num_images: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats(SchedulerStats):
-    """The scheduler's numbers and what the pool stores: the model dtype's name, int8 or
-    int4. Plain data, taken on the engine thread between steps (`LLMEngine.stats`)."""
+    """The scheduler's numbers, what the pool stores (the model dtype's name, int8 or int4)
+    and, for a model that reads images, its encoder's work. Plain data, taken on the engine
+    thread between steps (`LLMEngine.stats`)."""
 
     kv_cache_dtype: str = ""
+    encoder: EncoderStats | None = None  # None: the model reads no images

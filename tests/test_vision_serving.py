@@ -11,15 +11,14 @@ import base64
 import io
 import json
 
-import numpy as np
 import openai
 import pytest
-import torch
 from PIL import Image
 from server_helpers import running_server
-from tiny_models import IMAGE_TOKENS, QWEN_VISION, VOCAB, build_tiny_model
+from tiny_models import VOCAB, build_tiny_model
+from tiny_vision import END, IMAGE, START, image_processor, picture, transformers_greedy
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+from transformers import AutoTokenizer
 
 from convert import convert_model
 from metal_engine.config import EngineConfig
@@ -27,8 +26,6 @@ from metal_engine.engine_build import build_engine
 from metal_engine.warm_up import warm_up
 from scheduler import SamplingParams
 
-IMAGE, START, END = (IMAGE_TOKENS[k] for k in ("image_token_id", "vision_start_token_id",
-                                               "vision_end_token_id"))
 NAMES = {IMAGE: "<|image_pad|>", START: "<|vision_start|>", END: "<|vision_end|>"}
 TEMPLATE = (
     "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
@@ -47,11 +44,6 @@ class Picture:
         self.detail = detail
 
 
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
-    return Image.fromarray(pixels)
-
-
 def save_tokenizer(path) -> None:
     """Words `w<id>` and the image tokens at their ids, with a template that shows images."""
     vocab = {NAMES.get(i, f"w{i}"): i for i in range(VOCAB)}
@@ -67,10 +59,7 @@ def checkpoint(request, tmp_path_factory):
     """(transformers' model, its image processor, our converted dir)."""
     source = tmp_path_factory.mktemp(f"{request.param}-hf")
     model = build_tiny_model(request.param, source, vision=True)
-    processor = Qwen2VLImageProcessorPil(
-        patch_size=QWEN_VISION["patch_size"], merge_size=QWEN_VISION["spatial_merge_size"],
-        temporal_patch_size=QWEN_VISION["temporal_patch_size"],
-        size={"shortest_edge": 8 * 8, "longest_edge": 16 * 16})
+    processor = image_processor()
     processor.save_pretrained(source)
     save_tokenizer(source)
     out = convert_model(source, tmp_path_factory.mktemp(request.param) / "model",
@@ -81,21 +70,6 @@ def checkpoint(request, tmp_path_factory):
 def engine_of(model_dir, **options):
     return build_engine(EngineConfig(model_dir=model_dir, max_model_len=256,
                                      kv_cache_memory=16 << 20, block_size=8, **options))
-
-
-def transformers_greedy(model, processor, ids: list[int], *images: Image.Image) -> list[int]:
-    """transformers' greedy tokens for `ids` (a placeholder per image) and `images`."""
-    pixels = processor(images=list(images), return_tensors="pt")
-    counts = iter((pixels["image_grid_thw"].prod(-1) // QWEN_VISION["spatial_merge_size"] ** 2)
-                  .tolist())
-    expanded = torch.tensor([[t for token in ids
-                              for t in ([IMAGE] * next(counts) if token == IMAGE else [token])]])
-    with torch.no_grad():
-        out = model.generate(expanded, pixel_values=pixels["pixel_values"],
-                             image_grid_thw=pixels["image_grid_thw"],
-                             mm_token_type_ids=(expanded == IMAGE).int(),
-                             max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, expanded.shape[1]:].tolist()
 
 
 def serve_all(engine, prompts: dict[str, tuple[list[int], object]]) -> dict[str, list[int]]:
@@ -127,8 +101,9 @@ def test_served_tokens_equal_transformers_for_the_same_pictures(checkpoint, budg
         "text": ([7, 8, 9, 10], None),
     }
     got = serve_all(engine, prompts)
-    assert got["wide"] == transformers_greedy(model, processor, PROMPT, wide)
-    assert got["two"] == transformers_greedy(model, processor, TWO_IMAGES, tall, wide)
+    assert got["wide"] == transformers_greedy(model, processor, PROMPT, wide, MAX_TOKENS)
+    assert got["two"] == transformers_greedy(model, processor, TWO_IMAGES, [tall, wide],
+                                             MAX_TOKENS)
     assert engine.runner.encoder.num_encoded == 2  # the wide picture once for both prompts
 
 
@@ -140,7 +115,7 @@ def test_the_same_screenshot_next_turn_is_a_cache_hit_encoded_once(checkpoint):
     first = serve_all(engine, {"first": vision.place(PROMPT, [Picture(shot)])})
     again = serve_all(engine, {"again": vision.place(PROMPT, [Picture(shot)])})
     assert again["again"] == first["first"] == transformers_greedy(model, processor, PROMPT,
-                                                                   shot)
+                                                                   shot, MAX_TOKENS)
     ids, _ = vision.place(PROMPT, [Picture(shot)])
     assert engine.stats().prefix_cache_hit_tokens >= len(ids) - 8  # all but the last block
     assert engine.runner.encoder.num_encoded == 1
@@ -170,7 +145,7 @@ def test_the_openai_client_sends_a_screenshot_to_a_real_server(checkpoint):
         cards = client.models.list().data
     assert {tuple(card.model_extra["capabilities"]) for card in cards} == {
         ("completion", "chat", "vision")}
-    want = transformers_greedy(model, processor, [START, IMAGE, END], shot)
+    want = transformers_greedy(model, processor, [START, IMAGE, END], shot, MAX_TOKENS)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert answer.choices[0].message.content == tokenizer.decode(want)
     assert again.choices[0].message.content == answer.choices[0].message.content
@@ -184,5 +159,5 @@ def test_warm_up_runs_the_tower_before_the_first_image_request(checkpoint):
     assert engine.runner.encoder.num_encoded == 1  # the warm-up's picture
     shot = picture(14, 18, 6)
     got = serve_all(engine, {"after": engine.image_model.place(PROMPT, [Picture(shot)])})
-    assert got["after"] == transformers_greedy(model, processor, PROMPT, shot)
+    assert got["after"] == transformers_greedy(model, processor, PROMPT, shot, MAX_TOKENS)
     assert not engine.scheduler.requests  # the warm-up's request is not the engine's

@@ -4,17 +4,20 @@ A chunked prefill may cut through an image's placeholder tokens: the chunk that 
 the image encodes it, the next chunks take their rows from here. The same picture in another
 request (an agent's next turn re-sends its screenshot) is encoded once while it stays. The
 cache holds at most `budget_bytes`, least recently used out first; an image evicted between
-two of its chunks is encoded again (the same output, at the tower's cost).
+two of its chunks is encoded again (the same output, at the tower's cost). It counts the
+images the tower ran for and the wall time the tower took (`stats`), for /metrics.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import mlx.core as mx
 
+from metal_engine.outputs import EncoderStats
 from scheduler.media import ImageSpan
 
 
@@ -39,15 +42,18 @@ class EncoderCache:
         self.budget_bytes = budget_bytes
         self._features: OrderedDict[str, ImageFeatures] = OrderedDict()
         self._bytes = 0
-        self.num_encoded = 0  # images the tower ran for, counted for metrics and tests
+        self.num_encoded = 0  # images the tower ran for
+        self.encode_seconds = 0.0  # the tower's wall time for them
+
+    def stats(self) -> EncoderStats:
+        return EncoderStats(self.num_encoded, self.encode_seconds)
 
     def features(self, images: Sequence[ImageSpan]) -> list[ImageFeatures]:
         """Each image's features: cached, or encoded now (the missing ones in one batch)."""
         missing = list({image.content_hash: image for image in images
                         if image.content_hash not in self._features}.values())
         found = dict(zip((image.content_hash for image in missing),
-                         self._encode(missing) if missing else [], strict=True))
-        self.num_encoded += len(missing)
+                         self._encoded(missing) if missing else [], strict=True))
         for image in images:
             if image.content_hash in self._features:
                 self._features.move_to_end(image.content_hash)
@@ -55,6 +61,16 @@ class EncoderCache:
         for content_hash, features in found.items():
             self._keep(content_hash, features)
         return [found[image.content_hash] for image in images]
+
+    def _encoded(self, images: Sequence[ImageSpan]) -> list[ImageFeatures]:
+        """The tower's features, evaluated here so that the time counted is the tower's own
+        (the step that reads them would wait for them anyway)."""
+        start = time.perf_counter()
+        features = self._encode(images)
+        mx.eval([(f.embeds, *f.deepstack) for f in features])
+        self.encode_seconds += time.perf_counter() - start
+        self.num_encoded += len(images)
+        return features
 
     def _keep(self, content_hash: str, features: ImageFeatures) -> None:
         if content_hash in self._features:

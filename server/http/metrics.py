@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from kernels_metal.dispatch import Fallback
 from kernels_metal.fallbacks import all_fallbacks
-from metal_engine.outputs import EngineStats, RequestOutput
+from metal_engine.outputs import EncoderStats, EngineStats, RequestOutput
 from scheduler.spec_decode.drafter import SpecDecodeStats
 from server.dashboard.history import RecentActivity
 
@@ -184,6 +184,8 @@ class _EngineCollector(Collector):
                       "engine.", s.num_preemptions)  # fmt: skip
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode)
+        if s.encoder is not None:
+            yield from self._encoder(s.encoder)
         yield self._fallbacks(self._kernel_fallbacks())
 
     def _fallbacks(self, fallbacks: list[Fallback]) -> CounterMetricFamily:
@@ -219,6 +221,14 @@ class _EngineCollector(Collector):
         yield gauge("metal_serve:spec_decode_mean_acceptance_length", "Tokens a drafting "
                     "request gets per step: 1 + accepted tokens per draft, since start.",
                     spec.mean_accepted_length)  # fmt: skip
+
+    def _encoder(self, encoder: EncoderStats) -> Iterator[Metric]:
+        """The vision tower's work: their ratio is its time per image (an image found in
+        the encoder cache costs none and is not counted)."""
+        yield self._counter("metal_serve_images_encoded", "Images the vision encoder ran "
+                            "for.", encoder.num_images)  # fmt: skip
+        yield self._counter("metal_serve_encoder_seconds", "Wall time the vision encoder took "
+                            "for them, in seconds.", encoder.seconds)  # fmt: skip
 
     def _cache_config(self, s: EngineStats) -> GaugeMetricFamily:
         """vLLM's info gauge of the cache config: the pool's size, its block and KV dtype."""

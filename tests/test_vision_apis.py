@@ -34,6 +34,7 @@ from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
 from server.app import build_app
 from server.async_engine import AsyncEngine
+from server.cli import main
 from server.media.options import MediaOptions
 
 SPECIAL = {IMAGE: "<|image_pad|>", IMAGE + 1: "<|video_pad|>", IMAGE + 2: "<|vision_start|>",
@@ -73,8 +74,9 @@ def save_char_tokenizer(path) -> None:
 class Served:
     """The server's URL, and transformers' side of the same checkpoint."""
 
-    def __init__(self, url: str, model, processor, tokenizer) -> None:
+    def __init__(self, url: str, model_dir, model, processor, tokenizer) -> None:
         self.url = url
+        self.model_dir = model_dir
         self.model = model
         self.processor = processor
         self.tokenizer = tokenizer
@@ -124,7 +126,7 @@ def served(tmp_path_factory):
                                        kv_cache_memory=16 << 20, block_size=BLOCK))
     bridge = AsyncEngine(engine, media=MediaOptions(max_images=MAX_IMAGES))
     with running_app(build_app(bridge, "default")) as url:
-        yield Served(url, model, processor, AutoTokenizer.from_pretrained(model_dir))
+        yield Served(url, model_dir, model, processor, AutoTokenizer.from_pretrained(model_dir))
 
 
 def png_url(image) -> str:
@@ -297,6 +299,22 @@ def test_metrics_count_the_images_encoded_and_the_encoders_time(served):
     after = encoder_counters(served.url)
     assert after["images"] - before["images"] == 2
     assert after["seconds"] > before["seconds"]
+
+
+def test_bench_serve_vision_reports_the_encoders_time_per_image(served, tmp_path):
+    out = tmp_path / "result.json"
+    argv = (f"bench serve --base-url {served.url} --tokenizer {served.model_dir} "
+            "--workload vision --image-size 16x16 --num-prompts 2 --input-len 4 "
+            f"--output-len 3 --max-concurrency 1,2 --result-json {out}").split()
+    assert main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    for run in runs:  # each run its own pictures: each encoded once
+        assert run["metrics"]["completed"] == 2
+        assert run["encoder"]["images"] == 2 and run["encoder"]["ms_per_image"] > 0
+        for record in run["records"]:
+            # The template's one placeholder and its two markers; the server's 16 image tokens.
+            assert record["server_input_tokens"] == record["input_tokens"] + 2 + 16
+            assert record["server_output_tokens"] == 3
 
 
 def encoder_counters(url: str) -> dict[str, float]:

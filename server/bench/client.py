@@ -34,6 +34,7 @@ class StreamResult:
     text: str
     server_output_tokens: int | None
     error: str | None
+    server_input_tokens: int | None = None
 
 
 def request_body(endpoint: str, spec: RequestSpec, sampling: Sampling) -> dict:
@@ -86,6 +87,7 @@ class _Stream:
         self.chunk_times: list[float] = []
         self.texts: list[str] = []
         self.server_tokens: int | None = None
+        self.server_prompt_tokens: int | None = None
         self.error: str | None = None
 
     def take(self, events: list[str]) -> None:
@@ -96,6 +98,7 @@ class _Stream:
                 self.chunk_times.append(now)
                 self.texts.append(delta.text)
             self.server_tokens = delta.completion_tokens or self.server_tokens
+            self.server_prompt_tokens = delta.prompt_tokens or self.server_prompt_tokens
             self.error = self.error or delta.error
 
     def result(self) -> StreamResult:
@@ -105,4 +108,5 @@ class _Stream:
             text="".join(self.texts),
             server_output_tokens=self.server_tokens,
             error=self.error,
+            server_input_tokens=self.server_prompt_tokens,
         )

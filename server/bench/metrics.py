@@ -36,6 +36,7 @@ class RequestRecord:
     error: str | None = None
     session: int | None = None
     turn: int | None = None
+    server_input_tokens: int | None = None  # its prompt tokens (an image's tokens counted)
 
     @property
     def ok(self) -> bool:

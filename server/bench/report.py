@@ -42,6 +42,8 @@ def format_run(title: str, run: RunResult) -> str:
     ]
     for name, dist in _latencies(m):
         lines.append(f"{name:<12}" + "".join(f"{_ms(v):>13}" for v in _values(dist)))
+    if run.encoder is not None:
+        lines += ["-" * WIDTH, *_encoder_rows(run)]
     by_turn = ttft_by_turn(run.records)
     if len(by_turn) > 1:
         turns = "  ".join(f"{turn}: {ms:.1f}" for turn, ms in by_turn.items())
@@ -53,18 +55,34 @@ def format_run(title: str, run: RunResult) -> str:
 
 
 def format_sweep(runs: Sequence[RunResult]) -> str:
-    """One line per concurrency, for runs of the same workload."""
+    """One line per concurrency, for runs of the same workload (with the vision encoder's
+    time per image where it was measured)."""
+    encoder = any(r.encoder is not None for r in runs)
     header = (
         f"{'concurrency':>11} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'failed':>6}"
+        f"{'TPOT p50':>9} {'failed':>6}" + (f" {'enc ms/img':>10}" if encoder else "")
     )
     rows = [
         f"{concurrency_label(r.max_concurrency):>11} {r.metrics.request_throughput:>7.2f} "
         f"{r.metrics.output_throughput:>10.1f} {_ms(r.metrics.ttft.p50):>9} "
         f"{_ms(r.metrics.ttft.p99):>9} {_ms(r.metrics.tpot.p50):>9} {r.metrics.failed:>6}"
+        + (f" {_ms(r.encoder.ms_per_image if r.encoder else None):>10}" if encoder else "")
         for r in runs
     ]
     return "\n".join([header, *rows])
+
+
+def _encoder_rows(run: RunResult) -> list[str]:
+    """The vision encoder's work in the run (from the server's /metrics), and the prompt
+    tokens the server counted, images' included."""
+    encoder = run.encoder
+    served = [r.server_input_tokens for r in run.records if r.ok and r.server_input_tokens]
+    mean = f"{sum(served) / len(served):.1f}" if served else "-"
+    return [
+        _row("Images encoded", f"{encoder.images:.0f}"),
+        _row("Encoder time per image (ms)", _ms(encoder.ms_per_image)),
+        _row("Mean prompt tokens (server-counted)", mean),
+    ]
 
 
 def ttft_by_turn(records: Sequence[RequestRecord]) -> dict[int, float]:

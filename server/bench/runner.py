@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from server.bench.client import CHAT, Sampling, StreamResult, stream_request
+from server.bench.encoder_metrics import EncoderCounts, encoder_counts
 from server.bench.metrics import Metrics, RequestRecord, compute_metrics
 from server.bench.workloads import AgentSession, RequestSpec
 
@@ -47,12 +48,14 @@ class RunResult:
     request_rate: float
     metrics: Metrics
     records: tuple[RequestRecord, ...]
+    encoder: EncoderCounts | None = None  # the vision encoder's work in the run, if measured
 
     def to_json(self) -> dict:
         return {
             "max_concurrency": self.max_concurrency,
             "request_rate": None if math.isinf(self.request_rate) else self.request_rate,
             "metrics": self.metrics.to_json(),
+            "encoder": self.encoder.to_json() if self.encoder is not None else None,
             "records": [r.to_json() for r in self.records],
         }
 
@@ -139,6 +142,7 @@ class TokenCounter:
             input_tokens=self.prompt(sent.spec, endpoint),
             output_tokens=self.text(result.text),
             server_output_tokens=result.server_output_tokens,
+            server_input_tokens=result.server_input_tokens,
             output_text=result.text,
             error=result.error,
             session=sent.session,
@@ -156,8 +160,12 @@ async def run_workload(
     request_rate: float = math.inf,
     slos_ms: dict[str, float] | None = None,
     seed: int = 0,
+    warmup: RequestSpec | None = None,
+    measure_encoder: bool = False,
 ) -> RunResult:
-    """Warm up, then run the independent `requests` or the agent `sessions` once."""
+    """Warm up (with `warmup`, else a short prompt of its own), then run the independent
+    `requests` or the agent `sessions` once. `measure_encoder`: read the server's vision
+    encoder counters before and after the timed run."""
     timeout = httpx.Timeout(target.timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=target.base_url, timeout=timeout, limits=limits) as http:
@@ -165,7 +173,8 @@ async def run_workload(
         async def send(spec: RequestSpec) -> StreamResult:
             return await stream_request(http, target.endpoint, spec, target.sampling)
 
-        await _warm_up(send, target.num_warmups)
+        await _warm_up(send, target.num_warmups, warmup)
+        before = await encoder_counts(http) if measure_encoder else None
         t0 = time.perf_counter()
         if sessions:
             sent = await run_sessions(sessions, send, max_concurrency)
@@ -173,15 +182,17 @@ async def run_workload(
             rng = random.Random(seed)
             sent = await send_requests(requests, send, max_concurrency, request_rate, rng)
         duration = time.perf_counter() - t0
+        after = await encoder_counts(http) if before is not None else None
     records = tuple(counter.record(s, target.endpoint) for s in sent)
     metrics = compute_metrics(records, duration, slos_ms)
-    return RunResult(max_concurrency, request_rate, metrics, records)
+    encoder = after - before if after is not None and before is not None else None
+    return RunResult(max_concurrency, request_rate, metrics, records, encoder)
 
 
-async def _warm_up(send: Sender, count: int) -> None:
+async def _warm_up(send: Sender, count: int, spec: RequestSpec | None) -> None:
     """Untimed requests first, so one-time startup costs stay out of the numbers."""
     # A prompt of its own: reusing a workload prompt would warm the server's prefix cache.
-    spec = RequestSpec(({"role": "user", "content": WARMUP_PROMPT},), WARMUP_OUTPUT_LEN)
+    spec = spec or RequestSpec(({"role": "user", "content": WARMUP_PROMPT},), WARMUP_OUTPUT_LEN)
     for _ in range(count):
         result = await send(spec)
         if result.error is not None:

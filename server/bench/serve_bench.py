@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from server.bench.workloads import (
     code_edit_requests,
     random_requests,
     shared_prefix_requests,
+    vision_requests,
 )
 
 
@@ -28,7 +29,8 @@ from server.bench.workloads import (
 class ServeBenchConfig:
     """Everything one `bench serve` invocation runs. `input_len` is the unique part of each
     prompt: the whole prompt (random), the suffix (shared-prefix), the task (agents), the
-    file and instruction (code-edit)."""
+    file and instruction (code-edit), the question (vision). `image_size`: the vision
+    workload's pictures, (width, height)."""
 
     base_url: str
     workload: Workload = "random"
@@ -46,6 +48,7 @@ class ServeBenchConfig:
     sessions: int = 4
     turns: int = 3
     tool_result_len: int = 128
+    image_size: tuple[int, int] = (448, 448)
     temperature: float = 0.0
     ignore_eos: bool = True
     seed: int = 0
@@ -58,8 +61,11 @@ class ServeBenchConfig:
             raise ValueError(f"unknown workload {self.workload!r}; use one of {WORKLOADS}")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
-        if self.workload == "agents" and self.endpoint != CHAT:
-            raise ValueError(f"the agents workload sends conversations: use --endpoint {CHAT}")
+        if self.workload in ("agents", "vision") and self.endpoint != CHAT:
+            raise ValueError(f"the {self.workload} workload sends chat messages: use "
+                             f"--endpoint {CHAT}")
+        if min(self.image_size) < 1:
+            raise ValueError(f"--image-size must be at least 1x1, got {self.image_size}")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         if not self.request_rate > 0:
@@ -118,6 +124,11 @@ def build_workload(
             text, rng, config.num_prompts, config.input_len, config.output_len
         )
         return requests, []
+    if config.workload == "vision":
+        requests = vision_requests(
+            text, rng, config.num_prompts, config.image_size, config.input_len, config.output_len
+        )
+        return requests, []
     sessions = agent_sessions(
         text,
         rng,
@@ -149,8 +160,12 @@ async def run_serve_bench(config: ServeBenchConfig, tokenizer: Any) -> list[RunR
         config.num_warmups,
     )
     counter = TokenCounter(tokenizer)
-    return [
-        await run_workload(
+    vision = config.workload == "vision"
+    runs = []
+    for index, concurrency in enumerate(config.max_concurrency):
+        if vision and index:  # pictures of its own: the last run's are cached by now
+            requests, _ = build_workload(replace(config, seed=config.seed + index), tokenizer)
+        run = await run_workload(
             target,
             counter,
             requests=requests,
@@ -159,9 +174,19 @@ async def run_serve_bench(config: ServeBenchConfig, tokenizer: Any) -> list[RunR
             request_rate=config.request_rate,
             slos_ms=config.slos_ms,
             seed=config.seed,
+            warmup=_vision_warmup(config, tokenizer, index) if vision else None,
+            measure_encoder=vision,
         )
-        for concurrency in config.max_concurrency
-    ]
+        runs.append(run)
+    return runs
+
+
+def _vision_warmup(config: ServeBenchConfig, tokenizer: Any, index: int) -> RequestSpec:
+    """A picture and question of the workload's size, drawn apart from every run's."""
+    rng = random.Random(f"warm-up {config.seed} {index}")
+    [spec] = vision_requests(TokenText(tokenizer, rng), rng, 1, config.image_size,
+                             config.input_len, config.output_len)  # fmt: skip
+    return spec
 
 
 def load_tokenizer(path: Path | None) -> Any:

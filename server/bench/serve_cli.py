@@ -30,6 +30,14 @@ def concurrency_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def image_size(text: str) -> tuple[int, int]:
+    """ "448x448" -> (448, 448): width, height."""
+    width, x, height = text.lower().partition("x")
+    if not (x and width.isdigit() and height.isdigit() and int(width) and int(height)):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT like 448x448, got {text!r}")
+    return int(width), int(height)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_target_arguments(parser.add_argument_group("server"))
     _add_workload_arguments(parser.add_argument_group("workload"))
@@ -66,13 +74,15 @@ def _add_target_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _add_workload_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--workload", default="random", choices=WORKLOADS)
-    group.add_argument("--num-prompts", type=int, default=32, help="random, code-edit: requests")
+    group.add_argument(
+        "--num-prompts", type=int, default=32, help="random, code-edit, vision: requests"
+    )
     group.add_argument(
         "--input-len",
         type=int,
         default=128,
         help="tokens of each prompt's unique part (shared-prefix: the suffix; agents: the task; "
-        "code-edit: the file and instruction)",
+        "code-edit: the file and instruction; vision: the question)",
     )
     group.add_argument("--output-len", type=int, default=64, help="tokens to generate")
     group.add_argument(
@@ -89,6 +99,13 @@ def _add_workload_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--sessions", type=int, default=4, help="agents: concurrent sessions")
     group.add_argument("--turns", type=int, default=3, help="agents: requests per session")
     group.add_argument("--tool-result-len", type=int, default=128, help="agents: tokens")
+    group.add_argument(
+        "--image-size",
+        type=image_size,
+        default=(448, 448),
+        metavar="WxH",
+        help="vision: each request's picture, in pixels (default 448x448)",
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -215,6 +232,7 @@ def _config(args: argparse.Namespace, slos_ms: dict[str, float]) -> ServeBenchCo
         sessions=args.sessions,
         turns=args.turns,
         tool_result_len=args.tool_result_len,
+        image_size=args.image_size,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         seed=args.seed,

@@ -52,10 +52,11 @@ class SSEDecoder:
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """What one event adds: generated text, the server's token count, an error, or the end."""
+    """What one event adds: generated text, the server's token counts, an error, or the end."""
 
     text: str = ""
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
     error: str | None = None
     done: bool = False
 
@@ -74,7 +75,8 @@ def parse_event(data: str) -> StreamDelta:
         return StreamDelta(error=f"the server reported an error: {_error_text(payload['error'])}")
     usage = payload.get("usage") or {}
     text = "".join(_choice_text(choice) for choice in payload.get("choices") or [])
-    return StreamDelta(text=text, completion_tokens=usage.get("completion_tokens"))
+    return StreamDelta(text=text, completion_tokens=usage.get("completion_tokens"),
+                       prompt_tokens=usage.get("prompt_tokens"))
 
 
 def _choice_text(choice: dict) -> str:

@@ -6,6 +6,7 @@ agents         sessions that resend a growing conversation: a shared system prom
                tool schemas, then per turn the assistant's answer and a tool result
 code-edit      a pasted Python file to send back with one small change: the answer mostly
                repeats the prompt, the case where drafting n-grams from the prompt pays off
+vision         a picture (a generated PNG of a chosen size) and a short question about it
 """
 
 from __future__ import annotations
@@ -16,21 +17,23 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from server.bench.code_files import code_edit_prompt
+from server.bench.pictures import picture_data_url
 
-Workload = Literal["random", "shared-prefix", "agents", "code-edit"]
-WORKLOADS: tuple[Workload, ...] = ("random", "shared-prefix", "agents", "code-edit")
+Workload = Literal["random", "shared-prefix", "agents", "code-edit", "vision"]
+WORKLOADS: tuple[Workload, ...] = ("random", "shared-prefix", "agents", "code-edit", "vision")
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request: the conversation to send and how many tokens to ask for."""
+    """One request: the conversation to send and how many tokens to ask for. A message's
+    content is text, or chat content parts (text and images)."""
 
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     output_len: int
     group: int | None = None
 
     def prompt(self) -> str:
-        """The same content as one completions prompt."""
+        """The same content as one completions prompt (text messages only)."""
         # A blank line keeps the prefix's tokens intact (BPE does not merge across it).
         return "\n\n".join(m["content"] for m in self.messages)
 
@@ -51,7 +54,7 @@ class TokenText:
     def __init__(self, tokenizer: Any, rng: random.Random) -> None:
         self._tokenizer = tokenizer
         self._rng = rng
-        special = set(tokenizer.all_special_ids)
+        special = special_ids(tokenizer)
         self._ids = [i for i in range(len(tokenizer)) if i not in special]
 
     def count(self, text: str) -> int:
@@ -70,6 +73,14 @@ class TokenText:
 
     def _sample(self, n: int) -> list[int]:
         return [self._rng.choice(self._ids) for _ in range(max(n, 0))]
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special tokens: those it names (eos, pad, ...) and every added token
+    marked special (a model's image and tool markers may be listed nowhere else). Their
+    text in a prompt would be read as plain characters, not as the token."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
 
 
 def spread(target: int, range_ratio: float, rng: random.Random) -> int:
@@ -193,3 +204,24 @@ def code_edit_requests(
         specs.append(RequestSpec((system, user), output_len))
     return specs
 
+
+
+# ---- vision: one picture and a question per request ------------------------------------------
+
+
+def vision_requests(
+    text: TokenText,
+    rng: random.Random,
+    num_prompts: int,
+    image_size: tuple[int, int],
+    input_len: int,
+    output_len: int,
+) -> list[RequestSpec]:
+    """Each request: a picture of its own (`image_size`, width x height, drawn from `rng`),
+    then a question of `input_len` tokens about it."""
+    specs = []
+    for _ in range(num_prompts):
+        image = {"type": "image_url", "image_url": {"url": picture_data_url(image_size, rng)}}
+        question = {"type": "text", "text": text.random(input_len)}
+        specs.append(RequestSpec(({"role": "user", "content": [image, question]},), output_len))
+    return specs

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
+import io
 import json
 import random
 import re
 import struct
 
 import pytest
+from PIL import Image
 from server_helpers import running_server, small_engine
 
 from server.bench.client import CHAT, COMPLETIONS, Sampling, StreamResult, request_body
@@ -25,6 +28,7 @@ from server.bench.workloads import (
     agent_sessions,
     random_requests,
     shared_prefix_requests,
+    vision_requests,
 )
 from server.cli import build_parser, main
 from server.dashboard.screenshot import find_chromium
@@ -281,6 +285,37 @@ def test_cli_accepts_the_code_edit_workload():
     assert build_parser(argv).parse_args(argv).workload == "code-edit"
     with pytest.raises(SystemExit):
         build_parser(argv).parse_args([*argv[:-1], "code-golf"])
+
+
+def test_vision_requests_hold_a_picture_of_the_size_each_its_own(default_tokenizer):
+    def requests():
+        rng = random.Random(3)
+        return vision_requests(TokenText(default_tokenizer, rng), rng, 3, (40, 24), 8, 5)
+
+    specs = requests()
+    assert specs == requests()  # drawn from the seed
+    token_text = TokenText(default_tokenizer, random.Random(0))
+    urls = []
+    for spec in specs:
+        (message,) = spec.messages
+        image, question = message["content"]
+        url = image["image_url"]["url"]
+        header, data = url.split(",")
+        assert header == "data:image/png;base64"
+        assert Image.open(io.BytesIO(base64.b64decode(data))).size == (40, 24)
+        assert token_text.count(question["text"]) == 8 and spec.output_len == 5
+        urls.append(url)
+    assert len(set(urls)) == 3
+
+
+def test_the_vision_workload_needs_chat_and_takes_an_image_size():
+    argv = ["bench", "serve", "--base-url", "http://x", "--workload", "vision"]
+    assert build_parser(argv).parse_args([*argv, "--image-size", "640x360"]).image_size == (
+        640, 360)
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args([*argv, "--image-size", "640"])
+    with pytest.raises(ValueError, match="use --endpoint /v1/chat/completions"):
+        ServeBenchConfig(base_url="http://x", workload="vision", endpoint=COMPLETIONS)
 
 
 def test_send_requests_respects_max_concurrency():

@@ -101,7 +101,8 @@ class LLMEngine:
         grammar = self.structured.compile(params.structured) if params.structured else None
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           priority=priority, cache_salt=cache_salt, media=media,
-                          pooling=pooling, lora_name=lora_name)
+                          pooling=pooling, lora_name=lora_name,
+                          lora_key=self._lora_key(lora_name))
         self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)
@@ -119,6 +120,12 @@ class LLMEngine:
         if self.runner.stage is not None:
             raise ValueError("pooling needs every row's hidden state, which pipeline "
                              "parallelism does not keep on rank 0: serve on one rank")
+
+    def _lora_key(self, lora_name: str | None) -> str | None:
+        """What the blocks a request computes with adapter `lora_name` are keyed by."""
+        if lora_name is None:
+            return None
+        return f"lora:{self.runner.adapters.fingerprints[lora_name]}"
 
     def adapter_names(self) -> list[str]:
         """The LoRA adapters a request may name."""

@@ -134,8 +134,8 @@ class PrefixCache:
 
     def _hash(self, request: Request, num_blocks: int) -> None:
         # An adapter's K/V differ from the base's for the same tokens: its blocks never
-        # serve another adapter, in the pool or on disk.
-        adapter = () if request.lora_name is None else (request.lora_name,)
+        # serve other weights, in the pool or on disk (keyed by what the weights are).
+        adapter = () if request.lora_key is None else (request.lora_key,)
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                             num_blocks, adapter, cache_salt=request.cache_salt,
                             media=request.media)  # fmt: skip

@@ -48,6 +48,7 @@ class Request:
         media: PromptMedia | None = None,
         pooling: PoolingParams | None = None,
         lora_name: str | None = None,
+        lora_key: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -63,6 +64,7 @@ class Request:
         self.media = media  # its prompt's images, if any
         self.pooling = pooling
         self.lora_name = lora_name  # the LoRA adapter it is served with (None: the base)
+        self.lora_key = lora_key  # that adapter's weights' fingerprint, which its blocks take
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0

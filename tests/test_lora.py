@@ -128,7 +128,8 @@ def test_prefix_cache_never_shares_blocks_across_adapters(family):
     params = SamplingParams(max_tokens=1, temperature=0.0)
     cached = {}
     for rid, lora in [("a", "r4"), ("b", "r8"), ("c", None), ("d", "r4")]:
-        request = Request(rid, PROMPT, params, lora_name=lora)
+        key = None if lora is None else runner.adapters.fingerprints[lora]
+        request = Request(rid, PROMPT, params, lora_name=lora, lora_key=key)
         scheduler.add_request(request)
         while scheduler.has_unfinished_requests():
             run_step(runner, scheduler, scheduler.schedule())
@@ -227,9 +228,19 @@ def test_engine_serves_adapters_by_name_and_loads_them_at_run_time(family):
     got = engine_tokens(engine, prompts, 6)
     assert got == {rid: torch_greedy(adapters[lora][1] if lora else base, ids, 6)
                    for rid, (ids, lora) in prompts.items()}
+    long = list(range(3, 40))  # two full blocks
+    engine_tokens(engine, {"old": (long, "r4")}, 2)
     engine.unload_adapter("r4")
     with pytest.raises(ValueError, match="no LoRA adapter named 'r4'"):
         engine.add_request("x", PROMPT, SamplingParams(max_tokens=1), lora_name="r4")
+    # Other weights under a name served before: the old weights' cached blocks are not theirs.
+    engine.load_adapter("r4", str(adapters["r8"][0]))
+    hits = engine.stats().prefix_cache_hit_tokens
+    renamed = engine_tokens(engine, {"renamed": (long, "r4")}, 2)
+    assert engine.stats().prefix_cache_hit_tokens == hits
+    assert renamed["renamed"] == torch_greedy(adapters["r8"][1], long, 2)
+    engine_tokens(engine, {"same weights": (long, "r4")}, 2)
+    assert engine.stats().prefix_cache_hit_tokens > hits  # now the same weights' blocks
     with pytest.raises(ValueError, match="over --max-lora-rank 2"):
         build_engine(EngineConfig(model_dir=model_dir, max_lora_rank=2, kv_cache_memory=16 << 20,
                                   lora_modules=(("r4", adapters["r4"][0]),)))

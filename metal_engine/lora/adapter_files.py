@@ -16,9 +16,10 @@ so a module's delta is `(x @ A.T) @ B.T`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +35,9 @@ class LoraAdapter:
     rank: int
     base_model: str | None  # what the adapter says it was trained on (informational)
     pairs: dict[str, tuple[mx.array, mx.array]]  # module -> (A [r, in], scale * B [out, r])
+    # Of its files' bytes: what its cached K/V are keyed by, so that other weights loaded
+    # under the same name (now, or after a restart with a disk tier) never meet them.
+    fingerprint: str = ""
 
 
 def load_adapter(name: str, path: str | Path) -> LoraAdapter:
@@ -42,11 +46,24 @@ def load_adapter(name: str, path: str | Path) -> LoraAdapter:
     path = Path(path)
     config = _read_config(name, path)
     if (path / PEFT_WEIGHTS).exists():
-        return _peft_adapter(name, config, _read_tensors(name, path / PEFT_WEIGHTS))
-    if (path / MLX_LM_WEIGHTS).exists():
-        return _mlx_lm_adapter(name, config, _read_tensors(name, path / MLX_LM_WEIGHTS))
-    raise ValueError(f"adapter {name!r}: {path} has neither {PEFT_WEIGHTS} (PEFT) nor "
-                     f"{MLX_LM_WEIGHTS} (mlx-lm)")
+        weights = path / PEFT_WEIGHTS
+        adapter = _peft_adapter(name, config, _read_tensors(name, weights))
+    elif (path / MLX_LM_WEIGHTS).exists():
+        weights = path / MLX_LM_WEIGHTS
+        adapter = _mlx_lm_adapter(name, config, _read_tensors(name, weights))
+    else:
+        raise ValueError(f"adapter {name!r}: {path} has neither {PEFT_WEIGHTS} (PEFT) nor "
+                         f"{MLX_LM_WEIGHTS} (mlx-lm)")
+    return replace(adapter, fingerprint=_fingerprint(path / "adapter_config.json", weights))
+
+
+def _fingerprint(*files: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for file in files:
+        with file.open("rb") as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _read_config(name: str, path: Path) -> dict:

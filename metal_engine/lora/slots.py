@@ -95,6 +95,7 @@ class AdapterSlots:
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.names: list[str] = []  # slot i + 1 serves names[i]
         self.ranks: dict[str, int] = {}
+        self.fingerprints: dict[str, str] = {}  # by name: what its cached blocks are keyed by
         self.rows: LoraRows | None = None  # the rows of the step being built
         self._weights: list[LoraWeights] = []
         model.model.adapters = self  # the decoder's backend asks whether a step has adapters
@@ -119,6 +120,7 @@ class AdapterSlots:
             linear.lora.pairs[adapter.name] = adapter.pairs[path]
         self.names.append(adapter.name)
         self.ranks[adapter.name] = adapter.rank
+        self.fingerprints[adapter.name] = adapter.fingerprint
         self._restack()
 
     def unload(self, name: str) -> None:
@@ -126,6 +128,7 @@ class AdapterSlots:
             raise ValueError(f"no adapter named {name!r} is loaded")
         self.names.remove(name)
         del self.ranks[name]
+        del self.fingerprints[name]
         for weights in self._weights:
             weights.pairs.pop(name, None)
         self._restack()

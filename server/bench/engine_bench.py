@@ -134,6 +134,7 @@ class _StubModel:
     """Stands in for the model: no layers, a tiny vocabulary, no device work to speak of."""
 
     ops = ReferenceOps()  # a lazy MLX forward: nothing evaluated while it is built
+    has_head = True  # it generates
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -153,9 +153,12 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
     cu = meta.cu_seqlens_q.astype(np.int64)
     q_lens = np.diff(cu)
     seq_lens = meta.seq_lens.astype(np.int64)
-    is_decode = q_lens <= options.decode_max_query_len
     nh, chunks = head_chunks(num_heads // kv_heads)
-
+    if len(q_lens) and q_lens.min() == q_lens.max() == 1:  # decodes only: row r, request r
+        rows = np.arange(len(q_lens))
+        decode = _decode_table(rows, rows, seq_lens, nh, chunks, kv_heads, options, window)
+        return KernelPlan(decode, None, _padded_tables(meta.block_tables), window, {})
+    is_decode = q_lens <= options.decode_max_query_len
     decode = _decode_work(cu, q_lens, seq_lens, np.flatnonzero(is_decode & (q_lens > 0)),
                           nh, chunks, kv_heads, options, window)
     prefill, _ = _prefill_work(cu, q_lens, seq_lens, np.flatnonzero(~is_decode),
@@ -239,6 +242,11 @@ def _decode_work(cu, q_lens, seq_lens, requests, nh, chunks, kv_heads, options, 
     rows = _rows_of(cu, requests)
     req = np.repeat(requests, q_lens[requests])
     ctx = seq_lens[req] - (cu[req + 1] - rows) + 1  # keys up to and including each row's own
+    return _decode_table(rows, req, ctx, nh, chunks, kv_heads, options, window)
+
+
+def _decode_table(rows, req, ctx, nh, chunks, kv_heads, options, window) -> DecodeWork:
+    """The decode kernel's work: packed row `rows[i]` of request `req[i]` sees `ctx[i]` keys."""
     first = np.maximum(ctx - window, 0) if window is not None else np.zeros_like(ctx)
     max_ctx = int((ctx - first).max())  # the most keys a row sees
     part = options.partition_size
@@ -288,21 +296,24 @@ def params_for(plan: KernelPlan, num_heads: int, kv_heads: int, scale: float,
     """The int32 params both kernels read (layout in decode.py / prefill.py), cached per step."""
     key = (num_heads, kv_heads, scale, softcap)
     if key not in plan.params:
-        p = np.zeros(16, np.int32)
         d, f = plan.decode, plan.prefill
         work = d or f
-        p[0], p[1], p[2] = num_heads, kv_heads, plan.block_tables.shape[1]
-        p[3] = d.part_size if d else 0
-        p[4] = d.num_parts if d else 1
-        p[5] = d.num_rows if d else 0
-        p[6], p[7] = work.chunks, work.heads_per_group
-        p[8] = _float_bits(scale * np.log2(np.e))
-        p[9] = f.block_q if f else 0
-        p[10] = plan.window or 0
-        p[11] = _float_bits(softcap * np.log2(np.e)) if softcap else 0
-        plan.params[key] = mx.array(p)
+        plan.params[key] = _params_array(
+            num_heads, kv_heads, plan.block_tables.shape[1], d.part_size if d else 0,
+            d.num_parts if d else 1, d.num_rows if d else 0, work.chunks, work.heads_per_group,
+            _float_bits(scale * np.log2(np.e)), f.block_q if f else 0, plan.window or 0,
+            _float_bits(softcap * np.log2(np.e)) if softcap else 0)
     return plan.params[key]
 
 
-def _float_bits(value: float) -> np.int32:
-    return np.array([value], np.float32).view(np.int32)[0]
+@lru_cache(maxsize=256)
+def _params_array(*values: int) -> mx.array:
+    """The params as a device array, shared by the steps that have the same (decode steps
+    of one batch size do, until a block table grows a column)."""
+    p = np.zeros(16, np.int32)
+    p[: len(values)] = values
+    return mx.array(p)
+
+
+def _float_bits(value: float) -> int:
+    return int(np.array([value], np.float32).view(np.int32)[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 
@@ -39,15 +40,19 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
     path); without them they are built from scratch.
     """
     scheduled = out.scheduled
-    q_lens = np.array([len(s.token_ids) for s in scheduled], np.int32)
     starts = np.array([s.start_position for s in scheduled], np.int32)
-    cu_seqlens = np.zeros(len(scheduled) + 1, np.int32)
-    np.cumsum(q_lens, out=cu_seqlens[1:])
-    total = int(cu_seqlens[-1])
-
-    request_of_row = np.repeat(np.arange(len(scheduled)), q_lens)
-    positions = (np.arange(total) - cu_seqlens[request_of_row] + starts[request_of_row])
-    positions = positions.astype(np.int32)
+    lens = [len(s.token_ids) for s in scheduled]
+    total = sum(lens)
+    if total == len(scheduled):  # one row a request (decodes): row r is request r's
+        q_lens, cu_seqlens, request_of_row = _one_row_each(total)
+        positions = starts
+    else:
+        q_lens = np.array(lens, np.int32)
+        cu_seqlens = np.zeros(len(scheduled) + 1, np.int32)
+        np.cumsum(q_lens, out=cu_seqlens[1:])
+        request_of_row = np.repeat(np.arange(len(scheduled)), q_lens)
+        positions = (np.arange(total) - cu_seqlens[request_of_row] + starts[request_of_row])
+        positions = positions.astype(np.int32)
 
     tables = tables if tables is not None else BlockTables(len(scheduled))
     block_tables, slots = _paging(tables, scheduled, request_of_row, positions, block_size)
@@ -61,7 +66,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
                                      window_slots, block_size)  # fmt: skip
 
     samples = np.array([s.samples for s in scheduled], bool)
-    num_drafts = np.array([len(s.draft_token_ids) for s in scheduled], np.int32)
+    num_drafts = [len(s.draft_token_ids) for s in scheduled]
+    has_drafts = any(num_drafts)
     input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), np.int32, count=total)
     pending_rows = np.flatnonzero(input_ids == PENDING_TOKEN).astype(np.int32)
     return StepInputs(
@@ -75,22 +81,33 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
             block_size=block_size,
             windowed=windowed,
         ),
-        sample_rows=_sample_rows(cu_seqlens, samples, num_drafts),
+        sample_rows=_sample_rows(cu_seqlens, samples, num_drafts if has_drafts else None),
         sample_request_ids=[s.request_id for s in scheduled if s.samples],
         pending_rows=pending_rows,
         pending_request_ids=[scheduled[i].request_id for i in request_of_row[pending_rows]],
-        has_drafts=bool(num_drafts.any()),
+        has_drafts=has_drafts,
         draft_rows=np.flatnonzero(input_ids == DRAFT_TOKEN).astype(np.int32),
     )
 
 
+@cache
+def _one_row_each(num_requests: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(q_lens, cu_seqlens, request_of_row)` of a step of one row per request; read-only,
+    shared by every such step of this size."""
+    arrays = (np.ones(num_requests, np.int32), np.arange(num_requests + 1, dtype=np.int32),
+              np.arange(num_requests))
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
+
+
 def _sample_rows(cu_seqlens: np.ndarray, samples: np.ndarray,
-                 num_drafts: np.ndarray) -> np.ndarray:
-    """Each sampling request's last `1 + drafts` rows, in order."""
+                 num_drafts: list[int] | None) -> np.ndarray:
+    """Each sampling request's last `1 + drafts` rows, in order (`num_drafts` None: none)."""
     ends = cu_seqlens[1:][samples]
-    counts = num_drafts[samples] + 1
-    if not num_drafts.any():
-        return (ends - 1).astype(np.int32)
+    if num_drafts is None:
+        return ends - 1
+    counts = np.array(num_drafts, np.int32)[samples] + 1
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return (np.repeat(ends - counts, counts) + offsets).astype(np.int32)
 

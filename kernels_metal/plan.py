@@ -150,14 +150,17 @@ def prefill_config(queries_per_kv: int, head_dim: int | None = None) -> tuple[in
 
 def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
                options: PlanOptions, window: int | None = None) -> KernelPlan:
+    nh, chunks = head_chunks(num_heads // kv_heads)
+    num_requests = meta.num_requests
+    if num_requests and meta.cu_seqlens_q.tolist() == list(range(num_requests + 1)):
+        # Decodes only: row r is request r's last, which sees all its seq_lens[r] keys.
+        rows = list(range(num_requests))
+        decode = _decode_table(rows, rows, meta.seq_lens.tolist(), nh, chunks, kv_heads,
+                               options, window)
+        return KernelPlan(decode, None, _padded_tables(meta.block_tables), window, {})
     cu = meta.cu_seqlens_q.astype(np.int64)
     q_lens = np.diff(cu)
     seq_lens = meta.seq_lens.astype(np.int64)
-    nh, chunks = head_chunks(num_heads // kv_heads)
-    if len(q_lens) and q_lens.min() == q_lens.max() == 1:  # decodes only: row r, request r
-        rows = np.arange(len(q_lens))
-        decode = _decode_table(rows, rows, seq_lens, nh, chunks, kv_heads, options, window)
-        return KernelPlan(decode, None, _padded_tables(meta.block_tables), window, {})
     is_decode = q_lens <= options.decode_max_query_len
     decode = _decode_work(cu, q_lens, seq_lens, np.flatnonzero(is_decode & (q_lens > 0)),
                           nh, chunks, kv_heads, options, window)
@@ -242,22 +245,24 @@ def _decode_work(cu, q_lens, seq_lens, requests, nh, chunks, kv_heads, options, 
     rows = _rows_of(cu, requests)
     req = np.repeat(requests, q_lens[requests])
     ctx = seq_lens[req] - (cu[req + 1] - rows) + 1  # keys up to and including each row's own
-    return _decode_table(rows, req, ctx, nh, chunks, kv_heads, options, window)
+    return _decode_table(rows.tolist(), req.tolist(), ctx.tolist(), nh, chunks, kv_heads,
+                         options, window)
 
 
-def _decode_table(rows, req, ctx, nh, chunks, kv_heads, options, window) -> DecodeWork:
-    """The decode kernel's work: packed row `rows[i]` of request `req[i]` sees `ctx[i]` keys."""
-    first = np.maximum(ctx - window, 0) if window is not None else np.zeros_like(ctx)
-    max_ctx = int((ctx - first).max())  # the most keys a row sees
+def _decode_table(rows: list[int], req: list[int], ctx: list[int], nh, chunks, kv_heads,
+                  options, window) -> DecodeWork:
+    """The decode kernel's work: packed row `rows[i]` of request `req[i]` sees `ctx[i]` keys
+    (in plain ints: a decode step has a few rows, and a list is cheaper than numpy there)."""
+    first = [max(c - window, 0) for c in ctx] if window is not None else [0] * len(ctx)
+    max_ctx = max(c - f for c, f in zip(ctx, first, strict=True))  # the most keys a row sees
     part = options.partition_size
     if part is None:
         threshold = options.split_below_threadgroups or split_threshold()
         few = len(rows) * kv_heads * chunks < threshold
         part = PARTITION_SIZE if few and max_ctx > PARTITION_SIZE else max_ctx
     num_parts = -(-max_ctx // part)
-    table = np.zeros((max(len(rows), 2), 4), np.int32)
-    table[: len(rows)] = np.stack([rows, req, ctx, first], axis=1)
-    return DecodeWork(mx.array(table), len(rows), num_parts, part, nh, chunks)
+    table = [*zip(rows, req, ctx, first, strict=True)] + [(0, 0, 0, 0)] * (2 - len(rows))
+    return DecodeWork(mx.array(table, mx.int32), len(rows), num_parts, part, nh, chunks)
 
 
 def _prefill_work(cu, q_lens, seq_lens, requests, queries_per_kv, head_dim=None):
@@ -286,6 +291,8 @@ def _prefill_work(cu, q_lens, seq_lens, requests, queries_per_kv, head_dim=None)
 def _padded_tables(tables: np.ndarray) -> mx.array:
     num_reqs, max_blocks = tables.shape
     width = max(max_blocks, -(-MIN_METADATA_ELEMENTS // max(num_reqs, 1)))
+    if width == max_blocks:
+        return mx.array(tables)
     padded = np.zeros((num_reqs, width), np.int32)
     padded[:, :max_blocks] = tables
     return mx.array(padded)

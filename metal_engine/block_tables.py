@@ -46,12 +46,17 @@ class BlockTables:
     def step_table(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
         """The scheduled requests' rows, brought up to date, in their order: `[num_reqs,
         max_blocks]` (a copy)."""
-        ids = [s.block_ids if self.kind == "blocks" else s.group_ids[self.kind]
-               for s in scheduled]
+        ids = self.block_ids(scheduled)
         width = max(map(len, ids))
         self._fit(width)
         rows = [self._update(s, block_ids) for s, block_ids in zip(scheduled, ids, strict=True)]
         return self.table[rows, :width]
+
+    def block_ids(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
+        """Each scheduled request's blocks of this table's group."""
+        if self.kind == "blocks":
+            return [s.block_ids for s in scheduled]
+        return [s.group_ids[self.kind] for s in scheduled]
 
     def _update(self, s: ScheduledRequest, block_ids: list[int]) -> int:
         row = self._rows.get(s.request_id)

@@ -9,7 +9,7 @@ import numpy as np
 
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.block_tables import BlockTables
-from scheduler.output import SchedulerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import DRAFT_TOKEN, PENDING_TOKEN
 
 
@@ -40,26 +40,26 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
     path); without them they are built from scratch.
     """
     scheduled = out.scheduled
-    starts = np.array([s.start_position for s in scheduled], np.int32)
-    lens = [len(s.token_ids) for s in scheduled]
-    total = sum(lens)
-    if total == len(scheduled):  # one row a request (decodes): row r is request r's
-        q_lens, cu_seqlens, request_of_row = _one_row_each(total)
-        positions = starts
-    else:
-        q_lens = np.array(lens, np.int32)
-        cu_seqlens = np.zeros(len(scheduled) + 1, np.int32)
-        np.cumsum(q_lens, out=cu_seqlens[1:])
-        request_of_row = np.repeat(np.arange(len(scheduled)), q_lens)
-        positions = (np.arange(total) - cu_seqlens[request_of_row] + starts[request_of_row])
-        positions = positions.astype(np.int32)
-
     tables = tables if tables is not None else BlockTables(len(scheduled))
+    if "window" not in scheduled[0].group_ids:
+        window_tables = None  # the step has no sliding-window group
+    elif window_tables is None:
+        window_tables = BlockTables(len(scheduled), kind="window")
+    if all(len(s.token_ids) == 1 for s in scheduled):
+        return _one_row_each_step(scheduled, block_size, tables, window_tables)
+    q_lens = np.array([len(s.token_ids) for s in scheduled], np.int32)
+    starts = np.array([s.start_position for s in scheduled], np.int32)
+    cu_seqlens = np.zeros(len(scheduled) + 1, np.int32)
+    np.cumsum(q_lens, out=cu_seqlens[1:])
+    total = int(cu_seqlens[-1])
+
+    request_of_row = np.repeat(np.arange(len(scheduled)), q_lens)
+    positions = (np.arange(total) - cu_seqlens[request_of_row] + starts[request_of_row])
+    positions = positions.astype(np.int32)
+
     block_tables, slots = _paging(tables, scheduled, request_of_row, positions, block_size)
     windowed = None
-    if "window" in scheduled[0].group_ids:
-        if window_tables is None:
-            window_tables = BlockTables(len(scheduled), kind="window")
+    if window_tables is not None:
         window_block_tables, window_slots = _paging(window_tables, scheduled, request_of_row,
                                                     positions, block_size)  # fmt: skip
         windowed = AttentionMetadata(cu_seqlens, starts + q_lens, window_block_tables,
@@ -90,15 +90,41 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
     )
 
 
+def _one_row_each_step(scheduled: list[ScheduledRequest], block_size: int, tables: BlockTables,
+                       window_tables: BlockTables | None) -> StepInputs:
+    """`build_step_inputs` of a step of one row a request (decodes): row r is request r's,
+    so each array is read off the requests in one pass, without index arithmetic."""
+    cu_seqlens = _one_row_each(len(scheduled))
+    starts = [s.start_position for s in scheduled]
+    tokens = [s.token_ids[0] for s in scheduled]
+    seq_lens = np.array(starts, np.int32) + 1
+
+    def metadata(tables: BlockTables, windowed: AttentionMetadata | None) -> AttentionMetadata:
+        slots = [ids[p // block_size] * block_size + p % block_size
+                 for ids, p in zip(tables.block_ids(scheduled), starts, strict=True)]
+        return AttentionMetadata(cu_seqlens, seq_lens, tables.step_table(scheduled),
+                                 np.array(slots, np.int64), block_size, windowed=windowed)
+
+    windowed = metadata(window_tables, None) if window_tables is not None else None
+    pending = [r for r, t in enumerate(tokens) if t == PENDING_TOKEN]
+    return StepInputs(
+        input_ids=np.array(tokens, np.int32),
+        positions=np.array(starts, np.int32),
+        attention=metadata(tables, windowed),
+        sample_rows=np.array([r for r, s in enumerate(scheduled) if s.samples], np.int32),
+        sample_request_ids=[s.request_id for s in scheduled if s.samples],
+        pending_rows=np.array(pending, np.int32),
+        pending_request_ids=[scheduled[r].request_id for r in pending],
+        draft_rows=np.array([r for r, t in enumerate(tokens) if t == DRAFT_TOKEN], np.int32),
+    )
+
+
 @cache
-def _one_row_each(num_requests: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(q_lens, cu_seqlens, request_of_row)` of a step of one row per request; read-only,
-    shared by every such step of this size."""
-    arrays = (np.ones(num_requests, np.int32), np.arange(num_requests + 1, dtype=np.int32),
-              np.arange(num_requests))
-    for a in arrays:
-        a.flags.writeable = False
-    return arrays
+def _one_row_each(num_requests: int) -> np.ndarray:
+    """`cu_seqlens` of a step of one row a request, read-only and shared by such steps."""
+    cu_seqlens = np.arange(num_requests + 1, dtype=np.int32)
+    cu_seqlens.flags.writeable = False
+    return cu_seqlens
 
 
 def _sample_rows(cu_seqlens: np.ndarray, samples: np.ndarray,

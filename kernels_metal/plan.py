@@ -14,6 +14,7 @@ changes how a decode row is computed. Every layer of the step reuses the plan.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 
@@ -308,8 +309,8 @@ def params_for(plan: KernelPlan, num_heads: int, kv_heads: int, scale: float,
         plan.params[key] = _params_array(
             num_heads, kv_heads, plan.block_tables.shape[1], d.part_size if d else 0,
             d.num_parts if d else 1, d.num_rows if d else 0, work.chunks, work.heads_per_group,
-            _float_bits(scale * np.log2(np.e)), f.block_q if f else 0, plan.window or 0,
-            _float_bits(softcap * np.log2(np.e)) if softcap else 0)
+            _float_bits(scale * LOG2E), f.block_q if f else 0, plan.window or 0,
+            _float_bits(softcap * LOG2E) if softcap else 0)
     return plan.params[key]
 
 
@@ -323,4 +324,5 @@ def _params_array(*values: int) -> mx.array:
 
 
 def _float_bits(value: float) -> int:
-    return int(np.array([value], np.float32).view(np.int32)[0])
+    """The int32 of `value`'s float32 bits (struct: no numpy call per step)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]

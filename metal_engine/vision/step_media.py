@@ -8,7 +8,7 @@ that part's rows of the image's features, which the encoder cache keeps for the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -22,17 +22,7 @@ from scheduler.output import ScheduledRequest
 def step_images(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],
                 cu_seqlens: np.ndarray, encoder: EncoderCache) -> StepImages | None:
     """The step's image rows and their features (None: no row of this step is an image's)."""
-    pieces: list[tuple[int, ImageSpan, int, int]] = []  # (first row, image, from, to)
-    for index, item in enumerate(scheduled):
-        prompt_media = media.get(item.request_id)
-        if prompt_media is None:
-            continue
-        start = item.start_position
-        end = start + len(item.token_ids)
-        for image in prompt_media.overlapping(start, end):
-            first, last = max(start, image.offset), min(end, image.end)
-            row = int(cu_seqlens[index]) + first - start
-            pieces.append((row, image, first - image.offset, last - image.offset))
+    pieces = list(_image_pieces(scheduled, media, cu_seqlens))
     if not pieces:
         return None
     features = encoder.features([image for _, image, _, _ in pieces])
@@ -53,6 +43,17 @@ def image_last_keys(scheduled: Sequence[ScheduledRequest], media: Mapping[str, P
     visible key (AttentionMetadata.last_keys), the image's last token for a row inside one,
     its own `positions` entry otherwise; None when no row of the step is an image's."""
     last_keys = None
+    for row, image, frm, to in _image_pieces(scheduled, media, cu_seqlens):
+        if last_keys is None:
+            last_keys = positions.astype(np.int64)
+        last_keys[row:row + to - frm] = image.offset + to - 1  # the chunk holds it whole
+    return last_keys
+
+
+def _image_pieces(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],
+                  cu_seqlens: np.ndarray) -> Iterator[tuple[int, ImageSpan, int, int]]:
+    """Each part of an image the step's chunks hold: (its first packed row, the image, the
+    part's first and end token within the image)."""
     for index, item in enumerate(scheduled):
         prompt_media = media.get(item.request_id)
         if prompt_media is None:
@@ -60,12 +61,9 @@ def image_last_keys(scheduled: Sequence[ScheduledRequest], media: Mapping[str, P
         start = item.start_position
         end = start + len(item.token_ids)
         for image in prompt_media.overlapping(start, end):
-            if last_keys is None:
-                last_keys = positions.astype(np.int64)
             first, last = max(start, image.offset), min(end, image.end)
             row = int(cu_seqlens[index]) + first - start
-            last_keys[row:row + last - first] = last - 1  # the chunk holds the image whole
-    return last_keys
+            yield row, image, first - image.offset, last - image.offset
 
 
 def step_positions(scheduled: Sequence[ScheduledRequest], media: Mapping[str, PromptMedia],

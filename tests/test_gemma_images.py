@@ -209,21 +209,22 @@ def test_prompt_logits_with_images_match_transformers(checkpoint, backend):
     assert np.abs(got[False] - expected).max() > 100 * TOL
 
 
-def test_gemma4_low_detail_takes_the_smallest_budget(checkpoint, tmp_path):
+def test_detail_takes_gemma4s_smallest_budget_and_leaves_gemma3s_one_size(checkpoint, tmp_path):
     family, _, _, model_dir = checkpoint
-    if family != "gemma4_text":
-        pytest.skip("Gemma 3 has one image size")
     shutil.copytree(model_dir, tmp_path / "model")
-    settings = json.loads((tmp_path / "model" / "preprocessor_config.json").read_text())
-    settings["max_soft_tokens"] = 280
-    (tmp_path / "model" / "preprocessor_config.json").write_text(json.dumps(settings))
+    path = tmp_path / "model" / "preprocessor_config.json"
+    if family == "gemma4_text":
+        path.write_text(json.dumps({**json.loads(path.read_text()), "max_soft_tokens": 280}))
     vision = load_gemma_image_model(tmp_path / "model", mx.float32)
     big = picture(200, 120, 5)
-    low, auto, high = (vision.place([IMAGE], [Picture(big, detail)])[1].images[0]
+    low, auto, high = (vision.place([vision.placeholder_id], [Picture(big, detail)])[1].images[0]
                        for detail in ("low", "auto", "high"))
-    assert low.length <= 70 < auto.length == high.length <= 280
-    assert low.content_hash != auto.content_hash == high.content_hash
-    assert vision.max_image_tokens == 280
+    if family == "gemma4_text":
+        assert low.length <= 70 < auto.length == high.length <= 280
+        assert low.content_hash != auto.content_hash == high.content_hash
+        assert vision.max_image_tokens == 280
+    else:  # its processor has one image size
+        assert low.length == auto.length == high.length == vision.max_image_tokens
 
 
 def scheduled_chunks(budget: int, images: list[tuple[int, int]], whole: bool,

@@ -44,8 +44,9 @@ from convert.layout import IGNORED_SUFFIXES, check_tensors, config_from_hf, stor
 from convert.mxfp4_experts import packed_modules, relaid_shapes, relay_tensors
 from convert.source import ModelSource
 from convert.tokenizer_files import copy_hf_tokenizer
-from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, text_part_config
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.pooling_config import sentence_transformers_files
+from metal_engine.loading.text_part import TEXT_PARTS, text_part_config
 from metal_engine.loading.weights import (
     GEMMA_TOWER_PREFIXES,
     MTP_PREFIX,

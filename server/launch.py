@@ -292,8 +292,9 @@ def _hub_model(repo_id: str, revision: str | None
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, NotASafetensorsRepoError
 
-    from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig
+    from metal_engine.loading.model_config import ModelConfig
     from metal_engine.loading.quantization import QuantizationConfig
+    from metal_engine.loading.text_part import TEXT_PARTS
     from metal_engine.loading.weight_bytes import weight_bytes
 
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from metal_engine.loading.text_part import text_part_config
 from metal_engine.models import gemma4_config, muse_glimmer_config, qwen3_vl_config
 from metal_engine.models.gemma4_config import Gemma4Options, read_gemma4
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
@@ -54,11 +55,6 @@ OutputGate = Literal["per-head", "per-element"]
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 GEMMA = ("gemma2", "gemma3_text", "gemma4_text")
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "gemma4_text", "laguna")  # a rope dict per layer type
-# Multimodal checkpoints whose text part is served: model_type -> the text model's.
-TEXT_PARTS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
-              "qwen3_5_moe": "qwen3_5_moe_text", "muse_glimmer": "muse_glimmer_text",
-              "kimi_k25": "deepseek_v3",  # Kimi K2.5's text model is Kimi K2's
-              **qwen3_vl_config.TEXT_PARTS}
 # Families with linear-attention layers beside full attention.
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QWEN = ("qwen2", "qwen3")
@@ -510,18 +506,6 @@ def _ropes(cfg: dict[str, Any]) -> tuple[RopeParameters, RopeParameters | None]:
     theta = float(cfg.get("rope_theta") or 1_000_000.0)
     local_theta = float(cfg.get("rope_local_base_freq") or 10_000.0)
     return read_rope(cfg, full, theta), read_rope(cfg, local, local_theta)
-
-
-def text_part_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal checkpoint's text model config (tokens ids may sit at the top level)."""
-    text_type = TEXT_PARTS.get(cfg.get("model_type"))
-    if text_type is None:
-        return cfg
-    inherited = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
-    text = {**inherited, **(cfg.get("text_config") or {}), "model_type": text_type}
-    if "tie_word_embeddings" in cfg:  # transformers ties by the outer config's
-        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-    return text
 
 
 def _as_tuple(value) -> tuple[int, ...]:

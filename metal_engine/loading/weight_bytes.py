@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, read_config_json
+from metal_engine.loading.model_config import ModelConfig, read_config_json
 from metal_engine.loading.quantization import QuantizationConfig
+from metal_engine.loading.text_part import TEXT_PARTS
 from metal_engine.loading.weights import (
     MTP_PREFIX,
     TOWER_PREFIXES,

@@ -15,8 +15,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from metal_engine.loading.mla_layout import join_kv_b_proj
-from metal_engine.loading.model_config import TEXT_PARTS, ModelConfig, read_config_json
+from metal_engine.loading.model_config import ModelConfig, read_config_json
 from metal_engine.loading.quantization import QuantizationConfig, QuantParams, dequantize_weights
+from metal_engine.loading.text_part import TEXT_PARTS
 from metal_engine.models.decoder import CausalLM
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.registry import model_class

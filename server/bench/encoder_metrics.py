@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from server.bench.counters import counter_totals
 
 IMAGES = "metal_serve_images_encoded"
 SECONDS = "metal_serve_encoder_seconds"
@@ -44,11 +45,7 @@ async def encoder_counts(client: httpx.AsyncClient) -> EncoderCounts | None:
         return None
     if response.status_code != 200:
         return None
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        if family.name in (IMAGES, SECONDS):
-            totals[family.name] = sum(s.value for s in family.samples
-                                      if s.name.endswith("_total"))  # fmt: skip
+    totals = counter_totals(response.text, (IMAGES, SECONDS))
     if IMAGES not in totals or SECONDS not in totals:
         return None
     return EncoderCounts(totals[IMAGES], totals[SECONDS])

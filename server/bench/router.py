@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from server.bench.counters import counter_totals
 
 QUERIES = "vllm:prefix_cache_queries"
 HITS = "vllm:prefix_cache_hits"
@@ -37,12 +38,8 @@ def prefix_counts(base_url: str, timeout_s: float = 10.0) -> PrefixCounts:
     """The replica's counters now (summed over its engines)."""
     response = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=timeout_s)
     response.raise_for_status()
-    totals = {QUERIES: 0.0, HITS: 0.0}
-    for family in text_string_to_metric_families(response.text):
-        if family.name in totals:
-            totals[family.name] += sum(s.value for s in family.samples
-                                       if s.name.endswith("_total"))  # fmt: skip
-    return PrefixCounts(totals[QUERIES], totals[HITS])
+    totals = counter_totals(response.text, (QUERIES, HITS))
+    return PrefixCounts(totals.get(QUERIES, 0.0), totals.get(HITS, 0.0))
 
 
 def snapshot(replica_urls: Sequence[str]) -> list[PrefixCounts]:

@@ -188,20 +188,17 @@ class ModelRunner:
             if images is not None and self.image_model.whole_images:
                 meta = meta.with_last_keys(image_last_keys(out.scheduled, self._media,
                                                            meta.cu_seqlens_q, meta.positions))
-        more = {} if images is None else {"images": images}
         with self._adapter_rows(out, step):
-            hidden = self.model(input_ids, mx.array(positions), meta, self.cache, **more)
+            hidden = self.model(input_ids, mx.array(positions), meta, self.cache, images)
         if states is not None:
             states.copy(out.state_plan.saves)
         return hidden
 
     def _adapter_rows(self, out: SchedulerOutput, step: StepInputs):
         """A scope in which the model's linears add the step's adapter rows' deltas."""
-        names = [s.lora_name for s in out.scheduled]
-        if self.adapters is None:
-            if any(name is not None for name in names):
-                raise ValueError("a request names a LoRA adapter but none are loaded")
+        if self.adapters is None:  # the engine refused any request naming one
             return nullcontext()
+        names = [s.lora_name for s in out.scheduled]
         return self.adapters.serving(self.adapters.step_rows(names,
                                                              step.attention.cu_seqlens_q))
 

@@ -139,7 +139,7 @@ class _StubModel:
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
 
-    def __call__(self, input_ids, positions, meta, cache) -> mx.array:
+    def __call__(self, input_ids, positions, meta, cache, images=None) -> mx.array:
         return mx.zeros((input_ids.shape[0], 1))
 
     def logits(self, hidden: mx.array) -> mx.array:

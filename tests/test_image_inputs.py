@@ -226,7 +226,8 @@ def test_a_text_only_model_reads_tool_output_images_as_notes(text_only):
     message = anthropic_client(text_only).messages.create(
         model="default", max_tokens=4, messages=[question, TOOL_USE, claude_tool_result(
             {"type": "url", "url": "https://example.com/a.png"})])  # never fetched
-    assert message.stop_reason == "max_tokens"
+    # Answered (sampled under the model's defaults: within 4 tokens or ending its turn).
+    assert message.stop_reason in ("max_tokens", "end_turn") and message.usage.output_tokens
     counted = anthropic_client(text_only).messages.count_tokens(
         model="default", messages=[question, TOOL_USE, claude_tool_result(BASE64_PNG)])
     noted = anthropic_client(text_only).messages.count_tokens(

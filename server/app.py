@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -88,21 +88,10 @@ def build_app(
     tool_call_parser: str | None = None,
     parameters: ParameterCount | None = None,
 ) -> FastAPI:
-    """An app serving one model.
-
-    The `model` field of requests is not checked: a single-model server answers whatever
-    name the client uses (clients send all sorts), except that the name of a loaded LoRA
-    adapter picks that adapter (docs/lora.md). `/v1/models` lists `served_model_name`
-    and the model directory's name, each with its context length and the sampling defaults
-    of requests (`async_engine.sampling_defaults`), then each adapter, its `parent` the first.
-    A request may ask for up to `max_n` choices.
-    `tool_call_parser` names the tool-call format (default: picked from the chat template).
-    `parameters`, when given, are listed on the model cards (total and active per token).
-    `/dashboard` shows what the server is doing (server.dashboard).
-    `app.state.drain` is what a graceful shutdown drains.
-    """
+    """An app serving one model: `model_app`'s routes behind the guards `options` set up,
+    running `async_engine` for the app's lifetime. `app.state.drain` is what a graceful
+    shutdown drains."""
     options = options or HttpOptions()
-    load_chat_format(async_engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -110,19 +99,53 @@ def build_app(
         yield
         async_engine.shutdown()
 
+    app = model_app(async_engine, served_model_name, max_n, tool_call_parser, parameters,
+                    min_priority=options.min_priority, needs_key=bool(options.api_keys),
+                    lifespan=lifespan)
+    add_guards(app, options, Drain(async_engine))
+    return app
+
+
+def model_app(
+    async_engine: AsyncEngine,
+    served_model_name: str = "default",
+    max_n: int = DEFAULT_MAX_N,
+    tool_call_parser: str | None = None,
+    parameters: ParameterCount | None = None,
+    *,
+    min_priority: int = 0,
+    needs_key: bool = False,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    """One model's routes, without guards: the whole app of a one-model server (`build_app`
+    adds the guards), or one model of several behind `server.fleet.front`.
+
+    The `model` field of requests is not checked here: a single-model server answers whatever
+    name the client uses (clients send all sorts), except that the name of a loaded LoRA
+    adapter picks that adapter (docs/lora.md). `/v1/models` lists `served_model_name`
+    and the model directory's name, each with its context length and the sampling defaults
+    of requests (`async_engine.sampling_defaults`), then each adapter, its `parent` the first.
+    A request may ask for up to `max_n` choices, and a `priority` no lower than
+    `min_priority`. `tool_call_parser` names the tool-call format (default: picked from the
+    chat template).
+    `parameters`, when given, are listed on the model cards (total and active per token).
+    `/dashboard` shows what the server is doing (server.dashboard); `needs_key` tells its page
+    that the API asks for a key. `app.state.metrics` is the model's `/metrics` registry.
+    """
+    load_chat_format(async_engine.tokenizer)
     # No /docs or /redoc: their pages load scripts from a CDN into this server's origin.
     app = FastAPI(title="metal-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    _add_guards(app, options, Drain(async_engine))
     metrics = ServerMetrics(async_engine.stats, served_model_name, async_engine.prompts_waiting)
+    app.state.metrics = metrics
     async_engine.observe_requests(metrics.request)
     serving = Serving(async_engine, served_model_name, max_n, tool_call_parser)
     model_ids = list(dict.fromkeys([served_model_name, async_engine.model_name]))
     parser = serving.tool_call_parser
     app.include_router(_service_router(async_engine, metrics, model_ids, parameters))
     app.include_router(dashboard_router(async_engine, metrics, served_model_name,
-                                        needs_key=bool(options.api_keys)))
-    app.include_router(openai_router(serving, options.min_priority))
+                                        needs_key=needs_key))
+    app.include_router(openai_router(serving, min_priority))
     app.include_router(pooling_router(async_engine, served_model_name))
     app.include_router(lora_router(async_engine, model_ids))
     app.include_router(render_router(async_engine, parser))
@@ -138,8 +161,6 @@ def _service_router(
     """`/health`, `/metrics` and `/v1/models`."""
     router = APIRouter()
     created = int(time.time())
-    counts = ({"num_parameters": parameters.total, "active_parameters": parameters.active}
-              if parameters else {})
 
     @router.get("/health")
     async def health() -> dict:
@@ -155,25 +176,27 @@ def _service_router(
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    capabilities = _capabilities(async_engine)
-
     @router.get("/v1/models")
     async def models() -> dict:
-        cards = [
-            ModelCard(id=model_id, created=created, max_model_len=async_engine.max_model_len,
-                      sampling_defaults=asdict(async_engine.sampling_defaults),
-                      capabilities=capabilities, **counts)
-            for model_id in model_ids
-        ]  # fmt: skip
-        cards += [
-            ModelCard(id=name, created=created, max_model_len=async_engine.max_model_len,
-                      sampling_defaults=asdict(async_engine.sampling_defaults),
-                      capabilities=capabilities, parent=model_ids[0], root=path)
-            for name, path in async_engine.adapters.served().items()
-        ]  # fmt: skip
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=model_cards(async_engine, model_ids, created, parameters)
+                         ).model_dump()
 
     return router
+
+
+def model_cards(async_engine: AsyncEngine, model_ids: list[str], created: int,
+                parameters: ParameterCount | None = None, **extra: object) -> list[ModelCard]:
+    """A loaded model's cards: one per id in `model_ids`, then one per LoRA adapter (its
+    `parent` the first id); `extra`: more card fields for all of them."""
+    counts = ({"num_parameters": parameters.total, "active_parameters": parameters.active}
+              if parameters else {})
+    common = dict(created=created, max_model_len=async_engine.max_model_len,
+                  sampling_defaults=asdict(async_engine.sampling_defaults),
+                  capabilities=_capabilities(async_engine), **extra)
+    cards = [ModelCard(id=model_id, **common, **counts) for model_id in model_ids]
+    cards += [ModelCard(id=name, **common, parent=model_ids[0], root=path)
+              for name, path in async_engine.adapters.served().items()]
+    return cards
 
 
 def _capabilities(async_engine: AsyncEngine) -> list[str]:
@@ -192,7 +215,7 @@ def _capabilities(async_engine: AsyncEngine) -> list[str]:
     return capabilities
 
 
-def _add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
+def add_guards(app: FastAPI, options: HttpOptions, drain: Drain) -> None:
     """Outermost first: request id → response deadline → Host check → drain gate → CORS →
     API key → request body → routes. CORS sits outside the key check so that preflights pass and
     a 401 still carries CORS headers."""

@@ -14,7 +14,7 @@ __all__ = ["COMMANDS", "build_parser", "main", "parse_size", "run"]
 
 COMMANDS = {
     "serve": Command(
-        "serve a model over HTTP", "server.launch", "add_serve_arguments", "serve"
+        "serve a model over HTTP", "server.launch", "add_arguments", "serve"
     ),
     "status": Command(
         "show what a running server is doing: requests, KV pool, cache hits, speed",

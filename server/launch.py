@@ -7,41 +7,35 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 # First, before anything can import mlx.core: it picks the BLAS that mlx will use.
 import metal_engine  # noqa: F401
+from server.fleet.args import add_fleet_arguments, model_catalog
 from server.http.logs import configure_logging
 from server.serve_args import add_serve_arguments
 
-__all__ = ["add_serve_arguments", "serve"]
+__all__ = ["add_arguments", "serve"]
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
     from metal_engine.config import EngineConfig
-    from metal_engine.engine import LLMEngine
     from metal_engine.loading.model_config import ModelConfig
-    from metal_engine.loading.parameter_count import ParameterCount
     from server.app import HttpOptions
-    from server.media.options import MediaOptions
-    from server.sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("metal_serve")
 
-# EngineConfig field <- CLI option; options left unset keep the engine's defaults.
-_ENGINE_OPTIONS = (
-    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "block_size",
-    "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
-    "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
-    "tensor_parallel_size", "pipeline_parallel_size", "kv_write_through", "dtype",
-    "lora_modules", "max_loras", "max_lora_rank",
-)  # fmt: skip
 # Third-party import-time advice that a server operator cannot act on, e.g. transformers'
 # "PyTorch was not found" (the engine needs only its tokenizers). Our own warnings stay.
 _QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`metal-serve serve`'s arguments: one model's, then those of a server of several."""
+    add_serve_arguments(parser)
+    add_fleet_arguments(parser.add_argument_group("several models (docs/models.md)"))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -57,32 +51,39 @@ def serve(args: argparse.Namespace) -> int:
         return run_rank()
     try:
         options = _http_options(args)
-        model_dir = _resolve_model(args)
-        defaults = _sampling_defaults(model_dir, args)
-        engine = _load_engine(model_dir, args)
+        catalog = model_catalog(args)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"metal-serve: error: {exc}", file=sys.stderr)
+        return 2
+    if catalog is not None:
+        from server.fleet.serve import serve_fleet
+
+        return serve_fleet(args, catalog, options)
+    return _serve_one(args, options)
+
+
+def _serve_one(args: argparse.Namespace, options: HttpOptions) -> int:
+    from metal_engine.cache.memory_plan import apply_memory_limits
+    from server.model_loading import plan_model, resolve_model, start_model
+
+    try:
+        model_dir = resolve_model(args)
+        config, plan = plan_model(model_dir, args)
+        if plan is not None:
+            apply_memory_limits(plan)  # before the weights load
+        loaded = start_model(config, plan, args)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"metal-serve: error: {exc}", file=sys.stderr)
         return 2
 
     from server.app import build_app
-    from server.async_engine import AsyncEngine
     from server.http.shutdown import run_server
 
-    bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
-                         sampling_defaults=defaults,
-                         report_cached_tokens=args.report_cached_tokens,
-                         media=_media_options(args), lora_paths=dict(args.lora_modules or ()))
-    try:  # on the thread that steps: the CPU backend's loops run slower on any other
-        bridge.run_on_engine_thread(lambda: _warm_up(engine))
-    except (RuntimeError, ValueError, OSError) as exc:
-        bridge.shutdown()
-        print(f"metal-serve: error: warm-up failed: {exc}", file=sys.stderr)
-        return 2
-    parameters = _parameter_count(engine)
+    bridge, engine = loaded.bridge, loaded.bridge.engine
     app = build_app(bridge, args.served_model_name, args.max_n, options=options,
-                    tool_call_parser=args.tool_call_parser, parameters=parameters)
+                    tool_call_parser=args.tool_call_parser, parameters=loaded.parameters)
     log.info(
-        "serving %s (%s) as %r on http://%s:%d/v1", model_dir, parameters.describe(),
+        "serving %s (%s) as %r on http://%s:%d/v1", model_dir, loaded.parameters.describe(),
         args.served_model_name, args.host, args.port,
     )  # fmt: skip
     if (peers := engine.peers) is not None:
@@ -99,105 +100,6 @@ def _is_other_rank(args: argparse.Namespace) -> bool:
     return ranks > 1 and launched_by_mlx() and os.environ[RANK_ENV] != "0"
 
 
-def _resolve_model(args: argparse.Namespace) -> Path:
-    """The model dir to load: the default model, or a model dir, .gguf file or hub repo id
-    (converted into the cache on first use where it needs to be)."""
-    import convert
-
-    if args.model_dir is None:
-        # Raises a RuntimeError naming the pip command when the model package is missing.
-        return convert.ensure_default_model(args.cache_dir)
-    return convert.resolve_model(str(args.model_dir), args.revision, args.cache_dir)
-
-
-def _sampling_defaults(model_dir: Path, args: argparse.Namespace) -> SamplingDefaults:
-    """What requests get for the sampling fields they leave unset; logged, since a model's
-    generation_config.json can change answers a lot."""
-    from server.sampling_defaults import (
-        MAX_NEW_TOKENS,
-        generation_config_path,
-        load_sampling_defaults,
-    )
-
-    choice, override = args.generation_config, dict(args.override_generation_config)
-    if args.default_max_tokens is not None:
-        override[MAX_NEW_TOKENS] = args.default_max_tokens
-    defaults = load_sampling_defaults(model_dir, choice, override)
-    defaults = replace(defaults, max_tokens_limit=args.max_tokens_limit)
-    path = generation_config_path(model_dir, choice)
-    origin = str(path) if path is not None else "the neutral defaults"
-    if override:
-        origin += " under --override-generation-config / --default-max-tokens"
-    log.info("sampling defaults for unset request fields: %s (from %s)", defaults.describe(),
-             origin)
-    return defaults
-
-
-def _model_name(args: argparse.Namespace, model_dir: Path) -> str:
-    """What /v1/models calls the model: the reference as typed (a hub repo id, not its
-    snapshot dir), else the model dir's name."""
-    reference = args.model_dir
-    if reference is not None and not Path(reference).expanduser().exists():
-        return str(reference)
-    return model_dir.name
-
-
-def _engine_config(model_dir: Path, args: argparse.Namespace) -> EngineConfig:
-    from metal_engine.config import EngineConfig
-
-    options = {name: getattr(args, name) for name in _ENGINE_OPTIONS}
-    return EngineConfig(
-        model_dir=model_dir, model_name=_model_name(args, model_dir),
-        **{k: v for k, v in options.items() if v is not None},
-    )
-
-
-def _load_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
-    from metal_engine.engine_build import build_engine
-
-    if not model_dir.is_dir():
-        raise ValueError(
-            f"model directory {model_dir} does not exist; "
-            "run `metal-serve convert` first or omit it to use the default model"
-        )
-    config = _engine_config(model_dir, args)
-    _fit_memory(config)
-    return build_engine(config)
-
-
-def _warm_up(engine: LLMEngine) -> None:
-    """Run the model's steps once (metal_engine/warm_up.py) and log what fell back; before
-    the port opens, so /health answers only a warm server."""
-    from kernels_metal.fallbacks import all_fallbacks
-    from metal_engine.warm_up import warm_up
-
-    if not engine.runner.model.has_head:  # warm-up samples; an embedding model pools
-        log.info("warm-up: skipped for a model without an LM head (embeddings only)")
-        return
-    seconds = warm_up(engine)
-    fallbacks = all_fallbacks()
-    log.info("warm-up: kernels built and checked, compiled loops loaded, in %.1f s; kernel "
-             "fallbacks: %s", seconds, len(fallbacks) or "none")
-    for fallback in fallbacks:
-        log.warning("kernel fallback: %s %s runs on the reference: %s", fallback.kernel,
-                    fallback.variant, fallback.reason)
-
-
-def _fit_memory(config: EngineConfig) -> None:
-    """Before the weights load: refuse a model this machine cannot hold (in seconds, not
-    after loading it), and set MLX's memory limits from the plan
-    (metal_engine.cache.memory_plan)."""
-    from metal_engine.cache.memory_plan import apply_memory_limits, plan_for
-    from metal_engine.loading.model_dtype import resolve_dtype
-    from metal_engine.loading.weight_bytes import drafter_weight_bytes, model_dir_weight_bytes
-
-    if not (config.model_dir / "config.json").is_file():
-        return  # not a model dir: loading it names what is missing
-    dtype = resolve_dtype(config.dtype, config.model_dir)
-    model, weights = model_dir_weight_bytes(config.model_dir, dtype)
-    apply_memory_limits(plan_for(config, model, weights + drafter_weight_bytes(config, dtype)))
-
-
 def dry_run(args: argparse.Namespace) -> int:
     """`serve --dry-run`: print the memory plan of the model and flags `serve` was given,
     reading only config.json and tensor headers. 0 if it fits; 2 if refused or unreadable."""
@@ -205,10 +107,11 @@ def dry_run(args: argparse.Namespace) -> int:
     from metal_engine.config import resolve_max_model_len
     from metal_engine.loading.model_dtype import resolve_dtype
     from metal_engine.loading.weight_bytes import drafter_weight_bytes
+    from server.model_loading import engine_config
 
     try:
         path, model, weights_on = _planned_model(args)
-        config = _engine_config(path, args)
+        config = engine_config(path, args)
         weights = weights_on(None) + drafter_weight_bytes(
             config, resolve_dtype(config.dtype, config.model_dir))
         mac_dtype = resolve_dtype(config.dtype, config.model_dir, metal=True)
@@ -310,22 +213,6 @@ def _hub_model(repo_id: str, revision: str | None
                for file in files for name, info in file.tensors.items()}
     multimodal = raw.get("model_type") in TEXT_PARTS
     return model, lambda dtype: weight_bytes(model, dtype, tensors, multimodal)
-
-
-def _parameter_count(engine: LLMEngine) -> ParameterCount:
-    """Total and per-token parameters, for the startup log and the model cards."""
-    from metal_engine.loading.parameter_count import count_parameters
-
-    return count_parameters(engine.runner.model.config)
-
-
-def _media_options(args: argparse.Namespace) -> MediaOptions:
-    from server.media.options import MediaOptions
-
-    return MediaOptions(
-        args.allowed_media_domains, args.allow_media_urls, args.limit_mm_per_prompt,
-        args.max_image_pixels, args.max_image_bytes, args.media_fetch_timeout,
-    )  # fmt: skip
 
 
 def _http_options(args: argparse.Namespace) -> HttpOptions:

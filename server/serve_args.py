@@ -59,7 +59,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -70,7 +70,7 @@ def _positive_int(text: str) -> int:
 
 
 def _max_n(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > MAX_N:
         raise argparse.ArgumentTypeError(
             f"must be at most {MAX_N} (the OpenAI API's limit on n), got {value}"
@@ -127,13 +127,13 @@ def _add_model_and_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--max-num-seqs", type=_positive_int, help="most requests per step")
+    group.add_argument("--max-num-seqs", type=positive_int, help="most requests per step")
     group.add_argument(
-        "--max-num-batched-tokens", type=_positive_int,
+        "--max-num-batched-tokens", type=positive_int,
         help="most tokens per step (default: 512 on an Apple GPU, 256 on the CPU backend)",
     )
     group.add_argument(
-        "--max-model-len", type=_positive_int,
+        "--max-model-len", type=positive_int,
         help="context limit in tokens (default: the model's trained context, or what the KV "
         "cache holds if less)",
     )
@@ -163,7 +163,7 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         help="print the memory plan (weights, KV budget, tokens and concurrent requests it "
         "holds) without loading the model, then exit: 0 if it fits, 2 if not",
     )
-    group.add_argument("--block-size", type=_positive_int, help="tokens per KV cache block")
+    group.add_argument("--block-size", type=positive_int, help="tokens per KV cache block")
     group.add_argument("--seed", type=int, help="the engine's random seed")
     group.add_argument(
         "--async-scheduling",
@@ -190,13 +190,13 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _add_parallel_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--tensor-parallel-size", type=_positive_int, metavar="N",
+        "--tensor-parallel-size", type=positive_int, metavar="N",
         help="split every layer's heads and inner width over N ranks (processes) that run "
         "each step together over mx.distributed: on this host, or one per Mac under "
         "`mlx.launch` (see docs/distributed.md); default 1",
     )
     group.add_argument(
-        "--pipeline-parallel-size", type=_positive_int, metavar="N",
+        "--pipeline-parallel-size", type=positive_int, metavar="N",
         help="split the layers into N runs, one per rank, for a model larger than one Mac's "
         "memory; each step's requests pass through the ranks in micro-batches (see "
         "docs/distributed.md); default 1",
@@ -236,12 +236,12 @@ def _add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
         '\'{"max_new_tokens": 4096}\'',
     )
     group.add_argument(
-        "--default-max-tokens", type=_positive_int, metavar="N",
+        "--default-max-tokens", type=positive_int, metavar="N",
         help="most tokens an answer may have when its request sets no max_tokens (default: "
         "the generation config's max_new_tokens, else up to the end of the context)",
     )
     group.add_argument(
-        "--max-tokens-limit", type=_positive_int, metavar="N",
+        "--max-tokens-limit", type=positive_int, metavar="N",
         help="most tokens any answer may have, whatever its request asks for (agent CLIs ask "
         "for 32000-128000); past it the answer ends with finish_reason length (default: the "
         "context's end)",
@@ -315,7 +315,7 @@ def _add_image_arguments(group: argparse._ArgumentGroup) -> None:
         help=f"most images one request may hold (default {DEFAULT_MAX_IMAGES})",
     )
     group.add_argument(
-        "--max-image-pixels", type=_positive_int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+        "--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
         help="most pixels (width x height) of one image, checked before it is decoded "
         f"(default {DEFAULT_MAX_IMAGE_PIXELS})",
     )
@@ -325,7 +325,7 @@ def _add_image_arguments(group: argparse._ArgumentGroup) -> None:
         "toward --max-request-body)",
     )
     group.add_argument(
-        "--media-fetch-timeout", type=_positive_seconds, default=DEFAULT_FETCH_TIMEOUT_S,
+        "--media-fetch-timeout", type=positive_seconds, default=DEFAULT_FETCH_TIMEOUT_S,
         metavar="S",
         help=f"seconds to fetch one image URL, redirects included (default "
         f"{DEFAULT_FETCH_TIMEOUT_S:.0f})",
@@ -386,7 +386,7 @@ def _add_lora_arguments(group: argparse._ArgumentGroup) -> None:
         "/v1/load_lora_adapter (default: as many as --lora-modules gives, 0 without it: none)",
     )
     group.add_argument(
-        "--max-lora-rank", type=_positive_int, metavar="R",
+        "--max-lora-rank", type=positive_int, metavar="R",
         help="largest adapter rank served (default 16)",
     )
 
@@ -405,7 +405,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     value = _seconds(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be more than 0 seconds")
@@ -477,7 +477,7 @@ def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_limit_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--client-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_CLIENT_TIMEOUT_S,
         metavar="S",
         help="seconds a client may take to send a request's headers, then its body, and to "
@@ -500,14 +500,14 @@ def _add_limit_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--max-queued-requests",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_QUEUED_REQUESTS,
         help="most requests waiting for their first token; more get a 429 with Retry-After "
         f"(default {DEFAULT_MAX_QUEUED_REQUESTS})",
     )
     group.add_argument(
         "--max-connections",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="most open client connections; past it the longest-idle one is closed, or the "
         "newcomer gets a 503 when all are busy (default: half the open-file limit, which the "

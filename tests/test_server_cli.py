@@ -134,8 +134,7 @@ def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, val
     ],
 )
 def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
-    from metal_engine.loading.parameter_count import ParameterCount
-    from server import app, launch
+    from server import app
     from server.http import shutdown
 
     built = []
@@ -143,9 +142,7 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
     def build_app(engine, name, max_n, tool_call_parser=None, **_):
         built.append({"max_n": max_n, "tool_call_parser": tool_call_parser})
 
-    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: _engine_stub())
-    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
-    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
+    _stub_loading(monkeypatch)
     monkeypatch.setattr(app, "build_app", build_app)
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", str(tmp_path), *argv]) == 0
@@ -164,18 +161,27 @@ def test_app_options_reach_the_app(tmp_path, monkeypatch, argv, seen):
     ],
 )  # fmt: skip
 def test_image_options_reach_the_engine_bridge(tmp_path, monkeypatch, argv, media):
-    from metal_engine.loading.parameter_count import ParameterCount
-    from server import app, launch
+    from server import app
     from server.http import shutdown
 
     bridges = []
-    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: _engine_stub())
-    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
-    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
+    _stub_loading(monkeypatch)
     monkeypatch.setattr(app, "build_app", lambda engine, *args, **kwargs: bridges.append(engine))
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", str(tmp_path), *argv]) == 0
     assert bridges[0].media == media and bridges[0].vision is False
+
+
+def _stub_loading(monkeypatch) -> None:
+    """`serve` loads a stub engine: no weights, no warm-up."""
+    from metal_engine import engine_build
+    from metal_engine.loading import parameter_count
+    from metal_engine.loading.parameter_count import ParameterCount
+    from server import model_loading
+
+    monkeypatch.setattr(engine_build, "build_engine", lambda config: _engine_stub())
+    monkeypatch.setattr(model_loading, "warm_up", lambda engine: None)
+    monkeypatch.setattr(parameter_count, "count_parameters", lambda config: ParameterCount(1, 1))
 
 
 def _engine_stub() -> SimpleNamespace:
@@ -183,7 +189,8 @@ def _engine_stub() -> SimpleNamespace:
     from metal_engine.outputs import EngineStats
 
     return SimpleNamespace(peers=None, tokenizer=None, max_model_len=1, stats=EngineStats,
-                           has_unfinished_requests=lambda: False, close=lambda: None)
+                           has_unfinished_requests=lambda: False, close=lambda: None,
+                           runner=SimpleNamespace(model=SimpleNamespace(config=None)))
 
 
 @pytest.mark.parametrize(("argv", "code"), [(["--help"], 0), (["no-such-command"], 2)])
@@ -215,14 +222,11 @@ def test_bad_generation_config_overrides_exit_2(value, message, capsys):
 
 def _served_defaults(monkeypatch, argv):
     """The sampling defaults `serve argv` hands the app's engine bridge, and its log."""
-    from metal_engine.loading.parameter_count import ParameterCount
-    from server import app, launch
+    from server import app
     from server.http import shutdown
 
     built = []
-    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: _engine_stub())
-    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
-    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
+    _stub_loading(monkeypatch)
     monkeypatch.setattr(app, "build_app", lambda engine, *args, **kw: built.append(engine))
     monkeypatch.setattr(shutdown, "run_server", lambda *args, **kwargs: None)
     assert main(["serve", *argv]) == 0

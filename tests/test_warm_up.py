@@ -105,14 +105,14 @@ def test_the_warm_up_leaves_the_engines_caches_untouched(tmp_path, monkeypatch):
 
 
 def test_the_startup_log_names_each_fallback(tmp_path, monkeypatch, caplog):
-    from server import launch
+    from server import model_loading
 
     dispatch = attention._Dispatch()  # verdicts as a Mac would have them after a failure
     variant = attention.Variant(mx.bfloat16, 256, 16, 8, 1)
     dispatch.verdicts.fallbacks[variant] = "RuntimeError: Unable to build metal library"
     monkeypatch.setattr(attention, "_state", dispatch)
     with caplog.at_level(logging.INFO, logger="metal_serve"):
-        launch._warm_up(tiny_engine(tmp_path))
+        model_loading.warm_up(tiny_engine(tmp_path))
     summary, *warnings = [r.getMessage() for r in caplog.records if r.name == "metal_serve"]
     assert summary.startswith("warm-up: ") and summary.endswith("kernel fallbacks: 1")
     assert warnings == [f"kernel fallback: attention {variant.name} runs on the reference: "

@@ -373,7 +373,11 @@ def memory_limits(plan: MemoryPlan) -> MemoryLimits:
 def apply_memory_limits(plan: MemoryPlan) -> MemoryLimits:
     """Set MLX's buffer-cache limit (and on a Mac its wired limit) from `plan`; once, at
     server start, before the weights load. Returns the limits set."""
-    limits = memory_limits(plan)
+    return set_memory_limits(memory_limits(plan))
+
+
+def set_memory_limits(limits: MemoryLimits) -> MemoryLimits:
+    """Set `limits` (the buffer cache's no higher than MLX's own default); the limits set."""
     previous = mx.set_cache_limit(limits.cache)
     if previous < limits.cache:  # MLX's own default is lower (the CPU backend's): keep it
         mx.set_cache_limit(previous)

@@ -15,12 +15,12 @@ import asyncio
 import logging
 import signal
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.async_engine import AsyncEngine
 from server.heap import freeze_startup_objects
 from server.http.connections import (
     AcceptErrorSummary,
@@ -36,11 +36,17 @@ _POLL_S = 0.05
 _ABORTED_REPLY_GRACE_S = 5.0  # for handlers to send the last "abort" chunk of each request
 
 
+class Abortable(Protocol):
+    """What a drain aborts once its time is up: an AsyncEngine, or every loaded model's."""
+
+    def abort_all(self) -> None: ...
+
+
 class Drain:
     """What a graceful shutdown waits for: the HTTP requests in flight (counted by `DrainGate`,
     which also turns new ones away once `draining`)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: Abortable) -> None:
         self.engine = engine
         self.draining = False
         self.in_flight = 0  # event loop only

@@ -238,6 +238,10 @@ class ModelCard(BaseModel):
     # A LoRA adapter's card: the base model's id, and where the adapter was loaded from.
     parent: str | None = None
     root: str | None = None
+    # On a server of several models: "loaded", "loading" or "unloaded", and the other
+    # names (and name patterns) that pick this model.
+    state: str | None = None
+    aliases: list[str] | None = None
 
 
 class ModelList(BaseModel):

@@ -3,7 +3,8 @@
 // wants one, lives in this tab's sessionStorage and goes in a header, never in a URL.
 "use strict";
 
-const STATE_URL = "/dashboard/state";
+// On a server of several models, the page's ?model=NAME picks whose state it shows.
+const STATE_URL = "/dashboard/state" + location.search;
 const KEY_STORAGE = "metal-serve-api-key";
 const refreshSeconds = Math.max(0.2, Number(new URLSearchParams(location.search).get("refresh")) || 1);
 

@@ -1,0 +1,57 @@
+"""`/v1/models` cards for a server of several models: a loaded model's from its engine, an
+unloaded one's from its files (read once)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import cache
+from pathlib import Path
+
+from server.fleet.catalog import ModelEntry
+from server.openai.protocol import ModelCard
+
+log = logging.getLogger("metal_serve")
+
+
+def unloaded_card(entry: ModelEntry, created: int, **extra: object) -> ModelCard:
+    """What the model's dir says of it before it loads: its trained context, parameters and
+    capabilities (those of a loaded model are its engine's). A .gguf or hub reference says
+    nothing until loaded."""
+    return ModelCard(id=entry.name, created=created, **_from_files(entry.reference), **extra)
+
+
+@cache
+def _from_files(reference: str | None) -> dict:
+    if reference is None:  # the bundled default model: a chat model
+        return {"capabilities": ["completion", "chat"]}
+    path = Path(reference).expanduser()
+    if not (path / "config.json").is_file():
+        return {}
+    from metal_engine.loading.model_config import ModelConfig
+    from metal_engine.loading.parameter_count import count_parameters
+
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    try:
+        config = ModelConfig.from_dict(raw)
+        counts = count_parameters(config)
+    except (ValueError, KeyError, TypeError) as exc:  # loading will say what is wrong
+        log.warning("model %s: its config.json cannot be read: %s", path, exc)
+        return {}
+    return {"max_model_len": config.trained_context_len, "num_parameters": counts.total,
+            "active_parameters": counts.active, "capabilities": _capabilities(path, raw)}
+
+
+def _capabilities(path: Path, raw: dict) -> list[str]:
+    if (path / "modules.json").is_file():  # sentence-transformers: it pools
+        return ["embeddings"]
+    chat = (path / "chat_template.jinja").is_file() or "chat_template" in _tokenizer_config(path)
+    vision = "vision_config" in raw
+    return ["completion", *(["chat"] if chat else []), *(["vision"] if vision else [])]
+
+
+def _tokenizer_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,119 @@
+"""Two chat models and an embedding model behind one real server, with the official openai
+and anthropic clients: requests by name and by alias, a model loaded on first use and
+another unloaded (least recently used) when a third needs the memory of a small budget,
+`/v1/models` states, admin load and unload, and each error naming the field."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from embedding_models import build_embedding_model
+from server_helpers import running_app
+from tiny_models import build_tiny_model
+from tiny_server import CHAT_TEMPLATE
+
+from server.fleet.args import model_catalog
+from server.fleet.front import build_fleet_app
+from server.fleet.serve import fleet_of
+from server.launch import _http_options, add_arguments
+
+# Each model: 16 MiB of KV and well under 1 MiB of weights; two fit in the budget, not three.
+KV = "16MiB"
+BUDGET = "40MiB"
+
+
+@pytest.fixture(scope="module")
+def fleet_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    for name, layers in (("coder", 2), ("small", 1)):
+        build_tiny_model("llama", root / name, num_hidden_layers=layers)
+        (root / name / "tokenizer_config.json").write_text(
+            json.dumps({"chat_template": CHAT_TEMPLATE}))
+    build_embedding_model(root / "embed")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--model", f"coder={root / 'coder'}", "--model", f"small={root / 'small'}",
+        "--model", f"embed={root / 'embed'}", "--pin", "coder",
+        "--alias", "claude-*-haiku-*=small", "--alias", "text-embedding-*=embed",
+        "--kv-cache-memory", KV, "--max-model-len", "128", "--models-memory", BUDGET,
+    ])  # fmt: skip
+    catalog = model_catalog(args)
+    fleet = fleet_of(catalog, args, _http_options(args))
+    with running_app(build_fleet_app(fleet, _http_options(args), ("coder",))) as url:
+        yield url
+
+
+def states(client: openai.OpenAI) -> dict[str, str]:
+    return {card.id: card.state for card in client.models.list().data}
+
+
+def chat(client: openai.OpenAI, model: str) -> str:
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "w3 w4"}], max_tokens=4,
+        temperature=0)
+    return reply.model
+
+
+def test_models_load_on_first_use_by_name_and_alias_and_the_lru_one_makes_room(fleet_server):
+    client = openai.OpenAI(base_url=f"{fleet_server}/v1", api_key="none")
+    cards = {card.id: card for card in client.models.list().data}
+    assert states(client) == {"coder": "loaded", "small": "unloaded", "embed": "unloaded"}
+    assert cards["small"].max_model_len == 256  # its trained context, read from its files
+    assert cards["small"].aliases == ["claude-*-haiku-*"]
+    assert cards["embed"].capabilities == ["embeddings"]
+
+    assert chat(client, "coder") == "coder"
+    assert chat(client, "claude-3-5-haiku-20241022") == "small"  # loaded for it
+    assert states(client) == {"coder": "loaded", "small": "loaded", "embed": "unloaded"}
+
+    # The budget holds two: the embedding model takes the room of `small` (idle, unpinned).
+    embedded = client.embeddings.create(model="text-embedding-3-small", input=["w5 w6", "w7"])
+    assert [len(item.embedding) for item in embedded.data] == [64, 64]
+    assert states(client) == {"coder": "loaded", "small": "unloaded", "embed": "loaded"}
+    cards = {card.id: card for card in client.models.list().data}
+    assert cards["embed"].max_model_len == 128 and cards["coder"].num_parameters > 0
+
+    # And back: `small` loads again, `embed` (least recently used, unpinned) makes room.
+    assert chat(client, "small") == "small"
+    assert states(client) == {"coder": "loaded", "small": "loaded", "embed": "unloaded"}
+    metrics = httpx.get(f"{fleet_server}/metrics").text
+    assert 'metal_serve_model_loaded{model_name="embed"} 0.0' in metrics
+    assert 'metal_serve_model_loads{model_name="small"} 2.0' in metrics
+    assert 'vllm:num_requests_running{engine="0",model_name="coder"}' in metrics
+
+
+def test_an_unknown_model_is_a_404_in_each_apis_error_shape(fleet_server):
+    client = openai.OpenAI(base_url=f"{fleet_server}/v1", api_key="none")
+    with pytest.raises(openai.NotFoundError) as refused:
+        chat(client, "gpt-4o")
+    error = refused.value.body
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    assert "it serves coder, small, embed" in error["message"]
+    claude = anthropic.Anthropic(base_url=fleet_server, api_key="none")
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        claude.messages.create(model="claude-opus-4", max_tokens=4,
+                               messages=[{"role": "user", "content": "w3"}])
+    assert refused.value.body["type"] == "error"
+    assert "claude-opus-4" in refused.value.body["error"]["message"]
+
+
+def test_admin_load_and_unload_by_name(fleet_server):
+    unloaded = httpx.post(f"{fleet_server}/v1/models/unload", json={"model": "small"})
+    assert unloaded.status_code == 200 and unloaded.json()["state"] == "unloaded"
+    loaded = httpx.post(f"{fleet_server}/v1/models/load", json={"model": "small"})
+    assert loaded.status_code == 200 and loaded.json()["state"] == "loaded"
+    unknown = httpx.post(f"{fleet_server}/v1/models/load", json={"model": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    missing = httpx.post(f"{fleet_server}/v1/models/load", json={})
+    assert missing.status_code == 400 and "model" in missing.json()["error"]["message"]
+
+
+def test_a_dashboard_state_per_model(fleet_server):
+    coder = httpx.get(f"{fleet_server}/dashboard/state", params={"model": "coder"}).json()
+    assert coder["model"]["served_name"] == "coder"

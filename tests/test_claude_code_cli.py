@@ -14,8 +14,12 @@ from cli_clients import cli_env, cli_path, run_cli
 from fake_engine import ReplyingEngine, ToolTemplateTokenizer, hermes_call, tool_results
 from server_helpers import running_app, running_server, small_engine
 
-from server.app import build_app
+from metal_engine.loading.parameter_count import ParameterCount
+from server.app import build_app, model_app
 from server.async_engine import AsyncEngine
+from server.fleet.catalog import ModelCatalog, ModelEntry
+from server.fleet.fleet import ModelFleet, Planned
+from server.fleet.front import ServedModel, build_fleet_app
 from server.sampling_defaults import SamplingDefaults
 
 CLAUDE_TIMEOUT_S = 180
@@ -72,6 +76,52 @@ def test_claude_code_writes_a_file_through_its_write_tool(tmp_path):
     assert {rid: p.max_tokens for rid, p in engine.params.items()} == {
         rid: min(128000, left) for rid, left in room.items()
     }
+
+
+# A project subagent on Claude Code's "haiku" model: its requests name a Haiku model id.
+SCOUT_AGENT = """---
+name: scout
+description: Looks around the work dir quickly
+model: haiku
+---
+You list files.
+"""
+
+
+def test_claude_code_on_two_models_sends_its_haiku_subagent_to_the_aliased_small_one(tmp_path):
+    """A server of two models: Claude Code's main turns name its main (Opus) model, which
+    `claude-*` sends to "large"; its Haiku subagent's name matches `claude-*haiku*` first
+    and goes to "small", loaded on that first use."""
+
+    def main_turn(prompt: str) -> list[str]:
+        if tool_results(prompt):
+            return [FINAL_TEXT]
+        return hermes_call("Agent", {"description": "Look around", "subagent_type": "scout",
+                                     "prompt": "List the files here."})
+
+    engines = {"small": ReplyingEngine(lambda prompt: ["No files."], ToolTemplateTokenizer(),
+                                       BIG_CONTEXT),
+               "large": ReplyingEngine(main_turn, ToolTemplateTokenizer(), BIG_CONTEXT)}
+    models = ModelCatalog({"small": ModelEntry("small", None, aliases=("claude-*haiku*",)),
+                           "large": ModelEntry("large", None, aliases=("claude-*",))})
+
+    def load(entry: ModelEntry, planned: Planned) -> ServedModel:
+        bridge = AsyncEngine(engines[entry.name])
+        return ServedModel(bridge, model_app(bridge, entry.name), ParameterCount(0, 0))
+
+    fleet = ModelFleet(models, 1 << 30, lambda entry: Planned(0), load,
+                       lambda served: served.bridge.shutdown())
+    agents = tmp_path / "work" / ".claude" / "agents"
+    agents.mkdir(parents=True)
+    (agents / "scout.md").write_text(SCOUT_AGENT)
+    with running_app(build_fleet_app(fleet)) as url:
+        result = run_claude(tmp_path, url, "Find the files")
+    assert result.returncode == 0, (result.stdout, result.stderr[-3000:])
+    assert FINAL_TEXT in result.stdout
+    [side] = engines["small"].prompts.values()
+    assert "List the files here." in side and "Claude Haiku" in side
+    main = list(engines["large"].prompts.values())
+    assert "Find the files" in main[0] and all("Claude Opus" in prompt for prompt in main)
 
 
 def answered_ids(engine: ReplyingEngine) -> list[str]:

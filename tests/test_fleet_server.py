@@ -117,3 +117,12 @@ def test_admin_load_and_unload_by_name(fleet_server):
 def test_a_dashboard_state_per_model(fleet_server):
     coder = httpx.get(f"{fleet_server}/dashboard/state", params={"model": "coder"}).json()
     assert coder["model"]["served_name"] == "coder"
+
+
+def test_status_shows_one_model_of_several(fleet_server, capsys):
+    from server.cli import main
+
+    assert main(["status", "--url", fleet_server, "--model", "coder"]) == 0
+    assert "coder" in capsys.readouterr().out
+    assert main(["status", "--url", fleet_server, "--model", "gpt-9"]) == 1
+    assert "serves no model 'gpt-9'" in capsys.readouterr().err

@@ -27,6 +27,11 @@ BENCHMARKS = {
         "host overhead per engine step, with the model stubbed out",
         "server.bench.engine_bench", "add_step_arguments", "run_step",
     ),
+    "models": Command(
+        "one model's inter-token gaps on a server of several: alone, beside a saturated "
+        "model, while another loads",
+        "server.bench.models", "add_models_arguments", "run_models",
+    ),
     "graph": Command(
         "kernels, host build time and syncs of a Metal step beside mlx-lm's, traced (no GPU)",
         "server.bench.graph", "add_graph_arguments", "run_graph",

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from server.dashboard import SCHEMA
 from server.dashboard.status_text import format_status
@@ -39,6 +39,9 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the server's base URL (default: {DEFAULT_URL})")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"one of the server's --api-key keys (default: ${API_KEY_ENV})")
+    parser.add_argument("--model", metavar="NAME",
+                        help="on a server of several models, the one to show (default: its "
+                        "default model, else the first loaded)")
     parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
     parser.add_argument("--interval", type=float, default=2.0,
                         help="seconds between refreshes with --watch (default: 2)")
@@ -56,7 +59,7 @@ def run_status(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     try:
         if not args.watch:
-            print(format_status(fetch_state(url, args.api_key, args.timeout), url))
+            print(format_status(fetch_state(url, args.api_key, args.timeout, args.model), url))
             return 0
         return _watch(url, args)
     except StatusError as exc:
@@ -80,16 +83,18 @@ def base_url(text: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
-def fetch_state(url: str, api_key: str | None, timeout: float) -> dict:
-    """The server's dashboard JSON; a `StatusError` saying what went wrong and what to do."""
-    request = urllib.request.Request(f"{url}/dashboard/state")
+def fetch_state(url: str, api_key: str | None, timeout: float, model: str | None = None) -> dict:
+    """The server's dashboard JSON (of `model`, on a server of several); a `StatusError`
+    saying what went wrong and what to do."""
+    query = "" if model is None else f"?model={quote(model)}"
+    request = urllib.request.Request(f"{url}/dashboard/state{query}")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
     except urllib.error.HTTPError as exc:
-        raise StatusError(_http_problem(url, exc.code, api_key)) from None
+        raise StatusError(_http_problem(url, exc.code, api_key, model)) from None
     except (urllib.error.URLError, OSError) as exc:
         raise StatusError(_unreachable(url, exc, timeout), transient=True) from None
     try:
@@ -114,7 +119,7 @@ def _watch(url: str, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     while True:
         try:
-            text = format_status(fetch_state(url, args.api_key, args.timeout), url)
+            text = format_status(fetch_state(url, args.api_key, args.timeout, args.model), url)
         except StatusError as exc:
             if not exc.transient:
                 raise
@@ -123,13 +128,16 @@ def _watch(url: str, args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
-def _http_problem(url: str, code: int, api_key: str | None) -> str:
+def _http_problem(url: str, code: int, api_key: str | None, model: str | None) -> str:
     if code == 401 and api_key:
         return (f"the server at {url} refused the API key: pass one of the keys it was "
                 f"started with (--api-key, or ${API_KEY_ENV})")
     if code == 401:
         return (f"the server at {url} needs an API key: pass --api-key KEY or set "
                 f"${API_KEY_ENV}")
+    if code == 404 and model is not None:
+        return (f"the server at {url} serves no model {model!r}: GET {url}/v1/models lists "
+                "them")
     if code == 404:
         return (f"{url} has no /dashboard/state (HTTP 404): is --url a metal-serve server, "
                 "of a version with `metal-serve status`?")

@@ -57,6 +57,7 @@ from metal_engine.loading.weights import (
     safetensors_files,
     text_model_name,
 )
+from metal_engine.models.bert import checkpoint_name
 from metal_engine.vision import gemma_config
 from metal_engine.vision.gemma_loading import converted_tower_name, converted_tower_shapes
 from metal_engine.vision.pixels import IMAGE_PROCESSOR_CONFIG, PROCESSOR_CONFIG
@@ -226,6 +227,8 @@ def _tensor_names(files: list[Path], config: ModelConfig, text_part: bool, keep_
         targets = {n: _target_name(n, text_part, keep_tower, towers) for n in shapes}
         targets = {n: moved_name(config.model_type, t) for n, t in targets.items()
                    if t is not None}
+        if config.encoder is not None:  # a cross-encoder's prefix off, what it never runs out
+            targets = {n: checkpoint_name(t, config) for n, t in targets.items()}
         if config.model_type in MTP_AFTER_THE_STACK:
             targets = {n: _mtp_name(t, layers) for n, t in targets.items()}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.

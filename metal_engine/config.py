@@ -11,6 +11,10 @@ from scheduler.config import SchedulingPolicy
 from scheduler.spec_decode.config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+# What the server answers (`--task`): "auto" as the checkpoint says (see
+# metal_engine.loading.pooling_config); "score" is "rerank" (both routes serve either).
+Task = Literal["auto", "generate", "embed", "rerank", "score"]
+TASKS: tuple[Task, ...] = ("auto", "generate", "embed", "rerank", "score")
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,7 @@ class EngineConfig:
 
     model_dir: Path
     model_name: str | None = None  # what the API calls it; default: the model dir's name
+    task: Task = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
     # None: 512 on an Apple GPU, 256 on the CPU backend (see default_token_budget).
@@ -89,6 +94,8 @@ class EngineConfig:
                              f"is {self.max_loras}: raise it")
         if self.parallel_size > 1:
             self._check_parallel()
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"

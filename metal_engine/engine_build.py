@@ -83,12 +83,16 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         log.info("memory plan: %s", line)
     budget = memory.budget
     token_budget = _token_budget(config.max_num_batched_tokens or default_token_budget(metal),
-                                 image_model)
+                                 image_model, mc)
     quant = kv_quant_of(config.kv_cache_dtype)
     plan = _plan_pool(config, planned, budget, dtype, token_budget, quant, drafter)
     kv_tokens = plan.num_blocks * config.block_size
     check_kv_cache_blocks(plan.num_blocks, budget)
     max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
+    encoder = mc.encoder is not None
+    if encoder and max_model_len > mc.trained_context_len:
+        raise ValueError(f"max_model_len {max_model_len} is past the encoder's "
+                         f"{mc.trained_context_len} learned positions: give at most that")
     if peers is not None:
         peers.send((plan, quant))
     cache = KVCache.for_model(held, plan, config.block_size, dtype, quant,
@@ -101,13 +105,15 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=token_budget,
         max_model_len=max_model_len,
-        enable_prefix_caching=config.enable_prefix_caching,
+        # An encoder's K/V of a token depend on the tokens after it: no prefix to share.
+        enable_prefix_caching=config.enable_prefix_caching and not encoder,
         scheduling_policy=config.scheduling_policy,
         window=plan.window,
         num_window_blocks=plan.num_window_blocks,
         num_state_slots=plan.num_state_slots,
         speculative=spec,
         whole_images=image_model is not None and image_model.whole_images,
+        whole_prompts=encoder,
     ), connector)
     device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
                       if drafter is not None else None)
@@ -120,19 +126,23 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     runner = ModelRunner(model, cache, device_drafter, peers, stage, image_model,
                          _adapters(model, config))
     engine = LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
-    engine.pooling = read_pooling_config(config.model_dir, name, model.has_head)
+    engine.pooling = read_pooling_config(config.model_dir, config.task, mc, model.has_head)
     return engine
 
 
-def _token_budget(budget: int, image_model: ImageModel | None) -> int:
-    """`budget`, raised to the model's largest image where a step must hold each image whole
-    (so that a chunk stretched to an image's end stays within what the pools are sized for)."""
-    if image_model is None or not image_model.whole_images:
+def _token_budget(budget: int, image_model: ImageModel | None, mc: ModelConfig) -> int:
+    """`budget`, raised to the longest span a step must hold whole: the model's largest image
+    where a step holds each image whole (so that a chunk stretched to an image's end stays
+    within what the pools are sized for), an encoder's longest prompt."""
+    if mc.encoder is not None:
+        largest, what = mc.trained_context_len, "an encoder's prompt"
+    elif image_model is not None and image_model.whole_images:
+        largest, what = image_model.max_image_tokens, "each image"
+    else:
         return budget
-    largest = image_model.max_image_tokens
     if budget < largest:
-        log.info("token budget raised from %d to %d: a step holds each image whole", budget,
-                 largest)
+        log.info("token budget raised from %d to %d: a step holds %s whole", budget, largest,
+                 what)
     return max(budget, largest)
 
 

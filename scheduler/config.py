@@ -32,6 +32,9 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     # A text model whose image tokens see each other in prefill: no chunk ends inside an image.
     whole_images: bool = False
+    # A bidirectional encoder: each prompt is computed whole in one step (its tokens see each
+    # other), or waits for a step with room; the token budget must hold max_model_len.
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -47,6 +50,9 @@ class SchedulerConfig:
                              f"{self.state_checkpoint_interval}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.whole_prompts and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"whole prompts need a token budget of at least max_model_len "
+                             f"({self.max_model_len}), got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"

@@ -16,8 +16,9 @@ class PoolingParams:
     """How one pooling request reduces its prompt's final hidden states to one vector.
 
     The vector is truncated to its first `dimensions` (Matryoshka), then L2-normalized if
-    `normalize`. With `logit_token_ids` the request returns the LM head's logits of those
-    tokens at the pooled position instead (a reranker's yes/no pair); only "last" pools so.
+    `normalize`. With `logit_token_ids` the request returns the model's head's outputs of
+    those ids at the pooled row instead: a causal reranker's "yes" and "no" token logits at
+    the last token, a cross-encoder's label score at the first.
     """
 
     kind: PoolingKind = "last"
@@ -30,8 +31,6 @@ class PoolingParams:
             raise ValueError(f"pooling must be one of {POOLING_KINDS}, got {self.kind!r}")
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")
-        if self.logit_token_ids and self.kind != "last":
-            raise ValueError(f"logits are read at the last token, not with {self.kind!r} pooling")
 
     @property
     def reads_every_row(self) -> bool:

@@ -191,6 +191,8 @@ class Scheduler:
                 continue  # e.g. its recurrent state may go back to before the drafts in flight
             num_new = min(request.num_uncomputed_tokens, budget)
             num_new = self._cut(request, request.num_computed_tokens, num_new)
+            if num_new == 0:
+                continue  # a whole prompt that waits for a step with room
             while not self._reserve_blocks(request, num_new):
                 # The one the policy would admit last: fcfs, the newest; priority, the lowest.
                 victim = max(self.running, key=self.waiting.key)
@@ -224,6 +226,8 @@ class Scheduler:
                 continue
             hits, stored = self.prefix_cache.lookup_stored(request, hits)
             blocks = stored.of("blocks")
+            if self._num_new(request, len(hits) + len(blocks.ready), budget) == 0:
+                break  # its whole prompt does not fit what is left of this step
             if not self._can_admit(request, len(hits) + len(blocks.ready) + len(blocks.unread),
                                    budget):
                 break
@@ -286,7 +290,10 @@ class Scheduler:
     def _cut(self, request: Request, start: int, num_new: int) -> int:
         """A chunk ends where a group must see a boundary (a hybrid model's checkpoint), and
         with `whole_images` outside every image of the prompt (last: it may also stretch a
-        chunk to an image's end)."""
+        chunk to an image's end). With `whole_prompts` a prompt that does not fit whole gets
+        no chunk (0)."""
+        if self.config.whole_prompts:
+            return num_new if start + num_new >= request.num_prompt_tokens else 0
         for group in self.groups:
             num_new = group.cut(request, start, num_new)
         if self.config.whole_images:

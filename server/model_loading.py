@@ -31,7 +31,7 @@ ENGINE_OPTIONS = (
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
     "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
     "tensor_parallel_size", "pipeline_parallel_size", "kv_write_through", "dtype",
-    "lora_modules", "max_loras", "max_lora_rank",
+    "lora_modules", "max_loras", "max_lora_rank", "task",
 )  # fmt: skip
 
 
@@ -157,8 +157,8 @@ def warm_up(engine: LLMEngine) -> None:
     from kernels_metal.fallbacks import all_fallbacks
     from metal_engine.warm_up import warm_up as run_warm_up
 
-    if not engine.runner.model.has_head:  # warm-up samples; an embedding model pools
-        log.info("warm-up: skipped for a model without an LM head (embeddings only)")
+    if engine.pooling is not None:  # warm-up samples; a pooling model's requests pool
+        log.info("warm-up: skipped for a model that serves %s", engine.pooling.task)
         return
     seconds = run_warm_up(engine)
     fallbacks = all_fallbacks()

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
+from metal_engine.config import TASKS
 from scheduler.spec_decode.config import SpeculativeConfig
 from server.core.tool_parser_choice import PARSERS
 from server.media.options import (
@@ -108,6 +109,13 @@ def _add_model_and_http_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default="default",
         help="model id listed by /v1/models besides the directory name (any name is accepted)",
+    )
+    parser.add_argument(
+        "--task", choices=TASKS,
+        help="what the model serves: generate (chat and completions), embed (/v1/embeddings), "
+        "rerank or score (/v1/rerank and /v1/score); auto (default) as the checkpoint says: "
+        "a ...ForSequenceClassification cross-encoder reranks, an encoder or a checkpoint "
+        "without an LM head embeds (docs/embeddings.md)",
     )
     parser.add_argument(
         "--tool-call-parser",

@@ -21,8 +21,8 @@ from server.openai.rerank_prompt import rerank_prompt
 MAX_MODEL_LEN = 128
 
 
-def _engine(path, name=None):
-    return build_engine(EngineConfig(model_dir=path, model_name=name, max_model_len=MAX_MODEL_LEN,
+def _engine(path, task="auto"):
+    return build_engine(EngineConfig(model_dir=path, task=task, max_model_len=MAX_MODEL_LEN,
                                      kv_cache_memory=16 << 20))
 
 
@@ -109,9 +109,10 @@ def test_rerank_and_score_equal_transformers(tmp_path):
     path = tmp_path / "tiny-Reranker"
     path.mkdir()
     reference = build_reranker(path)
+    assert _engine(path).pooling is None  # a causal LM generates unless told otherwise
     query, documents = "w3 yes w4", ["w5 w6 w7", "no w9", "w11 w12 w13 w14 w15"]
     expected = _reference_scores(reference, path, query, documents)
-    with running_server(_engine(path), "tiny-reranker") as url:
+    with running_server(_engine(path, task="rerank"), "tiny-reranker") as url:
         answer = httpx.post(f"{url}/v1/rerank", json={
             "model": "tiny-reranker", "query": query, "documents": documents, "top_n": 2})
         assert answer.status_code == 200, answer.text

@@ -413,3 +413,23 @@ def test_a_salted_block_loaded_back_from_the_store_hits_only_its_salt():
     assert loads(tier.run(salted("other", "y"))) == []
     assert loads(tier.run(salted("unsalted", None))) == []
     assert len(loads(tier.run(salted("again", "x")))) == 3
+
+
+def test_whole_prompts_are_never_split_and_wait_for_a_step_with_room():
+    from scheduler.pooling_params import PoolingParams
+
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16,
+                                  max_model_len=16, enable_prefix_caching=False,
+                                  whole_prompts=True))
+    for rid, n in (("a", 10), ("b", 10), ("c", 5)):
+        s.add_request(Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=1),
+                              eos_token_ids=(2,), pooling=PoolingParams("cls")))
+    out, updates = step(s)
+    assert counts(out) == {"a": 10}  # b does not fit the 6 tokens left; nothing jumps it
+    assert [u.finish_reason for u in updates] == ["stop"]
+    out, _ = step(s)
+    assert counts(out) == {"b": 10, "c": 5}
+    assert all(x.start_position == 0 and x.pools for x in out.scheduled)
+    with pytest.raises(ValueError, match="whole prompts need a token budget"):
+        SchedulerConfig(num_blocks=8, max_num_batched_tokens=8, max_model_len=16,
+                        whole_prompts=True)

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from metal_engine.loading.text_part import text_part_config
-from metal_engine.models import gemma4_config, muse_glimmer_config, qwen3_vl_config
+from metal_engine.models import encoder_config, gemma4_config, muse_glimmer_config, qwen3_vl_config
+from metal_engine.models.encoder_config import (
+    ENCODER_ACTIVATIONS,
+    ENCODER_ARCHITECTURES,
+    ENCODERS,
+    EncoderOptions,
+    read_encoder,
+)
 from metal_engine.models.gemma4_config import Gemma4Options, read_gemma4
 from metal_engine.models.linear_attention_config import GatedDeltaNetConfig
 from metal_engine.models.mla_config import MlaConfig
@@ -47,6 +54,8 @@ ARCHITECTURES = {
     "muse_glimmer_text": "MuseGlimmerTextModel",
     "qwen3_vl_text": "Qwen3VLTextModel",
     "qwen3_vl_moe_text": "Qwen3VLMoeTextModel",
+    # Encoders: their base model's (a cross-encoder's config says so: EncoderOptions.to_hf).
+    **{model_type: classes[0] for model_type, classes in ENCODER_ARCHITECTURES.items()},
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -80,6 +89,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True},
     "gemma4_text": gemma4_config.DEFAULTS,
+    **encoder_config.DEFAULTS,
     "muse_glimmer_text": muse_glimmer_config.DEFAULTS,
     "qwen3_5_text": {"partial_rotary_factor": 0.25},
     "qwen3_5_moe_text": {"partial_rotary_factor": 0.25},
@@ -134,6 +144,8 @@ class ModelConfig:
     linear_attention: GatedDeltaNetConfig | None = None
     # Multi-head latent attention's shape; None: the model's attention keeps K and V per head.
     mla: MlaConfig | None = None
+    # A bidirectional encoder's options (BERT, XLM-RoBERTa); None: a causal decoder.
+    encoder: EncoderOptions | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -159,9 +171,10 @@ class ModelConfig:
         for rope in (self.rope, self.local_rope or self.rope):
             if int(self.head_dim * rope.partial_rotary_factor) % 2:
                 raise ValueError(f"the rotated part of head_dim {self.head_dim} must be even")
-        if self.hidden_act not in ACTIVATIONS:
+        activations = ACTIVATIONS if self.encoder is None else ENCODER_ACTIVATIONS
+        if self.hidden_act not in activations:
             raise ValueError(f"activation {self.hidden_act!r} is not supported; supported: "
-                             f"{', '.join(ACTIVATIONS)}")
+                             f"{', '.join(activations)}")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has "
                              f"{self.num_hidden_layers}")
@@ -172,7 +185,10 @@ class ModelConfig:
     def trained_context_len(self) -> int:
         """The longest context the model is meant for: max_position_embeddings, or what YaRN
         stretches the original length to (Qwen's recipe adds rope_scaling to an unchanged
-        max_position_embeddings). The other rope kinds already count in max_position_embeddings."""
+        max_position_embeddings). The other rope kinds already count in max_position_embeddings.
+        An encoder's learned positions end there, counted from its first position's row."""
+        if self.encoder is not None:
+            return self.max_position_embeddings - self.encoder.position_offset
         rope = self.rope
         if rope.rope_type == "yarn" and rope.factor and rope.original_max_position_embeddings:
             stretched = int(rope.original_max_position_embeddings * rope.factor)
@@ -271,6 +287,7 @@ class ModelConfig:
         layer_types = _layer_types(cfg, window)
         gemma4 = model_type == "gemma4_text"
         mla = MlaConfig.from_hf(cfg) if model_type in MLA else None
+        encoder = read_encoder(cfg) if model_type in ENCODERS else None
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -283,7 +300,8 @@ class ModelConfig:
                       else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # An encoder's checkpoint may say tied (its masked-LM head's), but it has no LM head.
+            tie_word_embeddings=encoder is None and bool(cfg.get("tie_word_embeddings", False)),
             rope=rope,
             local_rope=local_rope,
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
@@ -306,6 +324,7 @@ class ModelConfig:
             qk_norm=bool(cfg.get("use_qk_norm", False)) if model_type == "glm4_moe" else False,
             moe=read_moe(cfg),
             mla=mla,
+            encoder=encoder,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
         )
@@ -345,6 +364,8 @@ class ModelConfig:
             config.update(self.linear_attention.to_hf())
         if self.mla is not None:
             config.update(self.mla.to_hf())
+        if self.encoder is not None:
+            config.update(self.encoder.to_hf(self.model_type))
         if self.model_type == "laguna":
             config.update(gating=self.output_gate, num_attention_heads_per_layer=[
                 self.attention_heads(i) for i in range(self.num_hidden_layers)])

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from kernels_metal.backends import device_ops_name, ops_named
+from kernels_metal.backends import device_ops_name
 from kernels_metal.metadata import AttentionMetadata
-from kernels_metal.ops import OpsName
 from metal_engine.cache.kv_cache import KVCache
 from metal_engine.loading.model_config import ModelConfig
-from metal_engine.models import ops_user
 from metal_engine.models.layers import Linear, RMSNorm
-from metal_engine.models.ops_user import OpsUser
+from metal_engine.models.ops_user import OpsModel, OpsUser
 from metal_engine.models.rope import LayerRopes
 from metal_engine.models.step_images import StepImages
 
@@ -79,11 +76,8 @@ class DecoderModel(nn.Module, OpsUser):
         return h
 
 
-class CausalLM(nn.Module, OpsUser):
-    """`__call__` gives final hidden states for every packed row; `logits` only for chosen rows.
-
-    Its ops backend is the device's (`kernels_metal.backends.device_ops_name`) unless `use_ops`
-    names another."""
+class CausalLM(OpsModel):
+    """`__call__` gives final hidden states for every packed row; `logits` only for chosen rows."""
 
     decoder_class: type[DecoderModel] = DecoderModel
     # The family's multi-token-prediction head (`mtp.*` weights), if it has one.
@@ -97,10 +91,6 @@ class CausalLM(nn.Module, OpsUser):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.use_ops(device_ops_name())
-
-    def use_ops(self, name: OpsName) -> None:
-        """Compute with a fresh backend `name` from now on (see kernels_metal.ops)."""
-        ops_user.use_ops(self, ops_named(name))
 
     def __call__(self, input_ids: mx.array, positions: mx.array, meta: AttentionMetadata,
                  cache: KVCache, images: StepImages | None = None) -> mx.array:
@@ -134,20 +124,6 @@ class CausalLM(nn.Module, OpsUser):
         """`logits` soft-capped where the config says."""
         cap = self.config.final_logit_softcapping
         return logits if cap is None else self.ops.softcap(logits, cap)
-
-    def settle(self) -> None:
-        """Loaded and warmed up: let the backend place the weights it streams."""
-        self.ops.settle([p for _, p in tree_flatten(self.parameters())])
-
-    def update(self, parameters: dict, strict: bool = True) -> CausalLM:
-        self.ops.parameters_changed()  # new parameters may be of another dtype
-        return super().update(parameters, strict)
-
-    def update_modules(self, modules: dict, strict: bool = True) -> CausalLM:
-        self.ops.parameters_changed()  # e.g. quantized layers in place of float ones
-        super().update_modules(modules, strict)
-        ops_user.use_ops(self, self.ops)  # new modules compute with the model's backend too
-        return self
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop source tensors that are not parameters here (a tied head has no weight)."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 from functools import cache
 
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from kernels_metal.backends import device_ops_name, ops_named
-from kernels_metal.ops import Ops
+from kernels_metal.ops import Ops, OpsName
 
 
 @cache
@@ -37,3 +38,27 @@ def use_ops(module: nn.Module, ops: Ops) -> None:
     for m in module.modules():
         if isinstance(m, OpsUser):
             m.ops = ops
+
+
+class OpsModel(nn.Module, OpsUser):
+    """A whole model (a causal LM, an encoder): it hands its modules their backend and tells
+    the backend when its parameters change. Its ops backend is the device's
+    (`kernels_metal.backends.device_ops_name`) unless `use_ops` names another."""
+
+    def use_ops(self, name: OpsName) -> None:
+        """Compute with a fresh backend `name` from now on (see kernels_metal.ops)."""
+        use_ops(self, ops_named(name))
+
+    def settle(self) -> None:
+        """Loaded and warmed up: let the backend place the weights it streams."""
+        self.ops.settle([p for _, p in tree_flatten(self.parameters())])
+
+    def update(self, parameters: dict, strict: bool = True) -> OpsModel:
+        self.ops.parameters_changed()  # new parameters may be of another dtype
+        return super().update(parameters, strict)
+
+    def update_modules(self, modules: dict, strict: bool = True) -> OpsModel:
+        self.ops.parameters_changed()  # e.g. quantized layers in place of float ones
+        super().update_modules(modules, strict)
+        use_ops(self, self.ops)  # new modules compute with the model's backend too
+        return self

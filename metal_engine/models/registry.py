@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metal_engine.loading.model_config import SUPPORTED_MODEL_TYPES
 from metal_engine.models import (
+    bert,
     deepseek_v3,
     gemma2,
     gemma3,
@@ -24,8 +25,9 @@ from metal_engine.models import (
     qwen3_moe,
 )
 from metal_engine.models.decoder import CausalLM
+from metal_engine.models.ops_user import OpsModel
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
+MODEL_CLASSES: dict[str, type[OpsModel]] = {
     "llama": llama.Model,
     "mistral": mistral.Model,
     "qwen2": qwen2.Model,
@@ -50,10 +52,13 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     # Qwen3-VL's text models: Qwen3's layers, turned by 3-D positions on image tokens.
     "qwen3_vl_text": qwen3.Model,
     "qwen3_vl_moe_text": qwen3_moe.Model,
+    # Bidirectional encoders: embedding models and cross-encoders.
+    "bert": bert.Model,
+    "xlm-roberta": bert.Model,
 }
 
 
-def model_class(model_type: str) -> type[CausalLM]:
+def model_class(model_type: str) -> type[CausalLM] | type[bert.Model]:
     if model_type not in MODEL_CLASSES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")

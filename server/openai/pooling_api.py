@@ -22,6 +22,7 @@ from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
 from server.core.prompt_ids import check_context, check_token_ids
 from server.http.errors import APIError
+from server.openai.cross_encoder import classifier_score, pair_prompts
 from server.openai.pooling_protocol import (
     MAX_INPUTS,
     Embedding,
@@ -66,10 +67,10 @@ def pooling_router(async_engine: AsyncEngine, served_model_name: str) -> APIRout
 
     @router.post("/v1/rerank")
     async def rerank(body: RerankRequest) -> RerankResponse:
-        require("rerank", "rerank")
+        config = require("rerank", "rerank")
         if not body.documents:
             raise APIError("documents is empty: send at least one document.", param="documents")
-        scores, usage = await _scores(async_engine, [body.query] * len(body.documents),
+        scores, usage = await _scores(async_engine, config, [body.query] * len(body.documents),
                                       body.documents, body.instruction, "documents")
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
         results = [RerankResult(index=i, relevance_score=scores[i],
@@ -80,10 +81,10 @@ def pooling_router(async_engine: AsyncEngine, served_model_name: str) -> APIRout
 
     @router.post("/v1/score")
     async def score(body: ScoreRequest) -> ScoreResponse:
-        require("rerank", "scores")
+        config = require("rerank", "scores")
         queries, documents = _score_pairs(body.text_1, body.text_2)
-        scores, usage = await _scores(async_engine, queries, documents, body.instruction,
-                                      "text_2")
+        scores, usage = await _scores(async_engine, config, queries, documents,
+                                      body.instruction, "text_2")
         return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()),
                              model=served_model_name, usage=usage,
                              data=[Score(index=i, score=s) for i, s in enumerate(scores)])
@@ -118,13 +119,21 @@ async def _embedding_prompts(async_engine: AsyncEngine, body: EmbeddingRequest,
     return prompts
 
 
-async def _scores(async_engine: AsyncEngine, queries: list[str], documents: list[str],
-                  instruction: str | None, param: str) -> tuple[list[float], PoolingUsage]:
-    """Qwen3-Reranker's relevance of each (query, document) pair."""
+async def _scores(async_engine: AsyncEngine, config: PoolingConfig, queries: list[str],
+                  documents: list[str], instruction: str | None,
+                  param: str) -> tuple[list[float], PoolingUsage]:
+    """The relevance of each (query, document) pair: a cross-encoder's classifier score over
+    the pair's encoding (its first token pooled), or Qwen3-Reranker's P("yes") over its
+    template (the last token's "yes" and "no" logits)."""
     if len(documents) > MAX_INPUTS:
         raise APIError(f"{param} has {len(documents)} items; at most {MAX_INPUTS} per request.",
                        param=param)
     tokenizer = async_engine.tokenizer
+    if config.scorer == "classifier":
+        prompts = await async_engine.prepare(pair_prompts, tokenizer, queries, documents)
+        pooling = PoolingParams("cls", normalize=False, logit_token_ids=(0,))
+        outputs = await _pool_all(async_engine, prompts, pooling, param)
+        return [classifier_score(o.pooled, config.sigmoid) for o in outputs], _usage(outputs)
     texts = [rerank_prompt(q, d, instruction) for q, d in zip(queries, documents, strict=True)]
     prompts = await async_engine.prepare(_tokenize, tokenizer, texts)
     pooling = PoolingParams("last", normalize=False, logit_token_ids=yes_no_token_ids(tokenizer))

@@ -1,0 +1,110 @@
+"""Tiny random BERT and XLM-RoBERTa checkpoints, saved as their real ones are: an embedding
+model (the base model, sentence-transformers' files beside it, as bge / all-MiniLM ship) and a
+cross-encoder (`...ForSequenceClassification` with one label, as bge-reranker ships), each with
+its family's tokenizer (BERT's WordPiece with token types, XLM-R's unigram without) over the
+words `w5` .. `w127`.
+
+The references are transformers' models: an embedding is the pooling the test's
+sentence-transformers files describe over the base model's last hidden states, as
+sentence-transformers computes it; a score is the classifier's logit over the tokenizer's pair
+encoding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+FAMILIES = ("bert", "xlm-roberta")
+VOCAB = 128
+MAX_POSITIONS = 64  # the encoder's positions (XLM-R's table has 2 more rows: it counts from 2)
+_SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "intermediate_size": 96}
+_CLASSES = {
+    "bert": (transformers.BertConfig, transformers.BertModel,
+             transformers.BertForSequenceClassification),
+    "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel,
+                    transformers.XLMRobertaForSequenceClassification),
+}
+
+
+def _save(family: str, path: Path, cross_encoder: bool):
+    config_class, base, classifier = _CLASSES[family]
+    offset = 2 if family == "xlm-roberta" else 0
+    config = config_class(**_SHAPE, max_position_embeddings=MAX_POSITIONS + offset,
+                          num_labels=1)
+    torch.manual_seed(0)
+    model = (classifier if cross_encoder else base)(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():  # norms off 1, biases off 0: a misread one shows
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(family).save_pretrained(path)
+    return model
+
+
+def _tokenizer(family: str):
+    words = [f"w{i}" for i in range(5, VOCAB)]
+    if family == "bert":
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        return transformers.BertTokenizer(vocab={w: i for i, w in enumerate(specials + words)})
+    pieces = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("<mask>", 0.0)]
+    return transformers.XLMRobertaTokenizer(vocab=pieces + [(f"\u2581{w}", -1.0) for w in words])
+
+
+def build_embedding_encoder(family: str, path: Path, pooling: str = "cls",
+                            normalize: bool = True):
+    """Save a tiny embedding encoder with sentence-transformers' files (`pooling`: "cls" or
+    "mean"); return the float32 transformers base model (the reference)."""
+    model = _save(family, path, cross_encoder=False)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    modes = {"cls": "cls_token", "mean": "mean_tokens", "max": "max_tokens",
+             "last": "lasttoken"}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": _SHAPE["hidden_size"],
+         **{f"pooling_mode_{mode}": kind == pooling for kind, mode in modes.items()}}))
+    return model
+
+
+def build_cross_encoder(family: str, path: Path, activation: str | None = None):
+    """Save a tiny cross-encoder (one label); `activation`: the score activation its
+    config.json names for sentence-transformers (None: its default). Returns the float32
+    transformers model."""
+    model = _save(family, path, cross_encoder=True)
+    if activation is not None:
+        config = json.loads((path / "config.json").read_text())
+        config["sentence_transformers"] = {"activation_fn": activation}
+        (path / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def tokenizer_of(path: Path):
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def embedding(model, tokenizer, text: str, pooling: str, normalize: bool) -> torch.Tensor:
+    """sentence-transformers' embedding of `text`: the tokenizer's ids (special tokens
+    added), the base model's last hidden states pooled, L2-normalized if the pipeline says."""
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        hidden = model(ids).last_hidden_state[0]
+    vector = hidden[0] if pooling == "cls" else hidden.mean(0)
+    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+def pair_logit(model, tokenizer, query: str, document: str) -> float:
+    """The cross-encoder's raw score of one pair, as transformers computes it."""
+    encoded = tokenizer(query, document, return_tensors="pt")
+    with torch.no_grad():
+        return model(**encoded).logits[0, 0].item()

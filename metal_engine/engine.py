@@ -96,6 +96,9 @@ class LLMEngine:
             self._check_pooling(pooling)
         elif not self.runner.model.has_head:
             raise ValueError("the model has no LM head: it serves embeddings, not generation")
+        elif self.pooling is not None:
+            raise ValueError(f"the model serves {self.pooling.task} requests, not generation "
+                             "(a causal LM generates when started with --task generate)")
         if lora_name is not None and lora_name not in self.adapter_names():
             raise ValueError(f"no LoRA adapter named {lora_name!r} is loaded")
         grammar = self.structured.compile(params.structured) if params.structured else None

@@ -203,13 +203,13 @@ def _capabilities(async_engine: AsyncEngine) -> list[str]:
     """What the model serves: "completion" and "chat" (a chat template) if it generates,
     "vision" if it reads images, "embeddings" or "rerank" if it pools."""
     runner = getattr(async_engine.engine, "runner", None)
-    generates = runner is None or runner.model.has_head
+    pooling = getattr(async_engine.engine, "pooling", None)
+    generates = runner is None or (runner.model.has_head and pooling is None)
     capabilities = ["completion"] if generates else []
     if generates and getattr(async_engine.tokenizer, "chat_template", None):
         capabilities.append("chat")
     if async_engine.vision:
         capabilities.append("vision")
-    pooling = getattr(async_engine.engine, "pooling", None)
     if pooling is not None:
         capabilities.append("embeddings" if pooling.task == "embed" else "rerank")
     return capabilities

@@ -109,6 +109,8 @@ def test_doctor_on_metal_checks_the_gpu_kernels(capsys):
         ([], "kv_cache_dir", None),
         (["--kv-cache-dir", "/tmp/kv"], "kv_cache_dir", Path("/tmp/kv")),
         (["--kv-cache-dir-size", "2GiB"], "kv_cache_dir_size", 2 << 30),
+        ([], "task", "auto"),
+        (["--task", "rerank"], "task", "rerank"),
     ],
 )
 def test_options_reach_the_engine_config(tmp_path, monkeypatch, argv, field, value):

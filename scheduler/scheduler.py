@@ -67,7 +67,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; raise ValueError if it could never fit the context or the pool,
         or if it has a priority that the fcfs policy would ignore."""
-        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
+        # A pooling request generates nothing: its prompt may fill the context.
+        max_tokens = 0 if request.pooling is not None else request.params.max_tokens
+        self.check_fits(request.num_prompt_tokens, max_tokens)
         self.check_priority(request.priority)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -77,12 +79,13 @@ class Scheduler:
         self.waiting.add(request)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """`max_tokens` 0: a request that only reads its prompt (it pools)."""
         cfg = self.config
-        if num_prompt_tokens >= cfg.max_model_len:
+        if num_prompt_tokens + min(max_tokens, 1) > cfg.max_model_len:
+            room = " (at least one token must remain for the output)" if max_tokens else ""
             raise ValueError(
                 f"the prompt has {num_prompt_tokens} tokens but the context length is "
-                f"{cfg.max_model_len}: shorten the prompt (at least one token must remain "
-                "for the output)"
+                f"{cfg.max_model_len}: shorten the prompt{room}"
             )
         worst_case = min(num_prompt_tokens + max_tokens, cfg.max_model_len)
         if cdiv(worst_case, cfg.block_size) > cfg.num_blocks:

@@ -57,10 +57,19 @@ def test_embeddings_equal_sentence_transformers_batched_and_alone(bert_embedding
     assert {tuple(card.model_extra["capabilities"]) for card in cards} == {("embeddings",)}
 
 
+def test_an_input_may_fill_every_position(bert_embeddings):
+    client, _, reference, tokenizer = bert_embeddings
+    full = " ".join(f"w{i}" for i in range(5, 3 + MAX_POSITIONS))  # + [CLS] and [SEP]
+    assert len(tokenizer(full)["input_ids"]) == MAX_POSITIONS
+    got = client.embeddings.create(model="tiny-bge", input=full).data[0].embedding
+    np.testing.assert_allclose(got, embedding(reference, tokenizer, full, "cls", True),
+                               atol=1e-4)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"),
     ({"input": [TOO_LONG]}, "input"),
-    ({"input": [list(range(5, 5 + MAX_POSITIONS))]}, "input"),
+    ({"input": [list(range(5, 6 + MAX_POSITIONS))]}, "input"),
 ])
 def test_bad_embedding_requests_are_400s_naming_the_field(bert_embeddings, body, param):
     client, url, _, _ = bert_embeddings

@@ -20,7 +20,7 @@ from metal_engine.outputs import RequestOutput
 from scheduler.pooling_params import PoolingParams
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
-from server.core.prompt_ids import check_context, check_token_ids
+from server.core.prompt_ids import check_token_ids
 from server.http.errors import APIError
 from server.openai.cross_encoder import classifier_score, pair_prompts
 from server.openai.pooling_protocol import (
@@ -162,7 +162,7 @@ async def _pool_all(async_engine: AsyncEngine, prompts: list[list[int]],
                     pooling: PoolingParams, param: str) -> list[RequestOutput]:
     """Each prompt's pooled output, all queued at once so they share steps."""
     for ids in prompts:
-        check_context(len(ids), 1, async_engine.max_model_len, param)
+        _check_length(len(ids), async_engine.max_model_len, param)
     base = uuid.uuid4().hex
     return await asyncio.gather(*(_pool_one(async_engine, ids, pooling, f"pool-{base}-{i}")
                                   for i, ids in enumerate(prompts)))
@@ -181,6 +181,14 @@ async def _pool_one(async_engine: AsyncEngine, ids: list[int], pooling: PoolingP
     if last is None or last.pooled is None:
         raise APIError("The request was aborted before it pooled.", status_code=503)
     return last
+
+
+def _check_length(num_tokens: int, max_model_len: int, param: str) -> None:
+    """A prompt that pools may fill the context (it generates nothing), not go past it."""
+    if num_tokens > max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens, but an "
+                       f"input has {num_tokens} tokens; shorten the {param}.", param=param,
+                       code="context_length_exceeded")
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -4,7 +4,8 @@ On a Metal device the paged-attention kernels serve every call they support (dty
 dim; float or int8/int4 quantized pools); on MLX's CPU backend a numpy implementation over
 views of the pools does (fp32/fp16 pools); anything else goes to the pure-MLX reference. The
 kernels are judged per `Variant` (element dtype, KV bits, head dim, block size, heads,
-whether the layer has a window / a soft-cap / attention sinks): the first call of a variant
+whether the layer has a window / a soft-cap / attention sinks, whether the step's image rows
+see each other): the first call of a variant
 builds its kernels and checks them against the reference on a small step with the layer's
 options. A variant that fails that check, or whose kernels raise later (a launch that first
 compiles when evaluated included), falls back (one warning naming it and the reason); every
@@ -63,6 +64,7 @@ class Variant(NamedTuple):
     with_sinks: bool = False
     kv_bits: int | None = None  # of quantized pools; None: float pools
     value_dim: int | None = None  # MLA's latent rows: their first value_dim are the values
+    last_keys: bool = False  # rows that see past their own position (AttentionMetadata)
 
     @property
     def name(self) -> str:
@@ -70,18 +72,19 @@ class Variant(NamedTuple):
         kv = f"-kv{self.kv_bits}" if self.kv_bits else ""
         dv = f"-dv{self.value_dim}" if self.value_dim else ""
         options = ("-window" * self.windowed + "-softcap" * self.softcapped
-                   + "-sinks" * self.with_sinks)
+                   + "-sinks" * self.with_sinks + "-lastkeys" * self.last_keys)
         return (f"{dtype}{kv}-d{self.head_dim}{dv}-bs{self.block_size}"
                 f"-h{self.num_heads}kv{self.kv_heads}{options}")
 
 
 def variant_of(q: mx.array, k_pool: mx.array | QuantizedPool, window: int | None = None,
                softcap: float | None = None, sinks: mx.array | None = None,
-               value_dim: int | None = None) -> Variant:
+               value_dim: int | None = None, last_keys: bool = False) -> Variant:
     _, block_size, kv_heads, head_dim = k_pool.shape
     bits = k_pool.bits if isinstance(k_pool, QuantizedPool) else None
     return Variant(kernel_dtype(q, k_pool), head_dim, block_size, q.shape[1], kv_heads,
-                   window is not None, softcap is not None, sinks is not None, bits, value_dim)
+                   window is not None, softcap is not None, sinks is not None, bits, value_dim,
+                   last_keys)
 
 
 class _Dispatch(CheckedDispatch[PagedAttentionKernels, Variant]):
@@ -154,13 +157,12 @@ def _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
                                                         sinks)
 
     args = (q, k_pool, v_pool, sinks)
-    # Rows that see past their own position (an image's tokens in a Gemma prefill,
-    # `meta.last_keys`) are not in the kernels: the backend's own path serves those steps.
-    if (not _state.on_kernels() or unsupported_reason(q, k_pool) is not None
-            or meta.last_keys is not None):
+    if not _state.on_kernels() or unsupported_reason(q, k_pool) is not None:
         return without_kernels(*args), without_kernels
-    return _state.serve(variant_of(q, k_pool, window, softcap, sinks), prepare, without_kernels,
-                        args, (window, softcap))
+    # Rows that see past their own position (an image's tokens in a Gemma prefill) take the
+    # tiled kernel's variant that reads `meta.last_keys`, checked on its own.
+    variant = variant_of(q, k_pool, window, softcap, sinks, last_keys=meta.last_keys is not None)
+    return _state.serve(variant, prepare, without_kernels, args, (window, softcap))
 
 
 def latent_attention(q: mx.array, pool: mx.array | QuantizedPool, value_dim: int,
@@ -263,16 +265,21 @@ def kernels_disabled_reason(variant: Variant | None = None) -> str | None:
 def first_use_case(variant: Variant, window: int | None = None,
                    softcap: float | None = None) -> Case:
     """The small mixed step a variant is checked on, with the layer's window and soft-cap
-    (and random sinks if it has them).
+    (and random sinks if it has them; if it reads last keys, images whose rows see each
+    other: one across the chunk's 32-row tiles, one in a 3-row run).
 
     A window is shortened so that it cuts into the step's contexts (starts mid-block).
     """
     bs = variant.block_size
     requests = ((2 * bs + 3, 1), (0, 1), (bs - 1, 33))  # decodes; a chunk over 32-row tiles
+    images = ()
+    if variant.last_keys:
+        requests, images = (*requests, (bs, 3)), ((2, 24, 9), (3, 0, 2))
     return Case(variant.dtype, variant.head_dim, bs, variant.num_heads, variant.kv_heads,
                 requests, window=min(window or bs + 3, bs + 3) if variant.windowed else None,
                 softcap=(softcap or CHECK_SOFTCAP) if variant.softcapped else None,
-                sinks=variant.with_sinks, kv_bits=variant.kv_bits, value_dim=variant.value_dim)
+                sinks=variant.with_sinks, kv_bits=variant.kv_bits, value_dim=variant.value_dim,
+                images=images)
 
 
 def check_variant(kernels: PagedAttentionKernels, variant: Variant, window: int | None = None,

@@ -40,6 +40,9 @@ class Case:
     # MLA's latent rows: one KV head whose first `value_dim` elements are the values (the
     # V pool is the K pool); None: a V pool of its own.
     value_dim: int | None = None
+    # Image spans whose rows see each other (AttentionMetadata.last_keys): (request, its
+    # first query row in the step, rows); each of those rows sees up to the span's last.
+    images: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -51,8 +54,9 @@ class Case:
         dtype = str(self.dtype).removeprefix("mlx.core.")
         kv = f"-kv{self.kv_bits}" if self.kv_bits else ""
         dv = f"-dv{self.value_dim}" if self.value_dim else ""
+        images = "".join(f"-img{r}:{first}+{n}" for r, first, n in self.images)
         return (f"{dtype}{kv}-d{self.head_dim}{dv}-bs{self.block_size}-h{self.num_heads}"
-                f"kv{self.kv_heads}-[{reqs}]{split}{window}{softcap}{sinks}")
+                f"kv{self.kv_heads}-[{reqs}]{split}{window}{softcap}{sinks}{images}")
 
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -141,9 +145,28 @@ SINK_CASES = [
 ]
 
 
+def image_cases() -> list[Case]:
+    """Steps whose image rows see each other (Gemma's), per (dtype, head dim), cycling block
+    size and GQA ratio, with windows, soft-caps and sinks (period 4): a span across query
+    tiles and key tiles, one that starts a chunk (a prefix hit inside an image), two in one
+    chunk, and one in a 3-row run (which must leave the per-token kernel), beside decodes."""
+    cases = []
+    for i, (dtype, d) in enumerate(itertools.product(DTYPES, (64, 128, 256))):
+        bs = BLOCK_SIZES[i % 2]
+        heads, kv = GQA[i % len(GQA)]
+        requests = ((3 * bs + 1, 1), (bs + 5, 40), (2 * bs - 3, 20), (bs, 3))
+        images = ((1, 6, 17), (1, 30, 9), (2, 0, 11), (3, 0, 2))
+        options = i % 4
+        cases.append(Case(dtype, d, bs, heads, kv, requests, (None, bs)[i % 2],
+                          window=9 if options == 1 else None,
+                          softcap=30.0 if options == 2 else None, sinks=options == 3,
+                          images=images))
+    return cases
+
+
 def grid() -> list[Case]:
     """The kernel check grid over float pools: every variant once, then the edge cases."""
-    return variant_cases() + EDGE_CASES + WINDOW_CASES + SINK_CASES
+    return variant_cases() + EDGE_CASES + WINDOW_CASES + SINK_CASES + image_cases()
 
 
 KV_BITS = (8, 4)
@@ -212,10 +235,26 @@ def make_inputs(case: Case, seed: int = 0):
         cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables,
         slot_mapping=np.zeros(int(cu[-1]), np.int64), block_size=bs,
     )
+    if case.images:
+        meta = meta.with_last_keys(image_last_keys(meta, case.images))
     k_pool, v_pool = (_pool(x, nan_blocks, case) for x in (k, v))
     if case.value_dim is not None:
         v_pool = k_pool
     return mx.array(q).astype(case.dtype), k_pool, v_pool, meta, d**-0.5
+
+
+def image_last_keys(meta: AttentionMetadata,
+                    images: tuple[tuple[int, int, int], ...]) -> np.ndarray:
+    """Each row's last visible key: its position, or its image span's last."""
+    last_keys = meta.positions.copy()
+    q_lens = np.diff(meta.cu_seqlens_q)
+    for request, first, rows in images:
+        if first + rows > q_lens[request]:
+            raise ValueError(f"an image of rows {first}..{first + rows - 1} in request "
+                             f"{request}'s {q_lens[request]} rows")
+        row = int(meta.cu_seqlens_q[request]) + first
+        last_keys[row:row + rows] = last_keys[row + rows - 1]
+    return last_keys
 
 
 def _pool(values: np.ndarray, nan_blocks: np.ndarray, case: Case) -> mx.array | QuantizedPool:

@@ -48,11 +48,13 @@ REPORT_WINDOW, REPORT_SOFTCAP = 256, 50.0
 NO_METAL = ("the Metal kernels on the GPU, their pipeline thread limits and GPU timings: no "
             "Metal device (only Apple Silicon has one)")
 
-# One variant per (dtype, head dim) at GQA 4, then Gemma 2's shape (head dim 256, window, cap)
-# and GPT-OSS's (head dim 64, GQA 8, window, sinks); over int8 and int4 pools, every head dim
-# in float16 and head dim 128 in the other dtypes; DeepSeek's latent rows (576, 512 values).
+# One variant per (dtype, head dim) at GQA 4, then Gemma 2's shape (head dim 256, window, cap),
+# Gemma 3's image prefill (head dim 256, window, rows that see their image's end) and GPT-OSS's
+# (head dim 64, GQA 8, window, sinks); over int8 and int4 pools, every head dim in float16 and
+# head dim 128 in the other dtypes; DeepSeek's latent rows (576, 512 values).
 VARIANTS = [Variant(t, d, 16, 8, 2) for t in DTYPES for d in HEAD_DIMS] + [
     Variant(t, 256, 16, 8, 2, windowed=True, softcapped=True) for t in DTYPES] + [
+    Variant(t, 256, 16, 8, 4, windowed=True, last_keys=True) for t in DTYPES] + [
     Variant(t, 64, 16, 8, 1, windowed=True, with_sinks=True) for t in DTYPES] + [
     Variant(t, d, 16, 8, 2, kv_bits=bits) for bits in KV_BITS for t in DTYPES
     for d in (HEAD_DIMS if t == mx.float16 else (128,))] + [

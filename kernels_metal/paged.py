@@ -73,12 +73,14 @@ def unsupported_reason(q: mx.array, k_pool: mx.array | QuantizedPool) -> str | N
 
 
 class PagedAttentionKernels:
-    """Decode rows -> per-token split-K kernel (+ reduce); prefill chunks -> tiled kernel."""
+    """Decode rows -> per-token split-K kernel (+ reduce); prefill chunks -> tiled kernel
+    (its variant with a last key per row for a step whose image rows see each other)."""
 
     def __init__(self, metal_kernel=None, options: PlanOptions | None = None) -> None:
         factory = metal_kernel or mx.fast.metal_kernel
         self.decode_kernels = make_decode_kernels(factory)
         self.prefill_kernel = make_prefill_kernel(factory)
+        self.prefill_last_keys_kernel = make_prefill_kernel(factory, last_keys=True)
         self.options = options or PlanOptions()
 
     def plan(self, meta: AttentionMetadata, num_heads: int, kv_heads: int,
@@ -88,6 +90,13 @@ class PagedAttentionKernels:
         if key not in meta.backend_plans:
             meta.backend_plans[key] = build_plan(meta, num_heads, kv_heads, options, window)
         return meta.backend_plans[key]
+
+    def prefill_kernel_for(self, plan: KernelPlan):
+        """The tiled kernel `plan`'s rows need: the one that reads each row's last key where
+        some see past their own position (an image's), else the causal one."""
+        if plan.prefill is not None and plan.prefill.last_keys is not None:
+            return self.prefill_last_keys_kernel
+        return self.prefill_kernel
 
     def prepare(self, q: mx.array, k_pool: mx.array | QuantizedPool, meta: AttentionMetadata,
                 scale: float, window: int | None = None, softcap: float | None = None,
@@ -100,8 +109,8 @@ class PagedAttentionKernels:
         plan = self.plan(meta, num_heads, kv_heads, window, value_dim is not None)
         params = params_for(plan, num_heads, kv_heads, scale, softcap)
         dtype = kernel_dtype(q, k_pool)
-        launch = PlanLaunch(plan, self.decode_kernels, self.prefill_kernel, dtype, num_heads,
-                            k_pool, params, value_dim)
+        launch = PlanLaunch(plan, self.decode_kernels, self.prefill_kernel_for(plan), dtype,
+                            num_heads, k_pool, params, value_dim)
         return PreparedAttention(launch, dtype, num_heads)
 
     def __call__(self, q: mx.array, k_pool: mx.array | QuantizedPool,

@@ -8,7 +8,9 @@
 
 Requests with at most `decode_max_query_len` query rows (decodes, short speculative runs) go
 to the per-token kernel, the rest to the tiled kernel, so a co-scheduled prefill chunk never
-changes how a decode row is computed. Every layer of the step reuses the plan.
+changes how a decode row is computed. A request with rows that see past their own position
+(an image's, `AttentionMetadata.last_keys`) goes to the tiled kernel's variant that reads each
+row's last key, whatever its length. Every layer of the step reuses the plan.
 """
 
 from __future__ import annotations
@@ -101,12 +103,17 @@ class DecodeWork:
 
 @dataclass(frozen=True)
 class PrefillWork:
-    tiles: mx.array  # [n, 8] int32: request, first q row, first out row, rows, first position
+    # [n, 8] int32: request, first q row, first out row, rows, first position, and with
+    # `last_keys` the keys the tile's rows see at most
+    tiles: mx.array
     num_tiles: int
     num_rows: int
     block_q: int
     heads_per_group: int
     chunks: int
+    # [max(total_q, 8)] int32: each packed row's last visible key, for the tiled kernel's
+    # variant that reads them; None: every row sees up to its own position
+    last_keys: mx.array | None = None
     requests: tuple = field(default=(), compare=False, repr=False)  # what tiles are cut from
     variants: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -117,8 +124,7 @@ class PrefillWork:
                 self.heads_per_group, self.chunks, self.block_q):
             return self
         if head_dim not in self.variants:
-            self.variants[head_dim] = _prefill_work(*self.requests[:-1], queries_per_kv,
-                                                    head_dim)[0]
+            self.variants[head_dim] = _prefill_work(*self.requests, head_dim)[0]
         return self.variants[head_dim]
 
 
@@ -162,12 +168,27 @@ def build_plan(meta: AttentionMetadata, num_heads: int, kv_heads: int,
     cu = meta.cu_seqlens_q.astype(np.int64)
     q_lens = np.diff(cu)
     seq_lens = meta.seq_lens.astype(np.int64)
-    is_decode = q_lens <= options.decode_max_query_len
+    last_keys, ahead = _rows_seeing_ahead(meta)
+    is_decode = (q_lens <= options.decode_max_query_len) & ~ahead
     decode = _decode_work(cu, q_lens, seq_lens, np.flatnonzero(is_decode & (q_lens > 0)),
                           nh, chunks, kv_heads, options, window)
-    prefill, _ = _prefill_work(cu, q_lens, seq_lens, np.flatnonzero(~is_decode),
-                                          num_heads // kv_heads)
+    prefill, _ = _prefill_work(cu, q_lens, seq_lens, np.flatnonzero(~is_decode), last_keys,
+                               num_heads // kv_heads)
     return KernelPlan(decode, prefill, _padded_tables(meta.block_tables), window, {})
+
+
+def _rows_seeing_ahead(meta: AttentionMetadata) -> tuple[np.ndarray | None, np.ndarray]:
+    """(`meta.last_keys`, or None if no row sees past its own position; for each request,
+    whether one of its rows does)."""
+    if meta.last_keys is None:
+        return None, np.zeros(meta.num_requests, bool)
+    ahead = np.zeros(meta.num_requests, bool)
+    row_ahead = meta.last_keys > meta.positions
+    if not row_ahead.any():
+        return None, ahead
+    request_of_row = np.repeat(np.arange(meta.num_requests), np.diff(meta.cu_seqlens_q))
+    ahead[request_of_row[row_ahead]] = True
+    return meta.last_keys, ahead
 
 
 class PlanLaunch:
@@ -266,7 +287,9 @@ def _decode_table(rows: list[int], req: list[int], ctx: list[int], nh, chunks, k
     return DecodeWork(mx.array(table, mx.int32), len(rows), num_parts, part, nh, chunks)
 
 
-def _prefill_work(cu, q_lens, seq_lens, requests, queries_per_kv, head_dim=None):
+def _prefill_work(cu, q_lens, seq_lens, requests, last_keys, queries_per_kv, head_dim=None):
+    """The tiled kernel's work for `requests`; with `last_keys` (per packed row), each
+    tile's key count from them and the rows' last keys for the kernel."""
     if len(requests) == 0:
         return None, np.zeros(0, np.int64)
     nh, chunks, block_q = prefill_config(queries_per_kv, head_dim)
@@ -282,10 +305,19 @@ def _prefill_work(cu, q_lens, seq_lens, requests, queries_per_kv, head_dim=None)
     tiles[:, 2] = out_start
     tiles[:, 3] = np.minimum(block_q, q_lens[req] - first)
     tiles[:, 4] = seq_lens[req] - q_lens[req] + first
+    rows = None
+    if last_keys is not None:
+        in_tile = np.arange(block_q) < tiles[:, 3:4]
+        rows_seen = last_keys[np.minimum(tiles[:, 1:2] + np.arange(block_q), len(last_keys) - 1)]
+        tiles[:, 5] = np.minimum(np.where(in_tile, rows_seen, -1).max(axis=1) + 1,
+                                 seq_lens[tiles[:, 0]])
+        rows = np.zeros(max(len(last_keys), MIN_METADATA_ELEMENTS), np.int32)
+        rows[: len(last_keys)] = last_keys
     # Most keys first: the longest tiles start early instead of finishing last.
     tiles = tiles[np.argsort(-(tiles[:, 4] + tiles[:, 3]), kind="stable")]
     work = PrefillWork(mx.array(tiles), len(tiles), int(lens.sum()), block_q, nh, chunks,
-                       (cu, q_lens, seq_lens, requests, queries_per_kv))
+                       None if rows is None else mx.array(rows),
+                       (cu, q_lens, seq_lens, requests, last_keys, queries_per_kv))
     return work, _rows_of(cu, requests)
 
 

@@ -19,6 +19,10 @@ the P V product without a trip through threadgroup memory, and the running outpu
 element by element. This relies on the lane -> element layout of Apple GPUs (the one MLX's
 steel attention relies on too; the emulator models it, `metal-serve doctor` checks it on a
 Mac).
+
+A step whose image rows see each other (Gemma's, `AttentionMetadata.last_keys`) runs a variant
+with one more input: each packed row's last visible key (`LAST_KEYS_LIMITS`); its tiles load
+keys up to the last any of their rows sees. The causal kernel stays as it is for other steps.
 """
 
 from __future__ import annotations
@@ -60,11 +64,12 @@ def query_block(heads_per_group: int, max_simdgroups: int = MAX_SIMDGROUPS) -> i
 
 # params: as decode.py: [10] = window (0: none); NH, CHUNKS and BQ are template constants.
 # sinks: as decode.py (one logit per head, exp2 domain, -FLT_MAX: none); K/V inputs as decode.py.
-# tiles: [req, q_row, out_row, num_q, first_pos, 0, 0, 0]
+# tiles: [req, q_row, out_row, num_q, first_pos, keys, 0, 0]; keys (with last_keys only):
+# the tile's rows see keys 0 .. keys - 1 at most.
 # MERGE: `out` holds every packed row: prefill rows go to their packed row, and threadgroups
 # past the last tile copy one decode row each (its head group) from `dec_out` to the packed
 # row `dec_rows` names; otherwise `out` holds the prefill rows only and dec_* are not read.
-PREFILL_SOURCE = """
+_PREFILL_START = """
   const int H = params[0], KVH = params[1], MB = params[2];
   const int WIN = params[10] > 0 ? params[10] : (1 << 30);  // row p sees keys > p - WIN
 """ + HEAD_GROUP_SOURCE + """
@@ -123,7 +128,26 @@ PREFILL_SOURCE = """
   const int row_pos = pos0 + r0 + fr;
   const int sg_first = pos0 + r0;
   const int sg_last = pos0 + r0 + sg_rows - 1;
+"""
+
+# How far each row sees (the causal kernel's: to its own position) and what the tile loads.
+CAUSAL_LIMITS = """
+  const int row_sees_to = row_pos;  // the last key this lane's row sees
+  const int sg_sees_to = sg_last;  // the last key any row of the simdgroup sees
+  const int sg_all_see_to = sg_first;  // every row of the simdgroup sees the keys up to here
   const int n_keys = pos0 + nq;  // keys up to the tile's last query position
+"""
+
+# With `last_keys` (an int32 per packed row, AttentionMetadata.last_keys): an image's rows see
+# up to its end. The tile loads keys up to the last any of its rows sees (tiles[5], plan.py).
+LAST_KEYS_LIMITS = """
+  const int row_sees_to = row_valid ? last_keys[q_start + r0 + fr] : row_pos;
+  const int sg_sees_to = simd_max(row_valid ? row_sees_to : -1);
+  const int sg_all_see_to = simd_min(row_valid ? row_sees_to : (1 << 30));
+  const int n_keys = info[5];
+"""
+
+_PREFILL_LOOP = """
   const int k_first = max(0, pos0 - WIN + 1);  // the first key the tile's first row sees
   const device int* table = block_tables + long(req) * MB;
   // Staging as in the decode kernel: `tpk` threads per key, one block-table lookup each.
@@ -154,7 +178,7 @@ PREFILL_SOURCE = """
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (!active || k0 > sg_last || k0 + n - 1 <= sg_first - WIN) {
+    if (!active || k0 > sg_sees_to || k0 + n - 1 <= sg_first - WIN) {
       continue;  // no key of this tile is visible to this simdgroup's rows
     }
     simdgroup_matrix<float, 8, 8> sm[KC];
@@ -168,7 +192,8 @@ PREFILL_SOURCE = """
         simdgroup_multiply_accumulate(sm[kc], qm[c], km, sm[kc]);
       }
     }
-    const bool masked = k0 + n - 1 > sg_first || k0 <= sg_last - WIN || n < TK || sg_rows < 8;
+    const bool masked = k0 + n - 1 > sg_all_see_to || k0 <= sg_last - WIN || n < TK ||
+                        sg_rows < 8;
     float tile_max = MASKED;
     #pragma clang loop unroll(full)
     for (int kc = 0; kc < KC; ++kc) {
@@ -180,7 +205,7 @@ PREFILL_SOURCE = """
         }
         const int col = kc * 8 + fc + k;
         const int key = k0 + col;
-        if (masked && (col >= n || key > row_pos || key <= row_pos - WIN || !row_valid)) {
+        if (masked && (col >= n || key > row_sees_to || key <= row_pos - WIN || !row_valid)) {
           s = MASKED;
         }
         sm[kc].thread_elements()[k] = s;
@@ -240,14 +265,20 @@ PREFILL_SOURCE = """
   }
 """
 
+PREFILL_SOURCE = _PREFILL_START + CAUSAL_LIMITS + _PREFILL_LOOP
+PREFILL_LAST_KEYS_SOURCE = _PREFILL_START + LAST_KEYS_LIMITS + _PREFILL_LOOP
+PREFILL_INPUTS = ["q", "k_pool", "v_pool", "k_scales", "v_scales", "block_tables", "tiles",
+                  "params", "dec_out", "dec_rows", "sinks"]
 
-def make_prefill_kernel(metal_kernel):
+
+def make_prefill_kernel(metal_kernel, last_keys: bool = False):
+    """The tiled kernel; with `last_keys`, the one whose rows see up to a key of their own
+    (an extra input), so that steps without image rows keep the causal kernel as it is."""
     return metal_kernel(
-        name="paged_attention_prefill",
-        input_names=["q", "k_pool", "v_pool", "k_scales", "v_scales", "block_tables", "tiles",
-                     "params", "dec_out", "dec_rows", "sinks"],
+        name="paged_attention_prefill_last_keys" if last_keys else "paged_attention_prefill",
+        input_names=PREFILL_INPUTS + ["last_keys"] * last_keys,
         output_names=["out"],
-        source=PREFILL_SOURCE,
+        source=PREFILL_LAST_KEYS_SOURCE if last_keys else PREFILL_SOURCE,
         header=QUANTIZED_STAGING_HEADER,
         compile_options=FAST_MATH,  # why it is safe: decode.py
     )
@@ -256,7 +287,8 @@ def make_prefill_kernel(metal_kernel):
 class PrefillLaunch:
     """The tiled kernel of one step for one kind of layer, made once (as `DecodeLaunch`).
     `merged_rows`: the step's packed rows when the launch also copies the decode kernel's
-    rows into place (MERGE), else None."""
+    rows into place (MERGE), else None. `kernel` is the variant `work` needs: with
+    `work.last_keys`, `make_prefill_kernel(..., last_keys=True)`'s."""
 
     def __init__(self, kernel, dtype: mx.Dtype, num_heads: int,
                  k_pool: mx.array | QuantizedPool, work, merged_rows: int | None) -> None:
@@ -281,11 +313,12 @@ class PrefillLaunch:
                  params: mx.array, sinks: mx.array, decode_out: mx.array | None = None,
                  decode_rows: mx.array | None = None) -> mx.array:
         """`pools`: `pool_inputs` of the layer's pools; `decode_out`, `decode_rows` with MERGE."""
-        tiles = self.work.tiles
+        tiles, last_keys = self.work.tiles, self.work.last_keys
         merge = decode_out is not None
         (out,) = self.kernel(
             inputs=[q, *pools, block_tables, tiles, params, decode_out if merge else q,
-                    decode_rows if merge else tiles, sinks], **self.spec)
+                    decode_rows if merge else tiles, sinks,
+                    *([] if last_keys is None else [last_keys])], **self.spec)
         return out
 
 

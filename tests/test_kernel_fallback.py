@@ -275,7 +275,8 @@ VARIANTS = [
     Variant(mx.float16, 80, 32, 8, 2, with_sinks=True, kv_bits=4),  # 8-byte loads of codes
     Variant(mx.bfloat16, 128, 16, 6, 2, windowed=True, softcapped=True, kv_bits=4),
     Variant(mx.float32, 256, 32, 8, 1, windowed=True, kv_bits=4),
-]
+] + [Variant(dtype, 256, 16, 8, 4, windowed=i == 0, kv_bits=(None, 8)[i // 2], last_keys=True)
+     for i, dtype in enumerate(DTYPES)]  # Gemma 3's image prefill
 
 
 def test_the_variant_list_covers_head_dim_256_with_window_and_softcap_and_sinks():
@@ -286,6 +287,7 @@ def test_the_variant_list_covers_head_dim_256_with_window_and_softcap_and_sinks(
         DTYPES)
     assert {v.dtype for v in VARIANTS if v.windowed and v.with_sinks} == set(DTYPES)
     assert {v.dtype for v in VARIANTS if v.with_sinks and not v.windowed} == set(DTYPES)
+    assert {v.dtype for v in VARIANTS if v.last_keys} == set(DTYPES)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)

@@ -91,9 +91,9 @@ def test_use_kernels_routes_supported_calls_only(fresh_dispatch):
     assert kernels.calls == 1
 
 
-def test_a_step_whose_image_rows_see_ahead_goes_around_the_kernels(fresh_dispatch):
-    """`meta.last_keys` (an image's tokens seeing each other) is not in the kernels: such a
-    step gets the backend's own attention, the same rows without it the kernels."""
+def test_a_step_whose_image_rows_see_ahead_goes_to_the_kernels(fresh_dispatch):
+    """`meta.last_keys` (an image's tokens seeing each other) reaches the kernels, which
+    read it (test_kernels_last_keys.py); the same rows without it too."""
     kernels = RecordingKernels()
     q, k, v, meta, scale = make_inputs(CASE)
     last_keys = meta.positions.copy()
@@ -101,9 +101,9 @@ def test_a_step_whose_image_rows_see_ahead_goes_around_the_kernels(fresh_dispatc
     extended = meta.with_last_keys(last_keys)
     with attention.use_kernels(kernels):
         out = attention.paged_attention(q, k, v, extended, scale)
-        assert kernels.calls == 0
-        attention.paged_attention(q, k, v, extended.causal, scale)
         assert kernels.calls == 1
+        attention.paged_attention(q, k, v, extended.causal, scale)
+        assert kernels.calls == 2
     np.testing.assert_allclose(np.array(out),
                                np.array(paged_attention_reference(q, k, v, extended, scale)),
                                atol=1e-5, rtol=1e-5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +25,8 @@ from tiny_models import GEMMA_IMAGE_TOKENS, VOCAB, build_tiny_model
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from convert import convert_model
+from kernels_metal import attention, emulator
+from kernels_metal.paged import PagedAttentionKernels
 from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
 from metal_engine.input_batch import build_step_inputs
@@ -184,10 +187,22 @@ def image_ends(ids: np.ndarray) -> np.ndarray:
     return last
 
 
-@pytest.mark.parametrize("backend", ["host", "reference"])
+class LastKeysCount(PagedAttentionKernels):
+    """The emulated kernels, counting the layer kinds whose step reads last keys."""
+
+    calls = 0
+
+    def prepare(self, q, k_pool, meta, *args, **kwargs):
+        plan = self.plan(meta, q.shape[1], k_pool.shape[2], *args[2:3])
+        self.calls += plan.prefill is not None and plan.prefill.last_keys is not None
+        return super().prepare(q, k_pool, meta, *args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["host", "reference", "kernels"])
 def test_prompt_logits_with_images_match_transformers(checkpoint, backend):
     """Every row's logits, the image rows seeing their whole image (within the window on
-    sliding layers); without that extension they differ."""
+    sliding layers); without that extension they differ. "kernels": the Metal backend, its
+    kernels run by the MSL emulator (the prefill kernel's last-keys variant)."""
     family, model, processor, model_dir = checkpoint
     mark = placeholder(family)
     inputs, images = image_rows(family, model, processor, [4, 5, mark, 9, mark, 11, 12],
@@ -196,17 +211,20 @@ def test_prompt_logits_with_images_match_transformers(checkpoint, backend):
         expected = model(**inputs).logits[0].numpy()
     ids = inputs["input_ids"][0].tolist()
     got = {}
+    kernels = LastKeysCount(emulator.metal_kernel)
     for extended in (True, False):
         runner, scheduler = make_runner_and_scheduler(model_dir, block_size=8)
-        runner.model.use_ops(backend)
+        runner.model.use_ops("metal" if backend == "kernels" else backend)
         scheduler.add_request(Request("a", ids, SamplingParams(max_tokens=1)))
         step = build_step_inputs(scheduler.schedule(), runner.cache.block_size)
         meta = step.attention.with_last_keys(image_ends(np.array(ids)) if extended else None)
-        hidden = runner.model(mx.array(step.input_ids), mx.array(step.positions), meta,
-                              runner.cache, images)
-        got[extended] = np.array(runner.model.logits(hidden))
+        with attention.use_kernels(kernels) if backend == "kernels" else nullcontext():
+            hidden = runner.model(mx.array(step.input_ids), mx.array(step.positions), meta,
+                                  runner.cache, images)
+            got[extended] = np.array(runner.model.logits(hidden))
     np.testing.assert_allclose(got[True], expected, atol=TOL, rtol=TOL)
     assert np.abs(got[False] - expected).max() > 100 * TOL
+    assert (kernels.calls > 0) == (backend == "kernels")
 
 
 def test_detail_takes_gemma4s_smallest_budget_and_leaves_gemma3s_one_size(checkpoint, tmp_path):

@@ -38,7 +38,7 @@ from metal_engine.lora.slots import AdapterSlots
 from metal_engine.models.decoder import CausalLM
 from metal_engine.parallel.peers import Peers
 from metal_engine.runner import ModelRunner
-from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES
+from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES, encoder_cache_rows
 from metal_engine.vision.image_model import ImageModel, load_image_model
 from scheduler import Scheduler, SchedulerConfig
 
@@ -112,6 +112,8 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         num_window_blocks=plan.num_window_blocks,
         num_state_slots=plan.num_state_slots,
         speculative=spec,
+        encoder_cache_rows=_encoder_rows(image_model, mc, dtype),
+        encoder_step_rows=token_budget,
         whole_images=image_model is not None and image_model.whole_images,
         whole_prompts=encoder,
     ), connector)
@@ -128,6 +130,16 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     engine = LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
     engine.pooling = read_pooling_config(config.model_dir, config.task, mc, model.has_head)
     return engine
+
+
+def _encoder_rows(image_model: ImageModel | None, mc: ModelConfig, dtype: mx.Dtype) -> int:
+    """The embedding rows the memory plan's share for the tower's outputs holds (0: the
+    model reads no images)."""
+    if image_model is None:
+        return 0
+    rows = encoder_cache_rows(mc.hidden_size * dtype.size * image_model.feature_maps)
+    log.info("encoder cache: %d embedding rows in %d MiB", rows, ENCODER_CACHE_BYTES >> 20)
+    return rows
 
 
 def _token_budget(budget: int, image_model: ImageModel | None, mc: ModelConfig) -> int:

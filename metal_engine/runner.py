@@ -28,7 +28,7 @@ from metal_engine.sampling.rejection_sampler import (
 )
 from metal_engine.sampling.sampler import SamplingBatch, sample
 from metal_engine.sampling.sampling_row import SamplingRow
-from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES, EncoderCache
+from metal_engine.vision.encoder_cache import EncoderCache
 from metal_engine.vision.image_model import ImageModel
 from metal_engine.vision.step_media import image_last_keys, step_images, step_positions
 from scheduler.output import PromptMedia, ScheduledRequest, SchedulerOutput, TokenHistory
@@ -137,8 +137,7 @@ class ModelRunner:
         self.stage = stage
         self.image_model = image_model
         self.adapters = adapters
-        self.encoder = (EncoderCache(image_model.encode, ENCODER_CACHE_BYTES)
-                        if image_model is not None else None)
+        self.encoder = EncoderCache(image_model.encode) if image_model is not None else None
         self.block_tables = BlockTables()
         self.pooler = Pooler()
         self.window_tables = BlockTables(kind="window")
@@ -181,6 +180,8 @@ class ModelRunner:
         for s in out.scheduled:
             if s.media is not None:
                 self._media[s.request_id] = s.media
+        if self.encoder is not None:  # the tower, for the chunks that first reach an image
+            self.encoder.apply(out.encoder_plan)
         positions, images, meta = step.positions, None, step.attention
         if self._media:
             positions = step_positions(out.scheduled, self._media, positions)

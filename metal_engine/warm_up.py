@@ -80,6 +80,7 @@ def warm_up(engine) -> float:
     if engine.image_model is not None:
         used.append(next(ids))
         _picture(private, used[-1], engine.image_model, question)
+        engine.runner.encoder.clear()  # the private scheduler's images: the engine's knows none
     engine.runner.release(used)
     engine.runner.model.settle()  # after the steps: they pack what the backend streams
     return time.perf_counter() - start

@@ -30,6 +30,10 @@ class SchedulerConfig:
     window: int | None = None
     # Speculative decoding: how decoding requests draft tokens that the step verifies.
     speculative: SpeculativeConfig | None = None
+    # A model that reads images: the embedding rows its encoder cache holds and the rows the
+    # tower encodes in one step (0: as many as the cache holds); 0 rows: no such model.
+    encoder_cache_rows: int = 0
+    encoder_step_rows: int = 0
     # A text model whose image tokens see each other in prefill: no chunk ends inside an image.
     whole_images: bool = False
     # A bidirectional encoder: each prompt is computed whole in one step (its tokens see each
@@ -48,6 +52,9 @@ class SchedulerConfig:
         if self.state_checkpoint_interval < 1:
             raise ValueError("state_checkpoint_interval must be at least 1, got "
                              f"{self.state_checkpoint_interval}")
+        if self.whole_images and not self.encoder_cache_rows:
+            raise ValueError("whole_images is the encoder cache group's rule: give the model "
+                             "encoder_cache_rows")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.whole_prompts and self.max_num_batched_tokens < self.max_model_len:

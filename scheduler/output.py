@@ -4,8 +4,8 @@
                        tokens, its ids in each cache group, the `TokenHistory` of one
                        admitted that samples from its history), the requests finished since
                        the last step, and the step's plans: moves to and from the KV tier
-                       (`KVTransferPlan`) and copies between recurrent-state slots
-                       (`StatePlan`)
+                       (`KVTransferPlan`), copies between recurrent-state slots
+                       (`StatePlan`) and the vision encoder's work (`EncoderPlan`)
     RequestUpdate      what one step did to one request
 
 Plain data, imported by both sides; it imports no scheduler machinery. A prompt's images
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.media import PromptMedia
+from scheduler.media import ImageSpan, PromptMedia
 from scheduler.pooling_params import PoolingParams
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request
@@ -24,7 +24,8 @@ from scheduler.sampling_params import SamplingParams
 
 # A cache group's name (scheduler.cache_groups), under which its data moves to and from the
 # tier and its ids reach the runner: "blocks" (the KV blocks of every token), "window" (a
-# sliding-window group's blocks), "states" (recurrent-state slots).
+# sliding-window group's blocks), "states" (recurrent-state slots), "encoder" (the vision
+# encoder's outputs, by image; no ids).
 CacheKind = str
 
 
@@ -72,6 +73,16 @@ class StatePlan:
     @property
     def is_empty(self) -> bool:
         return not (self.restores or self.saves)
+
+
+@dataclass
+class EncoderPlan:
+    """One step's work for the vision encoder's cache (scheduler.cache_groups.encoder_cache),
+    for the runner: before the forward, drop the `free` content hashes' features, then
+    encode the `encode` images (the step's chunks read them). Plain data."""
+
+    encode: list[ImageSpan] = field(default_factory=list)
+    free: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,8 @@ class SchedulerOutput:
     kv_plan: KVTransferPlan = field(default_factory=KVTransferPlan)
     # Copies between recurrent-state slots around the step (hybrid models).
     state_plan: StatePlan = field(default_factory=StatePlan)
+    # The vision encoder's work in the step and what its cache drops (models that read images).
+    encoder_plan: EncoderPlan = field(default_factory=EncoderPlan)
 
     @property
     def is_empty(self) -> bool:

@@ -15,7 +15,6 @@ from scheduler.block_pool import BlockPool, cdiv
 from scheduler.cache_groups import CacheGroup, FullAttentionGroup, groups_for
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnectorScheduler, TierLookup
-from scheduler.media import whole_image_chunk
 from scheduler.output import (
     CacheKind,
     RequestUpdate,
@@ -195,7 +194,7 @@ class Scheduler:
             num_new = min(request.num_uncomputed_tokens, budget)
             num_new = self._cut(request, request.num_computed_tokens, num_new)
             if num_new == 0:
-                continue  # a whole prompt that waits for a step with room
+                continue  # a whole prompt, or its next image, waits for a step with room
             while not self._reserve_blocks(request, num_new):
                 # The one the policy would admit last: fcfs, the newest; priority, the lowest.
                 victim = max(self.running, key=self.waiting.key)
@@ -291,23 +290,22 @@ class Scheduler:
         return self._cut(request, num_cached, min(request.num_tokens - num_cached, budget))
 
     def _cut(self, request: Request, start: int, num_new: int) -> int:
-        """A chunk ends where a group must see a boundary (a hybrid model's checkpoint), and
-        with `whole_images` outside every image of the prompt (last: it may also stretch a
-        chunk to an image's end). With `whole_prompts` a prompt that does not fit whole gets
-        no chunk (0)."""
+        """A chunk ends where a group must see a boundary (a hybrid model's checkpoint, an
+        image the encoder cannot take in this step, an image's end where images are whole).
+        With `whole_prompts` a prompt that does not fit whole gets no chunk (0)."""
         if self.config.whole_prompts:
             return num_new if start + num_new >= request.num_prompt_tokens else 0
         for group in self.groups:
             num_new = group.cut(request, start, num_new)
-        if self.config.whole_images:
-            num_new = whole_image_chunk(request.media, start, num_new)
         return num_new
 
     def _can_admit(self, request: Request, num_blocks: int, budget: int) -> bool:
-        """Whether every group can back a request admitted over `num_blocks` cached blocks
-        (the pool's and the tier's) and its first step's new tokens. Changes nothing."""
+        """Whether the request's first step has tokens (its first image may wait for the
+        encoder's budget) and every group can back it admitted over `num_blocks` cached
+        blocks (the pool's and the tier's). Changes nothing."""
         num_new = self._num_new(request, num_blocks, budget)
-        return all(group.can_admit(request, num_blocks, num_new) for group in self.groups)
+        return num_new > 0 and all(group.can_admit(request, num_blocks, num_new)
+                                   for group in self.groups)
 
     def _reserve_blocks(self, request: Request, num_new: int) -> bool:
         return all(group.reserve(request, num_new) for group in self.groups)

@@ -250,7 +250,7 @@ def scheduled_chunks(budget: int, images: list[tuple[int, int]], whole: bool,
     """(start, end) of each chunk a 40-token prompt with `images` (offset, length) gets."""
     scheduler = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=2,
                                           max_num_batched_tokens=budget, max_model_len=128,
-                                          whole_images=whole))
+                                          encoder_cache_rows=64, whole_images=whole))
     media = PromptMedia(tuple(ImageSpan(offset, count, f"i{offset}", None)
                               for offset, count in images))
     request = Request("a", list(range(1, length + 1)), SamplingParams(max_tokens=1),

@@ -1,10 +1,12 @@
 """A prompt's images in the scheduler and the runner, with no model: block hashes keyed by
-image content, the encoder cache's budget, the rows and positions a step gives them."""
+image content, the encoder cache group's budgets (what it holds, what a step encodes), the
+runner's features as its plans say, the rows and positions a step gives them."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from scheduler_helpers import resolve_step
 
 from metal_engine.models.mrope_positions import MropePositions
@@ -12,7 +14,7 @@ from metal_engine.vision.encoder_cache import EncoderCache
 from metal_engine.vision.step_media import step_images, step_positions
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.media import ImageSpan, PromptMedia
-from scheduler.output import ScheduledRequest
+from scheduler.output import EncoderPlan, ScheduledRequest
 
 BLOCK = 4
 PAD = 99  # the placeholder token: the same id for every image
@@ -90,32 +92,99 @@ def scheduled(request_id: str, start: int, count: int) -> ScheduledRequest:
 
 def test_a_chunk_through_an_image_takes_its_part_and_the_next_chunk_the_cached_rest():
     tower = CountingTower()
-    cache = EncoderCache(tower, budget_bytes=1 << 20)
-    media = {"r": PromptMedia((image(5, 6, "cat"),))}  # "text" has no images
+    cache = EncoderCache(tower)
+    cat = image(5, 6, "cat")
+    media = {"r": PromptMedia((cat,))}  # "text" has no images
+    cache.apply(EncoderPlan(encode=[cat]))  # the step whose chunk first reaches it
     first = [scheduled("text", 30, 1), scheduled("r", 0, 8)]  # tokens 0..7: image tokens 5-7
     images = step_images(first, media, np.array([0, 1, 9]), cache)
     assert images.rows.tolist() == [6, 7, 8]
     assert images.embeds[:, 1].tolist() == [0, 1, 2]
     assert images.deepstack[0][:, 1].tolist() == [0, 10, 20]
+    cache.apply(EncoderPlan())
     second = [scheduled("r", 8, 8)]  # tokens 8..15: image tokens 8-10
     images = step_images(second, media, np.array([0, 8]), cache)
     assert images.rows.tolist() == [0, 1, 2]
     assert images.embeds[:, 1].tolist() == [3, 4, 5]
     assert tower.calls == [["cat"]]  # encoded once, by the chunk that first needed it
     assert step_images([scheduled("r", 16, 1)], media, np.array([0, 1]), cache) is None
+    cache.apply(EncoderPlan(free=["cat"]))
+    with pytest.raises(RuntimeError, match="did not plan"):
+        step_images(second, media, np.array([0, 8]), cache)
 
 
-def test_the_encoder_cache_drops_the_least_recently_used_past_its_budget():
-    tower = CountingTower()
-    one_image = 6 * 2 * 4 * 2  # embeds and one deepstack layer, float32
-    cache = EncoderCache(tower, budget_bytes=2 * one_image)
-    a, b, c = image(0, 6, "a"), image(0, 6, "b"), image(0, 6, "c")
-    cache.features([a, b])
-    cache.features([a])  # a is now the most recent
-    cache.features([c])  # evicts b
-    cache.features([a, b])
-    assert tower.calls == [["a", "b"], ["c"], ["b"]]
-    assert cache.num_bytes <= cache.budget_bytes
+def encoder_scheduler(cache_rows: int, step_rows: int, budget: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_blocks=64, block_size=BLOCK, max_num_seqs=4,
+                                     max_num_batched_tokens=budget, max_model_len=128,
+                                     encoder_cache_rows=cache_rows, encoder_step_rows=step_rows))
+
+
+def add(s: Scheduler, request_id: str, *pictures: tuple[int, int, str]) -> None:
+    """A 40-token prompt with images (offset, length, content hash)."""
+    media = PromptMedia(tuple(image(*p) for p in pictures))
+    first = 100 * ord(request_id[0])  # prompts of their own: no prefix shared
+    s.add_request(Request(request_id, list(range(first, first + 40)),
+                          SamplingParams(max_tokens=2), media=media))
+
+
+def step(s: Scheduler) -> tuple[dict[str, tuple[int, int]], list[str], list[str]]:
+    """One step resolved: each request's chunk, the images encoded and those freed."""
+    out = s.schedule()
+    resolve_step(s, out, {x.request_id: 7 for x in out.scheduled if x.samples})
+    chunks = {x.request_id: (x.start_position, x.start_position + len(x.token_ids))
+              for x in out.scheduled}
+    return (chunks, [i.content_hash for i in out.encoder_plan.encode],
+            out.encoder_plan.free)
+
+
+def test_a_step_encodes_no_more_than_its_budget_and_a_chunk_waits_before_the_image():
+    s = encoder_scheduler(cache_rows=64, step_rows=10)
+    add(s, "a", (4, 8, "cat"))
+    add(s, "b", (12, 8, "dog"))  # the step's budget is spent on cat: b stops before dog
+    add(s, "c", (0, 6, "cow"))  # starts with an image over what is left: c waits
+    chunks, encoded, _ = step(s)
+    assert chunks == {"a": (0, 40), "b": (0, 12)} and encoded == ["cat"]
+    chunks, encoded, _ = step(s)
+    assert chunks["b"] == (12, 40) and encoded == ["dog"]
+    assert "c" not in chunks  # dog and cow (16 rows) are over one step's 10
+    chunks, encoded, _ = step(s)
+    assert chunks["c"] == (0, 40) and encoded == ["cow"]
+    assert s.group("encoder").usage() == (22, 64)
+
+
+def test_the_same_picture_is_encoded_once_and_the_least_recently_used_goes_first():
+    s = encoder_scheduler(cache_rows=16, step_rows=16)
+    add(s, "a", (4, 8, "cat"), (20, 8, "dog"))
+    assert step(s)[1:] == (["cat", "dog"], [])
+    add(s, "b", (0, 8, "dog"))  # found cached: dog is now the most recent
+    assert step(s)[1:] == ([], [])
+    add(s, "c", (0, 8, "cow"))
+    assert step(s)[1:] == (["cow"], ["cat"])
+    group = s.group("encoder")
+    assert (group.num_encoded, group.num_hits) == (3, 1)
+
+
+def test_an_image_a_request_reads_in_a_later_chunk_stays_until_a_step_is_past_it():
+    s = encoder_scheduler(cache_rows=10, step_rows=10, budget=24)
+    add(s, "a", (20, 10, "cat"))  # its first chunk of 24 cuts through cat
+    assert step(s) == ({"a": (0, 24)}, ["cat"], [])
+    add(s, "b", (0, 10, "dog"))  # the cache holds only cat, which a reads again: b waits
+    assert step(s) == ({"a": (24, 40)}, [], [])
+    chunks, encoded, freed = step(s)  # a is past cat: cat makes way for dog
+    assert chunks == {"a": (40, 41), "b": (0, 23)} and encoded == ["dog"] and freed == ["cat"]
+
+
+def test_an_image_over_the_budgets_is_encoded_alone():
+    s = encoder_scheduler(cache_rows=8, step_rows=4)
+    add(s, "a", (2, 12, "big"))
+    assert step(s) == ({"a": (0, 40)}, ["big"], [])
+    add(s, "b", (0, 3, "small"))
+    assert step(s)[1:] == (["small"], ["big"])
+
+
+def test_whole_images_belong_to_the_encoder_group():
+    with pytest.raises(ValueError, match="encoder_cache_rows"):
+        SchedulerConfig(num_blocks=8, whole_images=True)
 
 
 def test_positions_are_three_axis_only_in_steps_holding_image_rows():

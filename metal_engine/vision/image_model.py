@@ -53,6 +53,11 @@ class QwenImageModel(PlacedImages):
         processed = preprocess_image(image.image, options, min_pixels, max_pixels)
         return f"{image.content_hash}:{min_pixels}-{max_pixels}", processed
 
+    @property
+    def feature_maps(self) -> int:
+        """The embeddings and Qwen3-VL's deepstack features, each an image token's row."""
+        return 1 + len(self.tower.config.deepstack_layers)
+
     def expansion(self, num_tokens: int) -> tuple[list[int], int]:
         """The pad, once per embedding."""
         return [self.placeholder_id] * num_tokens, 0

@@ -42,6 +42,7 @@ class PlacedImages:
     placeholder_id: int
     tower: Tower
     whole_images: bool = False
+    feature_maps: int = 1  # what the tower gives each image token (Qwen3-VL: + deepstack)
 
     def process(self, image: PromptImage) -> tuple[str, ProcessedImage]:
         """The tower's input for `image` and its cache key (the picture and how it was

@@ -4,10 +4,12 @@
                                 every model has it
     sliding_window    "window"  windowed layers' blocks, only those the window still sees
     recurrent_state   "states"  a live slot per running request, checkpoints at boundaries
+    encoder_cache     "encoder" the vision tower's outputs by image, and its budget per step
 """
 
 from __future__ import annotations
 
+from scheduler.cache_groups.encoder_cache import EncoderCacheGroup
 from scheduler.cache_groups.full_attention import FullAttentionGroup
 from scheduler.cache_groups.group import CacheGroup
 from scheduler.cache_groups.recurrent_state import RecurrentStateGroup
@@ -30,4 +32,8 @@ def groups_for(config: SchedulerConfig,
         interval = config.state_checkpoint_interval if config.enable_prefix_caching else None
         groups.append(RecurrentStateGroup(config.num_state_slots, config.block_size, interval,
                                           connector))
+    if config.encoder_cache_rows:  # last: its cut may stretch a chunk to an image's end
+        groups.append(EncoderCacheGroup(config.encoder_cache_rows,
+                                        config.encoder_step_rows or config.encoder_cache_rows,
+                                        config.whole_images))
     return groups

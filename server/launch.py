@@ -35,7 +35,7 @@ _QUIET_ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`metal-serve serve`'s arguments: one model's, then those of a server of several."""
     add_serve_arguments(parser)
-    add_fleet_arguments(parser.add_argument_group("several models (docs/models.md)"))
+    add_fleet_arguments(parser.add_argument_group("several models (docs/several-models.md)"))
 
 
 def serve(args: argparse.Namespace) -> int:

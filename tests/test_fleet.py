@@ -138,6 +138,8 @@ def test_flags_naming_missing_models_are_refused(tmp_path):
         model_catalog(parse("--model", "a=/m/a", "--model", "a=/m/b"))
     with pytest.raises(ValueError, match="holds no model"):
         model_catalog(parse("--models-dir", str(tmp_path)))
+    with pytest.raises(ValueError, match="adapters belong to one model"):
+        model_catalog(parse("--model", "a=/m/a", "--lora-modules", "ft=/m/ft"))
 
 
 # ---------------------------------------------------------------- load and unload decisions

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from embedding_models import build_embedding_model
+from lora_files import save_peft_adapter
 from server_helpers import running_app
 from tiny_models import build_tiny_model
 from tiny_server import CHAT_TEMPLATE
@@ -31,16 +32,21 @@ BUDGET = "40MiB"
 def fleet_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     for name, layers in (("coder", 2), ("small", 1)):
-        build_tiny_model("llama", root / name, num_hidden_layers=layers)
+        base = build_tiny_model("llama", root / name, num_hidden_layers=layers)
         (root / name / "tokenizer_config.json").write_text(
             json.dumps({"chat_template": CHAT_TEMPLATE}))
+    save_peft_adapter(base, root / "small-ft", rank=4, seed=1)
     build_embedding_model(root / "embed")
+    # `small` through the config file: its alias, and an adapter in its own options.
+    config = root / "models.toml"
+    config.write_text('[models.small]\npath = "small"\naliases = ["claude-*-haiku-*"]\n'
+                      f'options = ["--lora-modules", "small-ft={root / "small-ft"}"]\n')
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([
-        "--model", f"coder={root / 'coder'}", "--model", f"small={root / 'small'}",
+        "--model", f"coder={root / 'coder'}", "--models-config", str(config),
         "--model", f"embed={root / 'embed'}", "--pin", "coder",
-        "--alias", "claude-*-haiku-*=small", "--alias", "text-embedding-*=embed",
+        "--alias", "text-embedding-*=embed",
         "--kv-cache-memory", KV, "--max-model-len", "128", "--models-memory", BUDGET,
     ])  # fmt: skip
     catalog = model_catalog(args)
@@ -50,7 +56,7 @@ def fleet_server(tmp_path_factory):
 
 
 def states(client: openai.OpenAI) -> dict[str, str]:
-    return {card.id: card.state for card in client.models.list().data}
+    return {card.id: card.state for card in client.models.list().data if card.parent is None}
 
 
 def chat(client: openai.OpenAI, model: str) -> str:
@@ -64,8 +70,9 @@ def test_models_load_on_first_use_by_name_and_alias_and_the_lru_one_makes_room(f
     client = openai.OpenAI(base_url=f"{fleet_server}/v1", api_key="none")
     cards = {card.id: card for card in client.models.list().data}
     assert states(client) == {"coder": "loaded", "small": "unloaded", "embed": "unloaded"}
+    assert list(cards) == ["coder", "embed", "small"]  # --model flags, then the file
     assert cards["small"].max_model_len == 256  # its trained context, read from its files
-    assert cards["small"].aliases == ["claude-*-haiku-*"]
+    assert cards["small"].aliases == ["claude-*-haiku-*", "small-ft"]
     assert cards["embed"].capabilities == ["embeddings"]
 
     assert chat(client, "coder") == "coder"
@@ -88,13 +95,20 @@ def test_models_load_on_first_use_by_name_and_alias_and_the_lru_one_makes_room(f
     assert 'vllm:num_requests_running{engine="0",model_name="coder"}' in metrics
 
 
+def test_an_adapter_named_in_a_models_options_picks_that_model(fleet_server):
+    client = openai.OpenAI(base_url=f"{fleet_server}/v1", api_key="none")
+    assert chat(client, "small-ft") == "small-ft"
+    cards = {card.id: card for card in client.models.list().data}
+    assert cards["small-ft"].parent == "small" and cards["small"].state == "loaded"
+
+
 def test_an_unknown_model_is_a_404_in_each_apis_error_shape(fleet_server):
     client = openai.OpenAI(base_url=f"{fleet_server}/v1", api_key="none")
     with pytest.raises(openai.NotFoundError) as refused:
         chat(client, "gpt-4o")
     error = refused.value.body
     assert error["param"] == "model" and error["code"] == "model_not_found"
-    assert "it serves coder, small, embed" in error["message"]
+    assert "it serves coder, embed, small" in error["message"]
     claude = anthropic.Anthropic(base_url=fleet_server, api_key="none")
     with pytest.raises(anthropic.NotFoundError) as refused:
         claude.messages.create(model="claude-opus-4", max_tokens=4,

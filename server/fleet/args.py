@@ -1,7 +1,7 @@
 """`serve`'s options for several models, and the catalog they describe.
 
 Models come from `--model NAME=REF` (repeated), `--models-dir DIR` (each model dir or .gguf
-file in it, named by its file name) and `--models-config FILE` (TOML, docs/models.md); the
+file in it, named by its file name) and `--models-config FILE` (TOML, docs/several-models.md); the
 positional model joins them, under `--served-model-name` if one is given, else its own
 name. Without any of the three the server serves one model, as it always has.
 """
@@ -42,7 +42,8 @@ def add_fleet_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--models-config", type=Path, metavar="FILE",
-        help="a TOML file of models with their aliases, pins and options (docs/models.md)",
+        help="a TOML file of models with their aliases, pins and options "
+        "(docs/several-models.md)",
     )
     group.add_argument(
         "--alias", dest="model_aliases", action="append", type=_alias,
@@ -101,12 +102,17 @@ def model_catalog(args: argparse.Namespace) -> ModelCatalog | None:
         if name not in by_name:
             raise ValueError(f"--pin {name!r}: no such model; the models are "
                              f"{', '.join(by_name)}")
+    if args.lora_modules:
+        raise ValueError("--lora-modules: adapters belong to one model; give them in that "
+                         "model's options (docs/several-models.md)")
     by_name = {name: _settled(entry, name in (args.pinned_models or ()), ttl)
                for name, entry in by_name.items()}
-    for entry in by_name.values():
-        model_args(args, entry)  # a bad option fails at start, not at its first request
+    # Each model's options are read now, so a bad one fails at start, not at its first
+    # request; the names of its adapters pick it, as with one model.
+    adapters = tuple((adapter, name) for name, entry in by_name.items()
+                     for adapter, _ in model_args(args, entry).lora_modules or ())
     return ModelCatalog(
-        by_name, tuple(args.model_aliases or ()),
+        by_name, adapters + tuple(args.model_aliases or ()),
         default=args.default_model or config.get("default_model"),
         max_loaded=args.max_loaded_models or config.get("max_loaded_models"),
         memory_bytes=args.models_memory or config.get("models_memory"),

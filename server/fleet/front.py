@@ -172,6 +172,12 @@ class _Dispatch:
 
     def _model_for(self, requested: str | None) -> str:
         catalog = self._fleet.catalog
+        if requested is not None:
+            with suppress(UnknownModel):
+                return catalog.resolve(requested, use_default=False)
+            for name, served in self._fleet.loaded():  # an adapter loaded at run time
+                if requested in served.bridge.adapters.served():
+                    return name
         if requested is not None or catalog.default is not None:
             return _resolve(catalog, requested)
         loaded = self._fleet.loaded()

@@ -37,7 +37,6 @@ from server.bridge.interfaces import Engine, NoObserver, RequestObserver
 from server.bridge.live_requests import LiveRequest
 from server.bridge.lora_adapters import LoraAdapters
 from server.bridge.request_log import log_finish, log_queued
-from server.bridge.step_turns import StepTurns
 from server.bridge.stream import QueuedAdd, RequestStream
 from server.http.logs import current_request_id
 from server.http.tenants import current_tenant
@@ -70,15 +69,12 @@ class AsyncEngine:
     handlers have seen of theirs. At most `max_queued_requests` requests (None:
     no limit) may wait for their first output; more raise `QueueFull`. Without
     `report_cached_tokens`, every output says 0 cached tokens (the hits are still used).
-    `step_turns`: on a server of several models, what their engines take turns at stepping
-    with (server.bridge.step_turns).
     """
 
     def __init__(
         self, engine: Engine, max_queued_requests: int | None = None, log_prompts: bool = False,
         sampling_defaults: SamplingDefaults | None = None, report_cached_tokens: bool = True,
         media: MediaOptions | None = None, lora_paths: Mapping[str, Path] | None = None,
-        step_turns: StepTurns | None = None,
     ) -> None:
         self.engine = engine
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
@@ -90,7 +86,7 @@ class AsyncEngine:
         self.fatal: str | None = None  # why the engine cannot go on, once it cannot
         self._fatal_lock = threading.Lock()
         self._admission = Admission(max_queued_requests)
-        self._thread = EngineThread(engine, self.report_fatal, step_turns)
+        self._thread = EngineThread(engine, self.report_fatal)
         # The loaded LoRA adapters (`lora_paths`: where those loaded at start came from).
         self.adapters = LoraAdapters(engine, self.run_on_engine_thread, lora_paths)
         self._observe: Callable[[], RequestObserver] = NoObserver

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from metal_engine.engine import LLMEngine
     from metal_engine.loading.parameter_count import ParameterCount
     from server.async_engine import AsyncEngine
-    from server.bridge.step_turns import StepTurns
     from server.media.options import MediaOptions
     from server.sampling_defaults import SamplingDefaults
 
@@ -104,11 +103,10 @@ def plan_model(model_dir: Path, args: argparse.Namespace, device: DeviceMemory |
     return config, plan_for(config, model, weights, device)
 
 
-def start_model(config: EngineConfig, plan: MemoryPlan | None, args: argparse.Namespace,
-                step_turns: StepTurns | None = None) -> LoadedModel:
-    """Build the engine `config` describes, start its AsyncEngine (taking turns at stepping
-    with `step_turns`, if given) and warm it up on the engine thread. Raises RuntimeError,
-    ValueError or OSError naming what failed."""
+def start_model(config: EngineConfig, plan: MemoryPlan | None,
+                args: argparse.Namespace) -> LoadedModel:
+    """Build the engine `config` describes, start its AsyncEngine and warm it up on the
+    engine thread. Raises RuntimeError, ValueError or OSError naming what failed."""
     from metal_engine.engine_build import build_engine
     from metal_engine.loading.parameter_count import count_parameters
     from server.async_engine import AsyncEngine
@@ -118,8 +116,7 @@ def start_model(config: EngineConfig, plan: MemoryPlan | None, args: argparse.Na
     bridge = AsyncEngine(engine, args.max_queued_requests, log_prompts=args.log_prompts,
                          sampling_defaults=defaults,
                          report_cached_tokens=args.report_cached_tokens,
-                         media=_media_options(args), lora_paths=dict(args.lora_modules or ()),
-                         step_turns=step_turns)
+                         media=_media_options(args), lora_paths=dict(args.lora_modules or ()))
     try:  # on the thread that steps: the CPU backend's loops run slower on any other
         bridge.run_on_engine_thread(lambda: warm_up(engine))
     except (RuntimeError, ValueError, OSError) as exc:

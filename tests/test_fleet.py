@@ -292,31 +292,3 @@ def test_an_admin_unload_waits_for_no_request_and_then_frees_the_model():
     run(scenario(fleet_of(loads, 100 * MiB)))
     assert loads.events == ["load a", "unload a"]
 
-
-def test_step_turns_are_taken_one_at_a_time_in_the_order_asked():
-    import threading
-    import time
-
-    from server.bridge.step_turns import StepTurns
-
-    turns, order, inside = StepTurns(), [], []
-    first = turns.turn()
-    first.__enter__()  # held: the others queue up behind it, in the order they ask
-
-    def step(name: str) -> None:
-        with turns.turn():
-            inside.append(name)
-            assert len(inside) == 1, "two steps at once"
-            order.append(name)
-            time.sleep(0.01)
-            inside.remove(name)
-
-    threads = []
-    for name in "abcd":
-        threads.append(threading.Thread(target=step, args=(name,)))
-        threads[-1].start()
-        time.sleep(0.05)  # each asks after the one before
-    first.__exit__(None, None, None)
-    for thread in threads:
-        thread.join(5)
-    assert order == list("abcd")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Generic, TypeVar
 
 from metal_engine.outputs import EngineStats
@@ -25,7 +24,6 @@ from server.bridge import log
 from server.bridge.engine_driver import EngineDriver
 from server.bridge.errors import EngineError
 from server.bridge.interfaces import Engine
-from server.bridge.step_turns import StepTurns
 from server.bridge.stream import QueuedAdd
 
 SHUTTING_DOWN = "The server is shutting down; retry on a running server."
@@ -62,14 +60,11 @@ class _Call(Generic[T]):
 class EngineThread(threading.Thread):
     """Safe to call from any thread: `start` (idempotent), `call`, `submit`, `abort`,
     `abort_all`, `stop`, `join` and `stats` (the snapshot published after every step).
-    `on_fatal(reason)` runs on this thread when the engine cannot go on. `turns`: shared with
-    the other models' engine threads, if any; each step takes a turn."""
+    `on_fatal(reason)` runs on this thread when the engine cannot go on."""
 
-    def __init__(self, engine: Engine, on_fatal: Callable[[str], None],
-                 turns: StepTurns | None = None) -> None:
+    def __init__(self, engine: Engine, on_fatal: Callable[[str], None]) -> None:
         super().__init__(name="engine-loop", daemon=True)
         self._engine = engine
-        self._turns = turns
         self._driver = EngineDriver(engine, on_fatal)  # this thread only
         self._cond = threading.Condition()
         self._calls: list[_Call] = []  # under the lock, as are the five below
@@ -173,10 +168,7 @@ class EngineThread(threading.Thread):
         self._driver.apply(adds, aborts)
         if abort_everything:
             self._driver.abort_live()
-        outputs = []
-        if self._driver.is_live():
-            with self._turns.turn() if self._turns is not None else nullcontext():
-                outputs = self._driver.step()
+        outputs = self._driver.step() if self._driver.is_live() else []
         self._publish_stats()  # first: a client that got its last output sees it in /metrics
         for output in outputs:
             self._driver.deliver(output)

@@ -9,7 +9,6 @@ import logging
 import sys
 
 from server.app import HttpOptions
-from server.bridge.step_turns import StepTurns
 from server.fleet.args import model_args
 from server.fleet.catalog import ModelCatalog, ModelEntry
 from server.fleet.fleet import ModelFleet, Planned
@@ -56,7 +55,6 @@ def fleet_of(catalog: ModelCatalog, args: argparse.Namespace,
     budget = catalog.memory_bytes or max(device.usable - headroom, 0)
     within = DeviceMemory(device.total, budget + headroom, device.metal)
     set_memory_limits(MemoryLimits(headroom // 2, budget if device.metal else None))
-    turns = StepTurns()  # the models' steps take turns: none crowds the others out
 
     def plan(entry: ModelEntry) -> Planned:
         from server.model_loading import plan_model, resolve_model
@@ -71,7 +69,7 @@ def fleet_of(catalog: ModelCatalog, args: argparse.Namespace,
         from server.model_loading import start_model
 
         own, config, memory = planned.details
-        loaded = start_model(config, memory, own, turns)
+        loaded = start_model(config, memory, own)
         app = model_app(loaded.bridge, entry.name, own.max_n, own.tool_call_parser,
                         loaded.parameters, min_priority=options.min_priority,
                         needs_key=bool(options.api_keys))

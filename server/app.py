@@ -159,17 +159,8 @@ def _service_router(
     parameters: ParameterCount | None = None,
 ) -> APIRouter:
     """`/health`, `/metrics` and `/v1/models`."""
-    router = APIRouter()
+    router = probes_router()
     created = int(time.time())
-
-    @router.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @router.api_route("/api/hello", methods=["GET", "HEAD"])
-    async def hello() -> Response:
-        """Claude Code's reachability probe (`HEAD /api/hello`) before each run."""
-        return Response(status_code=200)
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -180,6 +171,21 @@ def _service_router(
     async def models() -> dict:
         return ModelList(data=model_cards(async_engine, model_ids, created, parameters)
                          ).model_dump()
+
+    return router
+
+
+def probes_router() -> APIRouter:
+    """`/health`, and Claude Code's reachability probe (`HEAD /api/hello`) before each run."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @router.api_route("/api/hello", methods=["GET", "HEAD"])
+    async def hello() -> Response:
+        return Response(status_code=200)
 
     return router
 

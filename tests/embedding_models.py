@@ -47,6 +47,17 @@ def build_embedding_model(path: Path, pooling: str = "lasttoken", normalize: boo
             parameter.add_(0.05 * torch.randn_like(parameter))
     model.save_pretrained(path, safe_serialization=True)
     word_tokenizer(path)
+    write_sentence_transformers_files(path, config.hidden_size, pooling, normalize)
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": prompts or {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}))
+    return model
+
+
+def write_sentence_transformers_files(path: Path, hidden_size: int, pooling: str,
+                                      normalize: bool) -> None:
+    """modules.json and 1_Pooling/config.json as sentence-transformers writes them: a
+    transformer, its `pooling` ("cls_token", "mean_tokens", "max_tokens" or "lasttoken"),
+    then L2 normalization if `normalize`."""
     modules = [{"idx": 0, "name": "0", "path": "",
                 "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
@@ -58,11 +69,8 @@ def build_embedding_model(path: Path, pooling: str = "lasttoken", normalize: boo
     (path / "1_Pooling").mkdir()
     modes = ("cls_token", "mean_tokens", "max_tokens", "lasttoken")
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": config.hidden_size,
+        {"word_embedding_dimension": hidden_size,
          **{f"pooling_mode_{m}": m == pooling for m in modes}}))
-    (path / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": prompts or {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}))
-    return model
 
 
 def build_reranker(path: Path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from embedding_models import write_sentence_transformers_files
 
 FAMILIES = ("bert", "xlm-roberta")
 VOCAB = 128
@@ -60,20 +61,8 @@ def build_embedding_encoder(family: str, path: Path, pooling: str = "cls",
     """Save a tiny embedding encoder with sentence-transformers' files (`pooling`: "cls" or
     "mean"); return the float32 transformers base model (the reference)."""
     model = _save(family, path, cross_encoder=False)
-    modules = [{"idx": 0, "name": "0", "path": "",
-                "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
-    (path / "modules.json").write_text(json.dumps(modules))
-    (path / "1_Pooling").mkdir()
-    modes = {"cls": "cls_token", "mean": "mean_tokens", "max": "max_tokens",
-             "last": "lasttoken"}
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": _SHAPE["hidden_size"],
-         **{f"pooling_mode_{mode}": kind == pooling for kind, mode in modes.items()}}))
+    modes = {"cls": "cls_token", "mean": "mean_tokens"}
+    write_sentence_transformers_files(path, _SHAPE["hidden_size"], modes[pooling], normalize)
     return model
 
 

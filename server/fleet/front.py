@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
 from metal_engine.loading.parameter_count import ParameterCount
-from server.app import HttpOptions, add_guards, model_cards
+from server.app import HttpOptions, add_guards, model_cards, probes_router
 from server.async_engine import AsyncEngine
 from server.fleet.cards import unloaded_card
 from server.fleet.catalog import ModelCatalog, UnknownModel
@@ -82,17 +82,8 @@ def build_fleet_app(fleet: ModelFleet[ServedModel], options: HttpOptions | None 
 
 
 def _fleet_router(fleet: ModelFleet[ServedModel]) -> APIRouter:
-    router = APIRouter()
+    router = probes_router()
     catalog, created = fleet.catalog, int(time.time())
-
-    @router.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @router.api_route("/api/hello", methods=["GET", "HEAD"])
-    async def hello() -> Response:
-        """Claude Code's reachability probe (`HEAD /api/hello`) before each run."""
-        return Response(status_code=200)
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -44,7 +44,7 @@ def serve(args: argparse.Namespace) -> int:
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)  # before anything imports transformers
     if args.dry_run:
-        return dry_run(args)
+        return _dry_run_all(args)
     if _is_other_rank(args):  # under mlx.launch: rank 0 serves, this one follows it
         from metal_engine.parallel.worker import run_rank
 
@@ -60,6 +60,25 @@ def serve(args: argparse.Namespace) -> int:
 
         return serve_fleet(args, catalog, options)
     return _serve_one(args, options)
+
+
+def _dry_run_all(args: argparse.Namespace) -> int:
+    """`dry_run` of the one model, or of each model of a server of several (each planned as if
+    alone; loaded together they share --models-memory, see docs/several-models.md)."""
+    from server.fleet.args import model_args
+
+    try:
+        catalog = model_catalog(args)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"metal-serve: error: {exc}", file=sys.stderr)
+        return 2
+    if catalog is None:
+        return dry_run(args)
+    codes = []
+    for name, entry in catalog.entries.items():
+        print(f"model {name!r}:")
+        codes.append(dry_run(model_args(args, entry)))
+    return max(codes)
 
 
 def _serve_one(args: argparse.Namespace, options: HttpOptions) -> int:

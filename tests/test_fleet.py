@@ -292,3 +292,17 @@ def test_an_admin_unload_waits_for_no_request_and_then_frees_the_model():
     run(scenario(fleet_of(loads, 100 * MiB)))
     assert loads.events == ["load a", "unload a"]
 
+
+
+def test_a_dry_run_plans_each_model_of_several(tmp_path, capsys):
+    from tiny_models import build_tiny_model
+
+    from server.cli import main
+
+    build_tiny_model("llama", tmp_path / "tiny")
+    code = main(["serve", "--model", f"a={tmp_path / 'tiny'}", "--model",
+                 f"b={tmp_path / 'tiny'}", "--kv-cache-memory", "2MiB", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.count("KV budget: 2.0 MiB (--kv-cache-memory)") == 2
+    assert out.index("model 'a':") < out.index("model 'b':")

@@ -1,8 +1,8 @@
 """The operations model code calls, one implementation per backend, chosen once per model.
 
     Ops             the interface: products, norms, rope, activations, attention (paged, latent,
-                    over a gathered context), gated delta, KV writes, and how a decoder runs
-                    its layers
+                    sparse latent, over a gathered context), gated delta, KV writes, and how a
+                    decoder runs its layers
     ReferenceOps    pure MLX: what every kernel is checked against; runs anywhere
     MetalOps        the Metal path: `mx.fast` rope and norms, fused products, compiled
                     elementwise chains, the paged-attention and gated-delta kernels
@@ -21,7 +21,7 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels_metal import attention, fast_rope, gated_delta
+from kernels_metal import attention, fast_rope, gated_delta, sparse_latent
 from kernels_metal.fast_rope import RotaryTables
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import (
@@ -126,6 +126,20 @@ class Ops:
         of latent rows `[blocks, block_size, 1, W]` whose first `rank` values are also the
         values; `[total_q, H, rank]` out. Here the pure-MLX reference."""
         return attention.latent_reference(q, pool, rank, meta, scale)
+
+    def select_keys(self, queries, weights, pool, key_offset: int, meta: AttentionMetadata,
+                    top_k: int) -> sparse_latent.Selection:
+        """DeepSeek sparse attention's choice of each row's `top_k` keys by its indexer's
+        `queries [total_q, Hi, Di]` and head `weights [total_q, Hi]` against the index keys
+        the pool rows hold from `key_offset` on. Every backend: the pure-MLX reference
+        (kernels_metal.sparse_latent), as no kernel serves it yet."""
+        return sparse_latent.select_keys(queries, weights, pool, key_offset, meta, top_k)
+
+    def selected_latent_attention(self, q, pool, selection: sparse_latent.Selection, rank: int,
+                                  meta: AttentionMetadata, scale: float):
+        """`latent_attention` of each row over the keys `selection` chose for it alone. Every
+        backend: the pure-MLX reference."""
+        return sparse_latent.selected_latent_attention(q, pool, selection, rank, meta, scale)
 
     def gather_context(self, pool, meta: AttentionMetadata, request: int, dtype: mx.Dtype):
         """Request `request`'s rows of `pool`, written this step's too, as one contiguous

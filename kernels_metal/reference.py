@@ -59,10 +59,7 @@ def paged_attention_reference(
     `sinks [H]` (GPT-OSS) adds one logit per head to every row's softmax, after `scale` and
     `softcap` and not scaled by them, with no value: its probability is dropped.
     """
-    key = ("reference", window)
-    if key not in meta.backend_plans:
-        meta.backend_plans[key] = build_plan(meta, window)
-    plan: ReferencePlan = meta.backend_plans[key]
+    plan = reference_plan(meta, window)
     parts = [_attend(q, k_pool, v_pool, group, scale, softcap, sinks) for group in plan.groups]
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
     if plan.row_order is not None:
@@ -70,11 +67,19 @@ def paged_attention_reference(
     return out.astype(q.dtype)
 
 
+def reference_plan(meta: AttentionMetadata, window: int | None = None) -> ReferencePlan:
+    """The step's groups for layers with this window, made by the first layer that asks."""
+    key = ("reference", window)
+    if key not in meta.backend_plans:
+        meta.backend_plans[key] = build_plan(meta, window)
+    return meta.backend_plans[key]
+
+
 def _attend(q, k_pool, v_pool, group: AttentionGroup, scale: float, cap: float | None,
             sinks: mx.array | None) -> mx.array:
     """Masked softmax attention of one group, the query heads of a KV head batched together."""
-    k = _gather_kv(k_pool, group.tables, group.num_keys)  # [G, kvh, L, d]
-    v = _gather_kv(v_pool, group.tables, group.num_keys)
+    k = gather_kv(k_pool, group.tables, group.num_keys)  # [G, kvh, L, d]
+    v = gather_kv(v_pool, group.tables, group.num_keys)
     num_groups, kv_heads, num_keys, head_dim = k.shape
     rows = q[group.rows].astype(mx.float32)  # [n_rows, H, d]
     heads_per_kv = rows.shape[1] // kv_heads
@@ -113,7 +118,7 @@ def _softmax_with_sinks(scores: mx.array, mask: mx.array, sinks: mx.array) -> mx
     return probs[..., :-1]
 
 
-def _gather_kv(pool: Pool, tables: mx.array, num_keys: int) -> mx.array:
+def gather_kv(pool: Pool, tables: mx.array, num_keys: int) -> mx.array:
     """Blocks `[G, n]` -> `[G, kv_heads, num_keys, head_dim]` in float32."""
     kv = gather_blocks(pool, tables) if isinstance(pool, QuantizedPool) else pool[tables]
     g, n, bs, kvh, d = kv.shape

@@ -98,10 +98,21 @@ class MlaAttention(nn.Module, OpsUser):
     def _absorbed(self, q_nope: mx.array, q_rope: mx.array, pool,
                   meta: AttentionMetadata) -> mx.array:
         """The rows attended over the latent pool as it is: `[rows, heads, v_head_dim]`."""
-        w_uk, w_uv = self._absorbed_weights(self.kv_b_proj)
+        queries = self.latent_queries(q_nope, q_rope)
+        return self.out_of_latent(self.ops.latent_attention(queries, pool, self.rank, meta,
+                                                            self.scale))
+
+    def latent_queries(self, q_nope: mx.array, q_rope: mx.array) -> mx.array:
+        """Each head's query taken into the latent space (`W_uk^T q_nope`), then its rope
+        part: `[rows, heads, rank + rope]`."""
+        w_uk, _ = self._absorbed_weights(self.kv_b_proj)
         q_latent = mx.swapaxes(mx.swapaxes(q_nope, 0, 1) @ w_uk, 0, 1)
-        queries = mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
-        out = self.ops.latent_attention(queries, pool, self.rank, meta, self.scale)
+        return mx.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+
+    def out_of_latent(self, out: mx.array) -> mx.array:
+        """Each head's latent output `[rows, heads, rank]` through its `W_uv`:
+        `[rows, heads, v_head_dim]`."""
+        _, w_uv = self._absorbed_weights(self.kv_b_proj)
         return mx.swapaxes(mx.swapaxes(out, 0, 1) @ w_uv, 0, 1)
 
     def _expanded(self, q_nope: mx.array, q_rope: mx.array, pool, meta: AttentionMetadata,

@@ -29,6 +29,13 @@ COMMON = dict(
 # Multimodal rope over 8 frequency pairs (head_dim 16): 2 turn by time, 3 by height, 3 by width.
 MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
              mrope_interleaved=True)
+# Sparse-attention (DSA) families' shape: MLA with a q low rank, experts, an indexer.
+DSA_SHAPE = dict(
+    num_hidden_layers=3, num_key_value_heads=4, head_dim=8, q_lora_rank=24, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+    num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1,
+    first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+    index_topk=8, index_head_dim=16, index_n_heads=16)
 # model_type -> (transformers config class, model class, config overrides)
 TINY_MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -103,6 +110,17 @@ TINY_MODELS = {
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
                              mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0,
                              original_max_position_embeddings=16, llama_4_scaling_beta=0.1))),
+    # DeepSeek sparse attention: DeepSeek V3's layers, each query attending only to the 8
+    # keys its indexer scores best (prompts run past 8). 16 index heads: a score is exactly 0
+    # (a tie) only where every head's relu is, rarely enough not to sit at a boundary.
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        DSA_SHAPE, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                        mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0,
+                                        beta_slow=1.0, original_max_position_embeddings=64))),
+    # GLM-5: the same with its index rope dims paired, the middle layer reusing the first's
+    # choice of keys.
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        DSA_SHAPE, indexer_types=["full", "shared", "full"], routed_scaling_factor=1.8)),
     # Laguna: a query head count per layer, a softplus gate per head, sliding and full layers
     # each with its rope (YaRN on half the full heads), soft-capped sigmoid routing with a
     # correction bias and scaled weights, a shared expert, dense layers listed by kind.

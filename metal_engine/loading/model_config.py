@@ -8,12 +8,13 @@ dir stays loadable by transformers.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from metal_engine.loading.text_part import text_part_config
 from metal_engine.models import encoder_config, gemma4_config, muse_glimmer_config, qwen3_vl_config
+from metal_engine.models.dsa_config import DSA, IndexerConfig
 from metal_engine.models.encoder_config import (
     ENCODER_ACTIVATIONS,
     ENCODER_ARCHITECTURES,
@@ -48,6 +49,8 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "mistral4": "Mistral4ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "laguna": "LagunaForCausalLM",
     # No causal-LM class of its own (its multimodal model holds the head): the text decoder's.
@@ -69,7 +72,7 @@ HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QWEN = ("qwen2", "qwen3")
 QWEN3_VL = ("qwen3_vl_text", "qwen3_vl_moe_text")
 # Families whose attention keeps a latent per token (multi-head latent attention).
-MLA = ("deepseek_v3", "glm4_moe_lite", "mistral4")
+MLA = ("deepseek_v3", "glm4_moe_lite", "mistral4", *DSA)
 # Families whose every layer slides once a window is set.
 ALL_LAYERS_SLIDE = ("mistral", "phi3", "mixtral", "qwen3_moe")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -144,6 +147,8 @@ class ModelConfig:
     linear_attention: GatedDeltaNetConfig | None = None
     # Multi-head latent attention's shape; None: the model's attention keeps K and V per head.
     mla: MlaConfig | None = None
+    # DeepSeek sparse attention's indexer (on MLA); None: every query sees its whole context.
+    indexer: IndexerConfig | None = None
     # A bidirectional encoder's options (BERT, XLM-RoBERTa); None: a causal decoder.
     encoder: EncoderOptions | None = None
     bos_token_id: int | None = None
@@ -208,9 +213,10 @@ class ModelConfig:
 
     def kv_shape(self, layer: int) -> tuple[int, int]:
         """(kv_heads, head_dim) of layer `layer`: with MLA one latent row per token, its keys
-        only (the values are a part of it)."""
+        only (the values are a part of it), and after it an indexing layer's index key."""
         if self.mla is not None:
-            return 1, self.mla.latent_width
+            indexed = self.indexer is not None and self.indexer.indexes(layer)
+            return 1, self.mla.latent_width + (self.indexer.head_dim if indexed else 0)
         if self.layer_kv_shapes:
             return self.layer_kv_shapes[layer]
         return self.num_key_value_heads, self.head_dim
@@ -287,6 +293,8 @@ class ModelConfig:
         layer_types = _layer_types(cfg, window)
         gemma4 = model_type == "gemma4_text"
         mla = MlaConfig.from_hf(cfg) if model_type in MLA else None
+        if model_type in DSA:  # their latent attention pairs its rope dims, whatever it says
+            mla = replace(mla, rope_interleave=True)
         encoder = read_encoder(cfg) if model_type in ENCODERS else None
         return cls(
             model_type=model_type,
@@ -324,6 +332,7 @@ class ModelConfig:
             qk_norm=bool(cfg.get("use_qk_norm", False)) if model_type == "glm4_moe" else False,
             moe=read_moe(cfg),
             mla=mla,
+            indexer=IndexerConfig.from_hf(cfg) if model_type in DSA else None,
             encoder=encoder,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
@@ -356,7 +365,7 @@ class ModelConfig:
             config["use_qk_norm"] = self.qk_norm
         if self.moe is not None:
             config.update(self.moe.to_hf(self.model_type))
-        if self.model_type in ("glm4_moe_lite", "laguna"):  # dense layers by kind, not count
+        if self.model_type in ("glm4_moe_lite", "laguna", *DSA):  # dense layers by kind
             config["mlp_layer_types"] = [
                 "sparse" if self.moe is not None and self.moe.is_moe_layer(i) else "dense"
                 for i in range(self.num_hidden_layers)]
@@ -364,6 +373,8 @@ class ModelConfig:
             config.update(self.linear_attention.to_hf())
         if self.mla is not None:
             config.update(self.mla.to_hf())
+        if self.indexer is not None:
+            config.update(self.indexer.to_hf(self.num_hidden_layers))
         if self.encoder is not None:
             config.update(self.encoder.to_hf(self.model_type))
         if self.model_type == "laguna":

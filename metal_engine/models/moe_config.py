@@ -18,6 +18,8 @@ _ROUTER_FIELDS = {
     "glm4_moe": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "deepseek_v3": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "glm4_moe_lite": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "deepseek_v32": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
+    "glm_moe_dsa": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)},
     "mistral4": {},  # its router always takes a softmax; transformers reads no variant field
     "minimax_m2": {"scoring_func": ("sigmoid",), "use_routing_bias": (True,)},
     "laguna": {"moe_router_score_func": ("sigmoid",), "moe_apply_router_weight_on_input": (False,)},
@@ -253,6 +255,7 @@ _READERS: dict[str, Callable[[dict[str, Any]], MoeConfig | None]] = {
     "mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe,
     "minimax_m2": _minimax_m2, "laguna": _laguna, "qwen3_vl_moe_text": _qwen3_vl_moe,
     "deepseek_v3": _glm4_moe, "glm4_moe_lite": _glm4_moe, "mistral4": _mistral4,
+    "deepseek_v32": _glm4_moe, "glm_moe_dsa": _glm4_moe,
     "gemma4_text": _gemma4, "qwen3_5_moe_text": _qwen_hybrid, "qwen3_next": _qwen_hybrid,
 }  # fmt: skip
 

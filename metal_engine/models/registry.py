@@ -6,6 +6,7 @@ from metal_engine.loading.model_config import SUPPORTED_MODEL_TYPES
 from metal_engine.models import (
     bert,
     deepseek_v3,
+    dsa,
     gemma2,
     gemma3,
     gemma4,
@@ -46,6 +47,8 @@ MODEL_CLASSES: dict[str, type[OpsModel]] = {
     "deepseek_v3": deepseek_v3.Model,
     "glm4_moe_lite": deepseek_v3.Model,  # GLM-4.7-Flash: DeepSeek V3's layers
     "mistral4": mistral4.Model,
+    "deepseek_v32": dsa.Model,  # DeepSeek V3.2: DeepSeek V3's layers, attention made sparse
+    "glm_moe_dsa": dsa.Model,  # GLM-5: the same, some layers sharing their indexer's choice
     "minimax_m2": minimax_m2.Model,
     "laguna": laguna.Model,
     "muse_glimmer_text": muse_glimmer.Model,

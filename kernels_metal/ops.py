@@ -50,16 +50,13 @@ class Ops:
         """`x @ weight.T + bias`."""
         return product(x, layer.get("weight"), layer.get("bias"))
 
-    def low_rank(self, x, a, b, rows):
-        """Each row's `(x @ a[slot]) @ b[slot]` (LoRA deltas): `x [total_q, in]`, `a [slots,
-        in, r]`, `b [slots, r, out]`, `rows` a metal_engine.lora.slots.LoraRows. Two gathered
-        products: rows of one slot multiply together, with no forward per adapter."""
-        sort = rows.order is not None
-        if sort:
-            x = x[rows.order]
-        z = mx.gather_mm(x[:, None, :], a, rhs_indices=rows.slots, sorted_indices=sort)
-        delta = mx.gather_mm(z, b, rhs_indices=rows.slots, sorted_indices=sort)[:, 0]
-        return delta[rows.inverse] if sort else delta
+    def low_rank(self, x, a, b, indices, sorted_indices: bool = False):
+        """LoRA deltas: each row's `(x @ a[i]) @ b[i]`, `i` its entry of `indices`, in two
+        gathered products (rows of one index multiply together; no product per adapter).
+        `x [..., 1, in]`, `a [n, in, r]`, `b [n, r, out]`, `indices` broadcasting against
+        `x`'s leading axes; `sorted_indices`: they are in increasing order."""
+        z = mx.gather_mm(x, a, rhs_indices=indices, sorted_indices=sorted_indices)
+        return mx.gather_mm(z, b, rhs_indices=indices, sorted_indices=sorted_indices)
 
     def linears(self, x, packed) -> list:
         """`x` through each linear of a `PackedLinears`, in its order."""

@@ -16,12 +16,13 @@ ALL_TARGETS = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 
 
 def save_peft_adapter(base, path: Path, rank: int, seed: int, targets=ALL_TARGETS,
-                      alpha: float = 16.0, rslora: bool = False):
+                      alpha: float = 16.0, rslora: bool = False, parameters=None):
     """A PEFT LoRA over a copy of `base`, A and B random (PEFT's own init zeroes B), saved
-    into `path`; returned as the PyTorch reference."""
+    into `path`; returned as the PyTorch reference. `parameters`: PEFT's
+    `target_parameters` (a MoE's fused experts)."""
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                        init_lora_weights=False)
+                        init_lora_weights=False, target_parameters=parameters)
     model = get_peft_model(copy.deepcopy(base), config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -79,4 +80,21 @@ def write_peft_files(path: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]]
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": rank,
         "target_modules": sorted({m.rsplit(".", 1)[-1] for m in pairs})}))
+    return path
+
+
+def write_mlx_lm_files(path: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
+                       rank: int) -> Path:
+    """mlx-lm's files written by hand, scale 1: `pairs` maps a module to (A, B) as PEFT
+    orders them, (`[r, in]`, `[out, r]`) or a SwitchLinear's (`[experts, r, in]`,
+    `[experts, out, r]`, which mlx-lm stores as they are)."""
+    path.mkdir(parents=True)
+    tensors = {}
+    for module, (a, b) in pairs.items():
+        a, b = (a, b) if a.ndim == 3 else (a.T, b.T)
+        tensors[f"{module}.lora_a"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{module}.lora_b"] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, path / "adapters.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "lora_parameters": {"rank": rank, "scale": 1.0}}))
     return path

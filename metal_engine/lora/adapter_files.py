@@ -11,7 +11,9 @@ Two layouts are read:
 
 Both become `LoraAdapter.pairs`: module path (the model's parameter names, e.g.
 `model.layers.0.self_attn.q_proj`) -> (A `[r, in]`, B `[out, r]` with the scale folded in),
-so a module's delta is `(x @ A.T) @ B.T`.
+so a module's delta is `(x @ A.T) @ B.T`; a MoE's experts' pairs carry a leading experts axis
+(expert_pairs.py). The arrays are float32 numpy arrays: reading makes no MLX call, so it
+may run beside the engine's steps on another thread.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
-import mlx.core as mx
+import numpy as np
+
+from metal_engine.lora.expert_pairs import Pair, fused_expert_pairs, stacked_per_expert
+from metal_engine.lora.host_tensors import read_float_tensors
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 MLX_LM_WEIGHTS = "adapters.safetensors"
@@ -34,7 +41,7 @@ class LoraAdapter:
     name: str
     rank: int
     base_model: str | None  # what the adapter says it was trained on (informational)
-    pairs: dict[str, tuple[mx.array, mx.array]]  # module -> (A [r, in], scale * B [out, r])
+    pairs: dict[str, Pair]  # module -> (A [(experts,) r, in], scale * B [(experts,) out, r])
     # Of its files' bytes: what its cached K/V are keyed by, so that other weights loaded
     # under the same name (now, or after a restart with a disk tier) never meet them.
     fingerprint: str = ""
@@ -76,39 +83,67 @@ def _read_config(name: str, path: Path) -> dict:
         raise ValueError(f"adapter {name!r}: cannot read {file}: {e}") from None
 
 
-def _read_tensors(name: str, file: Path) -> dict[str, mx.array]:
+def _read_tensors(name: str, file: Path) -> dict[str, np.ndarray]:
     try:
-        return mx.load(str(file))
-    except Exception as e:  # MLX raises RuntimeError/ValueError on a truncated or foreign file
+        return read_float_tensors(file)
+    except (OSError, ValueError) as e:
         raise ValueError(f"adapter {name!r}: cannot read {file} (corrupt or not safetensors): "
                          f"{e}") from None
 
 
-def _peft_adapter(name: str, config: dict, tensors: dict[str, mx.array]) -> LoraAdapter:
+def _peft_adapter(name: str, config: dict, tensors: dict[str, np.ndarray]) -> LoraAdapter:
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"adapter {name!r}: only plain LoRA is served, not "
                          f"{'DoRA' if config.get('use_dora') else config.get('peft_type')}")
-    for field in ("rank_pattern", "alpha_pattern", "modules_to_save"):
-        if config.get(field):
-            raise ValueError(f"adapter {name!r}: `{field}` is not supported (it is "
-                             f"{config[field]!r}); merge those modules into the base instead")
+    if config.get("modules_to_save"):
+        raise ValueError(f"adapter {name!r}: `modules_to_save` is not supported (it is "
+                         f"{config['modules_to_save']!r}); merge those modules into the base "
+                         "instead")
     if config.get("bias", "none") != "none":
         raise ValueError(f"adapter {name!r}: trained biases (bias={config['bias']!r}) are not "
                          "supported")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    pairs = {}
+    pairs, fused, ranks = {}, {}, [int(config["r"])]
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key.removeprefix(_PEFT_PREFIX).removesuffix(".lora_A.weight")
-        b = _partner(name, tensors, key.replace(".lora_A.", ".lora_B."))
-        pairs[module] = (a, b * scale)
-    _check_all_paired(name, tensors, pairs, (".lora_A.weight", ".lora_B.weight"))
-    return LoraAdapter(name, rank, config.get("base_model_name_or_path"), pairs)
+        # PEFT nests a wrapper per targeted parameter of one module (`.base_layer`).
+        plain = module.replace(".base_layer", "")
+        pair = (a, _partner(name, tensors, key.replace(".lora_A.", ".lora_B.")))
+        if config.get("target_parameters") and plain.endswith(".experts"):
+            fused.setdefault(plain, []).append(pair)  # scaled once their parameter is known
+        else:
+            rank, scale = _peft_rank_and_scale(config, plain)
+            pairs[module] = (pair[0], pair[1] * scale)
+            ranks.append(rank)
+    _check_all_paired(name, tensors, len(pairs) + sum(map(len, fused.values())),
+                      (".lora_A.weight", ".lora_B.weight"))
+    for module, found in fused.items():
+        expert_pairs = fused_expert_pairs(name, module, found, config["target_parameters"],
+                                          partial(_peft_rank_and_scale, config))
+        pairs.update(expert_pairs)
+        ranks += [a.shape[1] for a, _ in expert_pairs.values()]
+    return LoraAdapter(name, max(ranks), config.get("base_model_name_or_path"),
+                       stacked_per_expert(name, pairs))
 
 
-def _mlx_lm_adapter(name: str, config: dict, tensors: dict[str, mx.array]) -> LoraAdapter:
+def _peft_rank_and_scale(config: dict, module: str) -> tuple[int, float]:
+    """Module `module`'s rank and scale: the config's `r` and `lora_alpha`, or those of the
+    first `rank_pattern` / `alpha_pattern` key naming its end, as PEFT picks them."""
+    rank = int(_pattern_value(config.get("rank_pattern"), module, config["r"]))
+    alpha = float(_pattern_value(config.get("alpha_pattern"), module,
+                                 config.get("lora_alpha", config["r"])))
+    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _pattern_value(patterns: dict | None, module: str, default):
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def _mlx_lm_adapter(name: str, config: dict, tensors: dict[str, np.ndarray]) -> LoraAdapter:
     kind = config.get("fine_tune_type", "lora")
     if kind != "lora":
         raise ValueError(f"adapter {name!r}: fine_tune_type {kind!r} is not served (only lora)")
@@ -122,24 +157,26 @@ def _mlx_lm_adapter(name: str, config: dict, tensors: dict[str, mx.array]) -> Lo
             continue
         module = key.removesuffix(".lora_a")
         b = _partner(name, tensors, module + ".lora_b")
-        pairs[module] = (a.T, b.T * scale)
-    _check_all_paired(name, tensors, pairs, (".lora_a", ".lora_b"))
+        # A linear's: a [in, r], b [r, out]; a SwitchLinear's: a [experts, r, in], b
+        # [experts, out, r], as served.
+        pairs[module] = (a, b * scale) if a.ndim == 3 else (a.T, b.T * scale)
+    _check_all_paired(name, tensors, len(pairs), (".lora_a", ".lora_b"))
     return LoraAdapter(name, rank, config.get("model"), pairs)
 
 
-def _partner(name: str, tensors: dict[str, mx.array], key: str) -> mx.array:
+def _partner(name: str, tensors: dict[str, np.ndarray], key: str) -> np.ndarray:
     if key not in tensors:
         raise ValueError(f"adapter {name!r}: {key} is missing (each A needs its B)")
     return tensors[key]
 
 
-def _check_all_paired(name: str, tensors: dict[str, mx.array], pairs: dict,
+def _check_all_paired(name: str, tensors: dict[str, np.ndarray], num_pairs: int,
                       suffixes: tuple[str, str]) -> None:
     """Every tensor is one of a pair; an unknown one (quantized LoRA, a saved module) is
     refused rather than ignored."""
     stray = sorted(k for k in tensors if not k.endswith(suffixes))
-    if stray or len(tensors) != 2 * len(pairs):
+    if stray or len(tensors) != 2 * num_pairs:
         raise ValueError(f"adapter {name!r}: tensors that are not LoRA pairs: "
                          f"{', '.join(stray[:5]) or 'a B without its A'}")
-    if not pairs:
+    if not num_pairs:
         raise ValueError(f"adapter {name!r}: no LoRA weights in its safetensors file")

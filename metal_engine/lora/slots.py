@@ -1,14 +1,18 @@
 """The loaded adapters of one model, stacked per targeted linear, and a step's rows -> slots.
 
-Each targeted `Linear` gets a `LoraWeights`: its pairs of every loaded adapter stacked and
-padded to the largest loaded rank, slot 0 all zeros (the base):
+Each targeted linear (float or quantized `Linear`, or a MoE's stacked `SwitchLinear`) gets a
+`LoraWeights`: its pairs of every loaded adapter stacked and padded to the largest loaded
+rank, slot 0 all zeros (the base). A linear's stack is indexed by slot; a SwitchLinear's by
+(expert, slot), expert-major, so rows sorted by expert stay sorted by that index:
 
-    a  [slots, in, r_max]     b  [slots, r_max, out]     (scale folded into b)
+    a  [experts * slots, in, r_max]     b  [experts * slots, r_max, out]   (scale folded in b)
+       (experts = 1 for a plain linear)     index of (expert e, slot s) = e * slots + s
 
 A step with adapter rows hands each linear a `LoraRows` (the slot of every packed row) and
-the linear adds `(x @ a[slot]) @ b[slot]` per row with two gathered products
-(`Ops.low_rank`): one forward serves every adapter at once, none runs per adapter. A step
-with no adapter rows sets none, and every linear computes exactly as without adapters.
+the linear adds `(x @ a[index]) @ b[index]` per row (per row and chosen expert) with two
+gathered products (`Ops.low_rank`): one forward serves every adapter at once, none runs per
+adapter. A step with no adapter rows sets none, and every linear computes exactly as
+without adapters.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import mlx.nn as nn
 import numpy as np
 
 from metal_engine.lora.adapter_files import LoraAdapter
-from metal_engine.models.layers import Linear
+from metal_engine.models.layers import Linear, QuantizedLinear
+from metal_engine.models.moe import QuantizedSwitchLinear, SwitchLinear
 
-# The projections an adapter may target: attention's and the dense MLP's.
+# The projections an adapter may target: attention's, the dense MLP's and the experts'.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTABLE = (Linear, QuantizedLinear, SwitchLinear, QuantizedSwitchLinear)
 # From this many rows on, rows are sorted by slot: MLX's gather_mm then multiplies each
 # slot's run of rows as one product (mlx-lm's SwitchGLU sorts its experts' rows from 64 on).
 SORTED_ROWS = 64
@@ -33,54 +39,80 @@ SORTED_ROWS = 64
 
 @dataclass(frozen=True)
 class LoraRows:
-    """The adapter slot of each packed row; with `order`, the rows sorted by slot first
-    (`slots` then in sorted order) and put back by `inverse`."""
+    """The adapter slot of each packed row (`of_row`); with `order`, the rows sorted by slot
+    first (`slots` in that order) and put back by `inverse`."""
 
-    slots: mx.array  # [total_q] int32
+    of_row: mx.array  # [total_q] int32
+    slots: mx.array  # [total_q] int32: of_row, or of_row[order]
     order: mx.array | None = None
     inverse: mx.array | None = None
 
     @classmethod
     def build(cls, slot_of_row: np.ndarray) -> LoraRows:
+        of_row = mx.array(slot_of_row, mx.int32)
         if len(slot_of_row) < SORTED_ROWS:
-            return cls(mx.array(slot_of_row, mx.int32))
+            return cls(of_row, of_row)
         order = np.argsort(slot_of_row, kind="stable")
-        return cls(mx.array(slot_of_row[order], mx.int32), mx.array(order, mx.int32),
+        return cls(of_row, mx.array(slot_of_row[order], mx.int32), mx.array(order, mx.int32),
                    mx.array(np.argsort(order), mx.int32))
+
+
+def linear_shape(linear: nn.Module) -> tuple[int, int, int]:
+    """(experts, out, in) of a targetable linear (experts 1 for a plain one)."""
+    weight = linear.weight
+    experts, out = (1, weight.shape[0]) if weight.ndim == 2 else weight.shape[:2]
+    packed = "scales" in linear  # quantized: the weight holds packed codes
+    return experts, out, linear.scales.shape[-1] * linear.group_size if packed else \
+        weight.shape[-1]
 
 
 class LoraWeights:
     """One linear's adapters, stacked by slot; a plain object, so the linear gains no
     parameter."""
 
-    def __init__(self, slots: AdapterSlots, linear: Linear) -> None:
+    def __init__(self, slots: AdapterSlots, linear: nn.Module) -> None:
         self._slots = slots
-        self.out_features, self.in_features = linear.weight.shape
-        self.dtype = linear.weight.dtype
-        self.pairs: dict[str, tuple[mx.array, mx.array]] = {}  # adapter -> (A, B), unpadded
+        self.experts, self.out_features, self.in_features = linear_shape(linear)
+        self.dtype = (linear.scales if "scales" in linear else linear.weight).dtype
+        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # adapter -> (A, B)
         self.a = self.b = None
+        self.num_slots = 1
 
     @property
     def active(self) -> bool:
         return self._slots.rows is not None
 
     def added(self, ops, x: mx.array, y: mx.array) -> mx.array:
-        """`y` (the linear's output for rows `x`) plus each row's adapter delta."""
+        """A plain linear's `y` (its output for rows `x`) plus each row's adapter delta."""
         rows = self._slots.rows
         if rows is None:
             return y
-        return y + ops.low_rank(x, self.a, self.b, rows).astype(y.dtype)
+        sort = rows.order is not None
+        x = (x[rows.order] if sort else x)[:, None, :]
+        delta = ops.low_rank(x, self.a, self.b, rows.slots, sort)[:, 0]
+        return y + (delta[rows.inverse] if sort else delta).astype(y.dtype)
+
+    def expert_index(self, experts: mx.array) -> mx.array:
+        """The stack index of each (row, chosen expert) of `experts [rows, k]` this step."""
+        slots = self._slots.rows.of_row.astype(experts.dtype)
+        return experts * self.num_slots + slots[:, None]
 
     def restack(self, names: Sequence[str], rank: int) -> None:
         """Stack the pairs of adapters `names` (slots 1..), zeros where one has none."""
-        a = np.zeros((len(names) + 1, self.in_features, rank), np.float32)
-        b = np.zeros((len(names) + 1, rank, self.out_features), np.float32)
+        self.num_slots = len(names) + 1
+        shape = (self.experts, self.num_slots)
+        a = np.zeros((*shape, self.in_features, rank), np.float32)
+        b = np.zeros((*shape, rank, self.out_features), np.float32)
         for slot, name in enumerate(names, start=1):
             if name in self.pairs:
-                pair_a, pair_b = (np.asarray(t.astype(mx.float32)) for t in self.pairs[name])
-                a[slot, :, : len(pair_a)] = pair_a.T
-                b[slot, : len(pair_a)] = pair_b.T
-        self.a, self.b = mx.array(a).astype(self.dtype), mx.array(b).astype(self.dtype)
+                pair_a, pair_b = self.pairs[name]
+                if pair_a.ndim == 2:  # a plain linear's: one "expert"
+                    pair_a, pair_b = pair_a[None], pair_b[None]
+                r, count = pair_a.shape[1], len(pair_a)
+                a[:count, slot, :, :r] = pair_a.transpose(0, 2, 1)
+                b[:count, slot, :r] = pair_b.transpose(0, 2, 1)
+        self.a = mx.array(a.reshape(-1, self.in_features, rank)).astype(self.dtype)
+        self.b = mx.array(b.reshape(-1, rank, self.out_features)).astype(self.dtype)
         mx.eval(self.a, self.b)
 
 
@@ -100,9 +132,10 @@ class AdapterSlots:
         self._weights: list[LoraWeights] = []
         model.model.adapters = self  # the decoder's backend asks whether a step has adapters
 
-    def load(self, adapter: LoraAdapter) -> None:
-        """Serve `adapter` from a free slot; ValueError naming the problem (rank, a module
-        the base lacks or that cannot take an adapter, shapes of another base, no slot)."""
+    def check(self, adapter: LoraAdapter) -> dict[str, nn.Module]:
+        """The linears `adapter` targets; ValueError naming the problem (rank, a module the
+        base lacks or that cannot take an adapter, shapes of another base, no slot). Reads
+        only shapes: safe beside a step, on another thread."""
         if adapter.name in self.ranks:
             raise ValueError(f"an adapter named {adapter.name!r} is already loaded")
         if len(self.names) >= self.max_loras:
@@ -111,9 +144,11 @@ class AdapterSlots:
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, over "
                              f"--max-lora-rank {self.max_rank}")
-        linears = {path: self._target(adapter, path, a, b)
-                   for path, (a, b) in adapter.pairs.items()}
-        for path, linear in linears.items():
+        return {path: self._target(adapter, path, a, b) for path, (a, b) in adapter.pairs.items()}
+
+    def load(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` from a free slot (checked first, as `check`); between steps."""
+        for path, linear in self.check(adapter).items():
             if linear.lora is None:
                 linear.lora = LoraWeights(self, linear)
                 self._weights.append(linear.lora)
@@ -161,31 +196,35 @@ class AdapterSlots:
         for weights in self._weights:
             weights.restack(self.names, rank)
 
-    def _target(self, adapter: LoraAdapter, path: str, a: mx.array, b: mx.array) -> Linear:
+    def _target(self, adapter: LoraAdapter, path: str, a: np.ndarray,
+                b: np.ndarray) -> nn.Module:
         """The base's linear at `path`, checked to take this pair."""
         module = _module_at(self.model, path)
         where = f"adapter {adapter.name!r} targets {path}"
-        if ".experts." in f"{path}." or ".switch_mlp." in path:
-            raise ValueError(f"{where}: adapters on a MoE's experts are not served; adapt "
-                             f"its attention ({', '.join(TARGETS[:4])}) instead")
         if module is None:
             raise ValueError(f"{where}, which the base model does not have (an adapter of "
                              "another base?)")
-        if path.rsplit(".", 1)[-1] not in TARGETS or type(module) is not Linear:
-            kind = "quantized" if isinstance(module, nn.QuantizedLinear) else type(
-                module).__name__
-            raise ValueError(f"{where}: adapters are served on the float projections "
-                             f"{', '.join(TARGETS)} of attention and dense MLPs, not on this "
-                             f"{kind} module")
-        out_features, in_features = module.weight.shape
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (a.shape[0], in_features) or b.shape != (
-                out_features, a.shape[0]):
+        if path.rsplit(".", 1)[-1] not in TARGETS or not isinstance(module, ADAPTABLE):
+            raise ValueError(f"{where}: adapters are served on the projections "
+                             f"{', '.join(TARGETS)} of attention, MLPs and experts, not on "
+                             f"this {type(module).__name__} module")
+        experts, out_features, in_features = linear_shape(module)
+        stacked = isinstance(module, (SwitchLinear, QuantizedSwitchLinear))
+        want = 3 if stacked else 2
+        if a.ndim != want or b.ndim != want:
+            raise ValueError(f"{where} with {a.ndim}-D pairs, but it takes {want}-D ones ("
+                             f"{'a stack of experts' if stacked else 'one linear'}): an adapter "
+                             "of another base")
+        count, rank = (len(a) if stacked else 1), a.shape[-2]
+        fits = (a.shape[-1] == in_features and b.shape[-2:] == (out_features, rank)
+                and count <= experts and b.shape[:-2] == a.shape[:-2])
+        if not fits:
+            weight = f"{experts}x{out_features}x{in_features}" if stacked else \
+                f"{out_features}x{in_features}"
             raise ValueError(f"{where} with A {tuple(a.shape)} and B {tuple(b.shape)}, but its "
-                             f"weight is {out_features}x{in_features}: an adapter of another "
-                             "base")
-        if a.shape[0] > self.max_rank:
-            raise ValueError(f"{where} with rank {a.shape[0]}, over --max-lora-rank "
-                             f"{self.max_rank}")
+                             f"weight is {weight}: an adapter of another base")
+        if rank > self.max_rank:
+            raise ValueError(f"{where} with rank {rank}, over --max-lora-rank {self.max_rank}")
         return module
 
 

@@ -28,6 +28,21 @@ class Linear(nn.Linear, OpsUser):
         y = self.ops.linear(x, self)
         return y if self.lora is None else self.lora.added(self.ops, x, y)
 
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
+                     mode: str = "affine", **_: object) -> QuantizedLinear:
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+class QuantizedLinear(nn.QuantizedLinear, OpsUser):
+    """nn.QuantizedLinear (same parameters, MLX's quantized product) plus each row's LoRA
+    delta, as `Linear` adds it."""
+
+    lora = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = super().__call__(x)
+        return y if self.lora is None else self.lora.added(self.ops, x, y)
+
 
 class PackedLinears:
     """Linears of one input (a layer's q/k/v, gate/up) that a backend may run as one product.

@@ -34,6 +34,8 @@ Dispatch = Literal["gather", "grouped"]
 class SwitchLinear(nn.Module):
     """One linear layer per expert: `weight [experts, out, in]`, optional `bias [experts, out]`."""
 
+    lora = None  # its metal_engine.lora.slots.LoraWeights, once an adapter targets it
+
     def __init__(self, in_dims: int, out_dims: int, num_experts: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = mx.zeros((num_experts, out_dims, in_dims))
@@ -53,6 +55,8 @@ class SwitchLinear(nn.Module):
 
 class QuantizedSwitchLinear(nn.Module):
     """SwitchLinear with each expert's weight quantized as `mx.quantize` packs it."""
+
+    lora = None
 
     def __init__(self, source: SwitchLinear, group_size: int, bits: int, mode: str) -> None:
         super().__init__()
@@ -89,17 +93,39 @@ class SwitchGLU(nn.Module, OpsUser):
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """x `[rows, hidden]`, experts `[rows, k]` -> `[rows, k, hidden]`."""
         rows, k = experts.shape
+        lora = self._active_lora()
+        # Each (row, expert) pair's index into the projections' LoRA stacks.
+        adapted = None if lora is None else lora.expert_index(experts)  # [rows, k]
         sort = experts.size >= SORT_PAIRS
         x = mx.expand_dims(x, (-2, -3))  # [rows, 1, 1, hidden]: one matrix row per pair
         if sort:
             flat = experts.flatten()
-            order = mx.argsort(flat)
+            # By (expert, adapter) where adapters apply: still sorted by expert.
+            order = mx.argsort(flat if adapted is None else adapted.flatten())
             x, experts = x.flatten(0, -3)[order // k], flat[order]
-        h = self.activate(self.gate_proj(x, experts, sort), self.up_proj(x, experts, sort))
-        out = self.down_proj(h, experts, sort)
+            adapted = None if adapted is None else adapted.flatten()[order]
+        project = partial(self._project, experts=experts, adapted=adapted, sort=sort)
+        h = self.activate(project(self.gate_proj, x), project(self.up_proj, x))
+        out = project(self.down_proj, h)
         if sort:
             out = out[mx.argsort(order)].reshape(rows, k, 1, -1)
         return out.squeeze(-2)
+
+    def _active_lora(self):
+        """A projection's LoRA stacks (metal_engine.lora.slots.LoraWeights) in a step with
+        adapter rows, where an adapter targets these experts; else None."""
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            if linear.lora is not None and linear.lora.active:
+                return linear.lora
+        return None
+
+    def _project(self, linear: nn.Module, x: mx.array, experts: mx.array,
+                 adapted: mx.array | None, sort: bool) -> mx.array:
+        y = linear(x, experts, sort)
+        if adapted is None or linear.lora is None:
+            return y
+        return y + self.ops.low_rank(x, linear.lora.a, linear.lora.b, adapted,
+                                     sort).astype(y.dtype)
 
     def activate(self, gate: mx.array, up: mx.array) -> mx.array:
         act = self._act
@@ -107,7 +133,8 @@ class SwitchGLU(nn.Module, OpsUser):
 
     def mix(self, x: mx.array, weights: mx.array, experts: mx.array) -> mx.array:
         """Each row's chosen experts' outputs, weighted and summed: `[rows, hidden]`."""
-        if (self.dispatch or self.ops.expert_dispatch) == "grouped":
+        grouped = (self.dispatch or self.ops.expert_dispatch) == "grouped"
+        if grouped and self._active_lora() is None:  # adapters run gathered
             return self.ops.grouped_experts(self, x, experts, weights)
         y = self(x, experts)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from metal_engine.detokenizer import IncrementalDetokenizer
 from metal_engine.kv_disk.connector import KVDiskConnector
-from metal_engine.lora.adapter_files import load_adapter
+from metal_engine.lora.adapter_files import LoraAdapter, load_adapter
 from metal_engine.output_check import RequestOutputCheck
 from metal_engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from metal_engine.parallel.group import RankLost
@@ -137,9 +137,22 @@ class LLMEngine:
 
     def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter between steps; ValueError saying why it cannot be served."""
+        self.install_adapter(self.read_adapter(name, path))
+
+    def read_adapter(self, name: str, path: str) -> LoraAdapter:
+        """The adapter in dir `path`, read and checked against the base (ValueError saying
+        why it cannot be served). Reads files and shapes only, no MLX call: any thread may
+        run it beside the steps, so a large adapter's files stall no step."""
         if self.runner.adapters is None:
             raise ValueError("this server serves no LoRA adapters: start it with --max-loras")
-        self.runner.adapters.load(load_adapter(name, path))
+        adapter = load_adapter(name, path)
+        self.runner.adapters.check(adapter)
+        return adapter
+
+    def install_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve an adapter `read_adapter` gave, between steps (checked again: another may
+        have taken its name or the last slot since)."""
+        self.runner.adapters.load(adapter)
 
     def unload_adapter(self, name: str) -> None:
         """Unload an adapter no unfinished request uses (ValueError otherwise)."""

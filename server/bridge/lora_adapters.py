@@ -1,5 +1,7 @@
 """The LoRA adapters a server serves, as its handlers see them: which `model` names pick
-one, and loading or unloading one at run time on the engine thread, between steps."""
+one, and loading or unloading one at run time. A load reads and checks the adapter's files
+on a worker thread, beside the steps, and only installs its arrays on the engine thread,
+between steps."""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class LoraAdapters:
         """ValueError saying why the engine cannot serve it (the server goes on serving)."""
         if not Path(path).exists():
             raise ValueError(f"adapter {name!r}: {path} does not exist")
-        await asyncio.to_thread(self._run, lambda: self._engine.load_adapter(name, path))
+        adapter = await asyncio.to_thread(self._engine.read_adapter, name, path)
+        await asyncio.to_thread(self._run, lambda: self._engine.install_adapter(adapter))
         self._paths[name] = path
 
     async def unload(self, name: str) -> None:

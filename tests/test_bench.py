@@ -153,6 +153,18 @@ def test_request_body_per_endpoint():
     assert "ignore_eos" not in completion and "logit_bias" not in completion
 
 
+def test_several_models_spread_the_requests_in_turn(default_tokenizer):
+    """`--model base,a,b` (LoRA adapters beside their base): request i names name i mod 3."""
+    config = ServeBenchConfig(base_url="http://x", num_prompts=7, input_len=8, output_len=4,
+                              model="base", models=("base", "a", "b"))
+    requests, _ = build_workload(config, default_tokenizer)
+    sampling = Sampling(model="base")
+    assert [request_body(CHAT, r, sampling)["model"] for r in requests] == [
+        "base", "a", "b", "base", "a", "b", "base"]
+    with pytest.raises(ValueError, match="agents session keeps one model"):
+        ServeBenchConfig(base_url="http://x", workload="agents", models=("base", "a"))
+
+
 # ---- workloads -----------------------------------------------------------------------------
 
 

@@ -44,8 +44,9 @@ def request_body(endpoint: str, spec: RequestSpec, sampling: Sampling) -> dict:
         "max_tokens": spec.output_len,
         "temperature": sampling.temperature,
     }
-    if sampling.model is not None:
-        body["model"] = sampling.model
+    model = spec.model or sampling.model
+    if model is not None:
+        body["model"] = model
     if endpoint == CHAT:
         body["messages"] = [dict(m) for m in spec.messages]
     else:

@@ -36,6 +36,9 @@ class ServeBenchConfig:
     workload: Workload = "random"
     endpoint: str = CHAT
     model: str | None = None
+    # Several names: the independent requests spread over them in turn (LoRA adapters
+    # beside their base); `model` is then the first.
+    models: tuple[str, ...] = ()
     num_prompts: int = 32
     input_len: int = 128
     output_len: int = 64
@@ -64,6 +67,9 @@ class ServeBenchConfig:
         if self.workload in ("agents", "vision") and self.endpoint != CHAT:
             raise ValueError(f"the {self.workload} workload sends chat messages: use "
                              f"--endpoint {CHAT}")
+        if len(self.models) > 1 and self.workload == "agents":
+            raise ValueError("several --model names spread independent requests; an agents "
+                             "session keeps one model: name one")
         if min(self.image_size) < 1:
             raise ValueError(f"--image-size must be at least 1x1, got {self.image_size}")
         if not 0.0 <= self.range_ratio < 1.0:
@@ -101,7 +107,18 @@ class ServeBenchConfig:
 def build_workload(
     config: ServeBenchConfig, tokenizer: Any
 ) -> tuple[list[RequestSpec], list[AgentSession]]:
-    """(independent requests, agent sessions): one of the two is empty."""
+    """(independent requests, agent sessions): one of the two is empty; the requests each
+    naming one of `config.models` in turn where it names several."""
+    requests, sessions = _build_workload(config, tokenizer)
+    if len(config.models) > 1:
+        names = config.models
+        requests = [replace(r, model=names[i % len(names)]) for i, r in enumerate(requests)]
+    return requests, sessions
+
+
+def _build_workload(
+    config: ServeBenchConfig, tokenizer: Any
+) -> tuple[list[RequestSpec], list[AgentSession]]:
     rng = random.Random(config.seed)
     text = TokenText(tokenizer, rng)
     if config.workload == "random":

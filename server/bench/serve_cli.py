@@ -47,7 +47,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_target_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     group.add_argument("--endpoint", default=CHAT, choices=ENDPOINTS)
-    group.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    group.add_argument(
+        "--model",
+        help="model name to send (default: the first of /v1/models); several, comma-separated "
+        "(base,sql,chat), spread the requests over them in turn, e.g. over LoRA adapters",
+    )
     group.add_argument(
         "--tokenizer",
         type=Path,
@@ -214,12 +218,14 @@ def _screenshot(args: argparse.Namespace) -> DashboardScreenshot | None:
 def _config(args: argparse.Namespace, slos_ms: dict[str, float]) -> ServeBenchConfig:
     from server.bench.serve_bench import ServeBenchConfig
 
-    model = args.model if args.model is not None else first_model(args.base_url)
+    models = tuple(args.model.split(",")) if args.model is not None else ()
+    model = models[0] if models else first_model(args.base_url)
     return ServeBenchConfig(
         base_url=args.base_url,
         workload=args.workload,
         endpoint=args.endpoint,
         model=model,
+        models=models,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,

@@ -31,6 +31,7 @@ class RequestSpec:
     messages: tuple[dict[str, Any], ...]
     output_len: int
     group: int | None = None
+    model: str | None = None  # None: the run's model
 
     def prompt(self) -> str:
         """The same content as one completions prompt (text messages only)."""

@@ -164,7 +164,8 @@ def test_quantized_base_serves_adapters_as_its_dequantized_self(moe, tmp_path, m
 
     monkeypatch.setattr(weights, "keeps_quantized", lambda: True)
     runner, scheduler = serving(moe, model_dir=quantized)
-    adapted = {type(m) for _, m in runner.model.named_modules() if getattr(m, "lora", None) is not None}
+    adapted = {type(m) for _, m in runner.model.named_modules()
+               if getattr(m, "lora", None) is not None}
     assert adapted == {QuantizedLinear, QuantizedSwitchLinear}
     for name, logits in want.items():
         np.testing.assert_allclose(prompt_logits(runner, scheduler, name, PROMPT, name), logits,

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -259,17 +260,24 @@ def test_log_lines_carry_the_request_id_and_prompts_only_when_asked(log_prompts)
 
 
 def test_options_reach_the_app_the_bridge_and_the_server(tmp_path, monkeypatch):
+    from metal_engine import engine_build
+    from metal_engine.loading import parameter_count
     from metal_engine.loading.parameter_count import ParameterCount
-    from server import app, launch
+    from server import app, launch, model_loading
     from server.http import shutdown
+
+    def text_engine(config) -> TextEngine:
+        engine = TextEngine()
+        engine.runner = SimpleNamespace(model=SimpleNamespace(config=None))
+        return engine
 
     seen = {}
     monkeypatch.setenv("METAL_SERVE_API_KEY", "key-from-env")
     monkeypatch.setattr(launch, "configure_logging", lambda *args: None)
-    monkeypatch.setattr(launch, "_resolve_model", lambda args: tmp_path)
-    monkeypatch.setattr(launch, "_load_engine", lambda model_dir, args: TextEngine())
-    monkeypatch.setattr(launch, "_warm_up", lambda engine: None)
-    monkeypatch.setattr(launch, "_parameter_count", lambda engine: ParameterCount(1, 1))
+    monkeypatch.setattr(model_loading, "resolve_model", lambda args: tmp_path)
+    monkeypatch.setattr(engine_build, "build_engine", text_engine)
+    monkeypatch.setattr(model_loading, "warm_up", lambda engine: None)
+    monkeypatch.setattr(parameter_count, "count_parameters", lambda config: ParameterCount(1, 1))
     monkeypatch.setattr(app, "build_app", lambda bridge, name, max_n, options, **_: seen.update(
         bridge=bridge, options=options))  # fmt: skip
     monkeypatch.setattr(shutdown, "run_server", lambda *args: seen.update(

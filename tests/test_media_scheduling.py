@@ -174,6 +174,33 @@ def test_an_image_a_request_reads_in_a_later_chunk_stays_until_a_step_is_past_it
     assert chunks == {"a": (40, 41), "b": (0, 23)} and encoded == ["dog"] and freed == ["cat"]
 
 
+def test_a_cached_image_a_chunk_reads_is_not_evicted_for_another_it_encodes():
+    """The chunk reads cached cat and needs dog; the cache holds one of them: the chunk ends
+    before dog, which is encoded in the next step in cat's place."""
+    s = encoder_scheduler(cache_rows=8, step_rows=16)
+    add(s, "a", (0, 8, "cat"))
+    assert step(s)[1:] == (["cat"], [])
+    add(s, "b", (4, 8, "cat"), (20, 8, "dog"))
+    chunks, encoded, freed = step(s)  # beside a's last decode
+    assert chunks["b"] == (0, 20) and encoded == freed == []
+    chunks, encoded, freed = step(s)
+    assert chunks["b"] == (20, 40) and encoded == ["dog"] and freed == ["cat"]
+
+
+def test_a_chunk_ends_before_a_cached_image_whose_room_an_earlier_one_takes():
+    """dog (missing) then cat (cached) in one chunk, room for 12 rows: dog goes in cat's place
+    and the chunk ends before cat, which the next step encodes again."""
+    s = encoder_scheduler(cache_rows=12, step_rows=16)
+    add(s, "a", (0, 8, "cat"))
+    assert step(s)[1:] == (["cat"], [])
+    add(s, "b", (4, 8, "dog"), (20, 8, "cat"))
+    chunks, encoded, freed = step(s)
+    assert chunks["b"] == (0, 20) and encoded == ["dog"] and freed == ["cat"]
+    chunks, encoded, freed = step(s)
+    assert chunks["b"] == (20, 40) and encoded == ["cat"] and freed == ["dog"]
+    assert s.group("encoder").usage() == (8, 12)
+
+
 def test_an_image_over_the_budgets_is_encoded_alone():
     s = encoder_scheduler(cache_rows=8, step_rows=4)
     add(s, "a", (2, 12, "big"))

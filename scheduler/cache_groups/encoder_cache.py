@@ -13,7 +13,9 @@ that it is cached, least recently used out first, for the same picture in anothe
 Two budgets bound it (vLLM's encoder budget): the rows the cache holds (`num_rows`, from the
 memory plan) and the rows the tower encodes in one step (`step_rows`). A chunk that reaches an
 image the cache lacks and cannot take now ends before the image; one that starts inside it
-waits (0 tokens). An image larger than a budget is encoded alone, over it, when nothing else
+waits (0 tokens). A cached image a chunk reads stays through the step: no encode evicts it,
+and a chunk ends before one whose room the images it encodes first would take. An image
+larger than a budget is encoded alone, over it, when nothing else
 is held or encoded in the step. For a text model whose image tokens see each other
 (`whole_images`), no chunk ends inside an image: one that would ends before it, one that
 starts at or inside it takes it to its end.
@@ -54,14 +56,25 @@ class EncoderCacheGroup(CacheGroup):
 
     def cut(self, request: Request, start: int, num_new: int) -> int:
         """The chunk's tokens up to the first image the cache lacks and cannot take in this
-        step (0 if the chunk starts inside it), with whole images where the model needs them.
+        step (0 if the chunk starts inside it), or up to a cached one it could keep only by
+        leaving out an image before it, with whole images where the model needs them.
         Changes nothing."""
         if request.media is None:
             return num_new
         if self.whole_images:
             num_new = whole_image_chunk(request.media, start, num_new)
         step_left, free = self._step_left, self.num_rows - self._kept_rows()
-        for image in self._missing(request, start, num_new):
+        seen: set[str] = set()
+        for image in request.media.overlapping(start, start + num_new):
+            key = image.content_hash
+            if key in seen or (key in self._rows and self._kept(key)):
+                continue
+            seen.add(key)
+            if key in self._rows:  # cached: read by the chunk, no encode makes way for it
+                if self._rows[key] > free and image.offset > start:
+                    return image.offset - start  # the images before it take its room
+                free -= self._rows[key]
+                continue
             alone = step_left == self.step_rows and free == self.num_rows  # over a budget
             if image.length > min(step_left, free) and not alone:
                 return max(image.offset - start, 0)
@@ -79,6 +92,7 @@ class EncoderCacheGroup(CacheGroup):
         images = request.media.overlapping(start, end)
         missing = self._missing(request, start, num_new)
         self.num_hits += len({i.content_hash for i in images}) - len(missing)
+        self._in_step.update(i.content_hash for i in images)  # first: no eviction takes them
         for image in missing:
             self._evict_for(image.length)
             self._rows[image.content_hash] = image.length
@@ -87,7 +101,6 @@ class EncoderCacheGroup(CacheGroup):
             self.num_encoded += 1
         for image in images:
             self._rows.move_to_end(image.content_hash)
-            self._in_step.add(image.content_hash)
             users = self._users.setdefault(image.content_hash, set())
             if image.end > end:
                 users.add(request.request_id)

@@ -1,8 +1,8 @@
 """The operations model code calls, one implementation per backend, chosen once per model.
 
     Ops             the interface: products, norms, rope, activations, attention (paged, latent,
-                    sparse latent, over a gathered context), gated delta, KV writes, and how a
-                    decoder runs its layers
+                    sparse latent, over a gathered context, dense over an encoder's rows),
+                    gated delta, KV writes, and how a decoder runs its layers
     ReferenceOps    pure MLX: what every kernel is checked against; runs anywhere
     MetalOps        the Metal path: `mx.fast` rope and norms, fused products, compiled
                     elementwise chains, the paged-attention and gated-delta kernels
@@ -90,6 +90,10 @@ class Ops:
         """`x / sqrt(mean(x^2) + eps) * weight` over the last axis (no weight: 1)."""
         return mx.fast.rms_norm(x, weight, eps)
 
+    def layer_norm(self, x, weight, bias, eps: float):
+        """`(x - mean) / sqrt(var + eps) * weight + bias` over the last axis."""
+        return mx.fast.layer_norm(x, weight, bias, eps)
+
     def rope_step(self, rope, positions: mx.array, meta: AttentionMetadata):
         """What a `models.rope.RotaryEmbedding` needs for a step's rows at `positions`
         (built once, used by every layer of its kind): here float32 cos/sin tables."""
@@ -147,6 +151,11 @@ class Ops:
         """Causal attention of one request's chunk rows, heads first: `q [H, n, D]` (its last
         n positions) over its keys `k [H, L, D]` and values `v [H, L, Dv]`: `[H, n, Dv]`."""
         return causal_chunk_attention(q, k, v, scale)
+
+    def dense_attention(self, q, k, v, scale: float):
+        """Bidirectional attention with no cache (a vision tower's patches): every row of `q
+        [B, H, n, D]` over every key of `k`, `v` `[B, kv_heads, n, D]`; `[B, H, n, D]` out."""
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
     def write_and_attend(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, scale: float,
                          window=None, softcap=None, sinks=None):

@@ -109,10 +109,15 @@ def test_gemma3_processor_matches_transformers(gemma3) -> None:
         np.testing.assert_allclose(processed.pixel_values, pixels, atol=1e-5, rtol=0)
 
 
+BACKENDS = ["host", "reference", "metal"]  # the ops the tower computes with
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("count", [1, 2])
-def test_gemma3_tower_matches_get_image_features(gemma3, count: int) -> None:
+def test_gemma3_tower_matches_get_image_features(gemma3, count: int, backend: str) -> None:
     path, model = gemma3
     tower = load_gemma_vision(path, mx.float32)
+    tower.use_ops(backend)
     processor = Gemma3ImageProcessor.from_model_dir(path, tower.config)
     images = [processor(image) for image in _images()[:count]]
     features = tower.encode(images)
@@ -151,10 +156,12 @@ def test_gemma4_sizes_match_transformers(budget: int) -> None:
         assert processor.target_size(height, width) == expected
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("count", [1, 2])
-def test_gemma4_tower_matches_get_image_features(gemma4, count: int) -> None:
+def test_gemma4_tower_matches_get_image_features(gemma4, count: int, backend: str) -> None:
     path, model = gemma4
     tower = load_gemma_vision(path, mx.float32)
+    tower.use_ops(backend)
     processor = Gemma4ImageProcessor.from_model_dir(path, tower.config)
     images = [processor(image) for image in _images()[:count]]
     features = tower.encode(images)

@@ -150,8 +150,11 @@ def hf_features(model, folder: Path, images: list[Image.Image]):
 
 
 def assert_same_features(model_dir: Path, model, reference_dir: Path,
-                         images: list[Image.Image]) -> None:
+                         images: list[Image.Image], backend: str | None = None) -> None:
+    """`backend`: the ops the tower computes with (None: the device's)."""
     tower = load_vision_tower(model_dir, mx.float32)
+    if backend is not None:
+        tower.use_ops(backend)
     options = QwenImageProcessing.from_model_dir(model_dir)
     features = tower.encode([preprocess_image(image, options) for image in images])
     embeds, deepstack = hf_features(model, reference_dir, images)
@@ -164,14 +167,17 @@ def assert_same_features(model_dir: Path, model, reference_dir: Path,
         image_token_count(i.height, i.width, options) for i in images)
 
 
-def test_the_tower_computes_what_transformers_does(checkpoint) -> None:
+@pytest.mark.parametrize("backend", ["host", "reference", "metal"])
+def test_the_tower_computes_what_transformers_does(checkpoint, backend) -> None:
     """One image, then two of different sizes in one batch (each attends only to itself;
-    the learned positions resampled up and down to their grids)."""
+    the learned positions resampled up and down to their grids), on each ops backend the
+    text model may compute with (Metal's runs its `mx.fast` path on this device)."""
     family, model, folder = checkpoint
     assert (len(read_vision_config(json.loads((folder / "config.json").read_text()))
                 .deepstack_layers) > 0) == (family == "qwen3_vl")
-    assert_same_features(folder, model, folder, [random_image(70, 40)])
-    assert_same_features(folder, model, folder, [random_image(70, 40), random_image(150, 100)])
+    assert_same_features(folder, model, folder, [random_image(70, 40)], backend)
+    assert_same_features(folder, model, folder, [random_image(70, 40), random_image(150, 100)],
+                         backend)
 
 
 def test_the_mlx_vlm_layout_loads_and_converts(checkpoint, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Layers the model families share: linear, RMSNorms, gated MLP, paged self-attention.
+"""Layers the model families share: linear, RMS and layer norms, gated MLP, paged
+self-attention.
 
 Parameter names are Hugging Face's, so checkpoints load without renaming. Every layer computes
 through `self.ops`, the backend its model was built with (models/ops_user.py). A class marked
@@ -126,6 +127,13 @@ class RMSNorm(nn.RMSNorm, OpsUser):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm, OpsUser):
+    """nn.LayerNorm (same parameters), computed by the model's ops (MLX arrays only)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.ops.layer_norm(x, self.get("weight"), self.get("bias"), self.eps)
 
 
 class UnitRMSNorm(nn.Module, OpsUser):

@@ -14,13 +14,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from metal_engine.models.ops_user import OpsModel, OpsUser
 from metal_engine.vision.features import ProcessedImage, VisionFeatures
 from metal_engine.vision.gemma_config import Gemma3VisionConfig
 from metal_engine.vision.siglip import SiglipVisionModel
 
 
-class OffsetRMSNorm(nn.Module):
-    """Gemma's RMSNorm: scale `1 + w`, computed in float32."""
+class OffsetRMSNorm(nn.Module, OpsUser):
+    """Gemma's RMSNorm: scale `1 + w`, computed in float32 as transformers' tower does."""
 
     def __init__(self, dims: int, eps: float) -> None:
         super().__init__()
@@ -29,7 +30,7 @@ class OffsetRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         scale = 1.0 + self.weight.astype(mx.float32)
-        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
+        return self.ops.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -50,7 +51,7 @@ class Gemma3MultiModalProjector(nn.Module):
         return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
 
 
-class Gemma3VisionTower(nn.Module):
+class Gemma3VisionTower(OpsModel):
     """Images of the encoder's one size -> soft tokens for the text model."""
 
     def __init__(self, cfg: Gemma3VisionConfig) -> None:

@@ -8,7 +8,9 @@
 - k x k average pooling to soft tokens, scaled by sqrt(hidden) (optionally standardized);
 - the embedder: an unscaled RMS norm, then a projection to the text model's width.
 
-Module names follow transformers' Gemma4Model (`vision_tower.*`, `embed_vision.*`).
+Module names follow transformers' Gemma4Model (`vision_tower.*`, `embed_vision.*`). Products,
+norms and attention go through the ops backend of the model it serves
+(metal_engine.models.ops_user).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from metal_engine.models.layers import Linear, RMSNorm
+from metal_engine.models.ops_user import OpsModel, OpsUser
 from metal_engine.vision.features import ProcessedImage, VisionFeatures
 from metal_engine.vision.gemma_config import Gemma4VisionConfig
 from metal_engine.vision.siglip import ACTIVATION
@@ -29,7 +33,7 @@ class ClippableLinear(nn.Module):
 
     def __init__(self, dims_in: int, dims_out: int, clipped: bool) -> None:
         super().__init__()
-        self.linear = nn.Linear(dims_in, dims_out, bias=False)
+        self.linear = Linear(dims_in, dims_out, bias=False)
         self.clipped = clipped
         if clipped:
             self.input_min, self.output_min = mx.array(-mx.inf), mx.array(-mx.inf)
@@ -60,7 +64,7 @@ def rope_angles(grid: tuple[int, int], head_dim: int, theta: float) -> mx.array:
     return mx.array(np.concatenate([col, col, row, row], axis=-1))
 
 
-class VisionAttention(nn.Module):
+class VisionAttention(nn.Module, OpsUser):
     def __init__(self, cfg: Gemma4VisionConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -70,8 +74,8 @@ class VisionAttention(nn.Module):
         self.k_proj = ClippableLinear(hidden, self.num_kv_heads * self.head_dim, clipped)
         self.v_proj = ClippableLinear(hidden, self.num_kv_heads * self.head_dim, clipped)
         self.o_proj = ClippableLinear(self.num_heads * self.head_dim, hidden, clipped)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=self.eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=self.eps)
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
         length = x.shape[0]
@@ -80,9 +84,8 @@ class VisionAttention(nn.Module):
         v = self.v_proj(x).reshape(length, self.num_kv_heads, self.head_dim)
         q = axial_rope(self.q_norm(q), cos, sin)
         k = axial_rope(self.k_norm(k), cos, sin)
-        v = mx.fast.rms_norm(v, None, self.eps)
-        out = mx.fast.scaled_dot_product_attention(
-            *(t.transpose(1, 0, 2)[None] for t in (q, k, v)), scale=1.0)
+        v = self.ops.rms_norm(v, None, self.eps)
+        out = self.ops.dense_attention(*(t.transpose(1, 0, 2)[None] for t in (q, k, v)), 1.0)
         return self.o_proj(out[0].transpose(1, 0, 2).reshape(length, -1))
 
 
@@ -105,10 +108,10 @@ class VisionEncoderLayer(nn.Module):
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
-        self.input_layernorm = nn.RMSNorm(hidden, eps=eps)
-        self.post_attention_layernorm = nn.RMSNorm(hidden, eps=eps)
-        self.pre_feedforward_layernorm = nn.RMSNorm(hidden, eps=eps)
-        self.post_feedforward_layernorm = nn.RMSNorm(hidden, eps=eps)
+        self.input_layernorm = RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps=eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps=eps)
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
@@ -129,7 +132,7 @@ class VisionEncoder(nn.Module):
 class PatchEmbedder(nn.Module):
     def __init__(self, cfg: Gemma4VisionConfig) -> None:
         super().__init__()
-        self.input_proj = nn.Linear(3 * cfg.patch_size**2, cfg.hidden_size, bias=False)
+        self.input_proj = Linear(3 * cfg.patch_size**2, cfg.hidden_size, bias=False)
         self.position_embedding_table = mx.zeros((2, cfg.position_embedding_size,
                                                   cfg.hidden_size))
 
@@ -172,18 +175,18 @@ def pool(hidden: mx.array, grid: tuple[int, int], k: int) -> mx.array:
     return blocks.mean(axis=(1, 3)).reshape(-1, hidden.shape[-1])
 
 
-class MultimodalEmbedder(nn.Module):
+class MultimodalEmbedder(nn.Module, OpsUser):
     def __init__(self, cfg: Gemma4VisionConfig) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.embedding_projection = nn.Linear(cfg.hidden_size, cfg.text_hidden_size, bias=False)
+        self.embedding_projection = Linear(cfg.hidden_size, cfg.text_hidden_size, bias=False)
 
     def __call__(self, soft_tokens: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(soft_tokens.astype(mx.float32), None, self.eps)
+        normed = self.ops.rms_norm(soft_tokens.astype(mx.float32), None, self.eps)
         return self.embedding_projection(normed.astype(soft_tokens.dtype))
 
 
-class Gemma4VisionTower(nn.Module):
+class Gemma4VisionTower(OpsModel):
     """Images of any size -> soft tokens for the text model."""
 
     def __init__(self, cfg: Gemma4VisionConfig) -> None:

@@ -9,6 +9,8 @@ patches out (the text model's width), plus Qwen3-VL's deepstack features.
 Parameter names are Hugging Face's (`model.visual.*` there), except the patch embedding: a
 Conv3d whose stride equals its kernel is one product over the flattened patch, so it is a
 Linear here and loading flattens the conv weight (metal_engine.vision.qwen_vision_loading).
+Products, norms and attention go through the ops backend the text model computes with
+(metal_engine.models.ops_user).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from metal_engine.models.layers import LayerNorm, Linear
+from metal_engine.models.ops_user import OpsModel, OpsUser
 from metal_engine.vision.features import ProcessedImage, VisionFeatures
 from metal_engine.vision.qwen_vision_config import QwenVisionConfig
 from metal_engine.vision.qwen_vision_grid import (
@@ -32,12 +36,12 @@ _ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu, "silu": nn
 _NORM_EPS = 1e-6
 
 
-class VisionAttention(nn.Module):
+class VisionAttention(nn.Module, OpsUser):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
         self.num_heads, self.scale = cfg.num_heads, cfg.head_dim ** -0.5
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = Linear(cfg.hidden_size, cfg.hidden_size)
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array,
                  segments: Sequence[tuple[int, int]]) -> mx.array:
@@ -47,14 +51,13 @@ class VisionAttention(nn.Module):
         v = v.squeeze(1)
         # One attention per image (frame): its n_i rows cost n_i^2 scores per head, where a
         # block-diagonal mask over the batch would cost (sum n_i)^2 and mask most of them.
-        outs = [_attend(q[s:e], k[s:e], v[s:e], self.scale) for s, e in segments]
+        outs = [self._attend(q[s:e], k[s:e], v[s:e]) for s, e in segments]
         return self.proj(mx.concatenate(outs).reshape(rows, -1))
 
-
-def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """Bidirectional attention of one segment's [n, H, D] rows."""
-    q, k, v = (t.swapaxes(0, 1)[None] for t in (q, k, v))
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)[0].swapaxes(0, 1)
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """Bidirectional attention of one segment's [n, H, D] rows."""
+        q, k, v = (t.swapaxes(0, 1)[None] for t in (q, k, v))
+        return self.ops.dense_attention(q, k, v, self.scale)[0].swapaxes(0, 1)
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -68,8 +71,8 @@ def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 class VisionMLP(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.linear_fc1 = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -79,8 +82,8 @@ class VisionMLP(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=_NORM_EPS)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=_NORM_EPS)
+        self.norm1 = LayerNorm(cfg.hidden_size, eps=_NORM_EPS)
+        self.norm2 = LayerNorm(cfg.hidden_size, eps=_NORM_EPS)
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
@@ -98,10 +101,9 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.width = cfg.hidden_size * cfg.spatial_merge_size ** 2
         self.norm_after_merge = norm_after_merge
-        self.norm = nn.LayerNorm(self.width if norm_after_merge else cfg.hidden_size,
-                                 eps=_NORM_EPS)
-        self.linear_fc1 = nn.Linear(self.width, self.width)
-        self.linear_fc2 = nn.Linear(self.width, cfg.out_hidden_size)
+        self.norm = LayerNorm(self.width if norm_after_merge else cfg.hidden_size, eps=_NORM_EPS)
+        self.linear_fc1 = Linear(self.width, self.width)
+        self.linear_fc2 = Linear(self.width, cfg.out_hidden_size)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.norm_after_merge:
@@ -111,7 +113,7 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(nn.gelu(self.linear_fc1(x)))
 
 
-class QwenVisionTower(nn.Module):
+class QwenVisionTower(OpsModel):
     """The tower; `__call__` encodes a batch of images given as their concatenated patches."""
 
     def __init__(self, cfg: QwenVisionConfig) -> None:
@@ -173,7 +175,7 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
-        self.proj = nn.Linear(cfg.patch_dim, cfg.hidden_size)
+        self.proj = Linear(cfg.patch_dim, cfg.hidden_size)
 
     def __call__(self, patches: mx.array) -> mx.array:
         return self.proj(patches)

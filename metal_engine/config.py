@@ -41,6 +41,9 @@ class EngineConfig:
     max_model_len: int | None = None
     allow_long_max_model_len: bool = False
     kv_cache_memory: int | None = None
+    # A model that reads images: bytes for the vision tower's outputs (None: the default,
+    # metal_engine.vision.encoder_cache.ENCODER_CACHE_BYTES).
+    encoder_cache_memory: int | None = None
     # The pool's storage (`--kv-cache-dtype`): "auto" the model's dtype, or int8 / int4
     # codes with float16 group scales (kernels_metal.kv_quant).
     kv_cache_dtype: str = "auto"
@@ -79,8 +82,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        for name in ("kv_cache_memory", "encoder_cache_memory"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_write_through and self.kv_cache_dir is None:
             raise ValueError("--kv-write-through saves blocks to --kv-cache-dir: give it one")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -111,10 +115,15 @@ class EngineConfig:
         """How many ranks (processes) run each step."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def parallel_flag(self) -> str:
+        """The option that asked for several ranks, e.g. "--tensor-parallel-size 2"."""
+        if self.tensor_parallel_size > 1:
+            return f"--tensor-parallel-size {self.tensor_parallel_size}"
+        return f"--pipeline-parallel-size {self.pipeline_parallel_size}"
+
     def _check_parallel(self) -> None:
         """What several ranks do not combine with yet, refused by option."""
-        flag = ("--tensor-parallel-size" if self.tensor_parallel_size > 1
-                else "--pipeline-parallel-size")
         spec = self.speculative_config
         refused = {
             "--pipeline-parallel-size": self.tensor_parallel_size > 1
@@ -127,8 +136,8 @@ class EngineConfig:
         }
         for option, given in refused.items():
             if given:
-                raise ValueError(f"{flag} {self.parallel_size} does not combine with {option} "
-                                 "yet: drop one of them")
+                raise ValueError(f"{self.parallel_flag} does not combine with {option} yet: "
+                                 "drop one of them")
 
 
 # The least KV cache that serves: the context is capped by what the cache holds.

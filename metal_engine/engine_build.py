@@ -36,10 +36,11 @@ from metal_engine.loading.weights import load_model, parameter_bytes
 from metal_engine.lora.adapter_files import load_adapter
 from metal_engine.lora.slots import AdapterSlots
 from metal_engine.models.decoder import CausalLM
+from metal_engine.models.ops_user import use_ops
 from metal_engine.parallel.peers import Peers
 from metal_engine.runner import ModelRunner
-from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES, encoder_cache_rows
-from metal_engine.vision.image_model import ImageModel, load_image_model
+from metal_engine.vision.encoder_cache import encoder_cache_rows
+from metal_engine.vision.image_model import ImageModel, has_vision_tower, load_image_model
 from scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     """The engine `config` describes: on this process alone, or as rank 0 of several."""
     if config.parallel_size == 1:
         return _build(config, None)
+    _refuse_images_over_ranks(config)  # before any rank starts
     peers = Peers.start(config)
     try:
         return _build(config, peers)
@@ -64,7 +66,9 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     dtype = resolve_dtype(config.dtype, config.model_dir, metal=metal)
     split = peers.split if peers is not None else None
     model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
-    image_model = _load_image_model(config, dtype, peers)
+    image_model = load_image_model(config.model_dir, dtype)
+    if image_model is not None:  # the tower computes on the text model's backend
+        use_ops(image_model.tower, model.ops)
     tokenizer = load_tokenizer(config.model_dir)
     drafter = _load_drafter(config, model, tokenizer, dtype)
     spec = config.speculative_config
@@ -73,8 +77,8 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     mc = model.config
     held = mc if split is None else split.cache_config(mc)  # what this rank's cache holds
     weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
-    if image_model is not None:  # the tower and what its outputs may take
-        weights += parameter_bytes(image_model.tower) + ENCODER_CACHE_BYTES
+    if image_model is not None:  # its outputs' share is the plan's encoder cache
+        weights += parameter_bytes(image_model.tower)
     planned = held if split is None or not split.by_layers else mc
     if peers is not None and peers.one_host:  # every rank's share and pool on this machine
         weights, planned = weights * peers.size, mc
@@ -112,7 +116,7 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         num_window_blocks=plan.num_window_blocks,
         num_state_slots=plan.num_state_slots,
         speculative=spec,
-        encoder_cache_rows=_encoder_rows(image_model, mc, dtype),
+        encoder_cache_rows=_encoder_rows(image_model, mc, dtype, memory.encoder_cache),
         encoder_step_rows=token_budget,
         whole_images=image_model is not None and image_model.whole_images,
         whole_prompts=encoder,
@@ -132,13 +136,14 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     return engine
 
 
-def _encoder_rows(image_model: ImageModel | None, mc: ModelConfig, dtype: mx.Dtype) -> int:
-    """The embedding rows the memory plan's share for the tower's outputs holds (0: the
-    model reads no images)."""
+def _encoder_rows(image_model: ImageModel | None, mc: ModelConfig, dtype: mx.Dtype,
+                  budget: int) -> int:
+    """The embedding rows the memory plan's `budget` bytes for the tower's outputs hold (0:
+    the model reads no images)."""
     if image_model is None:
         return 0
-    rows = encoder_cache_rows(mc.hidden_size * dtype.size * image_model.feature_maps)
-    log.info("encoder cache: %d embedding rows in %d MiB", rows, ENCODER_CACHE_BYTES >> 20)
+    rows = encoder_cache_rows(mc.hidden_size * dtype.size * image_model.feature_maps, budget)
+    log.info("encoder cache: %d embedding rows in %.1f MiB", rows, budget / 2**20)
     return rows
 
 
@@ -170,16 +175,14 @@ def _adapters(model: CausalLM, config: EngineConfig) -> AdapterSlots | None:
     return slots
 
 
-def _load_image_model(config: EngineConfig, dtype: mx.Dtype,
-                      peers: Peers | None) -> ImageModel | None:
-    """The checkpoint's vision side, if it has one; none over several ranks, whose other
-    ranks have no tower (its requests' images are refused as for a text model)."""
-    image_model = load_image_model(config.model_dir, dtype)
-    if image_model is not None and peers is not None:
-        log.warning("images are not read over several ranks (tensor or pipeline "
-                    "parallelism): serving text only")
-        return None
-    return image_model
+def _refuse_images_over_ranks(config: EngineConfig) -> None:
+    """A ValueError naming the flag when the checkpoint reads images: the ranks past the
+    first hold no tower and take no image rows yet."""
+    if has_vision_tower(config.model_dir):
+        raise ValueError(
+            f"{config.parallel_flag}: {config.model_dir} reads images, which are not served "
+            "over several ranks yet. Serve it on one rank, or convert it with `metal-serve "
+            "convert SRC --out DIR --text-only` to serve its text model over ranks")
 
 
 def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector | None:

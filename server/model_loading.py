@@ -30,7 +30,7 @@ ENGINE_OPTIONS = (
     "seed", "enable_prefix_caching", "scheduling_policy", "async_scheduling", "kv_cache_dir",
     "kv_cache_dir_size", "allow_long_max_model_len", "speculative_config", "kv_cache_dtype",
     "tensor_parallel_size", "pipeline_parallel_size", "kv_write_through", "dtype",
-    "lora_modules", "max_loras", "max_lora_rank", "task",
+    "lora_modules", "max_loras", "max_lora_rank", "task", "encoder_cache_memory",
 )  # fmt: skip
 
 
@@ -46,8 +46,8 @@ class LoadedModel:
 
     @property
     def memory_bytes(self) -> int:
-        """What it holds at most: its weights and its KV budget."""
-        return 0 if self.plan is None else self.plan.weights + self.plan.budget
+        """What it holds at most: its weights, encoder cache and KV budget."""
+        return 0 if self.plan is None else self.plan.held
 
 
 def resolve_model(args: argparse.Namespace) -> Path:

@@ -156,6 +156,11 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         "the weights and a headroom; see docs/memory.md)",
     )
     group.add_argument(
+        "--encoder-cache-memory", type=parse_size,
+        help='for a model that reads images: what the vision tower\'s outputs may take while '
+        'prompts read them and for the same picture later (default "256MiB"; docs/images.md)',
+    )
+    group.add_argument(
         "--dtype", choices=("auto", "float32", "float16", "bfloat16"),
         help="what the weights and activations run in: auto (default) float32 on the CPU "
         "backend; on a Mac the checkpoint's own half dtype (bfloat16 stays bfloat16), float16 "

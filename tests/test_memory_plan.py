@@ -179,6 +179,20 @@ def test_describe_names_budget_tokens_and_requests():
     assert re.search(r"capacity: [\d,]+ tokens; \d+ concurrent requests at 8,192", lines)
 
 
+def test_the_encoder_cache_is_a_line_of_its_own_and_no_kv_budget_takes_it():
+    """Weights stay the weights; the encoder cache comes out of what the KV cache may take
+    and counts in what the plan holds (and wires)."""
+    text = plan(16, "8B", "4bit", max_model_len=8192)
+    images = plan(16, "8B", "4bit", max_model_len=8192, encoder_cache=GIB)
+    lines = images.describe()
+    assert "encoder cache: 1.0 GiB" in lines[2] and lines[1] == text.describe()[1]
+    assert not any("encoder" in line for line in text.describe())
+    assert images.budget < text.budget and images.held == images.weights + GIB + images.budget
+    spare = text.device.usable - text.weights - text.headroom
+    with pytest.raises(MemoryRefused, match="does not fit"):
+        plan(16, "8B", "4bit", kv_cache_memory=spare, encoder_cache=GIB)
+
+
 def test_device_memory_on_a_simulated_mac(monkeypatch):
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(mx, "device_info", lambda: {

@@ -1,8 +1,9 @@
 """Images end to end on tiny random Qwen vision-language checkpoints, converted as users do:
 the picture preprocessed, encoded by our tower, placed in the prompt and served by the engine
 must give transformers' greedy tokens for the same picture (its own processor, tower and
-model); the same screenshot in the next request is a prefix-cache hit, encoded once; and the
-official openai client gets its answer from a real server.
+model), with an encoder cache too small for two images too; the same screenshot in the next
+request is a prefix-cache hit, encoded once; the official openai client gets its answer from
+a real server; the memory plan shows the encoder cache; several ranks are refused.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import base64
 import io
 import json
 
+import mlx.core as mx
 import openai
 import pytest
 from PIL import Image
@@ -21,8 +23,12 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
 from convert import convert_model
+from metal_engine.cache.memory_plan import plan_for
 from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
+from metal_engine.loading.weight_bytes import model_dir_weight_bytes
+from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES
+from metal_engine.vision.image_model import has_vision_tower, load_image_model
 from metal_engine.warm_up import warm_up
 from scheduler import SamplingParams
 
@@ -105,6 +111,52 @@ def test_served_tokens_equal_transformers_for_the_same_pictures(checkpoint, budg
     assert got["two"] == transformers_greedy(model, processor, TWO_IMAGES, [tall, wide],
                                              MAX_TOKENS)
     assert engine.runner.encoder.num_encoded == 2  # the wide picture once for both prompts
+    assert vision.tower.ops is engine.runner.model.ops  # the text model's backend
+
+
+def test_images_wait_for_room_in_a_small_encoder_cache(checkpoint):
+    """An encoder cache of 12 rows holds the wide picture (12 tokens) or the tall one (10),
+    never both: a chunk reaching an image the cache cannot take ends before it and the image
+    waits for a later step; the wide picture, evicted for the tall one, is encoded again.
+    The tokens are transformers' all the same."""
+    model, processor, model_dir = checkpoint
+    wide, tall = picture(24, 10, 1), picture(9, 20, 2)
+    row_bytes = 64 * mx.float32.size * load_image_model(model_dir, mx.float32).feature_maps
+    engine = engine_of(model_dir, max_num_batched_tokens=256,
+                       encoder_cache_memory=12 * row_bytes)
+    assert engine.scheduler.config.encoder_cache_rows == 12
+    vision = engine.image_model
+    got = serve_all(engine, {"wide": vision.place(PROMPT, [Picture(wide)]),
+                             "two": vision.place(TWO_IMAGES, [Picture(tall), Picture(wide)]),
+                             "text": ([7, 8, 9, 10], None)})
+    assert got["wide"] == transformers_greedy(model, processor, PROMPT, wide, MAX_TOKENS)
+    assert got["two"] == transformers_greedy(model, processor, TWO_IMAGES, [tall, wide],
+                                             MAX_TOKENS)
+    assert engine.runner.encoder.num_encoded == 3
+
+
+def test_the_memory_plan_shows_the_encoder_cache_on_its_own_line(checkpoint, tmp_path, capsys):
+    from server.cli import main
+
+    _, _, model_dir = checkpoint
+    model, weights = model_dir_weight_bytes(model_dir, mx.float32)
+    lines = plan_for(EngineConfig(model_dir, encoder_cache_memory=64 << 20), model,
+                     weights).describe()
+    assert "encoder cache: 64.0 MiB" in "\n".join(lines)
+    assert plan_for(EngineConfig(model_dir), model, weights).encoder_cache == ENCODER_CACHE_BYTES
+    assert main(["serve", str(model_dir), "--dry-run", "--encoder-cache-memory", "32MiB"]) == 0
+    assert "encoder cache: 32.0 MiB" in capsys.readouterr().out
+    text_only = convert_model(model_dir, tmp_path / "text", progress=False, text_only=True)
+    assert not has_vision_tower(text_only)
+    assert plan_for(EngineConfig(text_only), model, weights).encoder_cache == 0
+
+
+@pytest.mark.parametrize("flag", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_images_over_several_ranks_are_refused_at_start_naming_the_flag(checkpoint, flag):
+    _, _, model_dir = checkpoint
+    option = "--" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{option} 2: .* reads images, .* --text-only"):
+        build_engine(EngineConfig(model_dir, **{flag: 2}))
 
 
 def test_the_same_screenshot_next_turn_is_a_cache_hit_encoded_once(checkpoint):

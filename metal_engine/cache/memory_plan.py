@@ -3,6 +3,8 @@
     usable      on a Mac the GPU's recommended working set (macOS keeps the rest for itself
                 and other apps); elsewhere the host RAM available now
     - weights   the model as it will sit in memory (float weights in the run dtype)
+    - encoder cache  a model that reads images: its vision tower's outputs
+                (`--encoder-cache-memory`, metal_engine.vision.encoder_cache)
     - headroom  max(1 GiB, 10% of usable): a step's activations, MLX's buffer cache, the
                 process itself (Python, tokenizer)
     = spare     the most the KV cache may take
@@ -29,6 +31,7 @@ from metal_engine.cache.cache_plan import group_bytes
 from metal_engine.config import default_token_budget
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.model_dtype import resolve_dtype
+from metal_engine.vision.image_model import encoder_cache_bytes
 
 if TYPE_CHECKING:
     from metal_engine.config import EngineConfig
@@ -146,11 +149,17 @@ class MemoryPlan:
     requests: int
     max_num_seqs: int
     origin: str  # what set the budget, e.g. "--kv-cache-memory"
+    encoder_cache: int = 0  # bytes for a vision tower's outputs (0: the model reads no images)
+
+    @property
+    def held(self) -> int:
+        """What the model holds at most: weights, encoder cache and KV budget."""
+        return self.weights + self.encoder_cache + self.budget
 
     def describe(self) -> list[str]:
         """The plan as log lines (the startup log, `serve --dry-run`)."""
         return [
-            *_facts(self.device, self.weights, self.headroom, self.kv),
+            *_facts(self.device, self.weights, self.headroom, self.kv, self.encoder_cache),
             f"KV budget: {size(self.budget)} ({self.origin})",
             f"capacity: {self.tokens:,} tokens; {self.requests} concurrent "
             f"request{'s' if self.requests != 1 else ''} at {self.context:,} tokens of "
@@ -166,20 +175,26 @@ class MemoryRefused(ValueError):
         self.facts = facts
 
 
-def _facts(device: DeviceMemory, weights: int, headroom: int, kv: KVFootprint) -> list[str]:
+def _facts(device: DeviceMemory, weights: int, headroom: int, kv: KVFootprint,
+           encoder_cache: int = 0) -> list[str]:
+    encoder = ([f"encoder cache: {size(encoder_cache)} (image features between the prompt "
+                "chunks and requests that read them)"] if encoder_cache else [])
     return [f"device: {device.describe()}",
             f"weights: {size(weights)}; headroom: {size(headroom)}",
+            *encoder,
             f"KV cache: {kv.storage}, {size(int(kv.bytes_per_token))} a token"]
 
 
 def plan_memory(device: DeviceMemory, weights: int, kv: KVFootprint, *, trained_context: int,
                 max_num_seqs: int, max_model_len: int | None = None,
-                kv_cache_memory: int | None = None) -> MemoryPlan:
-    """The KV budget for `weights` bytes of model on `device`, or a MemoryRefused (a
-    ValueError) naming the numbers and the flags that would fit. Pure: the caller measures
-    the device."""
+                kv_cache_memory: int | None = None, encoder_cache: int = 0) -> MemoryPlan:
+    """The KV budget for `weights` bytes of model (and `encoder_cache` bytes for its vision
+    tower's outputs) on `device`, or a MemoryRefused (a ValueError) naming the numbers and
+    the flags that would fit. Pure: the caller measures the device. The refusals count the
+    encoder cache with the weights."""
     headroom = headroom_bytes(device)
-    facts = _facts(device, weights, headroom, kv)
+    facts = _facts(device, weights, headroom, kv, encoder_cache)
+    weights += encoder_cache  # what the KV budget cannot take either
     spare = device.usable - weights - headroom
     if kv_cache_memory is not None:
         if kv_cache_memory > spare:
@@ -197,8 +212,8 @@ def plan_memory(device: DeviceMemory, weights: int, kv: KVFootprint, *, trained_
                                        max_model_len, kv_cache_memory is not None), facts)
     context = max_model_len or min(trained_context, tokens)
     requests = min(max_num_seqs, tokens // context) if context else 0
-    return MemoryPlan(device, weights, headroom, kv, budget, tokens, context, requests,
-                      max_num_seqs, origin)
+    return MemoryPlan(device, weights - encoder_cache, headroom, kv, budget, tokens, context,
+                      requests, max_num_seqs, origin, encoder_cache)
 
 
 def _default_budget(device: DeviceMemory, spare: int, kv: KVFootprint, max_num_seqs: int,
@@ -329,7 +344,8 @@ def plan_for(config: EngineConfig, model: ModelConfig, weights: int,
     return plan_memory(device, weights, kv,
                        trained_context=model.trained_context_len,
                        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                       kv_cache_memory=config.kv_cache_memory)
+                       kv_cache_memory=config.kv_cache_memory,
+                       encoder_cache=encoder_cache_bytes(config))
 
 
 def _footprint(config: EngineConfig, model: ModelConfig, metal: bool) -> KVFootprint:
@@ -366,7 +382,7 @@ def memory_limits(plan: MemoryPlan) -> MemoryLimits:
     it; the other half is a step's live activations and the process. Wiring weights and KV
     (at most the working set, which MLX refuses to exceed) keeps macOS from paging them out
     between requests, while activations stay pageable for other apps."""
-    wired = min(plan.weights + plan.budget, plan.device.usable) if plan.device.metal else None
+    wired = min(plan.held, plan.device.usable) if plan.device.metal else None
     return MemoryLimits(plan.headroom // 2, wired)
 
 

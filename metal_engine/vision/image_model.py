@@ -13,20 +13,29 @@ the families: vision/prompt_images.py; Gemma's: vision/gemma_image_model.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from metal_engine.loading.model_config import read_config_json
+from metal_engine.loading.weight_bytes import safetensors_headers
+from metal_engine.loading.weights import safetensors_files
 from metal_engine.models.mrope_positions import mrope_positions
+from metal_engine.vision.encoder_cache import ENCODER_CACHE_BYTES
 from metal_engine.vision.features import ProcessedImage
+from metal_engine.vision.gemma_config import read_gemma_vision
 from metal_engine.vision.gemma_image_model import GemmaImageModel, load_gemma_image_model
+from metal_engine.vision.gemma_loading import tower_name as gemma_tower_name
 from metal_engine.vision.prompt_images import PlacedImages, PromptImage
 from metal_engine.vision.qwen_image_processing import QwenImageProcessing, preprocess_image
 from metal_engine.vision.qwen_vision import QwenVisionTower
-from metal_engine.vision.qwen_vision_config import read_image_token_ids
+from metal_engine.vision.qwen_vision_config import read_image_token_ids, read_vision_config
 from metal_engine.vision.qwen_vision_loading import load_vision_tower
+from metal_engine.vision.qwen_vision_loading import tower_name as qwen_tower_name
 from scheduler.media import ImageSpan
+
+if TYPE_CHECKING:
+    from metal_engine.config import EngineConfig
 
 # "low" detail (OpenAI's 512 x 512 thumbnail): at most this many image tokens.
 LOW_DETAIL_TOKENS = 256
@@ -80,3 +89,21 @@ def load_image_model(model_dir: Path, dtype: mx.Dtype) -> ImageModel | None:
         return None
     tokens = read_image_token_ids(read_config_json(model_dir))
     return QwenImageModel(tower, QwenImageProcessing.from_model_dir(model_dir), tokens.image)
+
+
+def has_vision_tower(model_dir: Path) -> bool:
+    """Whether `load_image_model` would find a tower, read from config.json and the tensors'
+    names alone (no weight is loaded)."""
+    raw = read_config_json(model_dir)
+    if read_gemma_vision(raw) is None and read_vision_config(raw) is None:
+        return False
+    names = safetensors_headers(safetensors_files(model_dir))
+    return any(qwen_tower_name(n) or gemma_tower_name(n) for n in names)
+
+
+def encoder_cache_bytes(config: EngineConfig) -> int:
+    """What the memory plan sets aside for the tower's outputs: `--encoder-cache-memory`
+    (default ENCODER_CACHE_BYTES) where the model dir holds a vision tower, else 0."""
+    if not (config.model_dir / "config.json").is_file() or not has_vision_tower(config.model_dir):
+        return 0
+    return config.encoder_cache_memory or ENCODER_CACHE_BYTES

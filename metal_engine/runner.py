@@ -227,12 +227,13 @@ class ModelRunner:
         drafted = None
         if self.draft is not None:  # it runs every step: its K/V must cover every position
             drafted = self.draft.draft(out, input_ids, step.draft_rows, batch,
-                                       self.block_tables, self.window_tables)
+                                       self.block_tables, self.window_tables, self._media)
             if drafted is not None:
                 input_ids[mx.array(step.draft_rows)] = drafted.token_ids.astype(input_ids.dtype)
         hidden = self._forward(out, input_ids, step)
         if self.draft is not None:
-            self.draft.follow(out, input_ids, hidden, self.block_tables, self.window_tables)
+            self.draft.follow(out, input_ids, hidden, self.block_tables, self.window_tables,
+                              self._media)
         pooled = self._pool(out, step, hidden)
         if not step.sample_request_ids:  # prefill chunks only: just write their K/V
             # ...and, with peers, end in the last layer's sums, which theirs pair with.

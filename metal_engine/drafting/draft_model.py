@@ -17,9 +17,10 @@ the target's forward: nothing waits for the host in between.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +31,9 @@ from metal_engine.input_batch import build_step_inputs
 from metal_engine.models.decoder import CausalLM
 from metal_engine.sampling.rejection_sampler import DraftBatch, draw_drafts
 from scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from scheduler.media import PromptMedia
 
 
 class Drafts(NamedTuple):
@@ -43,11 +47,12 @@ class DraftModel:
         self.cache = cache
 
     def draft(self, out: SchedulerOutput, input_ids: mx.array, draft_rows: np.ndarray,
-              batch: DraftBatch | None, tables: BlockTables,
-              window_tables: BlockTables) -> Drafts | None:
+              batch: DraftBatch | None, tables: BlockTables, window_tables: BlockTables,
+              media: Mapping[str, PromptMedia]) -> Drafts | None:
         """Run the passes over the step's rows (`input_ids`, the target's, with the draft
         rows still placeholders at `draft_rows`); return the drafts, or None when the step
-        has none (pass 0 still writes the draft's K/V of every row)."""
+        has none (pass 0 still writes the draft's K/V of every row). A draft model never
+        sees a prompt's images (`media`): its positions are the tokens' indices."""
         block_size = self.cache.block_size
         counts = {s.request_id: len(s.draft_token_ids) for s in out.scheduled}
         first = SchedulerOutput([
@@ -92,7 +97,8 @@ class DraftModel:
 
 
     def follow(self, out: SchedulerOutput, input_ids: mx.array, hidden: mx.array,
-               tables: BlockTables, window_tables: BlockTables) -> None:
+               tables: BlockTables, window_tables: BlockTables,
+               media: Mapping[str, PromptMedia]) -> None:
         """Nothing after the target's forward: the draft's K/V come from the tokens alone."""
 
     def release(self, request_ids: list[str]) -> None:

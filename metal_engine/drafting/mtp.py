@@ -18,10 +18,15 @@ A position's K/V are thus right once the step feeding the token after it has run
 only after that. Where h[s - 1] is not kept (a prompt resumed from the prefix cache), the
 follow pass starts at s and the request drafts its fed token again, leaving the head's K/V at
 s - 1 (those of the request that computed the block) as they are.
+
+The head turns its rows by the positions the model's rows at the same place have: for a
+prompt with images (Qwen's multimodal rope), its three-axis positions and past the prompt the
+index shifted by the images' delta (metal_engine.vision.step_media.step_positions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,6 +42,8 @@ from metal_engine.loading.model_config import read_config_json
 from metal_engine.loading.weights import MTP_PREFIX, safetensors_files, stack_per_expert
 from metal_engine.models.decoder import CausalLM
 from metal_engine.sampling.rejection_sampler import DraftBatch, draw_drafts
+from metal_engine.vision.step_media import step_positions
+from scheduler.media import PromptMedia
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 
@@ -67,10 +74,10 @@ class MtpDrafter:
         self._computed: dict[str, tuple[_Computed, ...]] = {}
 
     def draft(self, out: SchedulerOutput, input_ids: mx.array, draft_rows: np.ndarray,
-              batch: DraftBatch | None, tables: BlockTables,
-              window_tables: BlockTables) -> Drafts | None:
+              batch: DraftBatch | None, tables: BlockTables, window_tables: BlockTables,
+              media: Mapping[str, PromptMedia]) -> Drafts | None:
         """The drafts of the step's drafting requests (the draft passes); None without any.
-        `input_ids`: the step's, pending tokens filled."""
+        `input_ids`: the step's, pending tokens filled; `media`: the requests' images."""
         if batch is None:
             return None
         first_rows = _first_rows(out)
@@ -85,7 +92,7 @@ class MtpDrafter:
             parts.append((seen, *self._passes(
                 [drafting[i] for i in seen], fed[mx.array(seen)],
                 self._gather([kept[i] for i in seen]), batch, starts[seen], tables,
-                window_tables)))
+                window_tables, media)))
         if blind:  # the fed token again, a point mass: the head's K/V stay as they are
             index = np.repeat(blind, [len(drafting[i].draft_token_ids) for i in blind])
             tokens = fed[mx.array(index)]
@@ -95,7 +102,8 @@ class MtpDrafter:
 
     def _passes(self, drafting: list[ScheduledRequest], fed: mx.array, hidden: mx.array,
                 batch: DraftBatch, starts: np.ndarray, tables: BlockTables,
-                window_tables: BlockTables) -> tuple[mx.array, mx.array]:
+                window_tables: BlockTables,
+                media: Mapping[str, PromptMedia]) -> tuple[mx.array, mx.array]:
         """The draft passes of requests whose `hidden` state before `fed` is kept: their
         drafts and distributions, by request then position."""
         num_drafts = [len(s.draft_token_ids) for s in drafting]
@@ -107,8 +115,9 @@ class MtpDrafter:
                         start_position=drafting[i].start_position - 1 + j)
                 for i in live])
             step = build_step_inputs(items, self.cache.block_size, tables, window_tables)
+            positions = step_positions(items.scheduled, media, step.positions)
             out_hidden = self.head(self.model.model.embed(tokens), hidden,
-                                   mx.array(step.positions), step.attention, self.cache)
+                                   mx.array(positions), step.attention, self.cache)
             drafted, probs = draw_drafts(self.model.logits(out_hidden), temperatures[live],
                                          [batch.sampling.seeds[starts[i] + j] for i in live])
             drawn.append(drafted)
@@ -123,7 +132,8 @@ class MtpDrafter:
         return mx.concatenate(drawn)[order], mx.concatenate(dists)[order]
 
     def follow(self, out: SchedulerOutput, input_ids: mx.array, hidden: mx.array,
-               tables: BlockTables, window_tables: BlockTables) -> None:
+               tables: BlockTables, window_tables: BlockTables,
+               media: Mapping[str, PromptMedia]) -> None:
         """The follow pass over the step's rows (`input_ids` with the drafts filled, `hidden`
         the model's output); keep `hidden` for the steps after."""
         items, token_rows, hidden_rows, kept = [], [], [], []
@@ -150,8 +160,9 @@ class MtpDrafter:
         source = mx.concatenate([hidden, self._gather(kept)]) if kept else hidden
         step = build_step_inputs(SchedulerOutput(items), self.cache.block_size, tables,
                                  window_tables)
+        positions = step_positions(items, media, step.positions)
         self.head.write_kv(self.model.model.embed(input_ids[mx.array(token_rows)]),
-                           source[mx.array(hidden_rows)], mx.array(step.positions),
+                           source[mx.array(hidden_rows)], mx.array(positions),
                            step.attention, self.cache)
 
     def release(self, request_ids: list[str]) -> None:

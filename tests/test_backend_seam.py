@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_FILES = sorted((ROOT / "metal_engine" / "models").glob("*.py"))
+# The text models and the vision towers (which compute on the text model's backend).
+MODEL_FILES = sorted([*(ROOT / "metal_engine" / "models").glob("*.py"),
+                      *(ROOT / "metal_engine" / "vision").glob("*.py")])
 # Modules that are the CPU host backend (its subpackage, and its loops until they all move).
 HOST_BACKEND = ("kernels_metal.cpu", "kernels_metal.cpu_")
 # Names whose use asks which backend runs.

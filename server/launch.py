@@ -90,7 +90,7 @@ def _serve_one(args: argparse.Namespace, options: HttpOptions) -> int:
         config, plan = plan_model(model_dir, args)
         if plan is not None:
             apply_memory_limits(plan)  # before the weights load
-        loaded = start_model(config, plan, args)
+        loaded = start_model(config, args)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"metal-serve: error: {exc}", file=sys.stderr)
         return 2

@@ -36,18 +36,11 @@ ENGINE_OPTIONS = (
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to serve: its engine's async front (warmed up, its thread started), its
-    parameter counts and the memory plan it was loaded under (None: no config.json to plan
-    from)."""
+    """A model ready to serve: its engine's async front (warmed up, its thread started) and
+    its parameter counts."""
 
     bridge: AsyncEngine
     parameters: ParameterCount
-    plan: MemoryPlan | None
-
-    @property
-    def memory_bytes(self) -> int:
-        """What it holds at most: its weights, encoder cache and KV budget."""
-        return 0 if self.plan is None else self.plan.held
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
@@ -103,8 +96,7 @@ def plan_model(model_dir: Path, args: argparse.Namespace, device: DeviceMemory |
     return config, plan_for(config, model, weights, device)
 
 
-def start_model(config: EngineConfig, plan: MemoryPlan | None,
-                args: argparse.Namespace) -> LoadedModel:
+def start_model(config: EngineConfig, args: argparse.Namespace) -> LoadedModel:
     """Build the engine `config` describes, start its AsyncEngine and warm it up on the
     engine thread. Raises RuntimeError, ValueError or OSError naming what failed."""
     from metal_engine.engine_build import build_engine
@@ -122,7 +114,7 @@ def start_model(config: EngineConfig, plan: MemoryPlan | None,
     except (RuntimeError, ValueError, OSError) as exc:
         bridge.shutdown()
         raise RuntimeError(f"warm-up failed: {exc}") from exc
-    return LoadedModel(bridge, count_parameters(engine.runner.model.config), plan)
+    return LoadedModel(bridge, count_parameters(engine.runner.model.config))
 
 
 def sampling_defaults(model_dir: Path, args: argparse.Namespace) -> SamplingDefaults:

@@ -61,15 +61,14 @@ def fleet_of(catalog: ModelCatalog, args: argparse.Namespace,
 
         own = model_args(args, entry)
         config, memory = plan_model(resolve_model(own), own, within)
-        held = 0 if memory is None else memory.weights + memory.budget
-        return Planned(held, (own, config, memory))
+        return Planned(0 if memory is None else memory.held, (own, config))
 
     def load(entry: ModelEntry, planned: Planned) -> ServedModel:
         from server.app import model_app
         from server.model_loading import start_model
 
-        own, config, memory = planned.details
-        loaded = start_model(config, memory, own)
+        own, config = planned.details
+        loaded = start_model(config, own)
         app = model_app(loaded.bridge, entry.name, own.max_n, own.tool_call_parser,
                         loaded.parameters, min_priority=options.min_priority,
                         needs_key=bool(options.api_keys))

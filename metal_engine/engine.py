@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from metal_engine.detokenizer import IncrementalDetokenizer
@@ -196,6 +197,7 @@ class LLMEngine:
             raise RankLost(f"a step over several ranks failed: {exc}") from exc
 
     def _step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         self.runner.release(scheduled.finished_ids)
@@ -204,6 +206,7 @@ class LLMEngine:
         previous, launched = self._in_flight, None
         if previous is not None and self._samples_behind_pending_history(scheduled):
             outputs += self._resolve(previous)  # `previous` still supplies the pending inputs
+            self.scheduler.observe_step(previous.out, None)
             self._in_flight = None
         if not scheduled.is_empty:
             launched = self.runner.launch(scheduled, previous, self._sampling_context(scheduled))
@@ -215,6 +218,10 @@ class LLMEngine:
             finished, self._in_flight = launched, None
         if finished is not None:
             outputs += self._resolve(finished)
+            # One call, one step's time: the step it launched, or under async scheduling the
+            # one it waited for while the next was queued (a call that launched none: untimed).
+            self.scheduler.observe_step(finished.out, time.perf_counter() - start
+                                        if launched is not None else None)
         return outputs
 
     def close(self) -> None:

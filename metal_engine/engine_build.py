@@ -22,6 +22,7 @@ from metal_engine.config import (
     default_token_budget,
     resolve_max_model_len,
 )
+from metal_engine.drafting.auto import resolve_speculative
 from metal_engine.drafting.draft_model import DraftModel, load_draft_model
 from metal_engine.drafting.mtp import MtpDrafter, head_cache, load_mtp_head, with_draft_length
 from metal_engine.engine import LLMEngine
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     """The engine `config` describes: on this process alone, or as rank 0 of several."""
+    config = resolve_speculative(config)
     if config.parallel_size == 1:
         return _build(config, None)
     _refuse_images_over_ranks(config)  # before any rank starts

@@ -21,6 +21,7 @@ from scheduler.pooling_params import PoolingParams
 from scheduler.prefix_hash import BlockHash
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
+from scheduler.spec_decode.stats import DraftSource
 
 # A cache group's name (scheduler.cache_groups), under which its data moves to and from the
 # tier and its ids reach the runner: "blocks" (the KV blocks of every token), "window" (a
@@ -119,6 +120,7 @@ class ScheduledRequest:
     # ("states", one id).
     group_ids: dict[CacheKind, list[int]] = field(default_factory=dict)
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_source: DraftSource | None = None  # what drafted them, for the counters
     token_epoch: int = 0  # the request's when scheduled (see Request.token_epoch)
     # Set in the step that admits a request whose sampling reads its history (not basic).
     history: TokenHistory | None = None

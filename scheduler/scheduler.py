@@ -247,13 +247,14 @@ class Scheduler:
         pool can back them without taking blocks from anyone (drafts never preempt) and, for
         a hybrid model, a state slot can hold the snapshot they need."""
         scheduled = [(item, self.requests[item.request_id]) for item in out.scheduled]
-        for item, request, drafts in self.drafter.assign(scheduled, budget):
+        for item, request, drafts, source in self.drafter.assign(scheduled, budget):
             if not self._reserve_blocks(request, 1 + len(drafts)):
                 continue
             if not all(group.before_drafts(request) for group in self.groups):
                 continue
             item.token_ids = [*item.token_ids, *drafts]
             item.draft_token_ids = drafts
+            item.draft_source = source
             item.block_ids = list(request.block_ids)
             item.group_ids = self._group_ids(request)
 
@@ -366,6 +367,12 @@ class Scheduler:
             if item.samples:
                 request.append_pending(item.draft_token_ids)
 
+    def observe_step(self, out: SchedulerOutput, seconds: float | None) -> None:
+        """A resolved step took `seconds` from schedule to resolve (None: not timed, e.g.
+        resolved early); speculative decoding learns what its rows cost from it."""
+        if self.drafter is not None:
+            self.drafter.observe(out.scheduled, seconds)
+
     def resolve(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]],
                 checks: Mapping[str, OutputCheck] | None = None) -> list[RequestUpdate]:
         """Fill in a launched step's sampled tokens; finish requests that stop on them.
@@ -403,7 +410,7 @@ class Scheduler:
             if not item.samples:
                 continue
             if self.drafter is not None:
-                self.drafter.record(request, num_drafts, len(tokens) - 1)
+                self.drafter.record(request, num_drafts, len(tokens) - 1, item.draft_source)
             check = checks.get(request.request_id) if checks is not None else None
             updates.append(self._stop_check(request, index, tokens, num_drafts, check))
         return updates

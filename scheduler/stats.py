@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from scheduler.spec_decode.drafter import SpecDecodeStats
+from scheduler.spec_decode.stats import SpecDecodeStats
 
 
 class RequestState(NamedTuple):

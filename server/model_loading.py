@@ -65,12 +65,13 @@ def model_name(args: argparse.Namespace, model_dir: Path) -> str:
 
 def engine_config(model_dir: Path, args: argparse.Namespace) -> EngineConfig:
     from metal_engine.config import EngineConfig
+    from metal_engine.drafting.auto import resolve_speculative
 
     options = {name: getattr(args, name) for name in ENGINE_OPTIONS}
-    return EngineConfig(
+    return resolve_speculative(EngineConfig(  # `auto`: the method this model drafts with
         model_dir=model_dir, model_name=model_name(args, model_dir),
         **{k: v for k, v in options.items() if v is not None},
-    )
+    ))
 
 
 def plan_model(model_dir: Path, args: argparse.Namespace, device: DeviceMemory | None = None,

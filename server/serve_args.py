@@ -193,11 +193,14 @@ def _add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         "`priority` field go first, and are preempted last",
     )
     group.add_argument(
-        "--speculative-config", type=_speculative_config, metavar="JSON",
-        help='speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (methods: ngram, suffix, '
-        'draft_model with "model": DIR); '
-        "drafts are verified inside the batch, with the same outputs as without",
+        "--speculative-config", type=_speculative_config, default="auto",
+        metavar="auto|off|JSON",
+        help="speculative decoding, verified inside the batch with the same outputs as "
+        "without: auto (default) drafts by prompt lookup over the request's and other "
+        "requests' tokens, or with the checkpoint's MTP head, only where the step time "
+        "measured on this machine says it pays; off; or vLLM's JSON, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\' '
+        '(methods: ngram, suffix, mtp, draft_model with "model": DIR)',
     )
 
 
@@ -216,9 +219,9 @@ def _add_parallel_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _speculative_config(text: str) -> SpeculativeConfig:
+def _speculative_config(text: str) -> SpeculativeConfig | None:
     try:
-        return SpeculativeConfig.from_json(text)
+        return SpeculativeConfig.from_text(text)
     except ValueError as exc:  # argparse names the option itself
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) from None
 

@@ -79,7 +79,8 @@ def safetensors_headers(files: list[Path]) -> dict[str, TensorInfo]:
 
 def drafter_weight_bytes(config: EngineConfig, dtype: mx.Dtype) -> int:
     """Bytes the weights speculative decoding drafts with take once loaded: a draft model's,
-    or the MTP head's (float, `dtype`); 0 for the host's methods or a dir not there."""
+    or the MTP head's (float, `dtype`); 0 for the host's methods or a dir not there.
+    `auto` must be resolved first (metal_engine.drafting.auto)."""
     spec = config.speculative_config
     if spec is None or spec.method not in ("draft_model", "mtp"):
         return 0

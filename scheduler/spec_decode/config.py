@@ -1,6 +1,10 @@
-"""`--speculative-config` as vLLM spells it: one frozen dataclass for the four methods.
+"""`--speculative-config`: `auto` (the server's default), `off`, or JSON as vLLM spells it.
 
-Field names, defaults and checks follow vLLM's `SpeculativeConfig` (vllm/config/speculative.py):
+`auto` drafts wherever drafting pays (`never_slower`): with the checkpoint's MTP head where it
+has one, else by prompt lookup over the request's own tokens and every other request's outputs
+(the `suffix` method). Which of the two is settled once the model dir is known (`resolved`).
+JSON takes the four methods; field names, defaults and checks follow vLLM's
+`SpeculativeConfig` (vllm/config/speculative.py):
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     {"method": "suffix"}                      num_speculative_tokens defaults to the tree depth
@@ -14,6 +18,10 @@ Field names, defaults and checks follow vLLM's `SpeculativeConfig` (vllm/config/
   `prompt_lookup_min`/`_max` (defaults 2 and 6) as the n-gram lengths it indexes; vLLM ignores
   them for this method. `suffix_decoding_min_token_prob` is checked but not used yet (the index
   keeps the latest continuation of an n-gram, not frequency counts).
+- `never_slower` (metal-serve's, any method; `auto` sets it): per step, draft only the tokens
+  whose expected acceptance pays for their verification rows under the step time measured on
+  this machine (scheduler/spec_decode/draft_plan.py); without it, the load-based length of
+  scheduler/spec_decode/draft_length.py.
 - Legacy spellings vLLM still takes: no method with `"model": "[ngram]"` (ngram), no method with
   another model (draft_model), `"[ngram]"`, and MTP model types such as `"qwen3_next_mtp"` (mtp).
 """
@@ -25,12 +33,18 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SpeculativeMethod = Literal["ngram", "suffix", "draft_model", "mtp"]
-METHODS: tuple[str, ...] = ("ngram", "suffix", "draft_model", "mtp")
+SpeculativeMethod = Literal["ngram", "suffix", "draft_model", "mtp", "auto"]
+METHODS: tuple[str, ...] = ("ngram", "suffix", "draft_model", "mtp", "auto")
 
 NGRAM_DEFAULT_N = 5  # vLLM's default for both bounds when neither is given
 SUFFIX_DEFAULT_MIN_N = 2
 SUFFIX_DEFAULT_MAX_N = 6
+# `auto`'s lookup: the lengths and draft cap the benchmarks measured (docs/benchmarks.md).
+AUTO_DRAFT_TOKENS = 8
+AUTO_LOOKUP = (2, 4)
+# Drafts up to twice the matched n-gram (vLLM's factor 1 would cap 8 drafts at 4): the cost
+# model, not the match length, decides how many of them a step verifies.
+AUTO_SPEC_FACTOR = 2.0
 
 _LOOKUP = ("prompt_lookup_min", "prompt_lookup_max")
 _SUFFIX = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -41,6 +55,7 @@ _METHOD_FIELDS: dict[str, tuple[str, ...]] = {
     "suffix": _LOOKUP + _SUFFIX,
     "draft_model": ("model",),
     "mtp": ("model",),
+    "auto": _LOOKUP,
 }
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
 
@@ -57,6 +72,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Draft only what pays for its rows at the measured step cost (see the module doc).
+    never_slower: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,7 +81,9 @@ class SpeculativeConfig:
                              f"use one of {', '.join(METHODS)}")
         self._check_types()
         self._check_unused_fields()
-        if self.method in ("ngram", "suffix"):
+        if self.method == "auto":
+            self._fill_auto()
+        if self.method in ("ngram", "suffix", "auto"):
             self._resolve_lookup()
         if self.method == "suffix":
             self._check_suffix()
@@ -81,6 +100,27 @@ class SpeculativeConfig:
         elif k is not None and k < 1:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be at least 1, "
                              f"got {k}")
+
+    @classmethod
+    def from_text(cls, text: str) -> SpeculativeConfig | None:
+        """The `--speculative-config` argument: `auto`, `off` (None) or a JSON object."""
+        if text.strip() == "auto":
+            return cls(method="auto")
+        if text.strip() == "off":
+            return None
+        return cls.from_json(text)
+
+    def resolved(self, *, mtp_head: bool) -> SpeculativeConfig:
+        """`auto` as the method it runs: `mtp` where the model has a head it can draft with
+        (`mtp_head`), else `suffix` with auto's lookup; any other method as it is."""
+        if self.method != "auto":
+            return self
+        if mtp_head:
+            return SpeculativeConfig(method="mtp", never_slower=True)
+        return SpeculativeConfig(
+            method="suffix", num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+            suffix_decoding_max_spec_factor=AUTO_SPEC_FACTOR, never_slower=True)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -104,6 +144,9 @@ class SpeculativeConfig:
                                  f"reads {', '.join(known)}")
         data = dict(data)
         data["method"] = _method_of(data)
+        if not isinstance(data.get("never_slower", False), bool):
+            raise ValueError(f"--speculative-config: never_slower must be true or false, "
+                             f"got {data['never_slower']!r}")
         if data["method"] == "ngram" and data.get("model") in ("ngram", "[ngram]"):
             del data["model"]
         return cls(**data)
@@ -111,7 +154,7 @@ class SpeculativeConfig:
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None or f.name == "method":
+            if value is None or f.name in ("method", "never_slower"):
                 continue
             if f.name == "model":
                 ok, kind = isinstance(value, str), "a string"
@@ -126,7 +169,7 @@ class SpeculativeConfig:
     def _check_unused_fields(self) -> None:
         reads = _METHOD_FIELDS[self.method]
         for f in dataclasses.fields(self):
-            if f.name in ("method", "num_speculative_tokens") or f.name in reads:
+            if f.name in ("method", "num_speculative_tokens", "never_slower") or f.name in reads:
                 continue
             if getattr(self, f.name) != f.default:
                 users = [m for m, names in _METHOD_FIELDS.items() if f.name in names]
@@ -148,6 +191,16 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({hi}); lower the min or raise the max")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+
+    def _fill_auto(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = AUTO_LOOKUP
+        object.__setattr__(self, "prompt_lookup_min", lo or hi)
+        object.__setattr__(self, "prompt_lookup_max", hi or lo)
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", AUTO_DRAFT_TOKENS)
+        object.__setattr__(self, "never_slower", True)
 
     def _check_suffix(self) -> None:
         checks = (

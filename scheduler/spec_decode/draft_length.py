@@ -15,6 +15,8 @@ The rate `a` is accepted / tried positions, both as EWMAs: a draft of d tokens o
 accepted tried m + 1 positions when m < d (the next one was rejected) and d when m == d.
 It starts at `prior`. A request at k = 0 never drafts and so could never raise its rate:
 after `probe_every` steps without a draft it drafts one token, unless the step is saturated.
+Under `never_slower` the same histories feed draft_plan.py instead (`offer`), the probe being
+one token offered at the prior rate.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ class DraftLength:
         if k == 0 and history.steps_without_draft >= self.probe_every:
             k = 1
         return min(k, spare)
+
+    def offer(self, history: AcceptanceHistory, num_available: int) -> tuple[int, float]:
+        """What a request offers the cost-aware plan: its drafts at its rate, or one probe
+        at the prior rate after `probe_every` steps without a draft at a lower rate."""
+        if history.steps_without_draft >= self.probe_every and history.rate < self.prior:
+            return min(1, num_available), self.prior
+        return num_available, history.rate
 
     def record(self, history: AcceptanceHistory, num_proposed: int, num_accepted: int) -> None:
         """Fold one step's verification into `history` (num_proposed 0: it did not draft)."""

@@ -9,40 +9,34 @@ being verified): the lookup drafts as if they were what it proposes, i.e. it ski
 tokens of its continuation; if they turn out otherwise, verification rejects the drafts (the
 result is still exact, only slower).
 
-Counters follow vLLM's spec-decode metrics: drafts (steps where a request drafted), draft
-tokens, accepted tokens, and accepted tokens by draft position.
+How many of its drafts a request verifies: with `never_slower`, those that pay for their rows
+at the step cost measured on this machine (draft_plan.py, step_cost.py: the engine reports
+each step's time to `observe`); otherwise the load-based length (draft_length.py). Both read
+the request's acceptance history.
+
+Counters (stats.py) follow vLLM's spec-decode metrics, also per drafting method.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.request import DRAFT_TOKEN, Request
 from scheduler.spec_decode.config import SpeculativeConfig
 from scheduler.spec_decode.draft_length import AcceptanceHistory, DraftLength
+from scheduler.spec_decode.draft_plan import DraftOffer, plan_drafts
 from scheduler.spec_decode.ngram import NgramProposer, SuffixIndex, pick_draft
+from scheduler.spec_decode.stats import DraftSource, SpecDecodeStats
+from scheduler.spec_decode.step_cost import StepCost
 
 if TYPE_CHECKING:
     from scheduler.output import ScheduledRequest
 
 
-@dataclass
-class SpecDecodeStats:
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def copy(self) -> SpecDecodeStats:
-        """A copy another thread may read while this one counts on."""
-        return replace(self, accepted_per_position=list(self.accepted_per_position))
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a drafting step emits per request on average: 1 + accepted per draft."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+class Proposal(NamedTuple):
+    token_ids: list[int]
+    source: DraftSource
 
 
 class Drafter:
@@ -52,6 +46,7 @@ class Drafter:
         model's state bounds them (hybrid models' checkpoints)."""
         self.config = config
         self.length = DraftLength(config.num_speculative_tokens, token_budget)
+        self.cost = StepCost() if config.never_slower else None
         self.suffix = None
         if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
@@ -65,23 +60,42 @@ class Drafter:
         self.stats = SpecDecodeStats()
         self._proposers: dict[str, NgramProposer] = {}
         self._histories: dict[str, AcceptanceHistory] = {}
+        self._accepted_unobserved = 0  # accepted drafts resolved since the last `observe`
 
-    def assign(self, scheduled: list[tuple[ScheduledRequest, Request]],
-               budget: int) -> Iterator[tuple[ScheduledRequest, Request, list[int]]]:
-        """Drafts for the step's decoding requests: as many as the draft-length policy picks
-        for the step's load, within the token `budget` left and each request's room."""
+    def assign(self, scheduled: list[tuple[ScheduledRequest, Request]], budget: int
+               ) -> Iterator[tuple[ScheduledRequest, Request, list[int], DraftSource]]:
+        """Drafts for the step's decoding requests: as many as the policy picks for the
+        step's load, within the token `budget` left and each request's room."""
         drafting = [(item, request) for item, request in scheduled
                     if self._may_draft(item, request)
                     and not (self.on_device and request.params.needs_token_history)]
         num_rows = sum(len(item.token_ids) for item, _ in scheduled)
+        proposals = []
         for item, request in drafting:
-            k = min(self.length.choose(self._history(request), num_rows=num_rows,
-                                       num_drafting=len(drafting)),
-                    budget, self._room(item, request))
-            drafts = self.propose(request, k) if k > 0 else []
-            if drafts:
-                budget -= len(drafts)
-                yield item, request, drafts
+            cap = min(self.length.max_draft, budget, self._room(item, request))
+            proposals.append(self.propose(request, cap) if cap > 0 else None)
+        lengths = self._lengths([request for _, request in drafting], proposals, num_rows,
+                                budget)
+        for (item, request), proposal, k in zip(drafting, proposals, lengths, strict=True):
+            if k > 0:
+                yield item, request, proposal.token_ids[:k], proposal.source
+
+    def _lengths(self, requests: list[Request], proposals: list[Proposal | None],
+                 num_rows: int, budget: int) -> list[int]:
+        """How many of each proposal the step verifies."""
+        available = [len(p.token_ids) if p is not None else 0 for p in proposals]
+        histories = [self._history(request) for request in requests]
+        if self.cost is not None:
+            offers = [DraftOffer(*self.length.offer(h, n)) for h, n in zip(histories, available,
+                                                                            strict=True)]
+            return plan_drafts(self.cost, num_rows, offers, budget)
+        lengths = []
+        for history, n in zip(histories, available, strict=True):
+            k = min(self.length.choose(history, num_rows=num_rows, num_drafting=len(requests)),
+                    n, budget)
+            budget -= k
+            lengths.append(k)
+        return lengths
 
     @staticmethod
     def _may_draft(item: ScheduledRequest, request: Request) -> bool:
@@ -101,39 +115,50 @@ class Drafter:
             room = min(room, self.draft_room(item.start_position))
         return room
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        """Up to k drafts to follow the request's tokens, unknown ones included."""
+    def propose(self, request: Request, k: int) -> Proposal:
+        """Up to k drafts to follow the request's tokens, unknown ones included. A shorter
+        k's proposal is a prefix of a longer one's."""
         if self.on_device:
-            return [DRAFT_TOKEN] * k
+            return Proposal([DRAFT_TOKEN] * k, self.config.method)
         known = request.all_token_ids[: request.num_known_tokens]
         skip = request.num_unknown_outputs
         proposer = self._proposers.get(request.request_id)
         if proposer is None:
             proposer = self._proposers[request.request_id] = NgramProposer(
                 self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        drafts = [proposer.propose(known, skip + k)]
-        if self.suffix is not None:
-            self.suffix.update(request.request_id, known[request.num_prompt_tokens :])
-            drafts.append(self.suffix.propose(known, skip + k))
-            draft = pick_draft(drafts, max_spec_factor=self.config.suffix_decoding_max_spec_factor,
-                               max_depth=self.config.suffix_decoding_max_tree_depth + skip)
-        else:
-            draft = pick_draft(drafts)
-        return draft.token_ids[skip:]
+        own = proposer.propose(known, skip + k)
+        if self.suffix is None:
+            return Proposal(pick_draft([own]).token_ids[skip:], "ngram")
+        self.suffix.update(request.request_id, known[request.num_prompt_tokens :])
+        others = self.suffix.propose(known, skip + k)
+        draft = pick_draft([own, others],
+                           max_spec_factor=self.config.suffix_decoding_max_spec_factor,
+                           max_depth=self.config.suffix_decoding_max_tree_depth + skip)
+        source = "suffix" if others.match_len > own.match_len else "ngram"
+        return Proposal(draft.token_ids[skip:], source)
 
-    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` of the request's drafts (0: it did not draft)."""
+    def record(self, request: Request, num_drafts: int, num_accepted: int,
+               source: DraftSource | None = None) -> None:
+        """A step verified `num_drafts` of the request's drafts, drafted by `source`
+        (0: it did not draft)."""
         self.length.record(self._history(request), num_drafts, num_accepted)
-        if not num_drafts:
+        if num_drafts:
+            self.stats.count(source or self.config.method, num_drafts, num_accepted)
+            self._accepted_unobserved += num_accepted
+
+    def observe(self, scheduled: list[ScheduledRequest], seconds: float | None) -> None:
+        """The step of `scheduled` took `seconds` (None: not timed) and has been resolved.
+        A step whose rows all sample teaches the cost model and the speed-up estimate."""
+        accepted, self._accepted_unobserved = self._accepted_unobserved, 0
+        if self.cost is None or seconds is None or not scheduled or not all(
+                s.samples and len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduled):
             return
-        stats = self.stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += num_accepted
-        missing = num_drafts - len(stats.accepted_per_position)
-        stats.accepted_per_position.extend([0] * max(0, missing))
-        for position in range(num_accepted):
-            stats.accepted_per_position[position] += 1
+        rows = sum(len(s.token_ids) for s in scheduled)
+        self.cost.observe(rows, seconds)
+        undrafted = self.cost.seconds(len(scheduled))
+        if undrafted is not None:  # the same tokens, one per request and step
+            self.stats.measured_seconds += seconds
+            self.stats.undrafted_seconds += undrafted * (1 + accepted / len(scheduled))
 
     def finish(self, request: Request) -> None:
         """The request ended: drop its index; its outputs stay in the shared one."""

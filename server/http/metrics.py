@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from kernels_metal.dispatch import Fallback
 from kernels_metal.fallbacks import all_fallbacks
 from metal_engine.outputs import EncoderStats, EngineStats, RequestOutput
-from scheduler.spec_decode.drafter import SpecDecodeStats
+from scheduler.spec_decode.stats import SpecDecodeStats
 from server.dashboard.history import RecentActivity
 
 LABEL_NAMES = ("model_name", "engine")

@@ -1,0 +1,150 @@
+"""`never_slower` speculation without a model: the step cost learned from measured steps, the
+plan that drafts only what pays for its rows, and the scheduler driving both from step times."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_helpers import resolve_step
+
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.spec_decode.config import SpeculativeConfig
+from scheduler.spec_decode.draft_plan import DraftOffer, plan_drafts
+from scheduler.spec_decode.step_cost import EXACT_ROWS, StepCost, bucket_of
+
+
+def cost_of(points: dict[int, float]) -> StepCost:
+    cost = StepCost()
+    for rows, seconds in points.items():
+        cost.observe(rows, seconds)
+    return cost
+
+
+def test_buckets_are_exact_then_geometric_and_ordered():
+    assert [bucket_of(r) for r in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
+    buckets = [bucket_of(r) for r in range(1, 2048)]
+    assert buckets == sorted(buckets)
+    assert bucket_of(100) == bucket_of(104) != bucket_of(128)  # ~12% wide past 16
+
+
+def test_nothing_is_predicted_below_what_was_measured():
+    assert StepCost().seconds(1) is None
+    cost = cost_of({4: 0.04})
+    assert cost.seconds(3) is None
+    assert cost.seconds(4) == pytest.approx(0.04)
+    assert cost.seconds(9) == pytest.approx(0.04)  # one point: flat past it, to be tried
+
+
+def test_between_points_it_interpolates_and_past_them_it_follows_the_last_slope():
+    cost = cost_of({1: 0.030, 5: 0.040, 16: 0.066})
+    assert cost.seconds(3) == pytest.approx(0.035)
+    assert cost.seconds(10) == pytest.approx(0.040 + 0.026 * 5 / 11)
+    assert cost.seconds(27) == pytest.approx(0.066 + 0.026 * 11 / 11)
+
+
+def test_a_bucket_moves_toward_new_measurements():
+    cost = StepCost(ewma_weight=0.5)
+    cost.observe(2, 0.10)
+    cost.observe(2, 0.20)
+    assert cost.seconds(2) == pytest.approx(0.15)
+    for _ in range(20):
+        cost.observe(2, 0.05)
+    assert cost.seconds(2) == pytest.approx(0.05, rel=1e-3)
+
+
+def test_more_rows_never_predict_a_cheaper_step():
+    cost = cost_of({1: 0.05, 2: 0.03, 4: 0.06})  # a noisy 2-row bucket
+    assert cost.seconds(2) == pytest.approx(0.05)
+    assert cost.seconds(3) >= cost.seconds(2)
+
+
+def test_bad_measurements_are_refused():
+    with pytest.raises(ValueError, match="at least 1 row"):
+        StepCost().observe(0, 0.1)
+    with pytest.raises(ValueError, match="at least 1 row"):
+        StepCost().observe(3, 0.0)
+
+
+def flat(up_to: int, seconds: float = 0.03) -> StepCost:
+    """A memory-bound machine: a step costs the same whatever its rows."""
+    return cost_of({1: seconds, up_to: seconds})
+
+
+def linear(per_row: float = 0.002) -> StepCost:
+    """A saturated machine: a step costs in proportion to its rows."""
+    return cost_of({1: per_row, 64: 64 * per_row})
+
+
+def test_a_memory_bound_step_drafts_everything_offered():
+    assert plan_drafts(flat(64), 2, [DraftOffer(8, 0.5), DraftOffer(3, 0.9)], 100) == [8, 3]
+
+
+def test_the_budget_caps_the_drafts_and_goes_to_the_likeliest_first():
+    lengths = plan_drafts(flat(64), 2, [DraftOffer(8, 0.3), DraftOffer(8, 0.9)], 4)
+    assert lengths == [0, 4]
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.99, 1.0])
+def test_a_saturated_step_drafts_nothing(rate):
+    assert plan_drafts(linear(), 16, [DraftOffer(8, rate)] * 16, 1000) == [0] * 16
+
+
+def test_an_unmeasured_step_drafts_nothing_so_it_gets_measured():
+    assert plan_drafts(flat(64), 0, [DraftOffer(8, 0.9)], 100) == [0]
+    assert plan_drafts(cost_of({4: 0.03, 64: 0.03}), 2, [DraftOffer(8, 0.9)] * 2, 100) == [0, 0]
+
+
+def test_where_rows_cost_something_only_likely_drafts_pay():
+    # The CPU's shape (docs/benchmarks.md): one draft costs a quarter of a step, five ~1.5x.
+    cost = cost_of({1: 0.110, 2: 0.135, 6: 0.165})
+    assert plan_drafts(cost, 1, [DraftOffer(5, 0.9)], 100) == [5]
+    assert plan_drafts(cost, 1, [DraftOffer(5, 0.2)], 100) == [0]
+    # Two requests: the likely one drafts; the unlikely one's rows would not pay.
+    cost = cost_of({2: 0.10, 12: 0.13})
+    assert plan_drafts(cost, 2, [DraftOffer(5, 0.95), DraftOffer(5, 0.05)], 100) == [5, 0]
+
+
+LOOP = [5, 6, 7, 8] * 4  # the lookup drafts 5 6 7 8 ... after it
+
+
+def scheduler(num_requests: int) -> Scheduler:
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                    prompt_lookup_min=1, prompt_lookup_max=2, never_slower=True)
+    s = Scheduler(SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=num_requests,
+                                  max_num_batched_tokens=512, max_model_len=256,
+                                  enable_prefix_caching=False, speculative=speculative))
+    for i in range(num_requests):
+        s.add_request(Request(f"r{i}", LOOP, SamplingParams(max_tokens=200), eos_token_ids=(2,)))
+    return s
+
+
+def drive(s: Scheduler, step_seconds, num_steps: int) -> list[int]:
+    """Run steps whose drafts are all accepted, each timed by `step_seconds(rows)`; the drafts
+    each step verified."""
+    drafted = []
+    for _ in range(num_steps):
+        out = s.schedule()
+        sampled = {}
+        for item in out.scheduled:  # accept every draft, then follow the loop
+            known = s.requests[item.request_id].all_token_ids
+            sampled[item.request_id] = [*item.draft_token_ids, LOOP[(len(known)) % 4]]
+        resolve_step(s, out, sampled)
+        s.observe_step(out, step_seconds(sum(len(x.token_ids) for x in out.scheduled)))
+        drafted.append(sum(len(x.draft_token_ids) for x in out.scheduled))
+    return drafted
+
+
+def test_the_scheduler_drafts_where_rows_are_free_and_reports_the_speedup():
+    s = scheduler(2)
+    drafted = drive(s, lambda rows: 0.03, 12)
+    assert drafted[1] == 0  # the first decode step measures the undrafted cost
+    assert all(d == 6 for d in drafted[2:])
+    stats = s.drafter.stats
+    assert stats.by_method["ngram"].num_accepted_tokens == stats.num_accepted_tokens > 0
+    assert stats.speedup_estimate == pytest.approx(4.0, rel=0.1)  # 4 tokens a step for 1
+
+
+def test_the_scheduler_stops_drafting_once_it_measures_rows_as_costly():
+    s = scheduler(8)
+    drafted = drive(s, lambda rows: 0.002 * rows, 12)
+    assert drafted[2] > 0  # tried once past what was measured
+    assert drafted[-5:] == [0] * 5  # then learned that rows cost in proportion

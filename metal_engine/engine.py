@@ -203,10 +203,10 @@ class LLMEngine:
         self.runner.release(scheduled.finished_ids)
         if self.connector is not None:
             self.connector.before_step(scheduled.kv_plan)
-        previous, launched = self._in_flight, None
+        previous, launched, resolved = self._in_flight, None, []
         if previous is not None and self._samples_behind_pending_history(scheduled):
             outputs += self._resolve(previous)  # `previous` still supplies the pending inputs
-            self.scheduler.observe_step(previous.out, None)
+            resolved.append(previous)
             self._in_flight = None
         if not scheduled.is_empty:
             launched = self.runner.launch(scheduled, previous, self._sampling_context(scheduled))
@@ -217,12 +217,19 @@ class LLMEngine:
         if not self.async_scheduling:
             finished, self._in_flight = launched, None
         if finished is not None:
+            if resolved:  # two resolved in one call: neither is timed
+                self.scheduler.observe_step(previous.out, None)
             outputs += self._resolve(finished)
-            # One call, one step's time: the step it launched, or under async scheduling the
-            # one it waited for while the next was queued (a call that launched none: untimed).
-            self.scheduler.observe_step(finished.out, time.perf_counter() - start
-                                        if launched is not None else None)
+            resolved.append(finished)
+        self._observe(resolved, time.perf_counter() - start if launched is not None else None)
         return outputs
+
+    def _observe(self, resolved: list[LaunchedStep], seconds: float | None) -> None:
+        """Tell the scheduler what the call's one step took: a call that launches one step
+        and resolves one (the same, or the one before it under async scheduling) runs one
+        step's period. Calls that resolve two, or launch none, are not timed."""
+        if resolved:
+            self.scheduler.observe_step(resolved[-1].out, seconds if len(resolved) == 1 else None)
 
     def close(self) -> None:
         """Save every cached block in the pool to the disk tier (if any), for the next start;

@@ -187,6 +187,10 @@ def test_speculative_acceptance_shows_when_drafting(tmp_path):
     assert spec_state["draft_tokens"] == samples["vllm:spec_decode_num_draft_tokens_total"]
     assert spec_state["accepted_tokens"] == samples["vllm:spec_decode_num_accepted_tokens_total"]
     assert spec_state["drafts"] == samples["vllm:spec_decode_num_drafts_total"]
+    assert spec_state["by_method"]["ngram"] == {"draft_tokens": spec_state["draft_tokens"],
+                                                "accepted_tokens": spec_state["accepted_tokens"]}
+    assert spec_state["speedup_estimate"] == pytest.approx(
+        samples["metal_serve:spec_decode_speedup_estimate"])
 
 
 def test_hybrid_models_report_their_state_slots(tiny_hybrid):

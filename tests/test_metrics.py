@@ -193,6 +193,12 @@ def test_speculative_decoding_reports_vllm_counters_and_the_acceptance(model_dir
         stats.num_accepted_tokens / stats.num_draft_tokens)
     assert samples["metal_serve:spec_decode_mean_acceptance_length"] == pytest.approx(
         1 + stats.num_accepted_tokens / stats.num_drafts)
+    by_method = "metal_serve:spec_decode_num_{}_tokens_by_method_total{{method=ngram}}"
+    assert samples[by_method.format("draft")] == stats.num_draft_tokens  # all its own lookup
+    assert samples[by_method.format("accepted")] == stats.num_accepted_tokens
+    assert stats.measured_seconds > 0  # its decode steps were timed
+    assert samples["metal_serve:spec_decode_speedup_estimate"] == pytest.approx(
+        stats.undrafted_seconds / stats.measured_seconds)
     ended = [r.getMessage() for r in caplog.records if " ended (" in r.getMessage()]
     assert ended and f"{stats.num_accepted_tokens} of {stats.num_draft_tokens} draft tokens " \
         "accepted" in ended[-1]

@@ -22,6 +22,7 @@ from metal_engine.engine_build import build_engine
 from scheduler import SamplingParams
 from scheduler.request import PENDING_TOKEN
 from scheduler.spec_decode.config import SpeculativeConfig
+from scheduler.spec_decode.drafter import Proposal
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
                           prompt_lookup_max=3)
@@ -443,7 +444,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, tiny_draft, d
         draft_dir=tiny_draft if own_model else None)
     drafter = scheduler.drafter
     if not own_model:
-        drafter.propose = lambda request, k: drafts[:k] if not request.output_token_ids else []
+        drafter.propose = lambda request, k: Proposal(
+            drafts[:k] if not request.output_token_ids else [], "ngram")
     drafter.length = dataclasses.replace(drafter.length, saturation_rows=10**6, min_gain=1e-9,
                                          prior=0.99)
     mx.random.seed(7)

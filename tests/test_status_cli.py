@@ -116,10 +116,14 @@ def test_a_hybrid_and_drafting_server_shows_slots_and_acceptance(url):
     doc["state_slots"] = {"total": 64, "used": 3}
     doc["speculative"] = {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 12,
                           "acceptance_rate": 0.4, "mean_acceptance_length": 2.2,
-                          "accepted_per_position": [6, 4, 2]}  # fmt: skip
+                          "accepted_per_position": [6, 4, 2],
+                          "by_method": {"ngram": {"draft_tokens": 20, "accepted_tokens": 10},
+                                        "suffix": {"draft_tokens": 10, "accepted_tokens": 2}},
+                          "speedup_estimate": 1.234}  # fmt: skip
     text = format_status(doc, url)
     assert "state slots  3 / 64 in use" in text
-    assert "speculative  40.0% of 30 draft tokens accepted, 2.20 tokens per draft step" in text
+    assert ("speculative  40.0% of 30 draft tokens accepted, 2.20 tokens per draft step; "
+            "ngram 10/20; suffix 2/10; ~1.23x estimated") in text
 
 
 def test_base_url_keeps_a_path_prefix():

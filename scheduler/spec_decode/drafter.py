@@ -46,15 +46,14 @@ class Drafter:
         model's state bounds them (hybrid models' checkpoints)."""
         self.config = config
         self.length = DraftLength(config.num_speculative_tokens, token_budget)
-        self.cost = StepCost() if config.never_slower else None
+        # Learned for every method (the speed-up estimate); plans drafts under never_slower.
+        self.cost = StepCost()
         self.suffix = None
         if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
                                       config.suffix_decoding_max_cached_requests)
         self.max_model_len = max_model_len
-        # A draft model or an MTP head drafts on the device: a request whose sampling reads
-        # its history on the host (penalties, a grammar) cannot verify drafts the host has
-        # not seen.
+        # A draft model or an MTP head drafts on the device (see `_verifiable`).
         self.on_device = config.method in ("draft_model", "mtp")
         self.draft_room = draft_room
         self.stats = SpecDecodeStats()
@@ -67,8 +66,7 @@ class Drafter:
         """Drafts for the step's decoding requests: as many as the policy picks for the
         step's load, within the token `budget` left and each request's room."""
         drafting = [(item, request) for item, request in scheduled
-                    if self._may_draft(item, request)
-                    and not (self.on_device and request.params.needs_token_history)]
+                    if self._may_draft(item, request) and self._verifiable(request)]
         num_rows = sum(len(item.token_ids) for item, _ in scheduled)
         proposals = []
         for item, request in drafting:
@@ -85,7 +83,7 @@ class Drafter:
         """How many of each proposal the step verifies."""
         available = [len(p.token_ids) if p is not None else 0 for p in proposals]
         histories = [self._history(request) for request in requests]
-        if self.cost is not None:
+        if self.config.never_slower:
             offers = [DraftOffer(*self.length.offer(h, n)) for h, n in zip(histories, available,
                                                                             strict=True)]
             return plan_drafts(self.cost, num_rows, offers, budget)
@@ -105,6 +103,17 @@ class Drafter:
         if not item.samples or len(item.token_ids) != 1 or request.lora_name is not None:
             return False
         return not (request.params.needs_token_history and request.num_unknown_outputs)
+
+    def _verifiable(self, request: Request) -> bool:
+        """Whether drafts on the device fit the request: not where its sampling reads its
+        history on the host (penalties, a grammar: it cannot verify drafts the host has not
+        seen); under never_slower, only greedy ones, whose tokens stay those of a run without
+        drafts (a sampled request's are then equally distributed, not the same)."""
+        if not self.on_device:
+            return True
+        params = request.params
+        return not params.needs_token_history and not (self.config.never_slower
+                                                       and not params.greedy)
 
     def _room(self, item: ScheduledRequest, request: Request) -> int:
         """Drafts that fit before max_tokens and the context length (a step with k drafts
@@ -150,7 +159,7 @@ class Drafter:
         """The step of `scheduled` took `seconds` (None: not timed) and has been resolved.
         A step whose rows all sample teaches the cost model and the speed-up estimate."""
         accepted, self._accepted_unobserved = self._accepted_unobserved, 0
-        if self.cost is None or seconds is None or not scheduled or not all(
+        if seconds is None or not scheduled or not all(
                 s.samples and len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduled):
             return
         rows = sum(len(s.token_ids) for s in scheduled)

@@ -4,24 +4,27 @@ Whether a draft pays depends on how much one more query row adds to a step: almo
 while the step reads weights (few rows, a GPU), a token's worth once it computes (many rows,
 or a CPU multiplying rows one at a time), and where the turn comes depends on the machine,
 the model and the context. So it is measured: the engine times every step whose rows all
-sample (decodes and their drafts, no prefill chunk) and folds it into an EWMA of seconds per
-bucket of rows (exact counts up to 16, then buckets ~12% wide), each bucket at its own EWMA
-of rows. Then
+sample (decodes and their drafts, no prefill chunk), and each bucket of rows (exact counts up
+to 16, then buckets ~12% wide) keeps its last few steps. A bucket's point is the median of
+their seconds at the mean of their rows: one step slowed by a compile or by other work on the
+machine moves no median. Then
 
-    seconds(r)  r inside the observed range: linear between the buckets around it
+    seconds(r)  r inside the observed range: linear between the points around it
                 r below it: None (unknown: a step there runs without drafts and measures it)
-                r above it: on at the slope of the two largest buckets (flat with only one,
+                r above it: on at the slope of the two largest points (flat with only one,
                     so a draft is tried once and its step measured)
 
-The points are made non-decreasing in rows first: a step never gets cheaper with more rows,
-whatever noise the other work on the machine adds.
+A step never gets cheaper with more rows, so a point above a later one is lowered to it:
+slow outliers are the noise here (a step cannot run faster than the machine), so the curve
+trusts the lower of two contradicting points.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
 
 EXACT_ROWS = 16  # one bucket per row count up to here
 BUCKET_GROWTH = 1.12  # then each bucket spans ~12% more rows than the one before
@@ -34,20 +37,14 @@ def bucket_of(rows: int) -> int:
     return EXACT_ROWS + 1 + int(math.log(rows / EXACT_ROWS, BUCKET_GROWTH))
 
 
-@dataclass
-class _Point:
-    rows: float  # EWMA of the rows measured in this bucket
-    seconds: float  # EWMA of their steps' seconds
-
-
 class StepCost:
     """Seconds per step by query rows; `observe` learns, `seconds` predicts (changes nothing)."""
 
-    def __init__(self, ewma_weight: float = 0.2) -> None:
-        if not 0 < ewma_weight <= 1:
-            raise ValueError(f"ewma_weight must be in (0, 1], got {ewma_weight}")
-        self.ewma_weight = ewma_weight
-        self._buckets: dict[int, _Point] = {}
+    def __init__(self, window: int = 5) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.window = window
+        self._buckets: dict[int, deque[tuple[int, float]]] = {}  # bucket -> (rows, seconds)
         self._curve: tuple[list[float], list[float]] | None = None  # rows, seconds; None: stale
 
     @property
@@ -60,13 +57,8 @@ class StepCost:
         if rows < 1 or not seconds > 0:
             raise ValueError(f"a step has at least 1 row and takes some time, got {rows} rows "
                              f"in {seconds} s")
-        point = self._buckets.get(bucket_of(rows))
-        if point is None:
-            self._buckets[bucket_of(rows)] = _Point(float(rows), seconds)
-        else:
-            w = self.ewma_weight
-            point.rows += w * (rows - point.rows)
-            point.seconds += w * (seconds - point.seconds)
+        bucket = self._buckets.setdefault(bucket_of(rows), deque(maxlen=self.window))
+        bucket.append((rows, seconds))
         self._curve = None
 
     def seconds(self, rows: int) -> float | None:
@@ -84,13 +76,13 @@ class StepCost:
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
     def _points(self) -> tuple[list[float], list[float]]:
-        """The buckets in order of rows, seconds made non-decreasing (cached until observed)."""
+        """Each bucket's (mean rows, median seconds) in order of rows, the seconds lowered to
+        be non-decreasing (cached until the next observation)."""
         if self._curve is None:
-            points = sorted(self._buckets.values(), key=lambda p: p.rows)
-            xs = [p.rows for p in points]
-            ys, top = [], 0.0
-            for p in points:
-                top = max(top, p.seconds)
-                ys.append(top)
+            buckets = [self._buckets[b] for b in sorted(self._buckets)]
+            xs = [statistics.fmean(r for r, _ in steps) for steps in buckets]
+            ys = [statistics.median(t for _, t in steps) for steps in buckets]
+            for i in range(len(ys) - 2, -1, -1):
+                ys[i] = min(ys[i], ys[i + 1])
             self._curve = (xs, ys)
         return self._curve

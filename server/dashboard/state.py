@@ -133,6 +133,10 @@ def _speculative(stats: EngineStats) -> dict | None:
         "acceptance_rate": spec.num_accepted_tokens / drafted if drafted else 0.0,
         "mean_acceptance_length": spec.mean_accepted_length,
         "accepted_per_position": list(spec.accepted_per_position),
+        "by_method": {method: {"draft_tokens": c.num_draft_tokens,
+                               "accepted_tokens": c.num_accepted_tokens}
+                      for method, c in sorted(spec.by_method.items())},
+        "speedup_estimate": spec.speedup_estimate,
     }
 
 

@@ -42,7 +42,8 @@ def _summary(state: dict, url: str) -> list[str]:
     if (spec := state["speculative"]) is not None:
         lines.append(_row("speculative", f"{spec['acceptance_rate']:.1%} of "
                           f"{spec['draft_tokens']:,} draft tokens accepted, "
-                          f"{spec['mean_acceptance_length']:.2f} tokens per draft step"))
+                          f"{spec['mean_acceptance_length']:.2f} tokens per draft step"
+                          + _speculative_details(spec)))
     lines.append(_row("memory", _memory(state["memory"])))
     if (kernels := state.get("kernels")) is not None:  # servers before it have none
         lines.append(_row("kernels", f"{len(kernels['fallbacks'])} fallbacks" + "".join(
@@ -112,3 +113,12 @@ def size(num_bytes: float) -> str:
     while value >= 1024 and index < len(units) - 1:
         value, index = value / 1024, index + 1
     return f"{value:.0f} B" if index == 0 else f"{value:.1f} {units[index]}"
+
+
+def _speculative_details(spec: dict) -> str:
+    """Accepted of drafted per method and the estimated speed-up (servers before them have
+    neither)."""
+    methods = "".join(f"; {name} {c['accepted_tokens']:,}/{c['draft_tokens']:,}"
+                      for name, c in spec.get("by_method", {}).items())
+    speedup = spec.get("speedup_estimate")
+    return methods + (f"; ~{speedup:.2f}x estimated" if speedup is not None else "")

@@ -221,6 +221,24 @@ class _EngineCollector(Collector):
         yield gauge("metal_serve:spec_decode_mean_acceptance_length", "Tokens a drafting "
                     "request gets per step: 1 + accepted tokens per draft, since start.",
                     spec.mean_accepted_length)  # fmt: skip
+        yield from self._spec_decode_by_method(spec)
+        yield gauge("metal_serve:spec_decode_speedup_estimate", "Seconds the timed decode "
+                    "steps' tokens would have taken without drafts (by the step cost model) "
+                    "over the seconds they took, since start; 1 before any.",
+                    spec.speedup_estimate)  # fmt: skip
+
+    def _spec_decode_by_method(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """Drafted and accepted tokens by what drafted them: ngram (the request's own
+        tokens), suffix (other requests' outputs), draft_model, mtp."""
+        for name, field, documentation in (
+                ("metal_serve:spec_decode_num_draft_tokens_by_method", "num_draft_tokens",
+                 "Draft tokens, by drafting method."),
+                ("metal_serve:spec_decode_num_accepted_tokens_by_method", "num_accepted_tokens",
+                 "Accepted draft tokens, by drafting method.")):
+            family = CounterMetricFamily(name, documentation, labels=(*LABEL_NAMES, "method"))
+            for method, counts in sorted(spec.by_method.items()):
+                family.add_metric((*self._labels, method), getattr(counts, field))
+            yield family
 
     def _encoder(self, encoder: EncoderStats) -> Iterator[Metric]:
         """The vision tower's work: their ratio is its time per image (an image found in

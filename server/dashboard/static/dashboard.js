@@ -12,6 +12,7 @@ const FORMATS = {
   int: (v) => Math.round(v).toLocaleString("en-US"),
   percent: (v) => (100 * v).toFixed(1) + "%",
   rate: (v) => v.toFixed(1),
+  speedup: (v) => v.toFixed(2),
   seconds: (v) => (v < 1 ? (1000 * v).toFixed(1) + " ms" : v.toFixed(2) + " s"),
   duration: formatDuration,
   bytes: formatBytes,

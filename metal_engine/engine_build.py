@@ -76,6 +76,10 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     spec = config.speculative_config
     if spec is not None and spec.method == "mtp":
         spec = with_draft_length(spec)
+    if spec is not None:
+        log.info("speculative decoding: %s, up to %d drafts a step%s", spec.method,
+                 spec.num_speculative_tokens,
+                 ", only where they pay (never_slower)" if spec.never_slower else "")
     mc = model.config
     held = mc if split is None else split.cache_config(mc)  # what this rank's cache holds
     weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)

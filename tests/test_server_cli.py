@@ -306,6 +306,22 @@ def test_a_bad_speculative_config_is_refused_naming_the_field(spec, named, capsy
     assert named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "method"), [(None, "suffix"), ("auto", "suffix"),
+                                             ("off", None)])
+def test_speculation_is_auto_unless_turned_off(tiny_llama_with_tokenizer, flag, method):
+    """auto, resolved for a model without an MTP head: prompt lookup that drafts where it
+    pays."""
+    from server.cli import build_parser
+    from server.launch import _engine_config
+
+    argv = ["serve", str(tiny_llama_with_tokenizer)]
+    argv += ["--speculative-config", flag] if flag is not None else []
+    spec = _engine_config(tiny_llama_with_tokenizer,
+                          build_parser(argv).parse_args(argv)).speculative_config
+    assert (spec and spec.method) == method
+    assert spec is None or (spec.never_slower and spec.num_speculative_tokens == 8)
+
+
 def test_a_draft_model_that_is_not_a_model_dir_exits_2(tiny_llama_with_tokenizer, tmp_path,
                                                        capsys):
     spec = f'{{"method": "draft_model", "model": "{tmp_path}", "num_speculative_tokens": 3}}'

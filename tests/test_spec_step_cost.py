@@ -90,6 +90,8 @@ def test_a_saturated_step_drafts_nothing(rate):
 def test_an_unmeasured_step_drafts_nothing_so_it_gets_measured():
     assert plan_drafts(flat(64), 0, [DraftOffer(8, 0.9)], 100) == [0]
     assert plan_drafts(cost_of({4: 0.03, 64: 0.03}), 2, [DraftOffer(8, 0.9)] * 2, 100) == [0, 0]
+    assert plan_drafts(flat(8), 9, [DraftOffer(8, 0.9)] * 9, 100) == [0] * 9  # above them
+    assert plan_drafts(flat(8), 5, [DraftOffer(8, 0.9)] * 5, 100) == [8] * 5  # between
 
 
 def test_where_rows_cost_something_only_likely_drafts_pay():

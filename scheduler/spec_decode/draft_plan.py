@@ -9,8 +9,8 @@ positions, best first, are taken while they raise the step's expected rate of wo
     d*  = 0 unless that beats R / T(R) by `min_gain` (a margin for noise and misestimates)
 
 A saturated step (T growing in proportion to rows) drafts nothing: a**j < 1 never pays a
-whole row. T(R) unknown (no step of about R rows measured yet) drafts nothing either, and so
-measures it.
+whole row. A step past the rows measured so far (StepCost.covers: below the smallest bucket,
+above the largest, e.g. a prefill chunk's) drafts nothing either, and so measures them.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def plan_drafts(cost: StepCost, num_rows: int, offers: list[DraftOffer], budget:
     """The number of drafts each offer verifies in a step of `num_rows` rows before drafts,
     at most `budget` in all (0 for all when drafting does not pay)."""
     lengths = [0] * len(offers)
-    base = cost.seconds(num_rows) if num_rows > 0 else None
-    if base is None or budget < 1:
+    if budget < 1 or not cost.covers(num_rows):
         return lengths
+    base = cost.seconds(num_rows)
     positions = [(offer.rate ** j, i) for i, offer in enumerate(offers)
                  for j in range(1, offer.num_available + 1)]
     positions.sort(key=lambda p: -p[0])  # stable: a request's positions stay in order

@@ -10,9 +10,12 @@ their seconds at the mean of their rows: one step slowed by a compile or by othe
 machine moves no median. Then
 
     seconds(r)  r inside the observed range: linear between the points around it
-                r below it: None (unknown: a step there runs without drafts and measures it)
+                r below it: None (unknown)
                 r above it: on at the slope of the two largest points (flat with only one,
                     so a draft is tried once and its step measured)
+
+A step's rows before drafts must be `covers`ed (measured, or between measured buckets) for
+it to draft; otherwise it runs without drafts, and so measures them.
 
 A step never gets cheaper with more rows, so a point above a later one is lowered to it:
 slow outliers are the noise here (a step cannot run faster than the machine), so the curve
@@ -60,6 +63,12 @@ class StepCost:
         bucket = self._buckets.setdefault(bucket_of(rows), deque(maxlen=self.window))
         bucket.append((rows, seconds))
         self._curve = None
+
+    def covers(self, rows: int) -> bool:
+        """Whether a step of `rows` rows lies within what was measured (its bucket, or
+        between two measured buckets): a step past them is measured before it drafts."""
+        xs, _ = self._points()
+        return bool(xs) and (xs[0] <= rows <= xs[-1] or bucket_of(rows) in self._buckets)
 
     def seconds(self, rows: int) -> float | None:
         """The predicted seconds of a step of `rows` rows; None below what was measured."""

@@ -164,8 +164,11 @@ class Drafter:
             return
         rows = sum(len(s.token_ids) for s in scheduled)
         self.cost.observe(rows, seconds)
-        undrafted = self.cost.seconds(len(scheduled))
-        if undrafted is not None:  # the same tokens, one per request and step
+        # A step without drafts counts as it ran; one with drafts against its tokens at one
+        # per request and step (the median of the undrafted cost: a step's noise is skewed
+        # slow, so only the drafting steps are estimated).
+        undrafted = seconds if rows == len(scheduled) else self.cost.seconds(len(scheduled))
+        if undrafted is not None:
             self.stats.measured_seconds += seconds
             self.stats.undrafted_seconds += undrafted * (1 + accepted / len(scheduled))
 

@@ -25,8 +25,9 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     by_method: dict[DraftSource, MethodCounts] = field(default_factory=dict)
-    # Over the timed steps whose rows all sample: their measured seconds, and what the cost
-    # model says the same tokens would have taken at one row per request and step.
+    # Over the timed steps whose rows all sample: their measured seconds, and the seconds
+    # their tokens would have taken at one per request and step (a drafting step's by the
+    # cost model, a step without drafts as it ran).
     measured_seconds: float = 0.0
     undrafted_seconds: float = 0.0
 

@@ -312,12 +312,12 @@ def test_speculation_is_auto_unless_turned_off(tiny_llama_with_tokenizer, flag, 
     """auto, resolved for a model without an MTP head: prompt lookup that drafts where it
     pays."""
     from server.cli import build_parser
-    from server.launch import _engine_config
+    from server.model_loading import engine_config
 
     argv = ["serve", str(tiny_llama_with_tokenizer)]
     argv += ["--speculative-config", flag] if flag is not None else []
-    spec = _engine_config(tiny_llama_with_tokenizer,
-                          build_parser(argv).parse_args(argv)).speculative_config
+    spec = engine_config(tiny_llama_with_tokenizer,
+                         build_parser(argv).parse_args(argv)).speculative_config
     assert (spec and spec.method) == method
     assert spec is None or (spec.never_slower and spec.num_speculative_tokens == 8)
 

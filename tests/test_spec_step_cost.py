@@ -149,3 +149,17 @@ def test_the_scheduler_stops_drafting_once_it_measures_rows_as_costly():
     drafted = drive(s, lambda rows: 0.002 * rows, 12)
     assert drafted[2] > 0  # tried once past what was measured
     assert drafted[-5:] == [0] * 5  # then learned that rows cost in proportion
+
+
+def test_a_step_inside_the_smallest_bucket_below_its_mean_is_covered_and_priced():
+    """Buckets past EXACT_ROWS span several row counts: a step below the mean rows of the
+    smallest measured bucket is still in it, so it is priced at that bucket's point (once a
+    step it `covers` had no price, and planning its drafts raised a TypeError)."""
+    cost = StepCost()
+    cost.observe(42, 0.3)
+    cost.observe(44, 0.3)
+    assert bucket_of(40) == bucket_of(43) and cost.covers(40)
+    assert cost.seconds(40) == 0.3
+    # One point: flat past it, so drafts are tried once (and their step measured).
+    assert plan_drafts(cost, 40, [DraftOffer(4, 0.9)], budget=4) == [4]
+    assert cost.seconds(39) is None and not cost.covers(39)

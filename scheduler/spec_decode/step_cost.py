@@ -10,6 +10,7 @@ their seconds at the mean of their rows: one step slowed by a compile or by othe
 machine moves no median. Then
 
     seconds(r)  r inside the observed range: linear between the points around it
+                r in the smallest bucket, below its mean rows: that bucket's point
                 r below it: None (unknown)
                 r above it: on at the slope of the two largest points (flat with only one,
                     so a draft is tried once and its step measured)
@@ -73,8 +74,10 @@ class StepCost:
     def seconds(self, rows: int) -> float | None:
         """The predicted seconds of a step of `rows` rows; None below what was measured."""
         xs, ys = self._points()
-        if not xs or rows < xs[0]:
+        if not xs:
             return None
+        if rows < xs[0]:  # inside the smallest bucket (below its mean rows): its point
+            return ys[0] if bucket_of(rows) == min(self._buckets) else None
         i = bisect.bisect_right(xs, rows)
         if i == len(xs):  # past the largest bucket: on at the last slope (flat with one)
             if len(xs) == 1:

@@ -163,3 +163,18 @@ def test_a_step_inside_the_smallest_bucket_below_its_mean_is_covered_and_priced(
     # One point: flat past it, so drafts are tried once (and their step measured).
     assert plan_drafts(cost, 40, [DraftOffer(4, 0.9)], budget=4) == [4]
     assert cost.seconds(39) is None and not cost.covers(39)
+
+
+def test_steps_with_drafts_are_priced_from_their_own_measurements():
+    """A decode-only step of 64 rows runs one path; with drafts the step runs another, 25%
+    slower here: once such steps are measured, 64 rows with likely drafts draft nothing,
+    though the decode-only steps alone would have them pay."""
+    decode = cost_of({48: 0.20, 64: 0.224, 96: 0.30})
+    offers = [DraftOffer(2, 0.9)] * 8
+    assert sum(plan_drafts(decode, 64, offers, budget=16)) > 0
+    verify = cost_of({66: 0.277, 80: 0.31})
+    assert plan_drafts(decode, 64, offers, budget=16, verify=verify) == [0] * 8
+    # Below the fewest rows measured with drafts: on the line from the step's own price.
+    assert plan_drafts(decode, 48, offers, budget=16, verify=verify) == [0] * 8
+    # Before any step with drafts is measured, the decode-only price lets one be tried.
+    assert sum(plan_drafts(decode, 64, offers, budget=16, verify=StepCost())) > 0

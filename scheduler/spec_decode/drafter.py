@@ -46,8 +46,11 @@ class Drafter:
         model's state bounds them (hybrid models' checkpoints)."""
         self.config = config
         self.length = DraftLength(config.num_speculative_tokens, token_budget)
-        # Learned for every method (the speed-up estimate); plans drafts under never_slower.
-        self.cost = StepCost()
+        # Learned for every method (the speed-up estimate); plan drafts under never_slower.
+        # Apart: a step with drafts may run another path than a decode-only step of as many
+        # rows (the CPU's and Metal's decode paths take one row a request).
+        self.cost = StepCost()  # decode-only steps
+        self.verify_cost = StepCost()  # steps that verify drafts
         self.suffix = None
         if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
@@ -86,7 +89,7 @@ class Drafter:
         if self.config.never_slower:
             offers = [DraftOffer(*self.length.offer(h, n)) for h, n in zip(histories, available,
                                                                             strict=True)]
-            return plan_drafts(self.cost, num_rows, offers, budget)
+            return plan_drafts(self.cost, num_rows, offers, budget, verify=self.verify_cost)
         lengths = []
         for history, n in zip(histories, available, strict=True):
             k = min(self.length.choose(history, num_rows=num_rows, num_drafting=len(requests)),
@@ -163,7 +166,7 @@ class Drafter:
                 s.samples and len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduled):
             return
         rows = sum(len(s.token_ids) for s in scheduled)
-        self.cost.observe(rows, seconds)
+        (self.cost if rows == len(scheduled) else self.verify_cost).observe(rows, seconds)
         # A step without drafts counts as it ran; one with drafts against its tokens at one
         # per request and step (the median of the undrafted cost: a step's noise is skewed
         # slow, so only the drafting steps are estimated).

@@ -87,6 +87,11 @@ class StepCost:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
+    def lowest(self) -> tuple[float, float] | None:
+        """The point of the fewest rows measured, (rows, seconds); None before any."""
+        xs, ys = self._points()
+        return (xs[0], ys[0]) if xs else None
+
     def _points(self) -> tuple[list[float], list[float]]:
         """Each bucket's (mean rows, median seconds) in order of rows, the seconds lowered to
         be non-decreasing (cached until the next observation)."""

@@ -177,8 +177,9 @@ class Ops:
         """`h` through a `models.decoder.DecoderModel`'s layers `layers` (each writing its
         pool of `cache`), MLX arrays in and out."""
         ropes = self.layer_ropes(decoder.ropes, positions, meta)
+        modules, pools = decoder["layers"], decoder.pools
         for i in layers:
-            h = decoder.layers[i](h, ropes[i], meta, cache, decoder.pools[i])
+            h = modules[i](h, ropes[i], meta, cache, pools[i])
         return h
 
     def parameters_changed(self) -> None:

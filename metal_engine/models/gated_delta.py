@@ -3,7 +3,8 @@
 A request's whole history lives in two states the caller passes in and gets back: the conv
 state (its last `kernel_size - 1` conv inputs, `[num_seqs, kernel_size - 1, conv_dim]`) and
 the recurrent state of the delta rule (`[num_seqs, Hv, Dk, Dv]`). Zeros start a request.
-Parameter names and shapes are Hugging Face's qwen3_5 ones (`conv1d.weight [conv_dim, 1, K]`).
+Parameter names and shapes are Hugging Face's qwen3_5 ones (`conv1d.weight [conv_dim, 1, K]`);
+they and the children are read as items per call (models/layers.py says why).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class CausalConv1d(nn.Module, OpsUser):
         self._taps = FromWeight(ConvTaps.of)
 
     def __call__(self, x: mx.array, cu_seqlens, state: mx.array) -> tuple[mx.array, mx.array]:
-        return conv_with_taps(x, self._taps(self.weight), cu_seqlens, state, self.ops.silu)
+        return conv_with_taps(x, self._taps(self["weight"]), cu_seqlens, state, self.ops.silu)
 
 
 class GatedRMSNorm(nn.Module, OpsUser):
@@ -128,7 +129,7 @@ class GatedRMSNorm(nn.Module, OpsUser):
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         # silu(gate) * normed in the activation dtype, as mlx-lm does: one kernel on Metal
-        return self.ops.activation("silu", gate, self.ops.rms_norm(x, self.weight, self.eps))
+        return self.ops.activation("silu", gate, self.ops.rms_norm(x, self["weight"], self.eps))
 
 
 class DeltaNetStep(NamedTuple):
@@ -169,16 +170,16 @@ class GatedDeltaNet(nn.Module, OpsUser):
         """`x [total_q, hidden]` rows packed by `cu_seqlens`; states as `zero_states`."""
         cfg, total = self.cfg, x.shape[0]
         qkv, z, b, a = self.ops.linears(x, self._inputs)
-        mixed, conv_state = self.conv1d(qkv, cu_seqlens, conv_state)
+        mixed, conv_state = self["conv1d"](qkv, cu_seqlens, conv_state)
         q, k, v = mx.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q = q.reshape(total, cfg.num_key_heads, cfg.key_head_dim)
         k = k.reshape(total, cfg.num_key_heads, cfg.key_head_dim)
         v = v.reshape(total, cfg.num_value_heads, cfg.value_head_dim)
-        g, beta = _decay_and_beta(a, b, self.dt_bias, self.A_log)
+        g, beta = _decay_and_beta(a, b, self["dt_bias"], self["A_log"])
         rule = self.ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens, recurrent_state)
         z = z.reshape(total, cfg.num_value_heads, cfg.value_head_dim)
-        out = self.norm(rule.out, z).reshape(total, cfg.value_dim)
-        return DeltaNetStep(self.out_proj(out), conv_state, rule.state)
+        out = self["norm"](rule.out, z).reshape(total, cfg.value_dim)
+        return DeltaNetStep(self["out_proj"](out), conv_state, rule.state)
 
 
 @partial(mx.compile, shapeless=True)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers for the packed `[total_q, hidden]` rows of a step.
+"""Mixture-of-experts layers for the packed `[total_q, hidden]` rows of a step (parameters and
+children read as items per call: models/layers.py says why).
 
 Expert weights are stored stacked, `[experts, out, in]` under `switch_mlp.*` (mlx-lm's layout,
 so its quantized checkpoints load as they are). Two ways to run the chosen experts:
@@ -44,9 +45,9 @@ class SwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
         """x `[..., 1, in]`, experts `[...]` -> `[..., 1, out]`, row i through expert i."""
-        out = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts,
+        out = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=experts,
                            sorted_indices=sorted_experts)  # fmt: skip
-        return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
+        return out if "bias" not in self else out + mx.expand_dims(self["bias"][experts], -2)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
                      **_: object) -> QuantizedSwitchLinear:
@@ -70,10 +71,11 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
-        out = mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=experts,
-                            transpose=True, group_size=self.group_size, bits=self.bits,
-                            mode=self.mode, sorted_indices=sorted_experts)  # fmt: skip
-        return out if "bias" not in self else out + mx.expand_dims(self.bias[experts], -2)
+        out = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"),
+                            rhs_indices=experts, transpose=True, group_size=self.group_size,
+                            bits=self.bits, mode=self.mode,
+                            sorted_indices=sorted_experts)  # fmt: skip
+        return out if "bias" not in self else out + mx.expand_dims(self["bias"][experts], -2)
 
 
 class SwitchGLU(nn.Module, OpsUser):
@@ -105,8 +107,8 @@ class SwitchGLU(nn.Module, OpsUser):
             x, experts = x.flatten(0, -3)[order // k], flat[order]
             adapted = None if adapted is None else adapted.flatten()[order]
         project = partial(self._project, experts=experts, adapted=adapted, sort=sort)
-        h = self.activate(project(self.gate_proj, x), project(self.up_proj, x))
-        out = project(self.down_proj, h)
+        h = self.activate(project(self["gate_proj"], x), project(self["up_proj"], x))
+        out = project(self["down_proj"], h)
         if sort:
             out = out[mx.argsort(order)].reshape(rows, k, 1, -1)
         return out.squeeze(-2)
@@ -216,10 +218,10 @@ class SparseMoeBlock(nn.Module):
         self._moe, self._shared_name = moe, shared_name
 
     def __call__(self, x: mx.array) -> mx.array:
-        correction = self.get("e_score_correction_bias",
-                              self.gate.get("e_score_correction_bias"))
-        weights, experts = route(self.gate(x), self._moe, correction)
-        out = self.switch_mlp.mix(x, weights, experts)
+        gate = self["gate"]
+        correction = self.get("e_score_correction_bias", gate.get("e_score_correction_bias"))
+        weights, experts = route(gate(x), self._moe, correction)
+        out = self["switch_mlp"].mix(x, weights, experts)
         shared = self.get(self._shared_name)
         return out if shared is None else out + shared(x)
 

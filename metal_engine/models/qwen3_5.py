@@ -3,7 +3,8 @@ per-request recurrent state, see gated_delta.py) interleaved with gated full-att
 q and a per-feature output gate come from one projection, q and k are RMS-normed per head, a
 quarter of each head rotates, and the output is scaled by sigmoid(gate). Every norm scales by
 `1 + w`. The MoE variants' MLPs are experts plus a shared expert scaled by its own sigmoid
-gate (Qwen3-Next may keep dense MLPs in some layers)."""
+gate (Qwen3-Next may keep dense MLPs in some layers). Parameters and children are read as
+items per call (models/layers.py says why)."""
 
 from __future__ import annotations
 
@@ -51,10 +52,10 @@ class GatedAttention(nn.Module, OpsUser):
         total = x.shape[0]
         q, k, v = self.ops.linears(x, self._qkv)
         q, gate = mx.split(q.reshape(total, self.num_heads, 2 * self.head_dim), 2, axis=-1)
-        q = self.ops.rope(self.q_norm(q), rope)
+        q = self.ops.rope(self["q_norm"](q), rope)
         k_pool, v_pool = self._write(k, v, rope, meta, cache, pool)
         out = self.ops.paged_attention(q, k_pool, v_pool, meta, self.head_dim**-0.5)
-        return self.o_proj(_sigmoid_gated(out, gate).reshape(total, -1))
+        return self["o_proj"](_sigmoid_gated(out, gate).reshape(total, -1))
 
     def write_kv(self, x: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
                  pool: int) -> tuple[mx.array, mx.array]:
@@ -64,7 +65,7 @@ class GatedAttention(nn.Module, OpsUser):
     def _write(self, k: mx.array, v: mx.array, rope, meta: AttentionMetadata, cache: KVCache,
                pool: int) -> tuple[mx.array, mx.array]:
         total = k.shape[0]
-        k = self.k_norm(k.reshape(total, self.num_kv_heads, self.head_dim))
+        k = self["k_norm"](k.reshape(total, self.num_kv_heads, self.head_dim))
         k = self.ops.rope(k, rope)
         v = v.reshape(total, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = cache.take(pool)
@@ -116,9 +117,9 @@ class GatedSharedMoe(nn.Module):
         self._moe = moe
 
     def __call__(self, x: mx.array) -> mx.array:
-        weights, experts = route(self.gate(x), self._moe)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.switch_mlp.mix(x, weights, experts) + shared
+        weights, experts = route(self["gate"](x), self._moe)
+        shared = mx.sigmoid(self["shared_expert_gate"](x)) * self["shared_expert"](x)
+        return self["switch_mlp"].mix(x, weights, experts) + shared
 
 
 class DecoderLayer(nn.Module):
@@ -134,13 +135,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def __call__(self, x, rope, meta, cache, pool):
-        h = self.input_layernorm(x)
+        h = self["input_layernorm"](x)
         if "linear_attn" in self:
-            h = linear_attention(self.linear_attn, h, meta, cache, pool)
+            h = linear_attention(self["linear_attn"], h, meta, cache, pool)
         else:
-            h = self.self_attn(h, rope, meta, cache, pool)
+            h = self["self_attn"](h, rope, meta, cache, pool)
         h = x + h
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self["mlp"](self["post_attention_layernorm"](h))
 
 
 class MultiTokenPredictor(OneLayerHead):

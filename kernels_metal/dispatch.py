@@ -28,6 +28,8 @@ import mlx.core as mx
 
 from kernels_metal.plan import MIN_METADATA_ELEMENTS
 
+# `call`'s memo of served launches is cleared past this many (shapes vary with the batch).
+MAX_SERVED = 256
 K = TypeVar("K")  # a family's kernels: a callable built on a `metal_kernel` factory
 V = TypeVar("V", bound=Hashable)  # a family's variant
 
@@ -105,6 +107,8 @@ class CheckedDispatch(Generic[K, V]):
         # Changes whenever a route may: a fallback, an override set or lifted. Routes a step
         # keeps (`serve`) are keyed by it.
         self.generation = 0
+        self._served: dict[tuple, K] = {}  # `call`'s (variant, launches) -> kernels
+        self._served_generation = 0
 
     def recorded(self, factory: Callable) -> Callable:
         """`factory` whose kernels report their launches to this dispatcher."""
@@ -152,10 +156,30 @@ class CheckedDispatch(Generic[K, V]):
         return reference(*args), reference
 
     def call(self, variant: V, run: Callable[[K], Any], reference: Callable[[], Any],
-             check_args: tuple = ()) -> Any:
-        """`serve` of one call: `run(kernels)` or `reference()`."""
-        return self.serve(variant, lambda kernels: lambda: run(kernels), reference, (),
-                          check_args)[0]
+             check_args: tuple = (), launches: Hashable = None) -> Any:
+        """`serve` of one call: `run(kernels)` or `reference()`.
+
+        `launches`: what besides the variant decides the launches `run` makes (its shapes).
+        A call whose variant and `launches` the kernels served since the routes last changed
+        runs on them directly: its launches are proven, and a step's layers of one kind (a
+        hybrid model's linear-attention layers) then skip the route and the recording."""
+        if self._served_generation != self.generation or len(self._served) > MAX_SERVED:
+            self._served.clear()
+            self._served_generation = self.generation
+        key = (variant, launches)
+        kernels = self._served.get(key) if launches is not None else None
+        if kernels is not None:
+            return run(kernels)
+        used = []
+
+        def prepare(kernels: K) -> Callable[[], Any]:
+            used.append(kernels)
+            return lambda: run(kernels)
+
+        out, how = self.serve(variant, prepare, reference, (), check_args)
+        if launches is not None and how is not reference:
+            self._served[key] = used[0]
+        return out
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[None]:

@@ -260,10 +260,11 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state: mx.array,
 
     if not _state.on_kernels() or unsupported_reason(q, k, v) is not None:
         return on_reference()
+    # Rows and requests size the launch's inputs: with the variant, they decide its launches.
     return _state.call(variant_of(q, v, normalize_qk),
                        lambda kernel: kernel(q, k, v, g, beta, cu_seqlens, initial_state,
                                              normalize_qk),
-                       on_reference)
+                       on_reference, launches=(q.shape[0], initial_state.shape[0]))
 
 
 def use_kernel(kernel: GatedDeltaKernel,

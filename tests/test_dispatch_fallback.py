@@ -109,6 +109,30 @@ def test_launches_already_evaluated_are_not_evaluated_again(doubling):
         mx.eval(lazy)
 
 
+def test_calls_whose_launches_were_served_skip_the_route_until_it_changes(doubling,
+                                                                         monkeypatch):
+    """`call(..., launches=...)`: a call like one the kernels served runs on them without
+    the route (a hybrid model's linear-attention layers after the first); a fallback drops
+    what was served, so the variant's calls then go to the reference."""
+    dispatch, kernels = doubling
+    routes = []
+    route = dispatch._route
+    monkeypatch.setattr(dispatch, "_route", lambda *a: routes.append(a) or route(*a))
+
+    def double_as(n: int) -> mx.array:
+        x = mx.arange(n, dtype=mx.float32)
+        return dispatch.call("v1", lambda kernels: kernels(x), lambda: x + x, launches=n)
+
+    with dispatch.use(kernels, first_use_check=True):
+        for _ in range(3):
+            np.testing.assert_array_equal(np.array(double_as(4)), np.arange(4) * 2)
+        assert len(routes) == 1 and kernels.calls == 4  # the check, then three calls
+        np.array(double_as(16))  # new launches: routed, evaluated, failed, fallen back
+        assert len(routes) == 2 and kernels.calls == 5
+        np.testing.assert_array_equal(np.array(double_as(4)), np.arange(4) * 2)
+        assert len(routes) == 3 and kernels.calls == 5  # the reference served it
+
+
 def test_unchecked_kernels_let_an_evaluation_failure_through(doubling):
     dispatch, kernels = doubling
     with dispatch.use(kernels):

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from server.bench.graph import _settle_allocator
 from server.bench.graph_configs import CONFIGS, for_trace
 from server.bench.graph_trace import StandInKernel, SyncCounter, count_kernels, metal_stand_ins
 
@@ -84,3 +85,38 @@ def test_trace_widths_keep_the_layer_structure():
     assert narrow["num_hidden_layers"] == 6 and narrow["hidden_size"] == 256
     assert narrow["num_attention_heads"] == CONFIGS["gemma3"]["num_attention_heads"]
     assert narrow["sliding_window_pattern"] == 6
+
+
+def _glibc_fast_bin_counter():
+    """A function giving the number of chunks in glibc's fast bins (`mallinfo2().smblks`),
+    or None off glibc."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+    return lambda: mallinfo2().smblks
+
+
+def test_a_freed_graph_leaves_no_small_chunks_for_the_timed_build():
+    fast_bin_chunks = _glibc_fast_bin_counter()
+    if fast_bin_chunks is None:
+        pytest.skip("needs glibc's mallinfo2")
+    graphs = []  # many shallow graphs, as a step's pools hold theirs
+    for _ in range(300):
+        x = mx.zeros((4,))
+        for _ in range(10):
+            x = x.reshape(2, 2).reshape(4) + 1  # nodes of small shapes and input lists
+        graphs.append(x)
+    before = fast_bin_chunks()  # some may be other threads' arenas', which stay
+    del graphs, x  # freed at once: their small chunks wait in the fast bins
+    assert fast_bin_chunks() > before + 1000
+    _settle_allocator()
+    assert fast_bin_chunks() <= before

@@ -69,6 +69,18 @@ def generate_greedy(runner, scheduler, prompts: dict[str, list[int]], max_tokens
     return {rid: r.output_token_ids for rid, r in requests.items()}
 
 
+def greedy_after_preemptions(model_dir, prompts: dict[str, list[int]], num_blocks: int,
+                             max_new: int = 10) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens, all run at once in a pool of `num_blocks` blocks of 8 too
+    small for them together (asserted: at least one is preempted)."""
+    runner, scheduler = make_runner_and_scheduler(model_dir, num_blocks=num_blocks, block_size=8,
+                                                  max_num_seqs=4, max_model_len=64)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    requests = [Request(rid, ids, params, eos_token_ids=(2,)) for rid, ids in prompts.items()]
+    assert run_counting_preemptions(runner, scheduler, requests) > 0
+    return {request.request_id: request.output_token_ids for request in requests}
+
+
 def run_counting_preemptions(runner, scheduler, requests: list[Request]) -> int:
     """Run `requests` to completion through the packed step; how many times one was
     preempted."""

@@ -8,7 +8,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_helpers import make_runner_and_scheduler, run_counting_preemptions
+from engine_helpers import (
+    greedy_after_preemptions,
+    make_runner_and_scheduler,
+    run_counting_preemptions,
+)
 from test_model_parity import random_ids, run_logits
 from tiny_models import build_tiny_model, hf_greedy
 
@@ -62,13 +66,8 @@ def test_preempted_requests_resume_exactly(tiny_dsa):
     rng = np.random.default_rng(4)
     asked = {f"r{i}": [int(t) for t in rng.integers(3, 128, size=15 + 4 * i)] for i in range(4)}
     # Together the requests need ~16 blocks of 8; the pool has 9.
-    runner, scheduler = make_runner_and_scheduler(path, num_blocks=9, block_size=8,
-                                                  max_num_seqs=4, max_model_len=64)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    requests = [Request(rid, ids, params, eos_token_ids=(2,)) for rid, ids in asked.items()]
-    assert run_counting_preemptions(runner, scheduler, requests) > 0
-    for request in requests:
-        assert request.output_token_ids == hf_greedy(model, asked[request.request_id], 10)
+    served = greedy_after_preemptions(path, asked, num_blocks=9)
+    assert served == {rid: hf_greedy(model, ids, 10) for rid, ids in asked.items()}
 
 
 def test_an_int8_pool_stays_near_the_float_one(tiny_dsa):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_helpers import generate_greedy, make_runner_and_scheduler, run_counting_preemptions
+from engine_helpers import generate_greedy, greedy_after_preemptions, make_runner_and_scheduler
 from mlx.utils import tree_flatten
 from test_model_parity import TOL, random_ids, run_logits, torch_logits
 from tiny_models import build_tiny_model, hf_greedy, save_word_tokenizer
@@ -20,7 +20,7 @@ from metal_engine.config import EngineConfig
 from metal_engine.engine_build import build_engine
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.mla_forms import FormCosts
-from scheduler import Request, SamplingParams
+from scheduler import SamplingParams
 
 LATENT = 32 + 8  # the tiny config's kv_lora_rank + qk_rope_head_dim
 
@@ -74,13 +74,8 @@ def test_preempted_requests_resume_exactly(tiny_deepseek):
     rng = np.random.default_rng(4)
     asked = {f"r{i}": [int(t) for t in rng.integers(3, 128, size=15 + 4 * i)] for i in range(5)}
     # Together the requests need ~20 blocks of 8; the pool has 10.
-    runner, scheduler = make_runner_and_scheduler(path, num_blocks=10, block_size=8,
-                                                  max_num_seqs=4, max_model_len=64)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    requests = [Request(rid, ids, params, eos_token_ids=(2,)) for rid, ids in asked.items()]
-    assert run_counting_preemptions(runner, scheduler, requests) > 0
-    for request in requests:
-        assert request.output_token_ids == hf_greedy(model, asked[request.request_id], 10)
+    served = greedy_after_preemptions(path, asked, num_blocks=10)
+    assert served == {rid: hf_greedy(model, ids, 10) for rid, ids in asked.items()}
 
 
 def served_engine(path, tokenizer, tmp_path):

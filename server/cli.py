@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
+from server.arg_types import parse_size
 from server.commands import Command, add_commands, run_command
-from server.serve_args import parse_size
 
 __all__ = ["COMMANDS", "build_parser", "main", "parse_size", "run"]
 

@@ -5,12 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
 from metal_engine.config import TASKS
 from scheduler.spec_decode.config import SpeculativeConfig
+from server.arg_types import (
+    comma_list,
+    non_negative_int,
+    parse_size,
+    positive_int,
+    positive_seconds,
+    seconds,
+)
 from server.core.tool_parser_choice import PARSERS
 from server.media.options import (
     DEFAULT_FETCH_TIMEOUT_S,
@@ -19,12 +26,6 @@ from server.media.options import (
     DEFAULT_MAX_IMAGES,
 )
 from server.sampling_defaults import FROM_MODEL, parse_override
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
 
 # Each choice is a request of its own in the scheduler; more would crowd out other clients.
 DEFAULT_MAX_N = 16
@@ -44,30 +45,6 @@ DEFAULT_CLIENT_TIMEOUT_S = 30.0
 # kernels_metal.kv_quant.KV_CACHE_DTYPES, spelled out so that parsing never imports mlx (a
 # test keeps the two equal).
 KV_CACHE_DTYPES = ("auto", "int8", "int4")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512MB", "1.5gib" or a plain byte count."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use bytes or a number with B, KB, MB, GB, KiB, MiB or GiB"
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return size
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _max_n(text: str) -> int:
@@ -310,7 +287,7 @@ def _image_limit(text: str) -> int:
 
 
 def _hosts(text: str) -> frozenset[str]:
-    return frozenset(_origins(text.lower()))
+    return frozenset(comma_list(text.lower()))
 
 
 def _add_image_arguments(group: argparse._ArgumentGroup) -> None:
@@ -378,16 +355,6 @@ class _LoraModules(argparse.Action):
         setattr(namespace, self.dest, modules)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def _add_lora_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--lora-modules", type=_lora_module, nargs="+", action=_LoraModules,
@@ -397,7 +364,7 @@ def _add_lora_arguments(group: argparse._ArgumentGroup) -> None:
         "that adapter",
     )
     group.add_argument(
-        "--max-loras", type=_non_negative_int, metavar="N",
+        "--max-loras", type=non_negative_int, metavar="N",
         help="room for N adapters at once, so that more can be loaded at run time with POST "
         "/v1/load_lora_adapter (default: as many as --lora-modules gives, 0 without it: none)",
     )
@@ -405,27 +372,6 @@ def _add_lora_arguments(group: argparse._ArgumentGroup) -> None:
         "--max-lora-rank", type=positive_int, metavar="R",
         help="largest adapter rank served (default 16)",
     )
-
-
-def _origins(text: str) -> tuple[str, ...]:
-    return tuple(origin.strip() for origin in text.split(",") if origin.strip())
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    value = _seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be more than 0 seconds")
-    return value
 
 
 def _api_keys(text: str | None) -> tuple[str, ...]:
@@ -472,7 +418,7 @@ def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--allowed-origins",
-        type=_origins,
+        type=comma_list,
         default=(),
         metavar="ORIGINS",
         help="comma-separated browser origins allowed to call the API (CORS), e.g. "
@@ -480,7 +426,7 @@ def add_hardening_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--allowed-hosts",
-        type=_origins,
+        type=comma_list,
         default=(),
         metavar="HOSTS",
         help="comma-separated host names requests may be addressed to (the Host header), "
@@ -531,7 +477,7 @@ def _add_limit_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--shutdown-timeout",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM, seconds to let running requests finish before aborting them "
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})",

@@ -64,6 +64,20 @@ def tiny_hybrid(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory):
+    """(torch model, converted model dir) of a tiny DeepSeek V3: multi-head latent
+    attention."""
+    from tiny_models import build_tiny_model
+
+    from convert import convert_model
+
+    source = tmp_path_factory.mktemp("deepseek-hf")
+    model = build_tiny_model("deepseek_v3", source)
+    return model, convert_model(source, tmp_path_factory.mktemp("deepseek") / "model",
+                                progress=False)
+
+
+@pytest.fixture(scope="session")
 def default_model_dir():
     """The default model, converted once into the user's cache (as `metal-serve serve` does)."""
     from convert import ensure_default_model

@@ -25,14 +25,6 @@ from scheduler import SamplingParams
 LATENT = 32 + 8  # the tiny config's kv_lora_rank + qk_rope_head_dim
 
 
-@pytest.fixture(scope="module")
-def tiny_deepseek(tmp_path_factory):
-    source = tmp_path_factory.mktemp("deepseek-hf")
-    model = build_tiny_model("deepseek_v3", source)
-    return model, convert_model(source, tmp_path_factory.mktemp("deepseek") / "model",
-                                progress=False)
-
-
 @pytest.mark.parametrize("interleave", [True, False], ids=["paired-rope", "halves-rope"])
 def test_queries_without_a_low_rank_match_transformers(tmp_path, interleave):
     model = build_tiny_model("deepseek_v3", tmp_path / "hf", q_lora_rank=None,

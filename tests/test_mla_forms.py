@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 from engine_helpers import make_runner_and_scheduler
 from test_model_parity import TOL, random_ids, run_logits, torch_logits
-from tiny_models import build_tiny_model
 
-from convert import convert_model
 from kernels_metal.metadata import AttentionMetadata
 from metal_engine.models.mla_config import MlaConfig
 from metal_engine.models.mla_forms import FormCosts, form_plan
@@ -124,14 +122,6 @@ def run_steps(runner, scheduler, prompts: dict[str, list[int]]) -> dict[str, np.
             logits[s.request_id].append(part)
             requests[s.request_id].num_computed_tokens += len(s.token_ids)
     return {rid: np.concatenate(parts) for rid, parts in logits.items()}
-
-
-@pytest.fixture(scope="module")
-def tiny_deepseek(tmp_path_factory):
-    source = tmp_path_factory.mktemp("deepseek-hf")
-    model = build_tiny_model("deepseek_v3", source)
-    return model, convert_model(source, tmp_path_factory.mktemp("deepseek") / "model",
-                                progress=False)
 
 
 def runner_noting_forms(path, **kwargs):

@@ -26,7 +26,7 @@ from metal_engine.cache.kv_cache import KVCache
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models import deepseek_v3
 from metal_engine.models.layers import Linear
-from metal_engine.models.mla import PROJECTION_ROWS, MlaAttention
+from metal_engine.models.mla import MlaAttention, reorder_rows
 from metal_engine.models.ops_user import OpsUser
 
 INDEX_KEY_NORM_EPS = 1e-6  # transformers' indexer LayerNorm keeps its own eps
@@ -132,14 +132,8 @@ def index_pairs_as_halves(weights: dict[str, mx.array], cfg: ModelConfig) -> dic
     key_rows = np.arange(width)
     key_rows[:rope] = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
     query_rows = (np.arange(cfg.indexer.num_heads)[:, None] * width + key_rows).ravel()
-    orders = {"wq_b": query_rows, "wk": key_rows, "k_norm": key_rows}
-    out = dict(weights)
-    for name, tensor in weights.items():
-        module, _, kind = name.rpartition(".")
-        projection = module.rpartition(".")[2]
-        if ".indexer." in name and projection in orders and kind in PROJECTION_ROWS:
-            out[name] = tensor[mx.array(orders[projection])]
-    return out
+    return reorder_rows(weights, ".indexer.",
+                        {"wq_b": query_rows, "wk": key_rows, "k_norm": key_rows})
 
 
 class Model(deepseek_v3.Model):

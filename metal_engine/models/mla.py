@@ -179,11 +179,19 @@ def rope_pairs_as_halves(weights: dict[str, mx.array], cfg: ModelConfig) -> dict
     kv_rows = np.concatenate([np.arange(mla.kv_lora_rank), mla.kv_lora_rank + halves])
     orders = {"q_proj": q_rows.ravel(), "q_b_proj": q_rows.ravel(),
               "kv_a_proj_with_mqa": kv_rows}
+    return reorder_rows(weights, ".self_attn.", orders)
+
+
+def reorder_rows(weights: dict[str, mx.array], scope: str,
+                 orders: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    """`weights` with the output rows of each projection named in `orders` (under a module
+    path containing `scope`) taken in that order: its weight, and a quantized one's scales
+    and biases alike."""
     out = dict(weights)
     for name, tensor in weights.items():
         module, _, kind = name.rpartition(".")
         projection = module.rpartition(".")[2]
-        if ".self_attn." in name and projection in orders and kind in PROJECTION_ROWS:
+        if scope in name and projection in orders and kind in PROJECTION_ROWS:
             out[name] = tensor[mx.array(orders[projection])]
     return out
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import tomllib
 
+from server.arg_types import parse_size, positive_int, positive_seconds
 from server.fleet.catalog import ModelCatalog, ModelEntry
 from server.model_loading import ENGINE_OPTIONS
-from server.serve_args import add_serve_arguments, parse_size, positive_int, positive_seconds
+from server.serve_args import add_serve_arguments
 
 # What a model's own `options` may set: its engine and its requests' defaults. The rest
 # (host, keys, limits) is the server's.

@@ -43,6 +43,7 @@ from metal_engine.runner import ModelRunner
 from metal_engine.vision.encoder_cache import encoder_cache_rows
 from metal_engine.vision.image_model import ImageModel, has_vision_tower, load_image_model
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.spec_decode.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +74,7 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         use_ops(image_model.tower, model.ops)
     tokenizer = load_tokenizer(config.model_dir)
     drafter = _load_drafter(config, model, tokenizer, dtype)
-    spec = config.speculative_config
-    if spec is not None and spec.method == "mtp":
-        spec = with_draft_length(spec)
-    if spec is not None:
-        log.info("speculative decoding: %s, up to %d drafts a step%s", spec.method,
-                 spec.num_speculative_tokens,
-                 ", only where they pay (never_slower)" if spec.never_slower else "")
+    spec = _speculative(config)
     mc = model.config
     held = mc if split is None else split.cache_config(mc)  # what this rank's cache holds
     weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
@@ -100,9 +95,7 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     check_kv_cache_blocks(plan.num_blocks, budget)
     max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
     encoder = mc.encoder is not None
-    if encoder and max_model_len > mc.trained_context_len:
-        raise ValueError(f"max_model_len {max_model_len} is past the encoder's "
-                         f"{mc.trained_context_len} learned positions: give at most that")
+    _check_encoder_len(mc, max_model_len)
     if peers is not None:
         peers.send((plan, quant))
     cache = KVCache.for_model(held, plan, config.block_size, dtype, quant,
@@ -140,6 +133,25 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     engine = LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
     engine.pooling = read_pooling_config(config.model_dir, config.task, mc, model.has_head)
     return engine
+
+
+def _speculative(config: EngineConfig) -> SpeculativeConfig | None:
+    """The resolved speculative config (an MTP head's draft length filled in), logged."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "mtp":
+        spec = with_draft_length(spec)
+    log.info("speculative decoding: %s, up to %d drafts a step%s", spec.method,
+             spec.num_speculative_tokens,
+             ", only where they pay (never_slower)" if spec.never_slower else "")
+    return spec
+
+
+def _check_encoder_len(mc: ModelConfig, max_model_len: int) -> None:
+    if mc.encoder is not None and max_model_len > mc.trained_context_len:
+        raise ValueError(f"max_model_len {max_model_len} is past the encoder's "
+                         f"{mc.trained_context_len} learned positions: give at most that")
 
 
 def _encoder_rows(image_model: ImageModel | None, mc: ModelConfig, dtype: mx.Dtype,

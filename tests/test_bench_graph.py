@@ -117,6 +117,9 @@ def test_a_freed_graph_leaves_no_small_chunks_for_the_timed_build():
         graphs.append(x)
     before = fast_bin_chunks()  # some may be other threads' arenas', which stay
     del graphs, x  # freed at once: their small chunks wait in the fast bins
-    assert fast_bin_chunks() > before + 1000
+    freed = fast_bin_chunks() - before
+    assert freed > 1000
     _settle_allocator()
-    assert fast_bin_chunks() <= before
+    # All merged; other threads' arenas (a server thread of an earlier test) may meanwhile
+    # free a few chunks of their own, which this thread's allocation does not merge.
+    assert fast_bin_chunks() - before < freed // 20

@@ -16,7 +16,6 @@ preflight), so a keyless server would otherwise run any page's prompts.
 from __future__ import annotations
 
 import asyncio
-import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,24 +25,25 @@ from server.http.errors import APIError, request_too_large
 # Arrays, objects, strings and numbers all count. Room for a 128k-token prompt sent as ids,
 # or ~500 tools with their schemas beside a long conversation.
 MAX_JSON_VALUES = 1 << 17
-# A JSON string, escapes included: its commas and brackets are not structure.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def json_value_count(body: bytes) -> int:
     """How many values a JSON text holds (an empty array or object counts twice): one more
-    than its commas and openings outside strings. Bodies whose raw commas and brackets stay
-    under the limit skip the string scan, with that count as an upper bound."""
+    than its commas and openings outside strings. A few C-speed passes over the bytes (a
+    regular expression over the strings took ~30 ms for an 8 MB prompt, on the event loop)."""
     if not body.strip():
         return 0
-    quick = _structure(body)
-    if quick < MAX_JSON_VALUES:
-        return quick + 1
-    return _structure(_JSON_STRING.sub(b'""', body)) + 1
+    structure = _outside_strings(body)
+    return structure.count(b",") + structure.count(b"[") + structure.count(b"{") + 1
 
 
-def _structure(body: bytes) -> int:
-    return body.count(b",") + body.count(b"[") + body.count(b"{")
+def _outside_strings(body: bytes) -> bytes:
+    """The body less its strings' contents. Escaped backslashes go first, pairing them from
+    the left as JSON does, so that what is left of `\\"` is an escaped quote only when it was
+    one; the quotes that remain then alternate opening and closing."""
+    if b"\\" in body:
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(body.split(b'"')[0::2])
 
 
 def too_many_values(count: int) -> APIError:

@@ -21,7 +21,8 @@ from tiny_models import COMMON, TINY_MODELS, build_tiny_model
 from convert import convert_model
 from convert.expert_stacking import FUSED_LAYOUTS, stack_experts
 from convert.validate import prompt_logits
-from metal_engine.loading.model_config import ROPE_PER_LAYER_TYPE, ModelConfig
+from metal_engine.loading.families import ROPE_PER_LAYER_TYPE
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.text_part import TEXT_PARTS, text_part_config
 from metal_engine.loading.weights import load_model, text_model_name
 

@@ -9,7 +9,8 @@ import pytest
 import transformers
 from tiny_models import COMMON, TINY_MODELS
 
-from metal_engine.loading.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from metal_engine.loading.families import SUPPORTED_MODEL_TYPES
+from metal_engine.loading.model_config import ModelConfig
 from metal_engine.loading.weights import load_model
 from metal_engine.models.encoder_config import ENCODERS
 from metal_engine.models.registry import MODEL_CLASSES

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from metal_engine.loading.model_config import SUPPORTED_MODEL_TYPES
+from metal_engine.loading.families import SUPPORTED_MODEL_TYPES
 from metal_engine.models import (
     bert,
     deepseek_v3,

@@ -8,7 +8,7 @@ from scheduler_helpers import resolve_step
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.spec_decode.config import SpeculativeConfig
-from scheduler.spec_decode.draft_plan import DraftOffer, plan_drafts
+from scheduler.spec_decode.draft_plan import BesidePrefill, DraftOffer, plan_drafts
 from scheduler.spec_decode.step_cost import EXACT_ROWS, StepCost, bucket_of
 
 
@@ -107,10 +107,11 @@ def test_where_rows_cost_something_only_likely_drafts_pay():
 LOOP = [5, 6, 7, 8] * 4  # the lookup drafts 5 6 7 8 ... after it
 
 
-def scheduler(num_requests: int) -> Scheduler:
+def scheduler(num_requests: int, max_num_seqs: int | None = None) -> Scheduler:
     speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3,
                                     prompt_lookup_min=1, prompt_lookup_max=2, never_slower=True)
-    s = Scheduler(SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=num_requests,
+    s = Scheduler(SchedulerConfig(num_blocks=256, block_size=4,
+                                  max_num_seqs=max_num_seqs or num_requests,
                                   max_num_batched_tokens=512, max_model_len=256,
                                   enable_prefix_caching=False, speculative=speculative))
     for i in range(num_requests):
@@ -178,3 +179,90 @@ def test_steps_with_drafts_are_priced_from_their_own_measurements():
     assert plan_drafts(decode, 48, offers, budget=16, verify=verify) == [0] * 8
     # Before any step with drafts is measured, the decode-only price lets one be tried.
     assert sum(plan_drafts(decode, 64, offers, budget=16, verify=StepCost())) > 0
+
+
+def best_rate_by_search(cost: StepCost, num_rows: int, offers: list[DraftOffer], budget: int,
+                        verify: StepCost) -> float:
+    """The planner's objective over every number of the likeliest positions, no shortcut."""
+    from scheduler.spec_decode.draft_plan import _with_drafts
+    gains = sorted((o.rate ** j for o in offers for j in range(1, o.num_available + 1)),
+                   reverse=True)[:budget]
+    base = cost.seconds(num_rows)
+    rates = [(num_rows + sum(gains[:d])) / _with_drafts(cost, verify, num_rows, base,
+                                                          num_rows + d)
+             for d in range(len(gains) + 1)]
+    return max(rates)
+
+
+@pytest.mark.parametrize("verify_points", [{}, {20: 0.05, 60: 0.09}, {30: 0.02}])
+def test_the_plan_stops_early_only_where_no_later_position_could_win(verify_points):
+    """The plan stops once the positions left cannot beat the best rate even at the least
+    time a larger step could take; it must find what trying every count finds (with a
+    drafting path dearer than decoding, cheaper, and unmeasured)."""
+    decode = cost_of({8: 0.03, 16: 0.035, 32: 0.05, 64: 0.1})
+    verify = cost_of(verify_points)
+    offers = [DraftOffer(8, rate) for rate in (0.95, 0.8, 0.6, 0.3, 0.1, 0.05, 0.9, 0.7)]
+    lengths = plan_drafts(decode, 8, offers, 64, min_gain=0.0, verify=verify)
+    rates = sorted((o.rate ** j for o in offers for j in range(1, o.num_available + 1)),
+                   reverse=True)
+    d = sum(lengths)
+    planned = (8 + sum(rates[:d])) / _seconds_with(decode, verify, 8, d)
+    assert planned == pytest.approx(best_rate_by_search(decode, 8, offers, 64, verify))
+
+
+def _seconds_with(cost: StepCost, verify: StepCost, num_rows: int, drafts: int) -> float:
+    from scheduler.spec_decode.draft_plan import _with_drafts
+    return _with_drafts(cost, verify, num_rows, cost.seconds(num_rows), num_rows + drafts)
+
+
+def test_beside_a_prefill_chunk_a_draft_pays_by_the_decode_token_it_saves():
+    """A 256-row step with a chunk costs ~1.2 ms a row (0.3 s); a decode step of the step's
+    4 requests 0.05 s, 12.5 ms a token: a position pays where its rate**j beats ~0.1, though
+    the chunk's rows (the decode-only curve never saw them) would have it draft nothing."""
+    decode = cost_of({2: 0.045, 4: 0.05})
+    chunks = cost_of({200: 0.25, 256: 0.3})
+    prefill = BesidePrefill(chunks, num_requests=4)
+    offers = [DraftOffer(8, 0.7), DraftOffer(8, 0.05)]
+    assert plan_drafts(decode, 259, offers, 16) == [0, 0]
+    assert plan_drafts(decode, 259, offers, 16, prefill=prefill) == [6, 0]  # 0.7**6 = 0.12
+    assert plan_drafts(decode, 259, offers, 3, prefill=prefill) == [3, 0]  # the budget
+    # Unmeasured: a step of rows no chunk step had, or of fewer requests than any decode.
+    assert plan_drafts(decode, 600, offers, 16, prefill=prefill) == [0, 0]
+    assert plan_drafts(decode, 259, offers, 16, prefill=BesidePrefill(chunks, 1)) == [0, 0]
+    # Where a chunk's row costs what a decode's token does, nothing pays.
+    dear = BesidePrefill(cost_of({256: 256 * 0.0125}), num_requests=4)
+    assert plan_drafts(decode, 256, offers, 16, prefill=dear) == [0, 0]
+
+
+def test_the_scheduler_drafts_beside_a_prefill_chunk_once_such_steps_are_measured():
+    s = scheduler(2, max_num_seqs=4)
+    drive(s, lambda rows: 0.03 + 0.001 * rows, 4)  # decode steps measured
+    late = [Request(f"late{i}", LOOP * 8, SamplingParams(max_tokens=200), eos_token_ids=(2,))
+            for i in range(2)]
+    drafted_beside_chunks = []
+    for request in late:
+        s.add_request(request)
+        out = s.schedule()
+        assert any(len(x.token_ids) > 100 for x in out.scheduled)  # the late prompt's chunk
+        drafted_beside_chunks.append(sum(len(x.draft_token_ids) for x in out.scheduled))
+        sampled = {x.request_id: [*x.draft_token_ids, LOOP[len(
+            s.requests[x.request_id].all_token_ids) % 4]] for x in out.scheduled if x.samples}
+        resolve_step(s, out, sampled)
+        s.observe_step(out, 0.03 + 0.001 * sum(len(x.token_ids) for x in out.scheduled))
+    # The first such step is measured; in the next (4 requests, ~1.2 ms a row, ~8 ms a
+    # decode's token) all three decodes draft their 3 tokens, the new one's at its prior 0.6.
+    assert drafted_beside_chunks == [0, 9]
+
+
+def test_lookups_run_only_for_requests_the_plan_could_take():
+    """Where rows cost in proportion no request can draft: none is looked up (the lookups
+    were most of a 64-request step's host time)."""
+    s = scheduler(8)
+    looked_up = []
+    propose = s.drafter.propose
+    s.drafter.propose = lambda request, k: looked_up.append(request.request_id) or propose(
+        request, k)
+    drive(s, lambda rows: 0.002 * rows, 12)
+    looked_up.clear()
+    drive(s, lambda rows: 0.002 * rows, 3)
+    assert looked_up == []

@@ -11,21 +11,22 @@ result is still exact, only slower).
 
 How many of its drafts a request verifies: with `never_slower`, those that pay for their rows
 at the step cost measured on this machine (draft_plan.py, step_cost.py: the engine reports
-each step's time to `observe`); otherwise the load-based length (draft_length.py). Both read
-the request's acceptance history.
+each step's time to `observe`; looked up only for the requests the plan could take);
+otherwise the load-based length (draft_length.py). Both read the request's acceptance
+history.
 
 Counters (stats.py) follow vLLM's spec-decode metrics, also per drafting method.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.request import DRAFT_TOKEN, Request
 from scheduler.spec_decode.config import SpeculativeConfig
 from scheduler.spec_decode.draft_length import AcceptanceHistory, DraftLength
-from scheduler.spec_decode.draft_plan import DraftOffer, plan_drafts
+from scheduler.spec_decode.draft_plan import BesidePrefill, DraftOffer, plan_drafts
 from scheduler.spec_decode.ngram import NgramProposer, SuffixIndex, pick_draft
 from scheduler.spec_decode.stats import DraftSource, SpecDecodeStats
 from scheduler.spec_decode.step_cost import StepCost
@@ -51,6 +52,7 @@ class Drafter:
         # rows (the CPU's and Metal's decode paths take one row a request).
         self.cost = StepCost()  # decode-only steps
         self.verify_cost = StepCost()  # steps that verify drafts
+        self.chunk_cost = StepCost()  # steps that compute prefill chunks, with or without drafts
         self.suffix = None
         if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
@@ -70,26 +72,39 @@ class Drafter:
         step's load, within the token `budget` left and each request's room."""
         drafting = [(item, request) for item, request in scheduled
                     if self._may_draft(item, request) and self._verifiable(request)]
+        requests = [request for _, request in drafting]
         num_rows = sum(len(item.token_ids) for item, _ in scheduled)
-        proposals = []
-        for item, request in drafting:
-            cap = min(self.length.max_draft, budget, self._room(item, request))
-            proposals.append(self.propose(request, cap) if cap > 0 else None)
-        lengths = self._lengths([request for _, request in drafting], proposals, num_rows,
-                                budget)
+        prefill = None
+        if not all(item.samples and len(item.token_ids) == 1 for item, _ in scheduled):
+            prefill = BesidePrefill(self.chunk_cost, len(scheduled))
+        caps = [min(self.length.max_draft, budget, self._room(item, request))
+                for item, request in drafting]
+        if self.config.never_slower and not self.on_device:
+            # A lookup costs tens of microseconds a request, most of a 64-request step's host
+            # time where nothing pays: look up only where the plan would verify drafts if the
+            # lookup found all the request may draft.
+            planned = self._lengths(requests, caps, num_rows, budget, prefill)
+            caps = [cap if k else 0 for cap, k in zip(caps, planned, strict=True)]
+        if self.suffix is not None and any(caps):
+            self._index_outputs(request for _, request in scheduled)
+        proposals = [self.propose(request, cap) if cap > 0 else None
+                     for request, cap in zip(requests, caps, strict=True)]
+        available = [len(p.token_ids) if p is not None else 0 for p in proposals]
+        lengths = self._lengths(requests, available, num_rows, budget, prefill)
         for (item, request), proposal, k in zip(drafting, proposals, lengths, strict=True):
             if k > 0:
                 yield item, request, proposal.token_ids[:k], proposal.source
 
-    def _lengths(self, requests: list[Request], proposals: list[Proposal | None],
-                 num_rows: int, budget: int) -> list[int]:
-        """How many of each proposal the step verifies."""
-        available = [len(p.token_ids) if p is not None else 0 for p in proposals]
+    def _lengths(self, requests: list[Request], available: list[int], num_rows: int,
+                 budget: int, prefill: BesidePrefill | None) -> list[int]:
+        """How many of each request's `available` drafts the step verifies (`prefill`: the
+        step computes prefill chunks too)."""
         histories = [self._history(request) for request in requests]
         if self.config.never_slower:
             offers = [DraftOffer(*self.length.offer(h, n)) for h, n in zip(histories, available,
                                                                             strict=True)]
-            return plan_drafts(self.cost, num_rows, offers, budget, verify=self.verify_cost)
+            return plan_drafts(self.cost, num_rows, offers, budget, verify=self.verify_cost,
+                               prefill=prefill)
         lengths = []
         for history, n in zip(histories, available, strict=True):
             k = min(self.length.choose(history, num_rows=num_rows, num_drafting=len(requests)),
@@ -97,6 +112,15 @@ class Drafter:
             budget -= k
             lengths.append(k)
         return lengths
+
+    def _index_outputs(self, requests: Iterable[Request]) -> None:
+        """Bring the shared index up to the requests' known outputs before a lookup (only
+        then: a step that looks nothing up indexes nothing, and catches up later at once)."""
+        for request in requests:
+            num_known = request.num_known_tokens
+            if num_known - request.num_prompt_tokens > self.suffix.num_indexed(request.request_id):
+                self.suffix.update(request.request_id,
+                                   request.all_token_ids[request.num_prompt_tokens:num_known])
 
     @staticmethod
     def _may_draft(item: ScheduledRequest, request: Request) -> bool:
@@ -129,7 +153,8 @@ class Drafter:
 
     def propose(self, request: Request, k: int) -> Proposal:
         """Up to k drafts to follow the request's tokens, unknown ones included. A shorter
-        k's proposal is a prefix of a longer one's."""
+        k's proposal is a prefix of a longer one's. Other requests' outputs are those `assign`
+        indexed last."""
         if self.on_device:
             return Proposal([DRAFT_TOKEN] * k, self.config.method)
         known = request.all_token_ids[: request.num_known_tokens]
@@ -141,7 +166,6 @@ class Drafter:
         own = proposer.propose(known, skip + k)
         if self.suffix is None:
             return Proposal(pick_draft([own]).token_ids[skip:], "ngram")
-        self.suffix.update(request.request_id, known[request.num_prompt_tokens :])
         others = self.suffix.propose(known, skip + k)
         draft = pick_draft([own, others],
                            max_spec_factor=self.config.suffix_decoding_max_spec_factor,
@@ -160,12 +184,16 @@ class Drafter:
 
     def observe(self, scheduled: list[ScheduledRequest], seconds: float | None) -> None:
         """The step of `scheduled` took `seconds` (None: not timed) and has been resolved.
-        A step whose rows all sample teaches the cost model and the speed-up estimate."""
+        Every timed step teaches the cost model (by its kind); one whose rows all sample
+        (decodes and their drafts) also the speed-up estimate."""
         accepted, self._accepted_unobserved = self._accepted_unobserved, 0
-        if seconds is None or not scheduled or not all(
-                s.samples and len(s.token_ids) == 1 + len(s.draft_token_ids) for s in scheduled):
+        if seconds is None or not scheduled:
             return
         rows = sum(len(s.token_ids) for s in scheduled)
+        if not all(s.samples and len(s.token_ids) == 1 + len(s.draft_token_ids)
+                   for s in scheduled):
+            self.chunk_cost.observe(rows, seconds)
+            return
         (self.cost if rows == len(scheduled) else self.verify_cost).observe(rows, seconds)
         # A step without drafts counts as it ran; one with drafts against its tokens at one
         # per request and step (the median of the undrafted cost: a step's noise is skewed

@@ -50,6 +50,8 @@ _SEQ_STRIDE = 1 << 40
 # Evicted requests' token positions cleared per `SuffixIndex.update`, plus twice the tokens
 # it adds, so clearing outpaces indexing (~10 us a call at 5 lengths).
 _RECLAIM_PER_CALL = 64
+# Up to this many new tokens are indexed one slice at a time (zips cost more to set up).
+_FEW_TOKENS = 8
 
 
 class Draft(NamedTuple):
@@ -147,6 +149,11 @@ class SuffixIndex:
     @property
     def num_reclaiming_tokens(self) -> int:
         return sum(len(r.tokens) - r.next_end for r in self._reclaiming)
+
+    def num_indexed(self, request_id: str) -> int:
+        """Outputs of `request_id` indexed so far (0 for one not running)."""
+        seq_id = self._running.get(request_id)
+        return len(self._seqs[seq_id]) if seq_id is not None else 0
 
     def update(self, request_id: str, output_ids: Sequence[int]) -> None:
         """Index the outputs of `request_id` that are new since the last call."""
@@ -247,6 +254,11 @@ def _index_ends(last_end: dict[tuple[int, ...], int], tokens: list[int], start: 
                 min_n: int, max_n: int) -> None:
     """Record the n-grams ending at `start`..len-1 (each followed by a token) at base + end."""
     stop = len(tokens)
+    if stop - start <= _FEW_TOKENS:  # a step's few outputs: slices beat building zips
+        for end in range(max(start, min_n), stop):
+            for n in range(min_n, min(max_n, end) + 1):
+                last_end[tuple(tokens[end - n:end])] = base + end
+        return
     for n in range(min_n, max_n + 1):
         lo = max(start, n)
         last_end.update(zip(_grams(tokens, lo, stop, n), range(base + lo, base + stop),

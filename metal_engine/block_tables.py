@@ -50,7 +50,8 @@ class BlockTables:
         width = max(map(len, ids))
         self._fit(width)
         rows = [self._update(s, block_ids) for s, block_ids in zip(scheduled, ids, strict=True)]
-        return self.table[rows, :width]
+        # `take` of whole rows, then the columns: much less numpy than an index of both.
+        return self.table.take(rows, axis=0)[:, :width]
 
     def block_ids(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """Each scheduled request's blocks of this table's group."""

@@ -93,11 +93,16 @@ def build_step_inputs(out: SchedulerOutput, block_size: int,
 def _one_row_each_step(scheduled: list[ScheduledRequest], block_size: int, tables: BlockTables,
                        window_tables: BlockTables | None) -> StepInputs:
     """`build_step_inputs` of a step of one row a request (decodes): row r is request r's,
-    so each array is read off the requests in one pass, without index arithmetic."""
+    so each array is read off the requests in one pass, without index arithmetic. The row
+    lists of the usual step (every row samples; no row or every row pending; no drafts) are
+    shared read-only arrays: each numpy call costs a step more than its work here, its code
+    gone cold since the last step."""
     cu_seqlens = _one_row_each(len(scheduled))
+    every_row = cu_seqlens[:-1]
     starts = [s.start_position for s in scheduled]
     tokens = [s.token_ids[0] for s in scheduled]
-    seq_lens = np.array(starts, np.int32) + 1
+    request_ids = [s.request_id for s in scheduled]
+    seq_lens = np.array([p + 1 for p in starts], np.int32)
 
     def metadata(tables: BlockTables, windowed: AttentionMetadata | None) -> AttentionMetadata:
         slots = [ids[p // block_size] * block_size + p % block_size
@@ -105,23 +110,34 @@ def _one_row_each_step(scheduled: list[ScheduledRequest], block_size: int, table
         return AttentionMetadata(cu_seqlens, seq_lens, tables.step_table(scheduled),
                                  np.array(slots, np.int64), block_size, windowed=windowed)
 
+    def rows(chosen: list[int]) -> np.ndarray:
+        if len(chosen) == len(every_row):
+            return every_row
+        return np.array(chosen, np.int32) if chosen else _NO_ROWS
+
     windowed = metadata(window_tables, None) if window_tables is not None else None
+    sampling = [r for r, s in enumerate(scheduled) if s.samples]
     pending = [r for r, t in enumerate(tokens) if t == PENDING_TOKEN]
     return StepInputs(
         input_ids=np.array(tokens, np.int32),
         positions=np.array(starts, np.int32),
         attention=metadata(tables, windowed),
-        sample_rows=np.array([r for r, s in enumerate(scheduled) if s.samples], np.int32),
-        sample_request_ids=[s.request_id for s in scheduled if s.samples],
-        pending_rows=np.array(pending, np.int32),
-        pending_request_ids=[scheduled[r].request_id for r in pending],
-        draft_rows=np.array([r for r, t in enumerate(tokens) if t == DRAFT_TOKEN], np.int32),
+        sample_rows=rows(sampling),
+        sample_request_ids=[request_ids[r] for r in sampling],
+        pending_rows=rows(pending),
+        pending_request_ids=[request_ids[r] for r in pending],
+        draft_rows=rows([r for r, t in enumerate(tokens) if t == DRAFT_TOKEN]),
     )
+
+
+_NO_ROWS = np.zeros(0, np.int32)
+_NO_ROWS.flags.writeable = False
 
 
 @cache
 def _one_row_each(num_requests: int) -> np.ndarray:
-    """`cu_seqlens` of a step of one row a request, read-only and shared by such steps."""
+    """`cu_seqlens` of a step of one row a request, read-only and shared by such steps (its
+    first `num_requests` entries are also its rows)."""
     cu_seqlens = np.arange(num_requests + 1, dtype=np.int32)
     cu_seqlens.flags.writeable = False
     return cu_seqlens

@@ -239,7 +239,7 @@ class ModelRunner:
             # ...and, with peers, end in the last layer's sums, which theirs pair with.
             more = [hidden] if self.peers is not None and self.stage is None else []
             return self._queue(LaunchedStep(out, [], None, pooled=pooled), *more)
-        sampled = hidden if self.stage is not None else hidden[mx.array(step.sample_rows)]
+        sampled = hidden if self.stage is not None else _sampling_rows(hidden, step)
         logits = self.model.logits(sampled)
         if batch is not None:
             verified = (rejection_sample(logits, batch) if drafted is None else
@@ -351,6 +351,14 @@ def _row_masks(row: SamplingRow, request_id: str, num_drafts: int,
     if context is not None and request_id in context.draft_allowed_tokens:
         return context.draft_allowed_tokens[request_id]
     return None if row.allowed_tokens is None else [row.allowed_tokens] * (num_drafts + 1)
+
+
+def _sampling_rows(hidden: mx.array, step: StepInputs) -> mx.array:
+    """The hidden states of the rows the step samples from (ascending rows: as many as the
+    step has means every one, as they are, with no gather)."""
+    if len(step.sample_rows) == hidden.shape[0]:
+        return hidden
+    return hidden[mx.array(step.sample_rows)]
 
 
 def _with_pending_tokens(step: StepInputs, previous: LaunchedStep | None) -> mx.array:

@@ -16,6 +16,7 @@ out-of-range index that reaches another row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -77,11 +78,21 @@ class SamplingBatch:
 
     @classmethod
     def greedy(cls, num_rows: int) -> SamplingBatch:
-        """`build` of rows that are all greedy with nothing else (the common step), in short."""
-        return cls(temperature=np.zeros(num_rows, np.float32),
-                   top_k=np.zeros(num_rows, np.int32), top_p=np.ones(num_rows, np.float32),
-                   log_min_p=np.full(num_rows, -np.inf, np.float32), seeds=[None] * num_rows,
-                   all_greedy=True, additions=None, penalties=None, allowed=None)
+        """`build` of rows that are all greedy with nothing else (the common step), in short:
+        one read-only batch per row count, shared by the steps that have it."""
+        return _greedy_batch(num_rows)
+
+
+@cache
+def _greedy_batch(num_rows: int) -> SamplingBatch:
+    arrays = (np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int32),
+              np.ones(num_rows, np.float32), np.full(num_rows, -np.inf, np.float32))
+    for a in arrays:
+        a.flags.writeable = False
+    temperature, top_k, top_p, log_min_p = arrays
+    return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p,
+                         log_min_p=log_min_p, seeds=[None] * num_rows, all_greedy=True,
+                         additions=None, penalties=None, allowed=None)
 
 
 def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:

@@ -35,6 +35,7 @@ from kernels_metal.kv_quant import QuantizedPool, queries_for
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.paged import (
     PagedAttentionKernels,
+    PreparedAttention,
     kernel_dtype,
     latent_unsupported_reason,
     unsupported_reason,
@@ -129,40 +130,75 @@ def paged_attention(
     if served is not None:
         return served(q, k_pool, v_pool, sinks)
     out, served = _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
-                           without_kernels or _device_without_kernels())
+                           without_kernels or _device_without_kernels(), kind)
     meta.backend_plans["attention", _state.generation, kind] = served
     return out
 
 
-def _pool_kind(pool: mx.array | QuantizedPool) -> tuple | None:
-    return (pool.bits, pool.rotated) if isinstance(pool, QuantizedPool) else None
+def _pool_kind(pool: mx.array | QuantizedPool) -> tuple | mx.Dtype:
+    """What of a pool besides its shape decides the variant: a float pool's dtype, or a
+    quantized pool's bits and turn."""
+    return (pool.bits, pool.rotated) if isinstance(pool, QuantizedPool) else pool.dtype
 
 
 def _device_without_kernels() -> Callable:
     return cpu_attention.attention_or_reference if on_cpu() else paged_attention_reference
 
 
-def _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks,
-             fallback: Callable) -> tuple[mx.array, Any]:
-    """The first call of a kind of layer in a step: its output, and how its kind is served."""
+def _resolve(q, k_pool, v_pool, meta, scale, window, softcap, sinks, fallback: Callable,
+             kind: tuple) -> tuple[mx.array, Any]:
+    """The first call of a kind of layer in a step: its output, and how its kind is served.
+
+    A kind the kernels served in an earlier step, whose launches this step makes the same
+    way (`PlanLaunch.launches`), runs on them without the route: its variant passed, and
+    those launches were evaluated then. Rows that see past their own position (an image's
+    tokens in a Gemma prefill) are another variant (`variant_of`), so part of the key."""
     _check_sinks(sinks, q.shape[1])
+    args = (q, k_pool, v_pool, sinks)
+    key = (kind, meta.last_keys is not None)
+    kept = _state.proven(key)
+    if kept is not None:
+        served = _prepared(kept, q, k_pool, meta, scale, window, softcap)
+        if _state.proven((key, getattr(served, "launches", None))) is kept:
+            return served(*args), served
 
     def without_kernels(q, k_pool, v_pool, sinks) -> mx.array:
         q = queries_for(q, k_pool)  # a quantized K pool holds turned keys (kv_quant.rotation)
         return fallback(q, k_pool, v_pool, meta, scale, window, softcap, sinks)
 
-    def prepare(kernels: PagedAttentionKernels):
-        launch = kernels.prepare(queries_for(q, k_pool), k_pool, meta, scale, window, softcap)
-        return lambda q, k_pool, v_pool, sinks: launch(queries_for(q, k_pool), k_pool, v_pool,
-                                                        sinks)
+    used = []
 
-    args = (q, k_pool, v_pool, sinks)
+    def prepare(kernels: PagedAttentionKernels) -> PreparedAttention | _TurnedQueries:
+        used.append(kernels)
+        return _prepared(kernels, q, k_pool, meta, scale, window, softcap)
+
     if not _state.on_kernels() or unsupported_reason(q, k_pool) is not None:
         return without_kernels(*args), without_kernels
-    # Rows that see past their own position (an image's tokens in a Gemma prefill) take the
-    # tiled kernel's variant that reads `meta.last_keys`, checked on its own.
     variant = variant_of(q, k_pool, window, softcap, sinks, last_keys=meta.last_keys is not None)
-    return _state.serve(variant, prepare, without_kernels, args, (window, softcap))
+    out, served = _state.serve(variant, prepare, without_kernels, args, (window, softcap))
+    launches = getattr(served, "launches", None)  # None: kernels whose launches are not told
+    if served is not without_kernels and launches is not None:
+        _state.keep(key, used[0])
+        _state.keep((key, launches), used[0])
+    return out, served
+
+
+def _prepared(kernels: PagedAttentionKernels, q, k_pool, meta, scale, window,
+              softcap) -> PreparedAttention | _TurnedQueries:
+    launch = kernels.prepare(queries_for(q, k_pool), k_pool, meta, scale, window, softcap)
+    turned = isinstance(k_pool, QuantizedPool) and k_pool.rotated
+    return _TurnedQueries(launch) if turned else launch
+
+
+class _TurnedQueries:
+    """A turned K pool's launches (kv_quant.rotation): each layer's queries turned first."""
+
+    def __init__(self, launch: PreparedAttention) -> None:
+        self.launch = launch
+        self.launches = getattr(launch, "launches", None)
+
+    def __call__(self, q, k_pool, v_pool, sinks) -> mx.array:
+        return self.launch(queries_for(q, k_pool), k_pool, v_pool, sinks)
 
 
 def latent_attention(q: mx.array, pool: mx.array | QuantizedPool, value_dim: int,

@@ -163,11 +163,8 @@ class CheckedDispatch(Generic[K, V]):
         A call whose variant and `launches` the kernels served since the routes last changed
         runs on them directly: its launches are proven, and a step's layers of one kind (a
         hybrid model's linear-attention layers) then skip the route and the recording."""
-        if self._served_generation != self.generation or len(self._served) > MAX_SERVED:
-            self._served.clear()
-            self._served_generation = self.generation
         key = (variant, launches)
-        kernels = self._served.get(key) if launches is not None else None
+        kernels = self.proven(key) if launches is not None else None
         if kernels is not None:
             return run(kernels)
         used = []
@@ -178,8 +175,21 @@ class CheckedDispatch(Generic[K, V]):
 
         out, how = self.serve(variant, prepare, reference, (), check_args)
         if launches is not None and how is not reference:
-            self._served[key] = used[0]
+            self.keep(key, used[0])
         return out
+
+    def proven(self, key: Hashable) -> K | None:
+        """The kernels that served a call of `key` (a caller's name for what decides the
+        variant and the launches) since the routes last changed, or None. Those launches
+        are proven: another call of `key` may run on the kernels without the route."""
+        if self._served_generation != self.generation or len(self._served) > MAX_SERVED:
+            self._served.clear()
+            self._served_generation = self.generation
+        return self._served.get(key)
+
+    def keep(self, key: Hashable, kernels: K) -> None:
+        """Remember that `kernels` served a call of `key` (`serve` routed it to them)."""
+        self._served[key] = kernels
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[None]:

@@ -26,6 +26,9 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
+# Up to this many rows, a step's slots reach the device from plain ints (`device`).
+FEW_ROWS = 64
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -88,7 +91,13 @@ class AttentionMetadata:
 
     @cached_property
     def device(self) -> DeviceMetadata:
-        """The KV writes' slots on the device, built once per step and shared by all layers."""
+        """The KV writes' slots on the device, built once per step and shared by all layers.
+        A few rows' (a decode step's) from plain ints: numpy's divmod and casts cost a step
+        more there, each a cold path of numpy by the time the next step comes."""
+        if len(self.slot_mapping) <= FEW_ROWS:
+            slots, size = self.slot_mapping.tolist(), self.block_size
+            return DeviceMetadata(slot_block=mx.array([s // size for s in slots], mx.int32),
+                                  slot_offset=mx.array([s % size for s in slots], mx.int32))
         block, offset = np.divmod(self.slot_mapping, self.block_size)
         return DeviceMetadata(slot_block=mx.array(block.astype(np.int32)),
                               slot_offset=mx.array(offset.astype(np.int32)))

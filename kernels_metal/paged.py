@@ -130,6 +130,7 @@ class PreparedAttention:
 
     def __init__(self, launch: PlanLaunch, dtype: mx.Dtype, num_heads: int) -> None:
         self.launch, self.dtype, self.num_heads = launch, dtype, num_heads
+        self.launches = launch.launches
 
     def __call__(self, q: mx.array, k_pool: mx.array | QuantizedPool,
                  v_pool: mx.array | QuantizedPool, sinks: mx.array | None = None) -> mx.array:

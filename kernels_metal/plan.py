@@ -212,6 +212,15 @@ class PlanLaunch:
             self.prefill = PrefillLaunch(prefill_kernel, dtype, num_heads, k_pool, plan.prefill,
                                          merged)
 
+    @property
+    def launches(self) -> tuple:
+        """What decides this step's launches besides the kind of layer (its dtype, heads,
+        pool, options): which kernels run, the decode kernel split or not (with a reduce),
+        the prefill kernel merging decode rows or not, reading last keys or not."""
+        decode, prefill = self.decode, self.prefill
+        return (decode is not None and (decode.split,),
+                prefill is not None and (prefill.merge, self.plan.prefill.last_keys is not None))
+
     def __call__(self, q: mx.array, k_pool, v_pool, sinks: mx.array) -> mx.array:
         """Both kernels of the step, the output `[total_q, H, D]` in packed order (the
         queries' dtype). `sinks`: the kernels' form (`sink_input`).
@@ -350,9 +359,7 @@ def params_for(plan: KernelPlan, num_heads: int, kv_heads: int, scale: float,
 def _params_array(*values: int) -> mx.array:
     """The params as a device array, shared by the steps that have the same (decode steps
     of one batch size do, until a block table grows a column)."""
-    p = np.zeros(16, np.int32)
-    p[: len(values)] = values
-    return mx.array(p)
+    return mx.array([*values, *(0,) * (16 - len(values))], mx.int32)
 
 
 def _float_bits(value: float) -> int:

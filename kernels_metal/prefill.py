@@ -296,7 +296,7 @@ class PrefillLaunch:
         _, block_size, kv_heads, head_dim = k_pool.shape
         self.work = work = work.for_head_dim(head_dim)
         threads = 32 * work.heads_per_group * work.block_q // 8
-        merge = merged_rows is not None
+        self.merge = merge = merged_rows is not None
         copies = merged_rows - work.num_rows if merge else 0
         self.spec = dict(
             template=[("T", dtype), ("D", head_dim), ("BS", block_size),

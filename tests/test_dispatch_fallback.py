@@ -175,3 +175,46 @@ def test_serving_a_launch_that_fails_when_evaluated_fails_no_request(tiny_llama,
     assert "LU factorization failed" in fallbacks[0].reason
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "float32-d16-bs16-h6kv2" in warnings[0]
+
+
+def attention_step(requests, seed: int):
+    """Queries and metadata of a step over pools of 17 blocks of 16 rows: `requests` as
+    (tokens cached before, rows now), each with blocks of its own."""
+    rng = np.random.default_rng(seed)
+    seq_lens = np.array([c + n for c, n in requests], np.int32)
+    q_lens = [n for _, n in requests]
+    tables = np.zeros((len(requests), 4), np.int32)
+    for r in range(len(requests)):
+        tables[r] = np.arange(1 + 4 * r, 5 + 4 * r)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    meta = attention.AttentionMetadata(cu, seq_lens, tables, np.zeros(int(cu[-1]), np.int64),
+                                       16)
+    q = mx.array(rng.standard_normal((int(cu[-1]), 4, 16)).astype(np.float32))
+    return q, meta
+
+
+@requires_emulator
+def test_a_kind_of_layer_keeps_its_route_across_steps_until_its_launches_change(monkeypatch):
+    """A later step's layers of a kind the kernels served run on them without the route;
+    a step that launches them another way (a prefill-only step: MERGE=0, which the check
+    never made) is routed, its new launch evaluated in the call, and falls back."""
+    state = attention._Dispatch()
+    monkeypatch.setattr(attention, "_state", state)
+    routes = []
+    route = state._route
+    monkeypatch.setattr(state, "_route", lambda *a: routes.append(a) or route(*a))
+    rng = np.random.default_rng(0)
+    k, v = (mx.array(rng.standard_normal((17, 16, 2, 16)).astype(np.float32)) for _ in "kv")
+    kernels = PagedAttentionKernels(state.recorded(merge_zero_fails_when_evaluated))
+    steps = [((20, 1), (5, 7)), ((21, 1), (12, 9)), ((40, 9),), ((22, 1), (30, 6))]
+    routed = []
+    with attention.use_kernels(kernels, first_use_check=True):
+        for i, requests in enumerate(steps):
+            q, meta = attention_step(requests, i)
+            out = attention.paged_attention(q, k, v, meta, 0.25)
+            expected = attention.paged_attention_reference(q, k, v, meta, 0.25)
+            np.testing.assert_allclose(np.array(out), np.array(expected), atol=1e-5)
+            routed.append(len(routes))
+        fallbacks = all_fallbacks()
+    assert routed == [1, 1, 2, 3]  # the mixed step again: no route; the others: routed
+    assert [f.variant for f in fallbacks] == ["float32-d16-bs16-h4kv2"]

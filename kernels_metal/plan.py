@@ -78,9 +78,17 @@ def gpu_cores(info: dict) -> int | None:
 
 
 def split_threshold(info: dict | None = None) -> int:
-    """Decode threadgroups below which long contexts are split: enough to fill each core."""
-    cores = gpu_cores(_device_info() if info is None else info)
+    """Decode threadgroups below which long contexts are split: enough to fill each core
+    (this device's without `info`)."""
+    if info is None:
+        return _device_split_threshold()
+    cores = gpu_cores(info)
     return SPLIT_BELOW_THREADGROUPS if cores is None else THREADGROUPS_PER_CORE * cores
+
+
+@cache
+def _device_split_threshold() -> int:
+    return split_threshold(_device_info())
 
 
 @cache

@@ -60,7 +60,7 @@ class PackedLinears:
     def __init__(self, owner: nn.Module, *names: str) -> None:
         self._owner, self._names = owner, names
         self._views: tuple[tuple[str, str, mx.array], ...] = ()  # (linear, key, packed view)
-        self._packed: dict[str, mx.array] = {}
+        self._weights: tuple[mx.array, mx.array | None] | None = None  # packed weight, bias
         self.columns: list[slice] = []  # each linear's columns of the packed product
         self._apart: list[nn.Module] = []  # the linears last found not to pack
         self._ends: list[int] = []  # where each linear's columns end, the last one's aside
@@ -77,10 +77,21 @@ class PackedLinears:
     def packed(self) -> tuple[mx.array, mx.array | None] | None:
         """The packed weight and bias (None if they have none), packed first if need be; None
         if the linears do not pack."""
+        # Current while each linear holds the view it was given and has no adapter; checked
+        # inline in one pass, a step asks ~60 times.
+        owner = self._owner
+        for name, key, view in self._views:
+            linear = owner[name]
+            if linear.get(key) is not view or linear.lora is not None:
+                break
+        else:
+            if self._views:
+                return self._weights
+        return self._packed_anew()
+
+    def _packed_anew(self) -> tuple[mx.array, mx.array | None] | None:
         if self._adapted():  # each linear adds its own rows' deltas: they run apart
             return None
-        # Current while each linear holds the view it was given; checked inline, a step
-        # asks ~60 times.
         current = bool(self._views)
         for name, key, view in self._views:
             if self._owner[name].get(key) is not view:
@@ -94,7 +105,7 @@ class PackedLinears:
                 self._apart = linears  # asked again only once a linear was replaced
                 return None
             self._pack(linears)
-        return self._packed["weight"], self._packed.get("bias")
+        return self._weights
 
     def _adapted(self) -> bool:
         return any(self._owner[name].lora is not None and self._owner[name].lora.active
@@ -121,7 +132,7 @@ class PackedLinears:
         self._views = tuple((name, key, m[key]) for key in ("weight", "bias")
                             for name, m in zip(self._names, linears, strict=True) if key in m)
         mx.eval(packed, [view for _, _, view in self._views])
-        self._packed = packed
+        self._weights = packed["weight"], packed.get("bias")
         self.columns = [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
         self._ends = ends[:-1]
 

@@ -52,10 +52,10 @@ class ConvGathers(NamedTuple):
 
 
 @lru_cache(maxsize=8)
-def _conv_gathers(cu_bytes: bytes, kernel_size: int) -> ConvGathers:
+def _conv_gathers(cu_bytes: bytes, dtype: str, kernel_size: int) -> ConvGathers:
     """A step's conv indices on the device, made once for all its linear-attention layers
-    (`cu_bytes`: its int64 `cu_seqlens`)."""
-    windows, new_state = _conv_indices(np.frombuffer(cu_bytes, np.int64), kernel_size)
+    (`cu_bytes`: its `cu_seqlens` of numpy dtype `dtype`)."""
+    windows, new_state = _conv_indices(np.frombuffer(cu_bytes, dtype), kernel_size)
     columns = ([windows] if len(windows) < ONE_TAP_ROWS
                else [windows[:, j] for j in range(kernel_size)])
     return ConvGathers([mx.array(c) for c in columns], mx.array(new_state))
@@ -86,7 +86,8 @@ def conv_with_taps(x: mx.array, taps: ConvTaps, cu_seqlens, state: mx.array,
                    silu=nn.silu) -> tuple[mx.array, mx.array]:
     """`causal_conv1d` with its weight's `ConvTaps`."""
     kernel_size, channels = len(taps.rows), x.shape[-1]
-    gathers = _conv_gathers(np.asarray(cu_seqlens, np.int64).tobytes(), kernel_size)
+    cu = np.asarray(cu_seqlens)  # as it is: a cast would copy it every layer
+    gathers = _conv_gathers(cu.tobytes(), cu.dtype.str, kernel_size)
     source = mx.concatenate([x, state.astype(x.dtype).reshape(-1, channels)])
     if len(gathers.windows) == 1:  # a few rows: every tap in one gather and one sum
         out = _tapped(source[gathers.windows[0]], taps.whole).sum(axis=1)

@@ -77,26 +77,19 @@ class PackedLinears:
     def packed(self) -> tuple[mx.array, mx.array | None] | None:
         """The packed weight and bias (None if they have none), packed first if need be; None
         if the linears do not pack."""
-        # Current while each linear holds the view it was given and has no adapter; checked
-        # inline in one pass, a step asks ~60 times.
-        owner = self._owner
+        # Current while each linear holds the view it was given; checked inline in one pass
+        # (a step asks ~60 times), which also sees whether any linear carries an adapter.
+        owner, current, plain = self._owner, bool(self._views), True
         for name, key, view in self._views:
             linear = owner[name]
-            if linear.get(key) is not view or linear.lora is not None:
-                break
-        else:
-            if self._views:
-                return self._weights
-        return self._packed_anew()
-
-    def _packed_anew(self) -> tuple[mx.array, mx.array | None] | None:
-        if self._adapted():  # each linear adds its own rows' deltas: they run apart
-            return None
-        current = bool(self._views)
-        for name, key, view in self._views:
-            if self._owner[name].get(key) is not view:
+            if linear.get(key) is not view:
                 current = False
                 break
+            plain = plain and linear.lora is None
+        if current and plain:
+            return self._weights
+        if self._adapted():  # each linear adds its own rows' deltas: they run apart
+            return None
         if not current:
             linears = self.linears()
             apart = len(self._apart) == len(linears) and all(

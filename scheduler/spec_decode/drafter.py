@@ -75,7 +75,7 @@ class Drafter:
         requests = [request for _, request in drafting]
         num_rows = sum(len(item.token_ids) for item, _ in scheduled)
         prefill = None
-        if not all(item.samples and len(item.token_ids) == 1 for item, _ in scheduled):
+        if not all(_decodes(item) for item, _ in scheduled):
             prefill = BesidePrefill(self.chunk_cost, len(scheduled))
         caps = [min(self.length.max_draft, budget, self._room(item, request))
                 for item, request in drafting]
@@ -127,7 +127,7 @@ class Drafter:
         """Decoding, with the base model: drafts come from the base (or text), so a request
         served with a LoRA adapter never drafts. A request that reads its history to sample
         (penalties, a grammar) drafts only with that history known."""
-        if not item.samples or len(item.token_ids) != 1 or request.lora_name is not None:
+        if not _decodes(item) or item.draft_token_ids or request.lora_name is not None:
             return False
         return not (request.params.needs_token_history and request.num_unknown_outputs)
 
@@ -190,8 +190,7 @@ class Drafter:
         if seconds is None or not scheduled:
             return
         rows = sum(len(s.token_ids) for s in scheduled)
-        if not all(s.samples and len(s.token_ids) == 1 + len(s.draft_token_ids)
-                   for s in scheduled):
+        if not all(_decodes(s) for s in scheduled):
             self.chunk_cost.observe(rows, seconds)
             return
         (self.cost if rows == len(scheduled) else self.verify_cost).observe(rows, seconds)
@@ -218,3 +217,9 @@ class Drafter:
         if history is None:
             history = self._histories[request.request_id] = self.length.new_history()
         return history
+
+
+def _decodes(item: ScheduledRequest) -> bool:
+    """Whether the step feeds the request one token (and any drafts after it) and samples:
+    a decode, not a prefill chunk."""
+    return item.samples and len(item.token_ids) == 1 + len(item.draft_token_ids)

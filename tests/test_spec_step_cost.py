@@ -50,6 +50,34 @@ def test_a_bucket_follows_its_recent_steps_and_ignores_one_slow_step():
     assert cost.seconds(2) == pytest.approx(0.05)
 
 
+def test_a_bucket_is_priced_at_its_fastest_recent_step():
+    cost = cost_of({})
+    for seconds in (0.06, 0.04, 0.05):
+        cost.observe(3, seconds)
+    assert cost.seconds(3) == pytest.approx(0.04)
+
+
+def test_rows_priced_in_a_busy_moment_are_forgotten_and_drafted_again():
+    """A verification priced slow once would never run again (the plan avoids it), so a
+    bucket not measured for `max_age` steps is forgotten and its rows get tried again."""
+    decode, verify = StepCost(max_age=16), StepCost(max_age=16)
+    verify.observe(2, 0.031, step=0)
+    verify.observe(9, 0.5, step=1)  # another job held the cores in that step
+    for step in range(2, 40):
+        decode.observe(1, 0.03, step)
+        if step % 8 == 0:
+            verify.observe(2, 0.031, step)  # one-draft steps still run now and then
+
+    def planned() -> list[int]:
+        return plan_drafts(decode, 1, [DraftOffer(8, 0.9)], budget=8, verify=verify)
+
+    assert planned() == [1]
+    for cost in (decode, verify):
+        cost.expire(39)
+    assert verify.seconds(9) < 0.5
+    assert planned() == [8]
+
+
 def test_more_rows_never_predict_a_cheaper_step_and_slow_outliers_give_way():
     cost = cost_of({1: 0.05, 2: 0.03, 4: 0.06})  # a slow 1-row step measured once
     assert cost.seconds(1) == pytest.approx(0.03)

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from scheduler.output import ScheduledRequest
 
 
+# Steps between the cost models' checks for measurements too old to trust (StepCost.expire).
+_EXPIRE_EVERY = 64
+
+
 class Proposal(NamedTuple):
     token_ids: list[int]
     source: DraftSource
@@ -65,6 +69,7 @@ class Drafter:
         self._proposers: dict[str, NgramProposer] = {}
         self._histories: dict[str, AcceptanceHistory] = {}
         self._accepted_unobserved = 0  # accepted drafts resolved since the last `observe`
+        self._num_steps = 0  # steps observed, the cost models' clock
 
     def assign(self, scheduled: list[tuple[ScheduledRequest, Request]], budget: int
                ) -> Iterator[tuple[ScheduledRequest, Request, list[int], DraftSource]]:
@@ -187,13 +192,17 @@ class Drafter:
         Every timed step teaches the cost model (by its kind); one whose rows all sample
         (decodes and their drafts) also the speed-up estimate."""
         accepted, self._accepted_unobserved = self._accepted_unobserved, 0
+        step = self._num_steps = self._num_steps + 1
+        if step % _EXPIRE_EVERY == 0:
+            for cost in (self.cost, self.verify_cost, self.chunk_cost):
+                cost.expire(step)
         if seconds is None or not scheduled:
             return
         rows = sum(len(s.token_ids) for s in scheduled)
         if not all(_decodes(s) for s in scheduled):
-            self.chunk_cost.observe(rows, seconds)
+            self.chunk_cost.observe(rows, seconds, step)
             return
-        (self.cost if rows == len(scheduled) else self.verify_cost).observe(rows, seconds)
+        (self.cost if rows == len(scheduled) else self.verify_cost).observe(rows, seconds, step)
         # A step without drafts counts as it ran; one with drafts against its tokens at one
         # per request and step (the median of the undrafted cost: a step's noise is skewed
         # slow, so only the drafting steps are estimated).

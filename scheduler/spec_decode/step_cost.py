@@ -5,9 +5,12 @@ while the step reads weights (few rows, a GPU), a token's worth once it computes
 or a CPU multiplying rows one at a time), and where the turn comes depends on the machine,
 the model and the context. So it is measured: the engine times every step whose rows all
 sample (decodes and their drafts, no prefill chunk), and each bucket of rows (exact counts up
-to 16, then buckets ~12% wide) keeps its last few steps. A bucket's point is the median of
-their seconds at the mean of their rows: one step slowed by a compile or by other work on the
-machine moves no median. Then
+to 16, then buckets ~12% wide) keeps its last few steps. A bucket's point is the fastest of
+them at the mean of their rows: a step slowed by a compile or by other work on the machine is
+noise (no step runs faster than the machine), and a point read too slow would never be
+measured again, since the plan avoids the rows it prices high. For the same reason a bucket
+not measured for `max_age` steps is forgotten (`expire`): the machine's load moves, and rows
+priced in a busy minute get tried again. Then
 
     seconds(r)  r inside the observed range: linear between the points around it
                 r in the smallest bucket, below its mean rows: that bucket's point
@@ -19,8 +22,7 @@ A step's rows before drafts must be `covers`ed (measured, or between measured bu
 it to draft; otherwise it runs without drafts, and so measures them.
 
 A step never gets cheaper with more rows, so a point above a later one is lowered to it:
-slow outliers are the noise here (a step cannot run faster than the machine), so the curve
-trusts the lower of two contradicting points.
+slow outliers are the noise here, so the curve trusts the lower of two contradicting points.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ def bucket_of(rows: int) -> int:
 class StepCost:
     """Seconds per step by query rows; `observe` learns, `seconds` predicts (changes nothing)."""
 
-    def __init__(self, window: int = 5) -> None:
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
+    def __init__(self, window: int = 5, max_age: int = 512) -> None:
+        if window < 1 or max_age < 1:
+            raise ValueError(f"window and max_age must be at least 1, got {window}, {max_age}")
         self.window = window
+        self.max_age = max_age
         self._buckets: dict[int, deque[tuple[int, float]]] = {}  # bucket -> (rows, seconds)
+        self._last_step: dict[int, int] = {}  # bucket -> the step that last measured it
         self._curve: tuple[list[float], list[float]] | None = None  # rows, seconds; None: stale
 
     @property
@@ -56,14 +60,22 @@ class StepCost:
         """Buckets measured so far."""
         return len(self._buckets)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """Fold one measured step of `rows` query rows into its bucket."""
+    def observe(self, rows: int, seconds: float, step: int = 0) -> None:
+        """Fold one measured step of `rows` query rows, the engine's `step`-th, into its
+        bucket."""
         if rows < 1 or not seconds > 0:
             raise ValueError(f"a step has at least 1 row and takes some time, got {rows} rows "
                              f"in {seconds} s")
-        bucket = self._buckets.setdefault(bucket_of(rows), deque(maxlen=self.window))
-        bucket.append((rows, seconds))
+        key = bucket_of(rows)
+        self._buckets.setdefault(key, deque(maxlen=self.window)).append((rows, seconds))
+        self._last_step[key] = step
         self._curve = None
+
+    def expire(self, step: int) -> None:
+        """Forget the buckets no step measured in the `max_age` steps before `step`."""
+        for key in [k for k, last in self._last_step.items() if step - last > self.max_age]:
+            del self._buckets[key], self._last_step[key]
+            self._curve = None
 
     def covers(self, rows: int) -> bool:
         """Whether a step of `rows` rows lies within what was measured (its bucket, or
@@ -93,12 +105,12 @@ class StepCost:
         return (xs[0], ys[0]) if xs else None
 
     def _points(self) -> tuple[list[float], list[float]]:
-        """Each bucket's (mean rows, median seconds) in order of rows, the seconds lowered to
+        """Each bucket's (mean rows, fastest seconds) in order of rows, the seconds lowered to
         be non-decreasing (cached until the next observation)."""
         if self._curve is None:
             buckets = [self._buckets[b] for b in sorted(self._buckets)]
             xs = [statistics.fmean(r for r, _ in steps) for steps in buckets]
-            ys = [statistics.median(t for _, t in steps) for steps in buckets]
+            ys = [min(t for _, t in steps) for steps in buckets]
             for i in range(len(ys) - 2, -1, -1):
                 ys[i] = min(ys[i], ys[i + 1])
             self._curve = (xs, ys)

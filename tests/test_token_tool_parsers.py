@@ -1,6 +1,6 @@
-"""DeepSeek V3.1's and Kimi K2's tool calls (special tokens around JSON arguments) on their
-real markup, whole and streamed at every split; and through the server with the openai
-client."""
+"""DeepSeek V3.1's, Kimi K2's and Mistral's tool calls (special tokens around JSON arguments)
+on their real markup, whole and streamed at every split; and through the server with the
+openai client."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ from fake_engine import ToolTemplateTokenizer
 from test_tool_parsers import incomplete, split_at_random, stream, stream_pieces
 from tool_call_checks import (
     CONTENT,
+    MESSAGES,
     check_streamed_deltas,
     check_whole_response,
     scripted_client,
 )
 
-from server.core.token_tool_parsers import DeepSeekV31Parser, KimiK2Parser
+from server.core.token_tool_parsers import DeepSeekV31Parser, KimiK2Parser, MistralParser
 from server.core.tool_parser_choice import parser_for_template, parser_named
 from server.core.tool_parsers import ParsedCall
 
-DEEPSEEK, KIMI = DeepSeekV31Parser(), KimiK2Parser()
+DEEPSEEK, KIMI, MISTRAL = DeepSeekV31Parser(), KimiK2Parser(), MistralParser()
 CODE = 'if a < b:\n    print("<b>", a)\n'
 
 
@@ -39,11 +40,16 @@ def kimi_calls(*calls: tuple[str, str]) -> str:
     return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
 
 
+def mistral_calls(*calls: tuple[str, str]) -> str:
+    """Calls as Mistral's v13+ templates write them: no section, no end token."""
+    return "".join(f"[TOOL_CALLS]{name}[ARGS]{arguments}" for name, arguments in calls)
+
+
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "days": 3}')
 WRITE = ParsedCall("write_file", json.dumps({"path": "a.py", "content": CODE}))
 BOTH = ((WEATHER.name, WEATHER.arguments), (WRITE.name, WRITE.arguments))
-FAMILIES = [(DEEPSEEK, deepseek_calls), (KIMI, kimi_calls)]
-IDS = ["deepseek_v31", "kimi_k2"]
+FAMILIES = [(DEEPSEEK, deepseek_calls), (KIMI, kimi_calls), (MISTRAL, mistral_calls)]
+IDS = ["deepseek_v31", "kimi_k2", "mistral"]
 
 CASES = [
     *[(parser, calls((WEATHER.name, WEATHER.arguments)), "", [WEATHER])
@@ -54,6 +60,12 @@ CASES = [
       for parser, calls in FAMILIES],
     (DEEPSEEK, "Not needed: 2 < 3, <b>bold</b>.", "Not needed: 2 < 3, <b>bold</b>.", []),
     (KIMI, "Not needed: a <|b|> c.", "Not needed: a <|b|> c.", []),
+    (MISTRAL, "Not needed: [ARGS] {1}.", "Not needed: [ARGS] {1}.", []),
+    # Tokenizer v11 names the call's id before its arguments.
+    (MISTRAL, '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "days": 3}',
+     "", [WEATHER]),
+    # The JSON object ends the call: text after the last one is content again.
+    (MISTRAL, mistral_calls((WEATHER.name, WEATHER.arguments)) + " Done.", " Done.", [WEATHER]),
 ]  # fmt: skip
 
 
@@ -90,6 +102,8 @@ def test_the_arguments_stream_as_written_after_the_name(parser, calls):
         (KIMI, "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                '<|tool_call_argument_begin|>{"city": "Par', '{"city": "Par'),
         (DEEPSEEK, "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{", "{"),
+        (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', '{"city": "Par'),
+        (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": }', '{"city": }'),
     ],
 )  # fmt: skip
 def test_a_call_cut_in_its_arguments_ends_incomplete(parser, text, arguments):
@@ -99,7 +113,7 @@ def test_a_call_cut_in_its_arguments_ends_incomplete(parser, text, arguments):
                                                       [0])  # fmt: skip
 
 
-@pytest.mark.parametrize(("parser", "calls"), FAMILIES, ids=IDS)
+@pytest.mark.parametrize(("parser", "calls"), FAMILIES[:2], ids=IDS[:2])
 def test_end_tokens_missing_at_the_end_are_forgiven(parser, calls):
     text = calls((WEATHER.name, WEATHER.arguments))
     for cut in (parser.section_end, parser.call_end + parser.section_end):
@@ -114,11 +128,22 @@ def test_end_tokens_missing_at_the_end_are_forgiven(parser, calls):
         (DEEPSEEK, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_wea"),
         (DEEPSEEK, "Sure.<｜tool▁calls▁begin｜>"),
         (KIMI, "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_"),
+        (MISTRAL, "Sure.[TOOL_CALLS]get_wea"),
+        (MISTRAL, "Sure.[TOOL_CALLS]get_weather[ARGS]"),
+        (MISTRAL, 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]write_fi'),
     ],
 )
 def test_a_call_cut_before_its_arguments_leaves_no_markup(parser, text):
-    assert stream(parser, [text]) == ("Sure.", [])
-    assert stream(parser, [*text, ""]) == ("Sure.", [])
+    calls = [ParsedCall("get_weather", '{"city": "Paris"}')] if "}" in text else []
+    assert stream(parser, [text]) == ("Sure.", calls)
+    assert stream(parser, [*text, ""]) == ("Sure.", calls)
+
+
+def test_mistral_s_older_array_of_calls_is_still_read():
+    text = "[TOOL_CALLS][" + ", ".join(json.dumps({"name": c.name, "arguments": json.loads(
+        c.arguments)}) for c in (WEATHER, WRITE)) + "]"  # fmt: skip
+    for pieces in ([text], [*text, ""]):
+        assert stream(MISTRAL, pieces) == ("", [WEATHER, WRITE])
 
 
 @pytest.mark.parametrize(
@@ -129,6 +154,8 @@ def test_a_call_cut_before_its_arguments_leaves_no_markup(parser, text):
          DeepSeekV31Parser),
         ("{{- '<|tool_calls_section_begin|>' -}}{%- for tool_call in message['tool_calls'] -%}"
          "<|tool_call_begin|>{{ formatted_id }}<|tool_call_argument_begin|>", KimiK2Parser),
+        ("{%- for tool in message['tool_calls'] %}{{- '[TOOL_CALLS]' }}{%- set name = "
+         "tool['function']['name'] %}{{- name + '[ARGS]' + arguments }}", MistralParser),
     ],
 )  # fmt: skip
 def test_the_chat_template_or_the_name_picks_the_family(template, parser):
@@ -147,6 +174,11 @@ class KimiTokenizer(ToolTemplateTokenizer):
     chat_template = "{{ '<|tool_calls_section_begin|>' }}{% for t in tools %}{% endfor %}"
 
 
+class MistralTokenizer(ToolTemplateTokenizer):
+    chat_template = ("{% for t in tools %}{% endfor %}{{- '[TOOL_CALLS]' }}{{- name + '[ARGS]' }}"
+                     "{{- '[THINK]' + block['thinking'] + '[/THINK]' }}")
+
+
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
          for name in ("get_weather", "write_file")]  # fmt: skip
 
@@ -155,8 +187,9 @@ TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": 
 def scripted_server(request):
     """A server whose model answers with some text, then two calls in its family's tokens,
     in pieces of 3 characters."""
-    tokenizer, calls = ((DeepSeekTokenizer(), deepseek_calls) if request.param == IDS[0]
-                        else (KimiTokenizer(), kimi_calls))
+    tokenizer, calls = {"deepseek_v31": (DeepSeekTokenizer(), deepseek_calls),
+                        "kimi_k2": (KimiTokenizer(), kimi_calls),
+                        "mistral": (MistralTokenizer(), mistral_calls)}[request.param]
     text = CONTENT + calls(*BOTH)
     with scripted_client(tokenizer, text) as client:
         yield client
@@ -168,3 +201,21 @@ def test_calls_in_a_whole_response(scripted_server):
 
 def test_calls_streamed_as_tool_call_deltas(scripted_server):
     check_streamed_deltas(scripted_server, TOOLS, CODE)
+
+
+def test_mistral_reasoning_then_calls_whole_and_streamed():
+    text = "[THINK]The weather tool, then the file.[/THINK]" + CONTENT + mistral_calls(*BOTH)
+    with scripted_client(MistralTokenizer(), text) as client:
+        reply = client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS)
+        message = reply.choices[0].message
+        assert message.model_extra["reasoning_content"] == "The weather tool, then the file."
+        assert message.content == CONTENT
+        assert [c.function.name for c in message.tool_calls] == ["get_weather", "write_file"]
+        chunks = [c for c in client.chat.completions.create(
+            model="default", messages=MESSAGES, tools=TOOLS, stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == \
+        "The weather tool, then the file."
+    assert "".join(d.content or "" for d in deltas) == CONTENT
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert [t.function.name for t in calls if t.function.name] == ["get_weather", "write_file"]

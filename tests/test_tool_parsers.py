@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from server.core.reasoning import ReasoningStream
+from server.core.reasoning import MISTRAL_THINK, THINK, ReasoningStream, think_tags
+from server.core.token_tool_parsers import MistralParser
 from server.core.tool_call_stream import CallPiece, ToolCallStream
 from server.core.tool_parser_choice import parser_for_template, parser_named
 from server.core.tool_parsers import (
     ForcedCallParser,
     HermesParser,
     Llama3JsonParser,
-    MistralParser,
     ParsedCall,
     ToolParser,
 )
@@ -254,8 +254,8 @@ def test_forced_call_arguments_are_canonical_json():
 # ---- reasoning ------------------------------------------------------------------------------
 
 
-def reason(pieces: list[str], starts_inside: bool = False) -> tuple[str, str]:
-    splitter = ReasoningStream(starts_inside)
+def reason(pieces: list[str], starts_inside: bool = False, tags=THINK) -> tuple[str, str]:
+    splitter = ReasoningStream(starts_inside, tags)
     parts = [splitter.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
     return "".join(r for r, _ in parts), "".join(c for _, c in parts)
 
@@ -284,3 +284,27 @@ def test_reasoning_markers_never_leak_into_deltas():
     text = "<think>a</think>b"
     deltas = [splitter.feed(ch, final=False) for ch in text]
     assert all("<" not in r + c for r, c in deltas)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[THINK]2+2 is 4.[/THINK]The answer is 4.", ("2+2 is 4.", "The answer is 4.")),
+        ("[THINK]Weather first.[/THINK][TOOL_CALLS]get_weather[ARGS]{}",
+         ("Weather first.", "[TOOL_CALLS]get_weather[ARGS]{}")),
+        ("<think>not Mistral's</think>", ("", "<think>not Mistral's</think>")),
+        ("[THINK]cut off", ("cut off", "")),
+        ("[THI", ("", "[THI")),
+    ],
+)  # fmt: skip
+def test_mistral_reasoning_is_split_at_every_boundary(text, expected):
+    assert reason([text], tags=MISTRAL_THINK) == expected
+    for cut in range(1, len(text)):
+        assert reason([text[:cut], text[cut:]], tags=MISTRAL_THINK) == expected
+    assert reason([*text, ""], tags=MISTRAL_THINK) == expected
+
+
+def test_the_chat_template_picks_the_reasoning_tags():
+    # Magistral's and Mistral Small 4's templates write thinking chunks so.
+    assert think_tags("{{- '[THINK]' + block['thinking'] + '[/THINK]' }}") == MISTRAL_THINK
+    assert think_tags("{{ '<think>' }}{{ message['content'] }}") == THINK

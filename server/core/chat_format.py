@@ -19,8 +19,8 @@ from server.core.chat_request import ChatCompletionRequest
 from server.core.harmony_encoding import harmony_encoding, speaks_harmony
 from server.core.harmony_parsing import HarmonyTurnParser
 from server.core.harmony_prompts import harmony_prompt
-from server.core.prompt_ids import prompt_of
-from server.core.reasoning import ReasoningStream, opens_reasoning
+from server.core.prompt_ids import chat_template, prompt_of
+from server.core.reasoning import ReasoningStream, opens_reasoning, think_tags
 from server.core.tool_call_stream import ToolCallStream
 from server.core.turn_parsing import TemplateTurnParser, TurnParser
 from server.http.errors import APIError
@@ -87,11 +87,12 @@ def prepare_chat(
     if speaks_harmony(tokenizer):
         return _harmony_chat(tokenizer, chat)
     prompt, plan = prompt_of(tokenizer, chat, parser_name, max_text_bytes)
-    starts_inside = opens_reasoning(prompt.text)
+    tags = think_tags(chat_template(tokenizer))
+    starts_inside = opens_reasoning(prompt.text, tags)
 
     def new_parser() -> TurnParser:
         tools = ToolCallStream(plan.parser) if plan.parser is not None else None
-        return TemplateTurnParser(ReasoningStream(starts_inside=starts_inside), tools)
+        return TemplateTurnParser(ReasoningStream(starts_inside, tags), tools)
 
     structured = plan.structured() or chat.response_structure()
     ids, media = prompt.ids, None

@@ -4,8 +4,8 @@ whose family's syntax the chat template mentions."""
 from __future__ import annotations
 
 from server.core.tag_tool_parsers import Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser
-from server.core.token_tool_parsers import DeepSeekV31Parser, KimiK2Parser
-from server.core.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, ToolParser
+from server.core.token_tool_parsers import DeepSeekV31Parser, KimiK2Parser, MistralParser
+from server.core.tool_parsers import HermesParser, Llama3JsonParser, ToolParser
 
 # Looked for in this order: the tag families' templates mention `<tool_call>` too.
 PARSERS: dict[str, type[ToolParser]] = {

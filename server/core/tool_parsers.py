@@ -42,7 +42,7 @@ class RegionCalls:
     end: int  # characters of the region those calls take up
 
 
-def _call_of(value: Any, text: str | None = None) -> ParsedCall | None:
+def call_of(value: Any, text: str | None = None) -> ParsedCall | None:
     """A call from a decoded `{"name": ..., "arguments" | "parameters": {...}}`, whose JSON
     text is `text` when the caller has it (its arguments are then kept as written)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -166,7 +166,7 @@ class HermesParser(ToolParser):
             # At the end of the text a missing close tag is forgiven.
             body_end = len(region) if close < 0 else close
             body = region[body_start:body_end].strip()
-            call = _call_of(_loads(body), body)
+            call = call_of(_loads(body), body)
             if call is None:
                 break
             calls.append(call)
@@ -208,7 +208,7 @@ class Llama3JsonParser(ToolParser):
                 value, stop = _JSON.raw_decode(region, start)
             except ValueError:
                 break
-            call = _call_of(value, region[start:stop])
+            call = call_of(value, region[start:stop])
             if call is None:
                 break
             calls.append(call)
@@ -219,27 +219,6 @@ class Llama3JsonParser(ToolParser):
         if end == 0 and region.startswith(self.markers[0]):
             end = len(self.markers[0])
         return _object_from(region, end, also=";")
-
-
-class MistralParser(ToolParser):
-    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]` is a
-    special token that detokenizing may drop, so a leading JSON array of calls counts too."""
-
-    name = "mistral"
-    markers = ("[TOOL_CALLS]",)
-    leading = "[{"
-    template_hints = ("[TOOL_CALLS]",)
-
-    def calls(self, region: str, final: bool) -> RegionCalls:
-        pos = len(self.markers[0]) if region.startswith(self.markers[0]) else 0
-        try:
-            value, stop = _JSON.raw_decode(region, skip_space(region, pos))
-        except ValueError:
-            return RegionCalls([], 0)
-        calls = [_call_of(item) for item in (value if isinstance(value, list) else [value])]
-        if not calls or None in calls:
-            return RegionCalls([], 0)
-        return RegionCalls(calls, stop)
 
 
 class ForcedCallParser(ToolParser):
@@ -255,7 +234,7 @@ class ForcedCallParser(ToolParser):
             value, stop = _JSON.raw_decode(region, start)
         except ValueError:
             return RegionCalls([], 0)
-        call = _call_of(value, region[start:stop])
+        call = call_of(value, region[start:stop])
         return RegionCalls([call], stop) if call else RegionCalls([], 0)
 
     def open_call(self, region: str, end: int) -> str | None:

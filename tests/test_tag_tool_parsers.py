@@ -1,5 +1,6 @@
-"""The tag-syntax tool-call parsers (Qwen3-Coder, GLM-4.5) on canned model text, whole and
-streamed, their values typed by the request's schemas; and through the server."""
+"""The tag-syntax tool-call parsers (Qwen3-Coder, GLM-4.5, MiniMax M2, DeepSeek V3.2) on canned
+model text, whole and streamed, their values typed by the request's schemas (DeepSeek V3.2's
+by their tags); and through the server."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ from tool_call_checks import (
     scripted_client,
 )
 
-from server.core.tag_tool_parsers import Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser
+from server.core.tag_tool_parsers import (
+    DeepSeekV32Parser,
+    Glm45Parser,
+    MiniMaxM2Parser,
+    Qwen3CoderParser,
+)
 from server.core.tool_call_stream import ToolCallStream
 from server.core.tool_parser_choice import parser_for_template, parser_named
 from server.core.tool_parsers import HermesParser, ParsedCall
@@ -43,6 +49,7 @@ SCHEMAS = {
 QWEN = Qwen3CoderParser(SCHEMAS)
 GLM = Glm45Parser(SCHEMAS)
 MINIMAX = MiniMaxM2Parser(SCHEMAS)
+DSML = DeepSeekV32Parser(SCHEMAS)
 CODE = 'if a < b:\n    print("<b>", a)\n'  # quotes, tags and a last newline of its own
 
 
@@ -72,9 +79,27 @@ def minimax_call(name: str, **params: str) -> str:
     return minimax_calls((name, params))
 
 
-CALLS = {QWEN: qwen_call, GLM: glm_call, MINIMAX: minimax_call}
-FAMILIES = [QWEN, GLM, MINIMAX]
-FAMILY_IDS = ["qwen3_coder", "glm45", "minimax_m2"]
+def dsml_calls(*calls: tuple[str, dict]) -> str:
+    """A block of calls as DeepSeek V3.2's encoding writes it (encoding_dsv32.py): a string
+    value as it is, any other as JSON, the tag saying which."""
+    def parameter(key, value):
+        text = value if isinstance(value, str) else json.dumps(value)
+        return (f'<｜DSML｜parameter name="{key}" string="{str(isinstance(value, str)).lower()}">'
+                f"{text}</｜DSML｜parameter>")
+
+    invokes = "\n".join(f'<｜DSML｜invoke name="{name}">\n'
+                        + "\n".join(parameter(k, v) for k, v in params.items())
+                        + "\n</｜DSML｜invoke>" for name, params in calls)  # fmt: skip
+    return f"\n\n<｜DSML｜function_calls>\n{invokes}\n</｜DSML｜function_calls>"
+
+
+def dsml_call(name: str, **params) -> str:
+    return dsml_calls((name, params))
+
+
+CALLS = {QWEN: qwen_call, GLM: glm_call, MINIMAX: minimax_call, DSML: dsml_call}
+FAMILIES = [QWEN, GLM, MINIMAX, DSML]
+FAMILY_IDS = ["qwen3_coder", "glm45", "minimax_m2", "deepseek_v32"]
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "days": 3}')
 WRITE = ParsedCall("write_file", json.dumps({"path": "a.py", "content": CODE}))
@@ -112,6 +137,16 @@ CASES = [
     (MINIMAX, '<minimax:tool_call>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>',
      "", [ParsedCall("get_time", "{}")]),
     (MINIMAX, "Not needed: <invoke> is a word.", "Not needed: <invoke> is a word.", []),
+    (DSML, dsml_call("get_weather", city="Paris", days=3), "", [WEATHER]),
+    (
+        DSML,
+        "Checking both." + dsml_calls(("get_weather", {"city": "Paris", "days": 3}),
+                                      ("write_file", {"path": "a.py", "content": CODE})),
+        "Checking both.",
+        [WEATHER, WRITE],
+    ),
+    (DSML, dsml_call("get_time"), "", [ParsedCall("get_time", "{}")]),
+    (DSML, "Not needed: <｜DSML｜ is a word.", "Not needed: <｜DSML｜ is a word.", []),
     (QWEN, "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "",
      [ParsedCall("get_time", "{}")]),  # fmt: skip
     (QWEN, "Not needed: 2 < 3, <b>bold</b>.", "Not needed: 2 < 3, <b>bold</b>.", []),
@@ -212,6 +247,18 @@ def test_values_take_the_type_their_schema_declares():
             assert json.loads(call.arguments) == expected
 
 
+def test_deepseek_v32_values_take_the_type_their_tag_says():
+    text = dsml_call("get_weather", hours=[9, 12], where={"lat": 48.9}, days="3", metric=True,
+                     zone=None)  # days: a string, though the schema says integer
+    unparsed = text.replace("null</", "windy</")  # string="false", yet no JSON: stays text
+    expected = {"hours": [9, 12], "where": {"lat": 48.9}, "days": "3", "metric": True}
+    for pieces in ([text], [*text, ""]):
+        (call,) = stream(DSML, pieces)[1]
+        assert json.loads(call.arguments) == {**expected, "zone": None}
+    (call,) = stream(DSML, [unparsed])[1]
+    assert json.loads(call.arguments) == {**expected, "zone": "windy"}
+
+
 def test_a_value_that_does_not_parse_as_its_type_stays_text():
     text = qwen_call("get_weather", days="three", metric="True", hours="[9,")
     (call,) = stream(QWEN, [text])[1]
@@ -243,6 +290,13 @@ def test_only_the_newlines_the_template_adds_are_stripped():
         (GLM, "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", '{"city": "Par'),
         (QWEN, "<tool_call>\n<function=get_weather>\nParis\n</function></tool_call>", "{"),
         (GLM, "<tool_call>get_weather\n<arg_key>city</arg_key>Paris</tool_call>", "{"),
+        (DSML, '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+               '<｜DSML｜parameter name="city" string="true">Par', '{"city": "Par'),
+        (DSML, '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+               '<｜DSML｜parameter name="days" string="false">3', '{"days": '),
+        # A parameter tag without its string attribute is no DSML.
+        (DSML, '<｜DSML｜function_calls><｜DSML｜invoke name="get_weather"><｜DSML｜parameter '
+               'name="city">Paris</｜DSML｜parameter></｜DSML｜invoke>', "{"),
     ],
 )
 def test_a_call_that_began_but_never_parsed_ends_incomplete(parser, text, arguments):
@@ -272,6 +326,7 @@ def test_closing_tags_missing_at_the_end_are_forgiven(parser, text):
         (QWEN, "Sure.<tool_call>\n<function=get_wea"),
         (QWEN, "Sure.<tool_call>\n"),
         (GLM, "Sure.<tool_call>get_wea"),
+        (DSML, 'Sure.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_wea'),
     ],
 )
 def test_a_call_cut_before_its_name_leaves_no_markup(parser, text):
@@ -305,6 +360,10 @@ def test_no_tag_fragment_reaches_the_content_while_streaming():
         # MiniMax M2's.
         ("{{- '<minimax:tool_call>\\n' }}{%- for tool_call in message.tool_calls -%}"
          "<invoke name=\"{{ tool_call.name }}\">", MiniMaxM2Parser),
+        # DeepSeek V3.2's (it publishes its encoding in Python; community Jinja ports set the
+        # same token).
+        ('{%- set dsml_token = "｜DSML｜" -%}{{ "\\n\\n" }}<{{ dsml_token }}function_calls>'
+         "{%- for tool_call in message.tool_calls -%}", DeepSeekV32Parser),
     ],
 )  # fmt: skip
 def test_the_chat_template_picks_the_family(template, parser):
@@ -331,6 +390,10 @@ class MiniMaxTokenizer(ToolTemplateTokenizer):
     chat_template = "<minimax:tool_call>{% for t in tools %}<invoke name=\"{{ t }}\">"
 
 
+class DsmlTokenizer(ToolTemplateTokenizer):
+    chat_template = "<｜DSML｜function_calls>{% for t in tools %}<｜DSML｜invoke name=\"{{ t }}\">"
+
+
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": schema}}
          for name, schema in SCHEMAS.items()]  # fmt: skip
 
@@ -341,8 +404,11 @@ def scripted_server(request):
     pieces of 3 characters."""
     tokenizer, calls = {"qwen3_coder": (Qwen3CoderTokenizer(), qwen_call),
                         "glm45": (Glm45Tokenizer(), glm_call),
-                        "minimax_m2": (MiniMaxTokenizer(), minimax_call)}[request.param]
-    text = CONTENT + calls("get_weather", city="Paris", days="3") + calls(
+                        "minimax_m2": (MiniMaxTokenizer(), minimax_call),
+                        "deepseek_v32": (DsmlTokenizer(), dsml_call)}[request.param]
+    # DeepSeek V3.2 writes the number as JSON, the others as the text its schema types.
+    days = 3 if request.param == "deepseek_v32" else "3"
+    text = CONTENT + calls("get_weather", city="Paris", days=days) + calls(
         "write_file", path="a.py", content=CODE
     )
     with scripted_client(tokenizer, text) as client:

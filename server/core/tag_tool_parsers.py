@@ -1,6 +1,7 @@
-"""Tool calls written as tags, not JSON: Qwen3-Coder's `<function=...>` blocks and GLM-4.5's
-`<arg_key>`/`<arg_value>` pairs. Their values are raw text, typed by the parameter's schema
-in the request's tools. The call being written is rendered as the JSON call it becomes, a
+"""Tool calls written as tags, not JSON: Qwen3-Coder's `<function=...>` blocks, GLM-4.5's
+`<arg_key>`/`<arg_value>` pairs, MiniMax M2's and DeepSeek V3.2's `<invoke>` blocks. Their
+values are raw text, typed by the parameter's schema in the request's tools (DeepSeek V3.2's
+tags say which values are JSON). The call being written is rendered as the JSON call it becomes, a
 text that only grows, so `ToolCallStream` streams it as it does a JSON family's:
 
     <tool_call>\\n<function=f>\\n<parameter=days>\\n3\\n</parameter>\\n<parameter=city>\\nPar
@@ -37,6 +38,7 @@ class TagCall:
     closing_begun: bool = False  # the open value's text ends with what may begin its closing tag
     cut: bool = False  # the text ended where more of the call was due
     broken: bool = False  # the text holds something else where a tag was due
+    json_keys: set[str] = field(default_factory=set)  # values whose tag says they are JSON
 
 
 class _Cursor:
@@ -153,7 +155,7 @@ class TagCallParser(ToolParser):
         if call.name is None or call.open_param is None or call.closing_begun:
             return None
         key, raw = call.open_param
-        if _wants_json(_properties(self.schemas.get(call.name)).get(key)):
+        if self.json_value(call, key):
             return None
         if not self.trims_newlines:
             return ""
@@ -183,22 +185,26 @@ class TagCallParser(ToolParser):
             rest = rest[len(tag) :]
         return not rest.strip()
 
+    def json_value(self, call: TagCall, key: str) -> bool:
+        """Whether the value of parameter `key` is JSON, not text: its schema declares only
+        types other than string."""
+        assert call.name is not None
+        return _wants_json(_properties(self.schemas.get(call.name)).get(key))
+
     def _arguments(self, call: TagCall) -> str:
         """The JSON text of the call's arguments so far, without the closing brace."""
-        assert call.name is not None
-        schema = _properties(self.schemas.get(call.name))
-        parts = [_member(key, self._typed(raw, schema.get(key))) for key, raw in call.params]
+        parts = [_member(key, self._typed(raw, self.json_value(call, key)))
+                 for key, raw in call.params]  # fmt: skip
         if call.open_param is not None:
             key, raw = call.open_param
-            value = "" if _wants_json(schema.get(key)) else _json(self.raw_value(raw))[:-1]
+            value = "" if self.json_value(call, key) else _json(self.raw_value(raw))[:-1]
             parts.append(f"{_json(key)}: {value}")
         return "{" + ", ".join(parts)
 
-    def _typed(self, raw: str, schema: Any) -> Any:
-        """A value as its schema types it: JSON for a declared type other than string, when
-        the text parses as JSON; else the text."""
+    def _typed(self, raw: str, wants_json: bool) -> Any:
+        """A value as JSON where it should be one and its text parses; else the text."""
         text = self.raw_value(raw)
-        if not _wants_json(schema):
+        if not wants_json:
             return text
         try:
             return json.loads(text)
@@ -262,27 +268,34 @@ class Glm45Parser(TagCallParser):
         return call
 
 
-class MiniMaxM2Parser(TagCallParser):
-    """MiniMax M2: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE
-    </parameter>...</invoke><invoke ...>...</invoke></minimax:tool_call>`: a block of calls,
-    newlines between the tags; the block's end is taken with its last call."""
+class InvokeBlockParser(TagCallParser):
+    """A block of calls, each `<invoke name="NAME">` with `<parameter name="KEY">VALUE
+    </parameter>`s, newlines between the tags (the tag names as a family writes them); the
+    block's end is taken with its last call."""
 
-    name = "minimax_m2"
-    markers = ("<minimax:tool_call>",)
-    template_hints = ("<minimax:tool_call>",)
-    closing = ("</invoke>", "</minimax:tool_call>")
-    _invoke = '<invoke name="'
+    block: ClassVar[str]  # opens the block
+    invoke: ClassVar[str]  # opens a call: its name follows, up to `">`
+    parameter: ClassVar[str]  # opens a parameter: its key (and attributes) follow, up to `">`
+    parameter_end: ClassVar[str]
+
+    def param_key(self, head: str, call: TagCall) -> str | None:
+        """The parameter's key, from its opening tag's text after `parameter`."""
+        return head
 
     def scan(self, text: str, pos: int) -> TagCall:
         call = TagCall()
         cursor = _Cursor(text, pos, call)
-        opening = cursor.tag(self.markers[0], self._invoke)
-        if opening is None or (opening == self.markers[0] and not cursor.tag(self._invoke)):
+        opening = cursor.tag(self.block, self.invoke)
+        if opening is None or (opening == self.block and not cursor.tag(self.invoke)):
             return call
         if not cursor.name(cursor.until('">')):
             return call
-        while (tag := cursor.tag('<parameter name="', "</invoke>")) == '<parameter name="':
-            if not cursor.value(cursor.until('">'), "</parameter>"):
+        while (tag := cursor.tag(self.parameter, self.closing[0])) == self.parameter:
+            head = cursor.until('">')
+            key = None if head is None else self.param_key(head, call)
+            if head is not None and key is None:
+                call.broken = True
+            if not cursor.value(key, self.parameter_end):
                 return call
         if tag is None:
             return call
@@ -290,9 +303,54 @@ class MiniMaxM2Parser(TagCallParser):
         after = text[block_end:]
         if after.startswith(self.closing[1]):
             call.end = block_end + len(self.closing[1])
-        elif not (self.closing[1].startswith(after) or self._invoke.startswith(after)):
+        elif not (self.closing[1].startswith(after) or self.invoke.startswith(after)):
             call.end = cursor.pos  # the next call has begun (or text after an open block)
         return call
+
+
+class MiniMaxM2Parser(InvokeBlockParser):
+    """MiniMax M2: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE
+    </parameter>...</invoke><invoke ...>...</invoke></minimax:tool_call>`."""
+
+    name = "minimax_m2"
+    markers = ("<minimax:tool_call>",)
+    template_hints = ("<minimax:tool_call>",)
+    closing = ("</invoke>", "</minimax:tool_call>")
+    block = "<minimax:tool_call>"
+    invoke = '<invoke name="'
+    parameter = '<parameter name="'
+    parameter_end = "</parameter>"
+
+
+_DSML_PARAMETER = re.compile(r'([^"<>\n]+)" string="(true|false)')
+
+
+class DeepSeekV32Parser(InvokeBlockParser):
+    """DeepSeek V3.2's DSML: `<｜DSML｜function_calls><｜DSML｜invoke name="NAME">
+    <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>...
+    </｜DSML｜invoke>...</｜DSML｜function_calls>`; `string="false"` marks a value written as
+    JSON (numbers, booleans, arrays, objects), `string="true"` one written as it is. The
+    encoding puts two newlines before the block: they are the calls', not the content's."""
+
+    name = "deepseek_v32"
+    markers = ("\n\n<｜DSML｜function_calls>", "<｜DSML｜function_calls>")
+    template_hints = ("｜DSML｜",)
+    closing = ("</｜DSML｜invoke>", "</｜DSML｜function_calls>")
+    block = "<｜DSML｜function_calls>"
+    invoke = '<｜DSML｜invoke name="'
+    parameter = '<｜DSML｜parameter name="'
+    parameter_end = "</｜DSML｜parameter>"
+
+    def param_key(self, head: str, call: TagCall) -> str | None:
+        match = _DSML_PARAMETER.fullmatch(head)
+        if match is None:
+            return None
+        if match.group(2) == "false":
+            call.json_keys.add(match.group(1))
+        return match.group(1)
+
+    def json_value(self, call: TagCall, key: str) -> bool:
+        return key in call.json_keys
 
 
 def _wants_json(schema: Any) -> bool:

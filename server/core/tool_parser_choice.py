@@ -3,15 +3,20 @@ whose family's syntax the chat template mentions."""
 
 from __future__ import annotations
 
-from server.core.tag_tool_parsers import Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser
+from server.core.tag_tool_parsers import (
+    DeepSeekV32Parser,
+    Glm45Parser,
+    MiniMaxM2Parser,
+    Qwen3CoderParser,
+)
 from server.core.token_tool_parsers import DeepSeekV31Parser, KimiK2Parser, MistralParser
 from server.core.tool_parsers import HermesParser, Llama3JsonParser, ToolParser
 
 # Looked for in this order: the tag families' templates mention `<tool_call>` too.
 PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (DeepSeekV31Parser, KimiK2Parser, MiniMaxM2Parser, Qwen3CoderParser,
-                   Glm45Parser, HermesParser, Llama3JsonParser, MistralParser)
+    for parser in (DeepSeekV32Parser, DeepSeekV31Parser, KimiK2Parser, MiniMaxM2Parser,
+                   Qwen3CoderParser, Glm45Parser, HermesParser, Llama3JsonParser, MistralParser)
 }
 
 

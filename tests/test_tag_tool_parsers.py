@@ -12,6 +12,7 @@ from fake_engine import ToolTemplateTokenizer
 from test_tool_parsers import incomplete, split_at_random, stream, stream_pieces
 from tool_call_checks import (
     CONTENT,
+    check_anthropic_tool_use,
     check_streamed_deltas,
     check_whole_response,
     scripted_client,
@@ -421,3 +422,7 @@ def test_calls_in_a_whole_response(scripted_server):
 
 def test_calls_streamed_as_tool_call_deltas(scripted_server):
     check_streamed_deltas(scripted_server, TOOLS, CODE)
+
+
+def test_calls_as_anthropic_tool_use_blocks_whole_and_streamed(scripted_server):
+    check_anthropic_tool_use(scripted_server, TOOLS, CODE)

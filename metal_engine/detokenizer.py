@@ -16,12 +16,15 @@ class IncrementalDetokenizer:
     still grow into one is held back until it cannot.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+                 shown_special_ids: tuple[int, ...] = ()):
         # The Rust tokenizer's stream decoder: one native call per token, no Python re-decoding.
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(
             ids=list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True
         )
+        # The special tokens written as their text, which the stream decoder skips.
+        self._shown = {i: self._backend.id_to_token(i) for i in shown_special_ids}
         self.stop = stop
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # decoded output text so far
@@ -33,6 +36,8 @@ class IncrementalDetokenizer:
         chunk = self._stream.step(self._backend, token_id)
         if chunk:  # None while a multi-byte character is still incomplete
             self.text += chunk
+        elif token_id in self._shown:
+            self.text += self._shown[token_id]
         return self._cut_at_stop()
 
     def take_delta(self, final: bool) -> str:

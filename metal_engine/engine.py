@@ -110,7 +110,8 @@ class LLMEngine:
         self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                             params.shown_special_ids)
         self._checks[request_id] = RequestOutputCheck(request_id, detokenizer, self.structured)
 
     def _check_pooling(self, pooling: PoolingParams) -> None:

@@ -37,7 +37,9 @@ class SamplingParams:
     `repetition_penalty` (divides positive logits, multiplies negative ones; below
     1 / MAX_REPETITION_PENALTY it acts as that bound) over prompt and output tokens.
     `logprobs = k` returns the sampled token's logprob and its top-k alternatives;
-    `structured` constrains the output to a grammar.
+    `structured` constrains the output to a grammar. The detokenizer skips special tokens
+    but `shown_special_ids`, which it writes as their text (the markup a chat format's
+    parser reads, e.g. Mistral's `[TOOL_CALLS]`).
     """
 
     max_tokens: int = 16
@@ -47,6 +49,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = field(default=())
+    shown_special_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0

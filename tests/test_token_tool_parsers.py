@@ -10,6 +10,7 @@ import random
 import pytest
 from fake_engine import ToolTemplateTokenizer
 from test_tool_parsers import incomplete, split_at_random, stream, stream_pieces
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tool_call_checks import (
     CONTENT,
     MESSAGES,
@@ -18,7 +19,13 @@ from tool_call_checks import (
     check_whole_response,
     scripted_client,
 )
+from transformers import PreTrainedTokenizerFast
 
+from metal_engine.detokenizer import IncrementalDetokenizer
+from metal_engine.outputs import RequestOutput
+from scheduler.sampling_params import SamplingParams
+from server.core.chat_format import prepare_chat
+from server.core.chat_request import ChatCompletionRequest
 from server.core.token_tool_parsers import DeepSeekV31Parser, KimiK2Parser, MistralParser
 from server.core.tool_parser_choice import parser_for_template, parser_named
 from server.core.tool_parsers import ParsedCall
@@ -224,3 +231,70 @@ def test_mistral_reasoning_then_calls_whole_and_streamed():
     assert "".join(d.content or "" for d in deltas) == CONTENT
     calls = [t for d in deltas for t in d.tool_calls or []]
     assert [t.function.name for t in calls if t.function.name] == ["get_weather", "write_file"]
+
+
+# ---- Mistral's markup is special tokens ------------------------------------------------------
+
+
+def tekken_style_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with Mistral's control tokens as special tokens (as transformers
+    converts a tekken.json), and a v13-style template with tools and thinking chunks."""
+    controls = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]",
+                "[/THINK]"]  # fmt: skip
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    corpus = ['get_weather {"city": "Paris", "days": 3} Checking the weather first.'] * 20
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=controls,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = (
+        "<s>{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+        "{% elif m['role'] == 'assistant' %}{% for block in m.get('thinking', []) %}"
+        "{{- '[THINK]' + block['thinking'] + '[/THINK]' }}{% endfor %}{{ m['content'] }}"
+        "{% for tool in m.get('tool_calls', []) %}{{- '[TOOL_CALLS]' }}"
+        "{{- tool['function']['name'] + '[ARGS]' + tool['function']['arguments'] }}"
+        "{% endfor %}</s>{% endif %}{% endfor %}"
+    )
+    return tokenizer
+
+
+def test_mistral_s_special_markup_reaches_the_parser_through_the_detokenizer():
+    """Decoding skips special tokens, which would leave `get_weather{...}` of a Mistral call:
+    the chat format has the detokenizer write out those its parsers read, and no other."""
+    tokenizer = tekken_style_tokenizer()
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES,
+                                                 "tools": TOOLS})  # fmt: skip
+    prepared = prepare_chat(tokenizer, chat, None)
+    params = prepared.with_format(SamplingParams())
+    shown = {tokenizer.convert_ids_to_tokens(i) for i in params.shown_special_ids}
+    assert shown == {"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"}
+    answer = ('[THINK]The weather first.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]'
+              '{"city": "Paris", "days": 3}</s>')
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    assert len([i for i in ids if i in special]) == 5  # the markup, and </s>
+
+    def answered(shown_ids: tuple[int, ...]) -> tuple[str, str, list]:
+        detokenizer = IncrementalDetokenizer(tokenizer, prepared.ids, (), shown_ids)
+        parser, reasoning, content, calls = prepared.new_parser(), "", "", []
+        for n, token in enumerate(ids, 1):
+            detokenizer.add_token(token)
+            final = n == len(ids)
+            piece = parser.feed(RequestOutput("r", [token], detokenizer.take_delta(final),
+                                              "stop" if final else None, len(prepared.ids), n))
+            reasoning, content = reasoning + piece.reasoning, content + piece.content
+            calls += [(c.name, c.arguments) for c in piece.calls]
+        return reasoning, content, calls
+
+    reasoning, content, calls = answered(params.shown_special_ids)
+    assert (reasoning, content) == ("The weather first.", "Checking.")
+    assert calls[0][0] == "get_weather"
+    assert json.loads("".join(a for _, a in calls)) == {"city": "Paris", "days": 3}
+    # Skipped, the markup is lost: the call and the reasoning come out as plain text.
+    assert answered(()) == ("", 'The weather first.Checking.get_weather{"city": "Paris", '
+                                '"days": 3}', [])  # fmt: skip

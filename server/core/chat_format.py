@@ -19,7 +19,7 @@ from server.core.chat_request import ChatCompletionRequest
 from server.core.harmony_encoding import harmony_encoding, speaks_harmony
 from server.core.harmony_parsing import HarmonyTurnParser
 from server.core.harmony_prompts import harmony_prompt
-from server.core.prompt_ids import chat_template, prompt_of
+from server.core.prompt_ids import chat_template, prompt_of, special_token_ids
 from server.core.reasoning import ReasoningStream, opens_reasoning, think_tags
 from server.core.tool_call_stream import ToolCallStream
 from server.core.turn_parsing import TemplateTurnParser, TurnParser
@@ -36,24 +36,29 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PreparedChat:
-    """The prompt's token ids, what the sampler must add for this format, a factory of
-    parsers for the answer (one per choice), and the prompt's images: where each one is,
-    `ids` hold as many placeholder tokens as the model's tower gives it embeddings."""
+    """The prompt's token ids, what the sampler and the detokenizer must add for this format,
+    a factory of parsers for the answer (one per choice), and the prompt's images: where each
+    one is, `ids` hold as many placeholder tokens as the model's tower gives it embeddings."""
 
     ids: list[int]
     structured: StructuredOutput | None  # a forced call's or response_format's schema
     stop_token_ids: tuple[int, ...]  # the format's own ends of a turn
     new_parser: Callable[[], TurnParser]
     media: PromptMedia | None = None  # only for a model with vision
+    shown_special_ids: tuple[int, ...] = ()  # special tokens of the markup its parsers read
 
     def sampling_params(
         self, chat: ChatCompletionRequest, max_tokens: int, defaults: SamplingDefaults
     ) -> SamplingParams:
-        params = chat.sampling_params(max_tokens, self.structured, defaults)
-        if not self.stop_token_ids:
+        return self.with_format(chat.sampling_params(max_tokens, self.structured, defaults))
+
+    def with_format(self, params: SamplingParams) -> SamplingParams:
+        """`params` with this format's ends of a turn and the special tokens to show."""
+        if not (self.stop_token_ids or self.shown_special_ids):
             return params
         stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.stop_token_ids)))
-        return dataclasses.replace(params, stop_token_ids=stops)
+        return dataclasses.replace(params, stop_token_ids=stops,
+                                   shown_special_ids=self.shown_special_ids)
 
 
 def load_chat_format(tokenizer: Any) -> None:
@@ -89,6 +94,9 @@ def prepare_chat(
     prompt, plan = prompt_of(tokenizer, chat, parser_name, max_text_bytes)
     tags = think_tags(chat_template(tokenizer))
     starts_inside = opens_reasoning(prompt.text, tags)
+    # Mistral's tokenizers hold its markup as special tokens: its parsers must see them.
+    markup = (tags.open, tags.close, *(plan.parser.markup() if plan.parser else ()))
+    shown = special_token_ids(tokenizer, markup)
 
     def new_parser() -> TurnParser:
         tools = ToolCallStream(plan.parser) if plan.parser is not None else None
@@ -102,7 +110,7 @@ def prepare_chat(
         except ValueError as exc:  # e.g. a template that writes no image placeholder
             raise APIError(f"The images could not be placed in the prompt: {exc}",
                            param="messages") from exc
-    return PreparedChat(ids, structured, (), new_parser, media)
+    return PreparedChat(ids, structured, (), new_parser, media, shown)
 
 
 async def render_ids(

@@ -79,6 +79,13 @@ def _render(tokenizer: Any, conversation: list[dict[str, Any]], **options: Any) 
         raise APIError(message, param="messages") from exc
 
 
+def special_token_ids(tokenizer: Any, texts: Iterable[str]) -> tuple[int, ...]:
+    """The ids of the special tokens (those decoding skips) whose text is one of `texts`."""
+    wanted = set(texts)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}  # test doubles have none
+    return tuple(i for i, token in added.items() if token.special and token.content in wanted)
+
+
 def _holds_control_tokens(
     tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> bool:

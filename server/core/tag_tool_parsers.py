@@ -114,6 +114,9 @@ class TagCallParser(ToolParser):
     def for_tools(self, schemas: dict[str, dict[str, Any]]) -> ToolParser:
         return type(self)(schemas)
 
+    def markup(self) -> tuple[str, ...]:
+        return (*self.markers, *self.closing)
+
     @abstractmethod
     def scan(self, text: str, pos: int) -> TagCall:
         """The call whose opening tag is next in `text` from `pos` (spaces skipped)."""

@@ -45,6 +45,11 @@ class TokenDelimitedParser(ToolParser):
     section_begin: ClassVar[str] = ""
     section_end: ClassVar[str] = ""
 
+    def markup(self) -> tuple[str, ...]:
+        tokens = (self.section_begin, self.call_begin, self.separator, self.call_end,
+                  self.section_end)  # fmt: skip
+        return tuple(token for token in tokens if token)
+
     @abstractmethod
     def name_of(self, text: str) -> str | None:
         """The function's name, from the text between a call's begin token and the
@@ -190,6 +195,9 @@ class MistralParser(TokenDelimitedParser):
     call_begin = "[TOOL_CALLS]"
     separator = "[ARGS]"
     _call_id = "[CALL_ID]"
+
+    def markup(self) -> tuple[str, ...]:
+        return (*super().markup(), self._call_id)
 
     def name_of(self, text: str) -> str | None:
         name = text.split(self._call_id, 1)[0].strip()

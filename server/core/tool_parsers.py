@@ -96,6 +96,11 @@ class ToolParser(ABC):
     template_hints: ClassVar[tuple[str, ...]] = ()  # chat-template text that picks this parser
     tag_start: ClassVar[str] = ""  # begins a tag that may end a call's text (none: JSON ends it)
 
+    def markup(self) -> tuple[str, ...]:
+        """The texts its syntax writes that a tokenizer may hold as special tokens, which
+        decoding must then write out for this parser to read them."""
+        return self.markers
+
     def for_tools(self, schemas: dict[str, dict[str, Any]]) -> ToolParser:
         """This parser for a request's functions (their parameter schemas by name); the
         families that write argument values as untyped text read their types there."""
@@ -152,6 +157,9 @@ class HermesParser(ToolParser):
     template_hints = ("<tool_call>",)
     tag_start = "<"
     _close = "</tool_call>"
+
+    def markup(self) -> tuple[str, ...]:
+        return (*self.markers, self._close)
 
     def calls(self, region: str, final: bool) -> RegionCalls:
         calls, end = [], 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -36,7 +35,7 @@ from server.serve_args import MAX_N
 if TYPE_CHECKING:
     from metal_engine.outputs import RequestOutput
     from scheduler.media import PromptMedia
-    from scheduler.sampling_params import StructuredOutput
+    from scheduler.sampling_params import SamplingParams, StructuredOutput
 
 
 class ChoiceStream(Protocol):
@@ -57,7 +56,8 @@ class _Endpoint:
     # The response (whole, or one stream chunk) from id, created, choices and usage.
     response: Callable[[str, int, list[Any], Usage | None], BaseModel]
     head: Callable[[int], BaseModel] | None = None  # a stream's first item for choice k
-    stop_token_ids: tuple[int, ...] = ()  # the prompt format's own ends of a turn
+    # What the prompt's format adds to the params (its ends of a turn, special tokens shown).
+    with_format: Callable[[SamplingParams], SamplingParams] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Serving:
             return ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
 
         endpoint = _Endpoint("chatcmpl", "messages", new_stream, response, head,
-                             prepared.stop_token_ids)  # fmt: skip
+                             prepared.with_format)  # fmt: skip
         return await self._serve(body, request, [prepared.ids], prepared.structured, endpoint,
                                  prepared.media)
 
@@ -146,9 +146,8 @@ class Serving:
             check_context(len(ids), requested, context, endpoint.prompt_param) for ids in prompts
         )
         params = body.sampling_params(max_tokens, structured, self.engine.sampling_defaults)
-        if endpoint.stop_token_ids:
-            stops = (*params.stop_token_ids, *endpoint.stop_token_ids)
-            params = dataclasses.replace(params, stop_token_ids=stops)
+        if endpoint.with_format is not None:
+            params = endpoint.with_format(params)
         check_token_ids(self.engine.tokenizer, (t for t, _ in params.logit_bias), "logit_bias")
         request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         start = engine_choices.start_prompts(

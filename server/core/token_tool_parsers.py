@@ -79,12 +79,12 @@ class TokenDelimitedParser(ToolParser):
         """The text of the arguments object that starts at `start` and where its call ends;
         None while it may still grow, or if it is no object."""
         if not self.call_end:
+            begin = skip_space(region, start)
             try:
-                value, stop = _JSON.raw_decode(region, skip_space(region, start))
+                value, stop = _JSON.raw_decode(region, begin)
             except ValueError:
                 return None
-            body = region[skip_space(region, start) : stop]
-            return (body, stop) if isinstance(value, dict) else None
+            return (region[begin:stop], stop) if isinstance(value, dict) else None
         close = region.find(self.call_end, start)
         if close < 0 and not final:
             return None
@@ -185,8 +185,8 @@ class KimiK2Parser(TokenDelimitedParser):
 class MistralParser(TokenDelimitedParser):
     """Mistral: `[TOOL_CALLS]NAME[ARGS]{...}` a call (tokenizer v13 on; v11 writes
     `[CALL_ID]ID` before `[ARGS]`), or before v11 one `[TOOL_CALLS][{"name": ...,
-    "arguments": {...}}, ...]` array. `[TOOL_CALLS]` is a special token that detokenizing
-    may drop, so a leading JSON array of calls counts too."""
+    "arguments": {...}}, ...]` array; a leading JSON array of calls counts too, the token
+    missing."""
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)

@@ -46,7 +46,8 @@ PROMPTS = {
 NEXT_TOKEN = 77  # fed after the prompt in a text-only step
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text",
+                                                "qwen3_5_moe_text"])
 def vision_model(request, tmp_path_factory):
     """(transformers vision-language model, our converted text model's dir)."""
     source = tmp_path_factory.mktemp(f"{request.param}-hf")

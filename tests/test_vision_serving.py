@@ -94,6 +94,9 @@ PROMPT = [5, 9, 17, START, IMAGE, END, 40, 41, 8]
 TWO_IMAGES = [7, START, IMAGE, END, 33, 12, START, IMAGE, END, 61, 62]
 
 
+# The MoE families here only: their vision side is the dense ones' (each case ~15 s).
+@pytest.mark.parametrize("checkpoint", ["qwen3_5_text", "qwen3_vl_text", "qwen3_5_moe_text",
+                                        "qwen3_vl_moe_text"], indirect=True)
 @pytest.mark.parametrize("budget", [16, 256], ids=["chunked", "whole"])
 def test_served_tokens_equal_transformers_for_the_same_pictures(checkpoint, budget):
     model, processor, model_dir = checkpoint

@@ -2,8 +2,9 @@
 the picture preprocessed, encoded by our tower, placed in the prompt and served by the engine
 must give transformers' greedy tokens for the same picture (its own processor, tower and
 model), with an encoder cache too small for two images too; the same screenshot in the next
-request is a prefix-cache hit, encoded once; the official openai client gets its answer from
-a real server; the memory plan shows the encoder cache; several ranks are refused.
+request is a prefix-cache hit, encoded once, and after a restart a hit from the disk tier;
+the official openai client gets its answer from a real server; the memory plan shows the
+encoder cache; several ranks are refused.
 """
 
 from __future__ import annotations
@@ -216,3 +217,33 @@ def test_warm_up_runs_the_tower_before_the_first_image_request(checkpoint):
     got = serve_all(engine, {"after": engine.image_model.place(PROMPT, [Picture(shot)])})
     assert got["after"] == transformers_greedy(model, processor, PROMPT, shot, MAX_TOKENS)
     assert not engine.scheduler.requests  # the warm-up's request is not the engine's
+
+
+# Text after the image, so that the blocks holding it are all before the prompt's last block.
+LONG_PROMPT = [*PROMPT, 30, 31, 32, 33, 34, 35, 36, 37, 38]
+
+
+def test_a_restarted_engine_reads_the_screenshots_blocks_from_disk(checkpoint, tmp_path):
+    """The disk tier keys an image's blocks by its content as memory does: after a restart
+    the same picture's blocks are stored hits (its encoding skipped), tokens as
+    transformers'; another picture of the same size shares none of them."""
+    model, processor, model_dir = checkpoint
+    shot, other = picture(16, 16, 7), picture(16, 16, 8)
+    first = engine_of(model_dir, kv_cache_dir=tmp_path)
+    want = transformers_greedy(model, processor, LONG_PROMPT, shot, MAX_TOKENS)
+    placed = first.image_model.place(LONG_PROMPT, [Picture(shot)])
+    assert serve_all(first, {"first": placed})["first"] == want
+    first.close()
+
+    restarted = engine_of(model_dir, kv_cache_dir=tmp_path)
+    vision, stats = restarted.image_model, restarted.scheduler.prefix_cache.stats
+    got = serve_all(restarted, {"other": vision.place(LONG_PROMPT, [Picture(other)])})
+    assert got["other"] == transformers_greedy(model, processor, LONG_PROMPT, other, MAX_TOKENS)
+    ids, media = vision.place(LONG_PROMPT, [Picture(shot)])
+    assert stats.stored_hit_tokens <= ids.index(IMAGE)
+    assert restarted.runner.encoder.num_encoded == 1
+
+    assert serve_all(restarted, {"again": (ids, media)})["again"] == want
+    [image] = media.images
+    assert stats.stored_hit_tokens >= -(-image.end // 8) * 8  # every block holding the image
+    assert restarted.runner.encoder.num_encoded == 1  # not encoded again

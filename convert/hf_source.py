@@ -11,9 +11,11 @@ A Qwen vision tower (Qwen3.5's, Qwen3-VL's) is kept unless `text_only`: under Hu
 names (`model.visual.*`, also from mlx-vlm's `vision_tower.*`, its conv weight laid back out),
 float, beside the image processor's preprocessor_config.json, its `vision_config` and image
 token ids written into config.json (metal_engine.vision loads it). So is a Gemma 3 / Gemma 4
-tower (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.embed_vision.*`) whose
-tensors are the float tower's; one that is not (mlx-vlm's quantized towers) is left out with a
-warning, the model converted as a text model.
+tower (`model.vision_tower.*`, `model.multi_modal_projector.*`, `model.embed_vision.*`, also
+from mlx-vlm's names, Gemma 3's patch convolution laid back out) whose tensors are the float
+tower's; one missing some is left out with a warning, the model converted as a text model.
+A dir in MLX's quantized layout (mlx-vlm's quantized ones too) is not converted at all
+(convert.layout.config_from_hf): it is served as it is, its tower dequantized at load.
 
 Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers drops on load) is kept for
 speculative decoding (metal_engine.drafting.mtp): under its own names, laid out as the
@@ -59,7 +61,13 @@ from metal_engine.loading.weights import (
 )
 from metal_engine.models.bert import checkpoint_name
 from metal_engine.vision import gemma_config
-from metal_engine.vision.gemma_loading import converted_tower_name, converted_tower_shapes
+from metal_engine.vision.gemma_loading import (
+    PATCH_EMBED,
+    conv_as_torch,
+    conv_shape_as_torch,
+    converted_tower_name,
+    converted_tower_shapes,
+)
 from metal_engine.vision.pixels import IMAGE_PROCESSOR_CONFIG, PROCESSOR_CONFIG
 from metal_engine.vision.qwen_vision_config import (
     QwenVisionConfig,
@@ -80,6 +88,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # causal LM's `model.` prefix.
 BASE_MODEL_PARTS = ("embed_tokens.", "layers.", "norm.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Gemma 3's patch convolution as a converted dir keeps it (mlx-vlm's is laid out channel-last).
+GEMMA_PATCH_EMBED = "model." + PATCH_EMBED
 # Families whose multi-token-prediction layer follows the stack (`model.layers.{N}.*`) and has
 # a head class here (metal_engine.models.deepseek_v3.MultiTokenPredictor).
 MTP_AFTER_THE_STACK = ("deepseek_v3", "glm4_moe_lite")
@@ -190,8 +200,9 @@ def _keeps_gemma_tower(names_by_file: dict[Path, dict[str, tuple[str, tuple[int,
                     del names[source]
     if found == wanted:
         return True
-    log.warning("%s: the vision tower's tensors are not the float %s tower's (a quantized "
-                "tower?); it is left out and the model converted as a text model", path,
+    log.warning("%s: the vision tower's tensors are not the float %s tower's (some are "
+                "missing or of other shapes); it is left out and the model converted as a "
+                "text model", path,
                 config.__class__.__name__.removesuffix("VisionConfig"))
     for names in names_by_file.values():
         for source in [s for s, (t, _) in names.items() if t.startswith(GEMMA_TOWER_PREFIXES)]:
@@ -232,8 +243,7 @@ def _tensor_names(files: list[Path], config: ModelConfig, text_part: bool, keep_
         if config.model_type in MTP_AFTER_THE_STACK:
             targets = {n: _mtp_name(t, layers) for n, t in targets.items()}
         # Tied checkpoints sometimes store lm_head too; it is the embedding again.
-        names = {n: (t, conv_shape_as_hf(shapes[n]) if t == HF_PATCH_EMBED else shapes[n])
-                 for n, t in targets.items()
+        names = {n: (t, _torch_shape(t, shapes[n])) for n, t in targets.items()
                  if t is not None and not t.endswith(IGNORED_SUFFIXES)
                  and not (tied and t == "lm_head.weight") and not _beyond_the_stack(t, layers)}
         duplicates = seen.intersection(names)
@@ -254,6 +264,19 @@ def _target_name(name: str, text_part: bool, keep_tower: bool,
     if name.startswith(BASE_MODEL_PARTS):  # saved from the base model, as embedding models are
         return f"model.{name}"
     return text_model_name(name) if text_part else name
+
+
+def _torch_shape(target: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A tower's patch convolution's shape in PyTorch's layout (mlx-vlm's is MLX's)."""
+    if target == HF_PATCH_EMBED:
+        return conv_shape_as_hf(shape)
+    return conv_shape_as_torch(shape) if target == GEMMA_PATCH_EMBED else shape
+
+
+def _torch_layout(target: str, tensor: mx.array) -> mx.array:
+    if target == HF_PATCH_EMBED:
+        return conv_as_hf(tensor)
+    return conv_as_torch(tensor) if target == GEMMA_PATCH_EMBED else tensor
 
 
 def _hf_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -315,5 +338,5 @@ def _read_tensors(names_by_file: dict[Path, dict[str, tuple[str, tuple[int, ...]
         weights = mx.load(str(file))
         for source, (target, _) in names.items():
             tensor = from_mlx_lm_hybrid(target, weights[source]) if mlx_lm else weights[source]
-            tensor = conv_as_hf(tensor) if target == HF_PATCH_EMBED else tensor
+            tensor = _torch_layout(target, tensor)
             yield target, tensor if fp8 is None else fp8.dequantized(target, tensor)

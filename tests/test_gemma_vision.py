@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -13,16 +14,20 @@ import pytest
 import torch
 import transformers
 from PIL import Image
+from tiny_models import save_word_tokenizer
 from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 from transformers.models.gemma4.image_processing_pil_gemma4 import (
     get_aspect_ratio_preserving_size,
 )
 
+from convert import convert_model
+from metal_engine.loading.weights import load_model
 from metal_engine.vision.gemma3_processor import Gemma3ImageProcessor
 from metal_engine.vision.gemma4_processor import Gemma4ImageProcessor
 from metal_engine.vision.gemma_config import read_gemma_vision
 from metal_engine.vision.gemma_loading import load_gemma_vision
 from metal_engine.vision.gemma_text_side import image_blocks
+from metal_engine.vision.image_model import load_image_model
 
 TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, head_dim=32, pad_token_id=0)
@@ -175,45 +180,78 @@ def test_gemma4_tower_matches_get_image_features(gemma4, count: int, backend: st
     np.testing.assert_allclose(np.array(features.embeds), expected, atol=1e-4, rtol=0)
 
 
-def test_mlx_vlm_layout_loads_the_same_tower(gemma3, tmp_path: Path) -> None:
-    """mlx-vlm's Gemma 3: no `model.` prefix, the SigLIP model under `vision_model.`, the
-    patch convolution as MLX's `[out, p, p, channels]`."""
-    path, _ = gemma3
-    stored = mx.load(str(path / "model.safetensors"))
-    renamed = {}
-    for name, tensor in stored.items():
-        name = name.replace("vision_tower.", "vision_tower.vision_model.")
+def mlx_vlm_dir(source: Path, out: Path, bits: int | None = None) -> Path:
+    """The dir mlx-vlm's convert writes from the Hugging Face checkpoint `source`: no
+    `model.` prefix, the text model under `language_model.model.`, Gemma 3's SigLIP model
+    under `vision_tower.vision_model.` with its patch convolution channel-last; with `bits`,
+    every Linear whose input width divides by 32 quantized (the tower's included)."""
+    tensors = {}
+    for name, tensor in mx.load(str(source / "model.safetensors")).items():
+        name = name.removeprefix("model.")
+        if name.startswith("language_model.") and not name.startswith("language_model.model."):
+            name = name.replace("language_model.", "language_model.model.", 1)
+        if name.startswith("vision_tower.encoder") or name.startswith("vision_tower.embeddings"):
+            name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)
         if name.endswith("patch_embedding.weight"):
             tensor = tensor.transpose(0, 2, 3, 1)
-        renamed[name] = tensor
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), renamed)
-    (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    image = Gemma3ImageProcessor.from_model_dir(path, load_gemma_vision(path, mx.float32).config)(
-        _images()[0])
-    ours = load_gemma_vision(tmp_path, mx.float32).encode([image]).embeds
-    reference = load_gemma_vision(path, mx.float32).encode([image]).embeds
-    np.testing.assert_array_equal(np.array(ours), np.array(reference))
+        tensors[name] = tensor
+    config = json.loads((source / "config.json").read_text())
+    if bits is not None:
+        for name in [n for n, t in tensors.items() if n.endswith(".weight")
+                     and t.ndim == 2 and t.shape[-1] % 32 == 0]:
+            module = name.removesuffix(".weight")
+            tensors[name], tensors[f"{module}.scales"], tensors[f"{module}.biases"] = (
+                mx.quantize(tensors[name], group_size=32, bits=bits))
+        config["quantization"] = config["quantization_config"] = {"group_size": 32,
+                                                                  "bits": bits}
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config))
+    for side_file in source.glob("*processor_config.json"):
+        (out / side_file.name).write_bytes(side_file.read_bytes())
+    save_word_tokenizer(out)
+    return out
 
 
-def test_mlx_vlm_quantized_tower_loads_dequantized(gemma4, tmp_path: Path) -> None:
-    """mlx-vlm's Gemma 4: no `model.` prefix, the tower's linears quantized (8 bits)."""
+def assert_same_features(model_dir: Path, reference_dir: Path, atol: float = 0.0) -> None:
+    """The dir's vision side encodes each test image as the reference dir's tower does
+    (exactly unless `atol`)."""
+    ours, reference = load_image_model(model_dir, mx.float32), load_gemma_vision(reference_dir,
+                                                                                mx.float32)
+    assert ours is not None
+    for image in _images():
+        _, processed = ours.process(SimpleNamespace(image=image, content_hash="", detail="auto"))
+        got = np.array(ours.tower.encode([processed]).embeds)
+        want = np.array(reference.encode([processed]).embeds)
+        np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+        assert atol == 0 or not np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_the_mlx_vlm_float_layout_loads_and_converts_keeping_the_tower(family, request,
+                                                                       tmp_path) -> None:
+    path, _ = request.getfixturevalue(family)
+    theirs = mlx_vlm_dir(path, tmp_path / "mlx-vlm")
+    load_model(theirs, mx.float32)
+    assert_same_features(theirs, path)
+    out = convert_model(theirs, tmp_path / "out", progress=False)
+    tensors = mx.load(str(out / "model.safetensors"))
+    assert any(n.startswith("model.vision_tower.") for n in tensors)
+    load_model(out, mx.float32)  # the text model loads past the tower
+    assert_same_features(out, path)
+
+
+def test_a_quantized_mlx_vlm_dir_is_served_as_it_is(gemma4, tmp_path: Path) -> None:
+    """Conversion refuses MLX's quantized layout (the text model's weights are quantized as
+    well as the tower's); the dir loads as it is, its tower dequantized."""
     path, _ = gemma4
-    saved = mx.load(str(path / "model.safetensors"))
-    stored = {name.removeprefix("model."): tensor for name, tensor in saved.items()}
-    for name in [n for n, t in stored.items() if n.endswith("linear.weight")]:
-        module = name.removesuffix(".weight")
-        stored[name], stored[f"{module}.scales"], stored[f"{module}.biases"] = mx.quantize(
-            stored[name], group_size=32, bits=8)
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), stored)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization"] = {"group_size": 32, "bits": 8}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    float_tower = load_gemma_vision(path, mx.float32)
-    image = Gemma4ImageProcessor.from_model_dir(path, float_tower.config)(_images()[0])
-    ours = load_gemma_vision(tmp_path, mx.float32).encode([image]).embeds
-    reference = float_tower.encode([image]).embeds
-    np.testing.assert_allclose(np.array(ours), np.array(reference), atol=0.05, rtol=0)
-    assert not np.array_equal(np.array(ours), np.array(reference))
+    theirs = mlx_vlm_dir(path, tmp_path / "mlx-vlm", bits=8)
+    assert any(n.startswith("vision_tower.") and n.endswith(".scales")
+               for n in mx.load(str(theirs / "model.safetensors")))
+    with pytest.raises(ValueError, match="already in MLX's quantized layout: serve it as it is"):
+        convert_model(theirs, tmp_path / "out", progress=False)
+    load_model(theirs, mx.float32)
+    assert_same_features(theirs, path, atol=0.05)
 
 
 def test_text_only_dir_has_no_tower(tmp_path: Path) -> None:

@@ -195,11 +195,14 @@ def test_the_mlx_vlm_layout_loads_and_converts(checkpoint, tmp_path: Path) -> No
     (theirs / IMAGE_PROCESSOR_CONFIG).write_bytes((folder / IMAGE_PROCESSOR_CONFIG).read_bytes())
     assert tower["vision_tower.patch_embed.proj.weight"].shape[-1] == 3
     assert_same_features(theirs, model, folder, [random_image(70, 40), random_image(90, 60)])
-    if family == "qwen3_5":  # the text model of Qwen3-VL is not served yet
-        out = convert_model(theirs, tmp_path / "out", progress=False)
-        got, want = load_file(out / "model.safetensors"), load_file(folder / "model.safetensors")
-        for name in [n for n in want if n.startswith("model.visual.")]:
-            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    out = convert_model(theirs, tmp_path / "out", progress=False)
+    got, want = load_file(out / "model.safetensors"), load_file(folder / "model.safetensors")
+    tower_names = [n for n in want if n.startswith("model.visual.")]
+    assert tower_names
+    for name in tower_names:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_same_features(out, model, folder, [random_image(70, 40)])
+    load_model(out, mx.float32)  # the text model too
 
 
 def test_conversion_keeps_the_tower_in_float(tmp_path: Path) -> None:

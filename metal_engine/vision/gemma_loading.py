@@ -31,6 +31,8 @@ _TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "embed_vision.")
 # position-id buffers.
 _UNUSED = ("vision_tower.head.", "position_ids")
 _CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+# Gemma 3's (SigLIP's) patch convolution, as the tower names it.
+PATCH_EMBED = "vision_tower.embeddings.patch_embedding.weight"
 
 
 def load_gemma_vision(model_dir: Path | str, dtype: mx.Dtype) -> GemmaVisionTower | None:
@@ -57,8 +59,8 @@ def load_gemma_vision(model_dir: Path | str, dtype: mx.Dtype) -> GemmaVisionTowe
         elif not _ignored(target):
             raise ValueError(f"{model_dir}: tensor {name!r} is not part of the "
                              f"{raw['model_type']} vision tower")
-    if isinstance(config, Gemma3VisionConfig):
-        weights = _conv_as_stored_by_torch(weights, config.vision.num_channels)
+    if PATCH_EMBED in weights:
+        weights[PATCH_EMBED] = conv_as_torch(weights[PATCH_EMBED])
     tower.load_weights([(n, t.astype(dtype)) for n, t in weights.items()], strict=True)
     tower.eval()
     mx.eval(tower.parameters())
@@ -94,11 +96,17 @@ def _ignored(name: str) -> bool:
     return any(part in name for part in _UNUSED) or name.endswith(_CLIP_BOUNDS)
 
 
-def _conv_as_stored_by_torch(weights: dict[str, mx.array], channels: int) -> dict[str, mx.array]:
-    """Gemma 3's patch convolution as `[out, channels, p, p]`; mlx-vlm stores it
-    `[out, p, p, channels]`."""
-    name = "vision_tower.embeddings.patch_embedding.weight"
-    conv = weights.get(name)
-    if conv is not None and conv.shape[1] != channels and conv.shape[3] == channels:
-        weights = {**weights, name: conv.transpose(0, 3, 1, 2)}
-    return weights
+def conv_as_torch(weight: mx.array) -> mx.array:
+    """Gemma 3's patch convolution as PyTorch's `[out, channels, p, p]`, from either layout
+    (mlx-vlm stores it as MLX's `[out, p, p, channels]`)."""
+    return weight.transpose(0, 3, 1, 2) if _is_channel_last(tuple(weight.shape)) else weight
+
+
+def conv_shape_as_torch(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[0], shape[3], shape[1], shape[2]) if _is_channel_last(shape) else shape
+
+
+def _is_channel_last(shape: tuple[int, ...]) -> bool:
+    """A patch is square: PyTorch's last two sides are equal, MLX's are a side and the
+    channels."""
+    return len(shape) == 4 and shape[2] != shape[3]

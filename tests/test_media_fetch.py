@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from image_files import data_url, encoded, picture
+from image_files import data_url
+from image_server import PNG, SLOW_S, serving_images
 
 from server.http.errors import APIError
 from server.media.images import ImageSource
@@ -20,59 +19,12 @@ from server.media.load import load_images
 from server.media.options import MediaOptions
 
 FIELD = "input[0].content[1].image_url"
-PNG = encoded(picture(), "PNG")
-SLOW_S = 2.0
-
-
-class ImageHandler(BaseHTTPRequestHandler):
-    """/picture.png, and paths that go wrong in each way a fetch can."""
-
-    def do_GET(self) -> None:
-        port = self.server.server_address[1]
-        if self.path == "/picture.png":
-            self._send(200, PNG)
-        elif self.path == "/moved":
-            self._send(302, b"", location="/picture.png")
-        elif self.path == "/moved-away":  # same server, another host name
-            self._send(302, b"", location=f"http://localhost:{port}/picture.png")
-        elif self.path == "/loop":
-            self._send(302, b"", location="/loop")
-        elif self.path == "/big":
-            self._send(200, PNG + b"\0" * 4096)
-        elif self.path == "/big-unsized":  # no Content-Length: the stream itself is cut off
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(PNG + b"\0" * 4096)
-            self.close_connection = True
-        elif self.path == "/slow":
-            time.sleep(SLOW_S)
-            self._send(200, PNG)
-        else:
-            self._send(404, b"not here")
-
-    def _send(self, status: int, body: bytes, location: str | None = None) -> None:
-        self.send_response(status)
-        if location is not None:
-            self.send_header("Location", location)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ImageHandler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_images() as url:
+        yield url
 
 
 ALLOWED = {"allowed_domains": frozenset({"127.0.0.1"})}

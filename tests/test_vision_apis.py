@@ -4,9 +4,11 @@ vision-language model, driven by the official clients.
 Each answer equals transformers' greedy tokens for the prompt its own tokenizer and chat
 template render from the same conversation, with the same picture: OpenAI chat, Responses
 and Anthropic Messages, streamed and not; Claude Code's Read of a picture (a `tool_result`
-holding an image); the next turn resending its screenshot as a prefix-cache hit over the
-image's blocks, and another picture of the same size hitting none of them; bad images
-refused with a 400 naming the field while the server goes on serving.
+holding an image, sent inline or as a URL the server fetches from an allowed local host);
+a chat image URL fetched through a redirect within its host; the next turn resending its
+screenshot as a prefix-cache hit over the image's blocks, and another picture of the same
+size hitting none of them; bad images refused with a 400 naming the field while the server
+goes on serving.
 
 The tokenizer reads text one character a token (a BPE vocabulary of single characters, no
 merges: the model family's own tokenizer class keeps it), so prompts hold text as well as
@@ -22,6 +24,8 @@ import httpx
 import openai
 import pytest
 from image_files import data_url, encoded, png_claiming
+from image_files import picture as url_picture
+from image_server import serving_images
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import running_app
 from tiny_models import VOCAB, build_tiny_model
@@ -74,8 +78,9 @@ def save_char_tokenizer(path) -> None:
 class Served:
     """The server's URL, and transformers' side of the same checkpoint."""
 
-    def __init__(self, url: str, model_dir, model, processor, tokenizer) -> None:
+    def __init__(self, url: str, images: str, model_dir, model, processor, tokenizer) -> None:
         self.url = url
+        self.images = images  # the image server's base URL (its host allowed)
         self.model_dir = model_dir
         self.model = model
         self.processor = processor
@@ -124,9 +129,11 @@ def served(tmp_path_factory):
                               progress=False)
     engine = build_engine(EngineConfig(model_dir=model_dir, max_model_len=256,
                                        kv_cache_memory=16 << 20, block_size=BLOCK))
-    bridge = AsyncEngine(engine, media=MediaOptions(max_images=MAX_IMAGES))
-    with running_app(build_app(bridge, "default")) as url:
-        yield Served(url, model_dir, model, processor, AutoTokenizer.from_pretrained(model_dir))
+    bridge = AsyncEngine(engine, media=MediaOptions(
+        max_images=MAX_IMAGES, allowed_domains=frozenset({"127.0.0.1"})))
+    with serving_images() as images, running_app(build_app(bridge, "default")) as url:
+        yield Served(url, images, model_dir, model, processor,
+                     AutoTokenizer.from_pretrained(model_dir))
 
 
 def png_url(image) -> str:
@@ -191,31 +198,65 @@ READ = {"name": "Read", "description": "Read a file.", "input_schema": {
     "type": "object", "properties": {"file_path": {"type": "string"}}}}  # fmt: skip
 
 
-def test_claude_codes_read_of_a_picture_reaches_the_model(served):
-    shot = picture(16, 12, 11)
-    messages = [
+def claude_read(source: dict) -> list[dict]:
+    """Claude Code's Read of a picture: the request, the tool call, and a `tool_result`
+    holding the image from `source`."""
+    return [
         {"role": "user", "content": "Read shot.png"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read",
                                            "input": {"file_path": "shot.png"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                      "content": [{"type": "image",
-                                                   "source": base64_source(shot)}]}]},
+                                      "content": [{"type": "image", "source": source}]}]},
     ]  # fmt: skip
+
+
+# `claude_read` as the chat template gets it, and its tools.
+READ_TURNS = [
+    {"role": "user", "content": "Read shot.png"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "Read", "arguments": {}}}]},
+    {"role": "tool", "content": [{"type": "image"}]},
+]  # fmt: skip
+READ_TOOLS = [{"type": "function", "function": {"name": "Read"}}]
+
+
+def test_claude_codes_read_of_a_picture_reaches_the_model(served):
+    shot = picture(16, 12, 11)
     message = served.anthropic().messages.create(
         model="default", max_tokens=MAX_TOKENS, extra_body=GREEDY, tools=[READ],
-        messages=messages)
-    conversation = [
-        {"role": "user", "content": "Read shot.png"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "Read", "arguments": {}}}]},
-        {"role": "tool", "content": [{"type": "image"}]},
-    ]  # fmt: skip
-    tools = [{"type": "function", "function": {"name": "Read"}}]
-    assert message.content[0].text == served.answer(conversation, shot, tools)
+        messages=claude_read(base64_source(shot)))
+    assert message.content[0].text == served.answer(READ_TURNS, shot, READ_TOOLS)
     usage = message.usage
-    prompt = served.prompt_tokens(conversation, shot, tools)
+    prompt = served.prompt_tokens(READ_TURNS, shot, READ_TOOLS)
     assert usage.input_tokens + usage.cache_read_input_tokens == prompt
     assert prompt > image_token_count(served.processor, shot) == 12
+
+
+def test_an_image_url_in_a_tool_result_is_fetched_and_answered(served):
+    """Claude Code's Read as an Anthropic url source: the server fetches the picture from an
+    allowed host and answers as transformers does for it."""
+    source = {"type": "url", "url": f"{served.images}/picture.png"}
+    message = served.anthropic().messages.create(
+        model="default", max_tokens=MAX_TOKENS, extra_body=GREEDY, tools=[READ],
+        messages=claude_read(source))
+    assert message.content[0].text == served.answer(READ_TURNS, url_picture(), READ_TOOLS)
+
+
+def test_a_chat_image_url_is_fetched_through_a_redirect_within_the_host(served):
+    def image_at(path: str) -> list[dict]:
+        return [{"role": "user", "content": [
+            {"type": "text", "text": QUESTION},
+            {"type": "image_url", "image_url": {"url": served.images + path}}]}]  # fmt: skip
+
+    client = served.openai()
+    reply = client.chat.completions.create(model="default", messages=image_at("/moved"),
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == served.answer(ASKED, url_picture())
+    with pytest.raises(openai.BadRequestError) as raised:  # never to another host
+        client.chat.completions.create(model="default", messages=image_at("/moved-away"),
+                                       max_tokens=MAX_TOKENS)
+    assert raised.value.body["param"] == "messages[0].content[1].image_url"
+    assert "redirects to another host (localhost)" in raised.value.body["message"]
 
 
 def next_turn(first: list[dict], answer: str) -> list[dict]:

@@ -1,15 +1,20 @@
 """Images through the three APIs, driven by the official clients: kept in their place in the
 conversation up to the chat template for a model with vision (a scripted one, whose vision
 side records the images it is handed; tests/test_vision_serving.py serves a real one), refused with
-each API's 400 naming the field for a bad image, and for the text-only default model refused
-in user messages but a note in tool outputs (an agent's session goes on)."""
+each API's 400 naming the field for a bad image, decoded off the event loop (a slow one holds
+up no other request), and for the text-only default model refused in user messages but a
+note in tool outputs (an agent's session goes on)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
+import httpx
 import openai
 import pytest
 from fake_engine import ScriptedEngine, ToolTemplateTokenizer
@@ -22,6 +27,7 @@ from server.async_engine import AsyncEngine
 from server.core.chat_format import prepared_chat
 from server.core.chat_images import IMAGE_NOTE
 from server.core.chat_request import ChatCompletionRequest
+from server.media import load
 from server.media.options import MediaOptions
 
 PNG = data_url(encoded(picture(), "PNG"))
@@ -168,6 +174,38 @@ def test_bad_images_get_each_apis_400_naming_the_field(vision):
             model="m", input=[{"role": "user", "content": "Look"}, CALL, codex_output(BMP)])
     assert raised.value.body["param"] == "input[2].output[1].image_url"
     assert "send PNG, JPEG, WebP and GIF images" in raised.value.body["message"]
+
+
+DECODE_S = 1.0  # how long the patched decode takes
+
+
+def test_a_slow_decode_holds_up_no_other_request(vision, monkeypatch):
+    """Images are decoded on a worker thread: while one takes a second, /health and a text
+    request are answered at once, and the image's request after it."""
+    _, url = vision
+    decoding = threading.Event()
+
+    def slow_decode(*args):
+        decoding.set()
+        time.sleep(DECODE_S)
+        return decode_image(*args)
+
+    decode_image = load.decode_image
+    monkeypatch.setattr(load, "decode_image", slow_decode)
+    client = openai_client(url)
+    with ThreadPoolExecutor(1) as pool:
+        image_reply = pool.submit(client.chat.completions.create, model="m", messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": PNG}]}])
+        assert decoding.wait(10)
+        started = time.monotonic()
+        assert httpx.get(f"{url}/health").status_code == 200
+        text_reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hello"}])
+        elapsed = time.monotonic() - started
+        assert not image_reply.done()
+        assert image_reply.result().choices[0].message.content == "I see."
+    assert text_reply.choices[0].message.content == "I see."
+    assert elapsed < DECODE_S / 2
 
 
 def test_prompt_building_gets_the_decoded_images_in_order():

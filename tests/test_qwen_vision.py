@@ -1,12 +1,14 @@
 """The Qwen vision side against transformers: image preprocessing (Qwen2VLImageProcessorPil,
-which Qwen3-VL and Qwen3.5 use), the tower's embeddings and deepstack features
-(`get_image_features` of tiny random Qwen3-VL and Qwen3.5 checkpoints), loading from
-`save_pretrained` dirs and mlx-vlm's layout, and conversion keeping the tower."""
+which Qwen3-VL and Qwen3.5 use; a request's detail level too), the tower's embeddings and
+deepstack features (`get_image_features` of tiny random Qwen3-VL and Qwen3.5 checkpoints),
+loading from `save_pretrained` dirs and mlx-vlm's layout, and conversion keeping the tower."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +24,7 @@ from transformers import Qwen2VLImageProcessorPil
 
 from convert import convert_model
 from metal_engine.loading.weights import load_model
+from metal_engine.vision.image_model import LOW_DETAIL_TOKENS, load_image_model
 from metal_engine.vision.pixels import IMAGE_PROCESSOR_CONFIG
 from metal_engine.vision.qwen_image_processing import (
     QwenImageProcessing,
@@ -178,6 +181,31 @@ def test_the_tower_computes_what_transformers_does(checkpoint, backend) -> None:
     assert_same_features(folder, model, folder, [random_image(70, 40)], backend)
     assert_same_features(folder, model, folder, [random_image(70, 40), random_image(150, 100)],
                          backend)
+
+
+def test_low_detail_caps_a_large_picture_at_256_tokens(checkpoint, tmp_path: Path) -> None:
+    """Under bounds that give a large picture over 1000 tokens, "low" resizes it within
+    256 tokens' pixels as transformers' processor does under those bounds; "auto" and "high"
+    keep the checkpoint's bounds and share their cache key, "low" has its own."""
+    family, _, folder = checkpoint
+    shutil.copytree(folder, tmp_path / "model")
+    factor = 2 * PATCH[family]
+    hf = hf_processor(PATCH[family], size={"shortest_edge": factor**2 * 4,
+                                           "longest_edge": factor**2 * 2048})
+    hf.save_pretrained(tmp_path / "model")
+    vision = load_image_model(tmp_path / "model", mx.float32)
+    big = random_image(1400, 1000)
+    spans = {detail: vision.place([vision.placeholder_id], [SimpleNamespace(
+        image=big, content_hash="big", detail=detail)])[1].images[0]
+        for detail in ("low", "auto", "high")}  # fmt: skip
+    low, auto, high = spans.values()
+    assert low.length <= LOW_DETAIL_TOKENS < 1000 < auto.length == high.length
+    assert low.content_hash != auto.content_hash == high.content_hash
+    want = hf(big, return_tensors="np", size={"shortest_edge": factor**2 * 4,
+                                              "longest_edge": factor**2 * LOW_DETAIL_TOKENS})
+    assert low.processed.grid == tuple(want["image_grid_thw"][0])
+    np.testing.assert_allclose(low.processed.pixel_values, want["pixel_values"], atol=1e-5,
+                               rtol=0)
 
 
 def test_the_mlx_vlm_layout_loads_and_converts(checkpoint, tmp_path: Path) -> None:

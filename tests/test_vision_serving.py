@@ -12,6 +12,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import openai
@@ -247,3 +250,41 @@ def test_a_restarted_engine_reads_the_screenshots_blocks_from_disk(checkpoint, t
     [image] = media.images
     assert stats.stored_hit_tokens >= -(-image.end // 8) * 8  # every block holding the image
     assert restarted.runner.encoder.num_encoded == 1  # not encoded again
+
+
+# Serving installs no PyTorch: a picture decoded, placed, encoded and served without it.
+WITHOUT_TORCH = """
+import asyncio, json, sys
+sys.modules["torch"] = None  # any import of torch fails
+from metal_engine.config import EngineConfig
+from metal_engine.engine_build import build_engine
+from scheduler import SamplingParams
+from server.media.images import ImageSource
+from server.media.load import load_images
+from server.media.options import MediaOptions
+
+model_dir, url, prompt, max_tokens = json.loads(sys.argv[1])
+engine = build_engine(EngineConfig(model_dir=model_dir, max_model_len=256,
+                                   kv_cache_memory=16 << 20, block_size=8))
+images = asyncio.run(load_images([ImageSource("image_url", url)], MediaOptions()))
+ids, media = engine.image_model.place(prompt, images)
+engine.add_request("a", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                   media=media)
+tokens = []
+while engine.has_unfinished_requests():
+    tokens += [t for out in engine.step() for t in out.new_token_ids]
+print(json.dumps(tokens))
+"""
+
+
+def test_an_image_is_served_without_pytorch(checkpoint):
+    model, processor, model_dir = checkpoint
+    shot = picture(18, 14, 9)
+    buffer = io.BytesIO()
+    shot.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    argument = json.dumps([str(model_dir), url, PROMPT, MAX_TOKENS])
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, argument], check=True,
+                          capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    tokens = json.loads(done.stdout.splitlines()[-1])
+    assert tokens == transformers_greedy(model, processor, PROMPT, shot, MAX_TOKENS)

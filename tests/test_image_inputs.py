@@ -252,6 +252,13 @@ def test_a_text_only_model_refuses_user_images_naming_the_field(text_only):
             model="default", max_tokens=4, messages=[question])
     assert raised.value.body["error"]["message"].startswith(
         "messages[0].content[0].source: this model reads text only")
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client(text_only).responses.create(
+            model="default", max_output_tokens=4, input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "What is this?"},
+                {"type": "input_image", "image_url": PNG}]}])  # fmt: skip
+    assert raised.value.body["param"] == "input[0].content[1].image_url"
+    assert "this model reads text only (it has no vision)" in raised.value.body["message"]
 
 
 @pytest.mark.slow

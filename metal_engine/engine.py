@@ -17,7 +17,7 @@ from metal_engine.sampling.structured import StructuredOutputs
 from scheduler import Request, SamplingParams, Scheduler
 from scheduler.media import PromptMedia
 from scheduler.output import RequestUpdate, SchedulerOutput
-from scheduler.pooling_params import PoolingParams
+from scheduler.pooling_params import PoolingParams, PoolingRefused
 
 if TYPE_CHECKING:
     from metal_engine.loading.pooling_config import PoolingConfig
@@ -118,8 +118,9 @@ class LLMEngine:
         """ValueError naming what this engine cannot pool so."""
         hidden_size = self.runner.model.config.hidden_size
         if pooling.dimensions is not None and pooling.dimensions > hidden_size:
-            raise ValueError(f"dimensions is {pooling.dimensions} but the model's embeddings "
-                             f"have {hidden_size}: ask for at most {hidden_size}")
+            raise PoolingRefused(f"dimensions is {pooling.dimensions} but the model's "
+                                 f"embeddings have {hidden_size}: ask for at most {hidden_size}",
+                                 param="dimensions")
         if pooling.logit_token_ids and not self.runner.model.has_head:
             raise ValueError("the model has no LM head to read token logits from")
         if self.runner.stage is not None:

@@ -11,6 +11,14 @@ PoolingKind = Literal["last", "mean", "cls"]
 POOLING_KINDS: tuple[PoolingKind, ...] = ("last", "mean", "cls")
 
 
+class PoolingRefused(ValueError):
+    """An engine cannot pool a request as it asks; `param`: the request's field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class PoolingParams:
     """How one pooling request reduces its prompt's final hidden states to one vector.

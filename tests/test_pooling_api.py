@@ -73,7 +73,9 @@ def test_base64_dimensions_and_named_prompt(embedding_server):
     ({"input": ""}, "input"),
     ({"input": [list(range(1, 100)) * 2]}, "input"),
     ({"input": ["w1"] * 3000}, "input"),
-    ({"input": "w1", "dimensions": 65}, None),
+    ({"input": "w1", "dimensions": 65}, "dimensions"),
+    ({"input": "w1", "dimensions": 0}, "dimensions"),
+    ({"input": "w1", "dimensions": -3}, "dimensions"),
     ({"input": "w1", "extra_body": {"prompt_name": "passage"}}, "prompt_name"),
 ])
 def test_bad_embedding_requests_are_400s(embedding_server, body, param):

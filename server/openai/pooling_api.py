@@ -17,7 +17,7 @@ from fastapi import APIRouter
 
 from metal_engine.loading.pooling_config import PoolingConfig, PoolingTask
 from metal_engine.outputs import RequestOutput
-from scheduler.pooling_params import PoolingParams
+from scheduler.pooling_params import PoolingParams, PoolingRefused
 from scheduler.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
 from server.core.prompt_ids import check_token_ids
@@ -176,7 +176,9 @@ async def _pool_one(async_engine: AsyncEngine, ids: list[int], pooling: PoolingP
                                                   pooling=pooling):
             if output.finished:
                 last = output
-    except ValueError as exc:  # the engine refused it (e.g. dimensions past the model's)
+    except PoolingRefused as exc:  # e.g. dimensions past the model's
+        raise APIError(str(exc), param=exc.param) from exc
+    except ValueError as exc:  # the engine refused it
         raise APIError(str(exc)) from exc
     if last is None or last.pooled is None:
         raise APIError("The request was aborted before it pooled.", status_code=503)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI's limit on the inputs of one embeddings request; rerank's documents share it.
 MAX_INPUTS = 2048
@@ -17,7 +17,7 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: int | None = Field(default=None, ge=1)
     # A prompt named in the model's config_sentence_transformers.json (e.g. "query"),
     # put before every input, as sentence-transformers' `prompt_name`.
     prompt_name: str | None = None

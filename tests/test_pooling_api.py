@@ -128,5 +128,9 @@ def test_rerank_and_score_equal_transformers(tmp_path):
         assert [d["score"] for d in scored.json()["data"]] == pytest.approx(expected, abs=1e-4)
         empty = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": []})
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
+        for top_n in (0, -1):
+            refused = httpx.post(f"{url}/v1/rerank",
+                                 json={"query": query, "documents": documents, "top_n": top_n})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_n"
         cards = httpx.get(f"{url}/v1/models").json()["data"]
         assert all("rerank" in card["capabilities"] for card in cards)

@@ -48,7 +48,7 @@ class RerankRequest(BaseModel):
     query: str
     documents: list[str]
     model: str | None = None
-    top_n: int | None = None
+    top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
     instruction: str | None = None  # Qwen3-Reranker's <Instruct> (default: web search)
 

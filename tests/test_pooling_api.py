@@ -126,6 +126,13 @@ def test_rerank_and_score_equal_transformers(tmp_path):
             assert r["document"]["text"] == documents[r["index"]]
         scored = httpx.post(f"{url}/v1/score", json={"text_1": query, "text_2": documents})
         assert [d["score"] for d in scored.json()["data"]] == pytest.approx(expected, abs=1e-4)
+        for document, score in zip(documents, expected, strict=True):  # each alone
+            alone = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": [document]})
+            [result] = alone.json()["results"]
+            assert result["index"] == 0
+            assert result["relevance_score"] == pytest.approx(score, abs=1e-4)
+            scored = httpx.post(f"{url}/v1/score", json={"text_1": query, "text_2": document})
+            assert [d["score"] for d in scored.json()["data"]] == pytest.approx([score], abs=1e-4)
         empty = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": []})
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
         for top_n in (0, -1):

@@ -72,7 +72,7 @@ def test_base64_dimensions_and_named_prompt(embedding_server):
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
     ({"input": [list(range(1, 100)) * 2]}, "input"),
-    ({"input": ["w1"] * 3000}, "input"),
+    ({"input": ["w1"] * 10_000}, "input"),
     ({"input": "w1", "dimensions": 65}, "dimensions"),
     ({"input": "w1", "dimensions": 0}, "dimensions"),
     ({"input": "w1", "dimensions": -3}, "dimensions"),

@@ -151,6 +151,8 @@ class Model(OpsModel):
     """`__call__` gives the last layer's states of every packed row; a cross-encoder's
     `logits` score its pooled first rows (`num_labels` each)."""
 
+    mtp_class = None  # an encoder drafts nothing (`--speculative-config auto` asks)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

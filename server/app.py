@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from server.anthropic.api import anthropic_router
 from server.async_engine import AsyncEngine
 from server.core.chat_format import load_chat_format
+from server.core.tool_plan import takes_tools
 from server.dashboard.routes import dashboard_router
 from server.http.auth import ApiKeyAuth
 from server.http.body_limit import RequestBody
@@ -206,14 +207,16 @@ def model_cards(async_engine: AsyncEngine, model_ids: list[str], created: int,
 
 
 def _capabilities(async_engine: AsyncEngine) -> list[str]:
-    """What the model serves: "completion" and "chat" (a chat template) if it generates,
-    "vision" if it reads images, "embeddings" or "rerank" if it pools."""
+    """What the model serves: "completion", "chat" (a chat template) and "tools" (a template
+    that takes them) if it generates, "vision" if it reads images, "embeddings" or "rerank"
+    if it pools."""
     runner = getattr(async_engine.engine, "runner", None)
     pooling = getattr(async_engine.engine, "pooling", None)
     generates = runner is None or (runner.model.has_head and pooling is None)
     capabilities = ["completion"] if generates else []
-    if generates and getattr(async_engine.tokenizer, "chat_template", None):
-        capabilities.append("chat")
+    template = getattr(async_engine.tokenizer, "chat_template", None) if generates else None
+    if template:
+        capabilities += ["chat", "tools"] if takes_tools(str(template)) else ["chat"]
     if async_engine.vision:
         capabilities.append("vision")
     if pooling is not None:

@@ -23,6 +23,7 @@ from server.fleet.front import build_fleet_app
 from server.fleet.serve import fleet_of
 from server.launch import _http_options, add_arguments
 
+TOOLS_TEMPLATE = "{% if tools %}w9 {% endif %}" + CHAT_TEMPLATE
 # Each model: 16 MiB of KV and well under 1 MiB of weights; two fit in the budget, not three.
 KV = "16MiB"
 BUDGET = "40MiB"
@@ -31,10 +32,11 @@ BUDGET = "40MiB"
 @pytest.fixture(scope="module")
 def fleet_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    for name, layers in (("coder", 2), ("small", 1)):
+    # `coder`'s chat template takes tools, `small`'s does not.
+    for name, layers, template in (("coder", 2, TOOLS_TEMPLATE), ("small", 1, CHAT_TEMPLATE)):
         base = build_tiny_model("llama", root / name, num_hidden_layers=layers)
         (root / name / "tokenizer_config.json").write_text(
-            json.dumps({"chat_template": CHAT_TEMPLATE}))
+            json.dumps({"chat_template": template}))
     save_peft_adapter(base, root / "small-ft", rank=4, seed=1)
     build_embedding_model(root / "embed")
     # `small` through the config file: its alias, and an adapter in its own options.
@@ -74,6 +76,8 @@ def test_models_load_on_first_use_by_name_and_alias_and_the_lru_one_makes_room(f
     assert cards["small"].max_model_len == 256  # its trained context, read from its files
     assert cards["small"].aliases == ["claude-*-haiku-*", "small-ft"]
     assert cards["embed"].capabilities == ["embeddings"]
+    assert cards["small"].capabilities == ["completion", "chat"]  # read from its files
+    assert cards["coder"].capabilities == ["completion", "chat", "tools"]  # its engine's
 
     assert chat(client, "coder") == "coder"
     assert chat(client, "claude-3-5-haiku-20241022") == "small"  # loaded for it
@@ -85,6 +89,7 @@ def test_models_load_on_first_use_by_name_and_alias_and_the_lru_one_makes_room(f
     assert states(client) == {"coder": "loaded", "small": "unloaded", "embed": "loaded"}
     cards = {card.id: card for card in client.models.list().data}
     assert cards["embed"].max_model_len == 128 and cards["coder"].num_parameters > 0
+    assert cards["embed"].capabilities == ["embeddings"]
 
     # And back: `small` loads again, `embed` (least recently used, unpinned) makes room.
     assert chat(client, "small") == "small"

@@ -46,6 +46,12 @@ def has_tool_syntax(template: str) -> bool:
     return "tools" in template
 
 
+def takes_tools(template: str) -> bool:
+    """Whether a chat model lists the "tools" capability: its template renders tools itself,
+    or writes calls in a family's syntax that a parser reads."""
+    return has_tool_syntax(template) or parser_for_template(template) is not None
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     native: bool  # the chat template renders tools itself

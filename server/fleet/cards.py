@@ -43,15 +43,34 @@ def _from_files(reference: str | None) -> dict:
 
 
 def _capabilities(path: Path, raw: dict) -> list[str]:
+    """As a loaded model's engine lists them (server.app)."""
+    from server.core.tool_plan import takes_tools
+
     if (path / "modules.json").is_file():  # sentence-transformers: it pools
         return ["embeddings"]
-    chat = (path / "chat_template.jinja").is_file() or "chat_template" in _tokenizer_config(path)
-    vision = "vision_config" in raw
-    return ["completion", *(["chat"] if chat else []), *(["vision"] if vision else [])]
+    capabilities = ["completion"]
+    template = _chat_template(path)
+    if template:
+        capabilities += ["chat", "tools"] if takes_tools(template) else ["chat"]
+    return capabilities + (["vision"] if "vision_config" in raw else [])
 
 
-def _tokenizer_config(path: Path) -> dict:
+def _chat_template(path: Path) -> str | None:
+    """The dir's chat template text (all of them, for named templates), where transformers'
+    AutoTokenizer looks for it: chat_template.jinja and additional_chat_templates/, else
+    tokenizer_config.json."""
+    files = [path / "chat_template.jinja",
+             *sorted(path.glob("additional_chat_templates/*.jinja"))]
+    texts = [f.read_text(encoding="utf-8") for f in files if f.is_file()]
+    template = _json(path / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        template = "\n".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    return "\n".join(texts) or template or None
+
+
+def _json(path: Path) -> dict:
     try:
-        return json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}

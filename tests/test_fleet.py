@@ -115,6 +115,16 @@ def test_a_models_own_options_apply_to_it_alone(tmp_path):
     assert args.max_model_len is None
 
 
+def test_a_models_task_comes_from_its_options_else_from_the_servers(tmp_path):
+    config = tmp_path / "models.toml"
+    config.write_text('[models.r]\npath = "/m/r"\noptions = ["--task", "rerank"]\n')
+    alone = model_catalog(parse("--model", "a=/m/a", "--models-config", str(config)))
+    assert {name: e.task for name, e in alone.entries.items()} == {"a": "auto", "r": "rerank"}
+    told = model_catalog(parse("--model", "a=/m/a", "--models-config", str(config),
+                               "--task", "embed"))
+    assert {name: e.task for name, e in told.entries.items()} == {"a": "embed", "r": "rerank"}
+
+
 @pytest.mark.parametrize(("toml", "error"), [
     ('[models.a]\npath = "x"\ncolour = "red"\n', r"\[models.a\]: unknown key colour"),
     ('[models.a]\naliases = ["x"]\n', "needs path"),

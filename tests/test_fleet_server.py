@@ -24,6 +24,10 @@ from server.fleet.serve import fleet_of
 from server.launch import _http_options, add_arguments
 
 TOOLS_TEMPLATE = "{% if tools %}w9 {% endif %}" + CHAT_TEMPLATE
+# A request each capability serves: its route and body.
+SERVING_REQUESTS = {"completion": ("completions", {"prompt": "w5 w6", "max_tokens": 2}),
+                    "embeddings": ("embeddings", {"input": "w5 w6"}),
+                    "rerank": ("rerank", {"query": "w5", "documents": ["w6 w7", "w8"]})}
 # Each model: 16 MiB of KV and well under 1 MiB of weights; two fit in the budget, not three.
 KV = "16MiB"
 BUDGET = "40MiB"
@@ -145,3 +149,47 @@ def test_status_shows_one_model_of_several(fleet_server, capsys):
     assert "coder" in capsys.readouterr().out
     assert main(["status", "--url", fleet_server, "--model", "gpt-9"]) == 1
     assert "serves no model 'gpt-9'" in capsys.readouterr().err
+
+
+def test_a_models_card_lists_before_it_loads_what_its_engine_serves(tmp_path):
+    """Each unloaded card's capabilities, read from the model's files and its options'
+    `--task`, equal its loaded engine's: chat with tools (the template in
+    chat_template.jinja), a cross-encoder and a causal reranker (`--task rerank` in its
+    options) that rerank, the same causal LM without that option, and an embedding model
+    without an LM head or sentence-transformers files."""
+    from embedding_models import build_reranker
+    from encoder_models import build_cross_encoder
+
+    build_tiny_model("llama", tmp_path / "tools")
+    (tmp_path / "tools" / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    build_cross_encoder("bert", tmp_path / "cross")
+    build_reranker(tmp_path / "qwen-reranker")
+    build_embedding_model(tmp_path / "headless")
+    (tmp_path / "headless" / "modules.json").unlink()  # nothing says it embeds but its head
+    config = tmp_path / "models.toml"
+    config.write_text('[models.reranker]\npath = "qwen-reranker"\n'
+                      'options = ["--task", "rerank"]\n')
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--model", f"tools={tmp_path / 'tools'}", "--model", f"cross={tmp_path / 'cross'}",
+        "--model", f"generator={tmp_path / 'qwen-reranker'}", "--models-config", str(config),
+        "--model", f"headless={tmp_path / 'headless'}", "--kv-cache-memory", "4MiB",
+        "--max-model-len", "64", "--max-loaded-models", "1",
+    ])  # fmt: skip
+    expected = {"tools": ["completion", "chat", "tools"], "cross": ["rerank"],
+                "generator": ["completion"], "headless": ["embeddings"],
+                "reranker": ["rerank"]}
+    fleet = fleet_of(model_catalog(args), args, _http_options(args))
+    with running_app(build_fleet_app(fleet, _http_options(args))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        unloaded = {card.id: card.capabilities for card in client.models.list().data}
+        assert unloaded == expected
+        for name in expected:
+            card = httpx.post(f"{url}/v1/models/load", json={"model": name}, timeout=120)
+            assert card.status_code == 200, card.text
+            assert (card.json()["state"], card.json()["capabilities"]) == ("loaded",
+                                                                          expected[name])
+            route, body = SERVING_REQUESTS[expected[name][0]]
+            served = httpx.post(f"{url}/v1/{route}", json={"model": name, **body}, timeout=60)
+            assert served.status_code == 200, served.text

@@ -9,7 +9,8 @@ sentence-transformers files beside the checkpoint.
 serves rerank scores; a dir with sentence-transformers files, an encoder without a head, or a
 causal LM's checkpoint without an LM head (Qwen3-Embedding's: last-token pooling, normalized)
 serves embeddings; any other model generates. A causal LM served with `--task rerank` scores
-pairs as Qwen3-Reranker does (server/openai/rerank_prompt.py).
+pairs as Qwen3-Reranker does (server/openai/rerank_prompt.py). The same rule answers for a
+model not loaded yet (`task_from_files`: a server's card of it).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from typing import Any, Literal
 
 from metal_engine.config import Task
 from metal_engine.loading.model_config import ModelConfig
+from metal_engine.loading.weight_bytes import safetensors_headers
+from metal_engine.loading.weights import has_lm_head, safetensors_files, text_model_name
 from scheduler.pooling_params import PoolingKind
 
 PoolingTask = Literal["embed", "rerank"]
+ServedTask = Literal["generate", "embed", "rerank"]
 # How a reranker scores a pair: a causal LM's "yes" against "no" over Qwen3-Reranker's
 # template, or a cross-encoder's classifier over the tokenizer's pair encoding.
 Scorer = Literal["yes_no", "classifier"]
@@ -76,8 +80,22 @@ def read_pooling_config(model_dir: Path, task: Task, config: ModelConfig,
     return PoolingConfig("embed")
 
 
+def task_from_files(model_dir: Path, task: Task, config: ModelConfig) -> ServedTask:
+    """What the model in `model_dir` serves under `task`, read from its files without loading
+    a weight (its safetensors headers say whether it has an LM head): the task its loaded
+    engine will serve, for a server to list before loading it."""
+    model_dir = Path(model_dir)
+    if config.encoder is not None:
+        has_head = config.encoder.classifies
+    else:
+        names = (text_model_name(n) or "" for n in
+                 safetensors_headers(safetensors_files(model_dir)))
+        has_head = has_lm_head(config, names)
+    return _resolved_task(task, model_dir, config, has_head)
+
+
 def _resolved_task(task: Task, model_dir: Path, config: ModelConfig,
-                   has_head: bool) -> Literal["generate", "embed", "rerank"]:
+                   has_head: bool) -> ServedTask:
     if task == "score":
         return "rerank"
     if task != "auto":

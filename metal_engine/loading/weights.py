@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -98,7 +98,7 @@ def load_model(model_dir: Path, dtype: mx.Dtype,
         weights.update(mx.load(str(path)))
     multimodal = raw_config.get("model_type") in TEXT_PARTS
     weights = to_this_layout(with_model_prefix(weights), config, multimodal)
-    if not config.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
+    if not has_lm_head(config, weights):
         model.drop_head()  # an embedding model's base-model checkpoint
     if quantization is not None:
         quantization = this_layout_entries(quantization, multimodal)
@@ -123,6 +123,13 @@ def load_model(model_dir: Path, dtype: mx.Dtype,
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def has_lm_head(config: ModelConfig, names: Iterable[str]) -> bool:
+    """Whether a decoder whose checkpoint holds tensors `names` (this layout's) has an LM head:
+    tied to its embedding, or its own (a base model's checkpoint, an embedding model's, has
+    none)."""
+    return config.tie_word_embeddings or any(name.startswith("lm_head.") for name in names)
 
 
 def with_model_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:

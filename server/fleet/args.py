@@ -15,6 +15,7 @@ from pathlib import Path
 
 import tomllib
 
+from metal_engine.config import Task
 from server.arg_types import parse_size, positive_int, positive_seconds
 from server.fleet.catalog import ModelCatalog, ModelEntry
 from server.model_loading import ENGINE_OPTIONS
@@ -106,12 +107,14 @@ def model_catalog(args: argparse.Namespace) -> ModelCatalog | None:
     if args.lora_modules:
         raise ValueError("--lora-modules: adapters belong to one model; give them in that "
                          "model's options (docs/several-models.md)")
-    by_name = {name: _settled(entry, name in (args.pinned_models or ()), ttl)
-               for name, entry in by_name.items()}
     # Each model's options are read now, so a bad one fails at start, not at its first
     # request; the names of its adapters pick it, as with one model.
-    adapters = tuple((adapter, name) for name, entry in by_name.items()
-                     for adapter, _ in model_args(args, entry).lora_modules or ())
+    own = {name: model_args(args, entry) for name, entry in by_name.items()}
+    by_name = {name: _settled(entry, name in (args.pinned_models or ()), ttl,
+                              own[name].task or "auto")
+               for name, entry in by_name.items()}
+    adapters = tuple((adapter, name) for name, parsed in own.items()
+                     for adapter, _ in parsed.lora_modules or ())
     return ModelCatalog(
         by_name, adapters + tuple(args.model_aliases or ()),
         default=args.default_model or config.get("default_model"),
@@ -140,8 +143,8 @@ def model_args(args: argparse.Namespace, entry: ModelEntry) -> argparse.Namespac
     return parsed
 
 
-def _settled(entry: ModelEntry, pinned: bool, ttl: float | None) -> ModelEntry:
-    return replace(entry, pinned=entry.pinned or pinned,
+def _settled(entry: ModelEntry, pinned: bool, ttl: float | None, task: Task) -> ModelEntry:
+    return replace(entry, pinned=entry.pinned or pinned, task=task,
                    idle_ttl_s=entry.idle_ttl_s if entry.idle_ttl_s is not None else ttl)
 
 

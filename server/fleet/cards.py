@@ -8,6 +8,7 @@ import logging
 from functools import cache
 from pathlib import Path
 
+from metal_engine.config import Task
 from server.fleet.catalog import ModelEntry
 from server.openai.protocol import ModelCard
 
@@ -18,11 +19,12 @@ def unloaded_card(entry: ModelEntry, created: int, **extra: object) -> ModelCard
     """What the model's dir says of it before it loads: its trained context, parameters and
     capabilities (those of a loaded model are its engine's). A .gguf or hub reference says
     nothing until loaded."""
-    return ModelCard(id=entry.name, created=created, **_from_files(entry.reference), **extra)
+    return ModelCard(id=entry.name, created=created, **_from_files(entry.reference, entry.task),
+                     **extra)
 
 
 @cache
-def _from_files(reference: str | None) -> dict:
+def _from_files(reference: str | None, task: Task) -> dict:
     if reference is None:  # the bundled default model: a chat model
         return {"capabilities": ["completion", "chat"]}
     path = Path(reference).expanduser()
@@ -30,24 +32,26 @@ def _from_files(reference: str | None) -> dict:
         return {}
     from metal_engine.loading.model_config import ModelConfig
     from metal_engine.loading.parameter_count import count_parameters
+    from metal_engine.loading.pooling_config import task_from_files
 
     raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
     try:
         config = ModelConfig.from_dict(raw)
         counts = count_parameters(config)
-    except (ValueError, KeyError, TypeError) as exc:  # loading will say what is wrong
-        log.warning("model %s: its config.json cannot be read: %s", path, exc)
+        served = task_from_files(path, task, config)
+    except (ValueError, KeyError, TypeError, OSError) as exc:  # loading will say what is wrong
+        log.warning("model %s: its files cannot be read: %s", path, exc)
         return {}
     return {"max_model_len": config.trained_context_len, "num_parameters": counts.total,
-            "active_parameters": counts.active, "capabilities": _capabilities(path, raw)}
+            "active_parameters": counts.active, "capabilities": _capabilities(path, raw, served)}
 
 
-def _capabilities(path: Path, raw: dict) -> list[str]:
+def _capabilities(path: Path, raw: dict, served: str) -> list[str]:
     """As a loaded model's engine lists them (server.app)."""
     from server.core.tool_plan import takes_tools
 
-    if (path / "modules.json").is_file():  # sentence-transformers: it pools
-        return ["embeddings"]
+    if served != "generate":
+        return ["embeddings" if served == "embed" else "rerank"]
     capabilities = ["completion"]
     template = _chat_template(path)
     if template:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+from metal_engine.config import Task
+
 _GLOB = set("*?[")
 
 
@@ -19,7 +21,8 @@ class ModelEntry:
     .gguf file or a hub repo id; None: the bundled default model). `pinned`: never unloaded
     to make room; `idle_ttl_s`: unloaded after this long without requests (None: kept until
     the room is needed). `options`: `serve` options for this model alone (e.g.
-    `--max-model-len 8192`)."""
+    `--max-model-len 8192`); `task`: the `--task` they come to, with the server's (what its
+    card lists before it loads)."""
 
     name: str
     reference: str | None
@@ -27,6 +30,7 @@ class ModelEntry:
     pinned: bool = False
     idle_ttl_s: float | None = None
     options: tuple[str, ...] = ()
+    task: Task = "auto"
 
 
 class UnknownModel(LookupError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 
 import pytest
 
@@ -268,6 +269,44 @@ def test_concurrent_requests_for_an_unloaded_model_share_one_load():
 
     assert run(scenario(fleet_of(loads, 100 * MiB))) == ["a"] * 5
     assert loads.events == ["load a"]
+
+
+def test_a_load_blocks_neither_the_event_loop_nor_requests_for_loaded_models():
+    """While one model's load blocks (its thread waits on an event), a heartbeat on the event
+    loop beats and a request for a loaded model gets it; the load ends once let go."""
+    started, let_go = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    class BlockingLoads(Loads):
+        def load(self, entry: ModelEntry, planned: Planned) -> str:
+            if entry.name == "slow":
+                started.set()
+                let_go.wait(5)  # on the event loop this would stall it for the whole wait
+                order.append("slow loaded")
+            return super().load(entry, planned)
+
+    async def heartbeat() -> None:
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+        order.append("heartbeat")
+
+    async def scenario(fleet: ModelFleet) -> None:
+        await fleet.acquire("fast")
+        fleet.release("fast")
+        loading = asyncio.create_task(fleet.acquire("slow"))
+        try:
+            while not started.is_set() and not loading.done():
+                await asyncio.sleep(0.001)
+            await heartbeat()
+            assert await fleet.acquire("fast") == "fast"
+            order.append("fast acquired")
+            assert {s.name: s.state for s in fleet.status()}["slow"] == "loading"
+        finally:
+            let_go.set()
+        assert await loading == "slow"
+
+    run(scenario(fleet_of(BlockingLoads({"fast": MiB, "slow": MiB}), 100 * MiB)))
+    assert order == ["heartbeat", "fast acquired", "slow loaded"]
 
 
 def test_an_idle_model_past_its_ttl_is_unloaded_and_a_busy_or_pinned_one_is_not():

@@ -193,3 +193,32 @@ def test_a_models_card_lists_before_it_loads_what_its_engine_serves(tmp_path):
             route, body = SERVING_REQUESTS[expected[name][0]]
             served = httpx.post(f"{url}/v1/{route}", json={"model": name, **body}, timeout=60)
             assert served.status_code == 200, served.text
+
+
+def test_with_an_api_key_the_model_list_and_the_admin_endpoints_need_it(tmp_path):
+    build_tiny_model("llama", tmp_path / "solo")
+    (tmp_path / "solo" / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", f"solo={tmp_path / 'solo'}", "--api-key", "s3cret",
+                              "--kv-cache-memory", "4MiB", "--max-model-len", "64"])
+    options = _http_options(args)
+    with running_app(build_fleet_app(fleet_of(model_catalog(args), args, options),
+                                     options)) as url:
+        stranger = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong")
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            chat(stranger, "solo")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret")
+        assert states(client) == {"solo": "unloaded"}  # a request without the key loads nothing
+        key = {"Authorization": "Bearer s3cret"}
+        for action, state in (("load", "loaded"), ("unload", "unloaded")):
+            refused = httpx.post(f"{url}/v1/models/{action}", json={"model": "solo"})
+            assert refused.status_code == 401, refused.text
+            assert states(client) == {"solo": "unloaded" if action == "load" else "loaded"}
+            done = httpx.post(f"{url}/v1/models/{action}", json={"model": "solo"},
+                              headers=key, timeout=60)
+            assert (done.status_code, done.json()["state"]) == (200, state)
+        assert httpx.get(f"{url}/v1/models").status_code == 401

@@ -34,16 +34,17 @@ def running_server(engine, served_model_name: str = "default") -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_app(app, http: type | None = None) -> Iterator[str]:
+def running_app(app, http: type | None = None, start_timeout_s: float = 30) -> Iterator[str]:
     """Serve an app made by `build_app` until the block exits; yields the base URL. `http`:
-    uvicorn's HTTP protocol class, if not its default."""
+    uvicorn's HTTP protocol class, if not its default; `start_timeout_s`: how long its start
+    (the app's lifespan startup included) may take."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     protocol = {"http": http} if http is not None else {}
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **protocol))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + start_timeout_s
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)

@@ -28,6 +28,9 @@ TOOLS_TEMPLATE = "{% if tools %}w9 {% endif %}" + CHAT_TEMPLATE
 SERVING_REQUESTS = {"completion": ("completions", {"prompt": "w5 w6", "max_tokens": 2}),
                     "embeddings": ("embeddings", {"input": "w5 w6"}),
                     "rerank": ("rerank", {"query": "w5", "documents": ["w6 w7", "w8"]})}
+# What a model's first load may take: with a cold numba cache (a fresh checkout, CI) it
+# compiles the CPU kernels, minutes on a small machine.
+LOAD_S = 600
 # Each model: 16 MiB of KV and well under 1 MiB of weights; two fit in the budget, not three.
 KV = "16MiB"
 BUDGET = "40MiB"
@@ -57,7 +60,8 @@ def fleet_server(tmp_path_factory):
     ])  # fmt: skip
     catalog = model_catalog(args)
     fleet = fleet_of(catalog, args, _http_options(args))
-    with running_app(build_fleet_app(fleet, _http_options(args), ("coder",))) as url:
+    with running_app(build_fleet_app(fleet, _http_options(args), ("coder",)),
+                     start_timeout_s=LOAD_S) as url:
         yield url
 
 
@@ -186,12 +190,13 @@ def test_a_models_card_lists_before_it_loads_what_its_engine_serves(tmp_path):
         unloaded = {card.id: card.capabilities for card in client.models.list().data}
         assert unloaded == expected
         for name in expected:
-            card = httpx.post(f"{url}/v1/models/load", json={"model": name}, timeout=120)
+            card = httpx.post(f"{url}/v1/models/load", json={"model": name}, timeout=LOAD_S)
             assert card.status_code == 200, card.text
             assert (card.json()["state"], card.json()["capabilities"]) == ("loaded",
                                                                           expected[name])
             route, body = SERVING_REQUESTS[expected[name][0]]
-            served = httpx.post(f"{url}/v1/{route}", json={"model": name, **body}, timeout=60)
+            served = httpx.post(f"{url}/v1/{route}", json={"model": name, **body},
+                                timeout=LOAD_S)
             assert served.status_code == 200, served.text
 
 
@@ -219,6 +224,6 @@ def test_with_an_api_key_the_model_list_and_the_admin_endpoints_need_it(tmp_path
             assert refused.status_code == 401, refused.text
             assert states(client) == {"solo": "unloaded" if action == "load" else "loaded"}
             done = httpx.post(f"{url}/v1/models/{action}", json={"model": "solo"},
-                              headers=key, timeout=60)
+                              headers=key, timeout=LOAD_S)
             assert (done.status_code, done.json()["state"]) == (200, state)
         assert httpx.get(f"{url}/v1/models").status_code == 401

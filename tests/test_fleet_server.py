@@ -10,6 +10,7 @@ import json
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 from embedding_models import build_embedding_model
@@ -55,7 +56,7 @@ def fleet_server(tmp_path_factory):
     args = parser.parse_args([
         "--model", f"coder={root / 'coder'}", "--models-config", str(config),
         "--model", f"embed={root / 'embed'}", "--pin", "coder",
-        "--alias", "text-embedding-*=embed",
+        "--alias", "text-embedding-*=embed", "--alias", "claude-sonnet-*=coder",
         "--kv-cache-memory", KV, "--max-model-len", "128", "--models-memory", BUDGET,
     ])  # fmt: skip
     catalog = model_catalog(args)
@@ -88,12 +89,16 @@ def test_models_load_on_first_use_by_name_and_alias_and_the_lru_one_makes_room(f
     assert cards["coder"].capabilities == ["completion", "chat", "tools"]  # its engine's
 
     assert chat(client, "coder") == "coder"
+    assert chat(client, "claude-sonnet-4-5") == "coder"
     assert chat(client, "claude-3-5-haiku-20241022") == "small"  # loaded for it
     assert states(client) == {"coder": "loaded", "small": "loaded", "embed": "unloaded"}
 
     # The budget holds two: the embedding model takes the room of `small` (idle, unpinned).
     embedded = client.embeddings.create(model="text-embedding-3-small", input=["w5 w6", "w7"])
     assert [len(item.embedding) for item in embedded.data] == [64, 64]
+    by_name = client.embeddings.create(model="embed", input="w5 w6")
+    assert by_name.model == "embed"
+    np.testing.assert_allclose(by_name.data[0].embedding, embedded.data[0].embedding, atol=1e-5)
     assert states(client) == {"coder": "loaded", "small": "unloaded", "embed": "loaded"}
     cards = {card.id: card for card in client.models.list().data}
     assert cards["embed"].max_model_len == 128 and cards["coder"].num_parameters > 0

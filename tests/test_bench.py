@@ -442,3 +442,23 @@ def test_bench_serve_reports_each_replicas_prefix_hits(
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if line.startswith(base_url))
     assert row.split()[1:] == [f"{counts.queried:.0f}", f"{counts.hits:.0f}", f"{counts.rate:.1%}"]
+
+
+def test_bench_models_runs_its_three_phases_on_a_server_of_tiny_models(tmp_path, capsys):
+    from tiny_models import build_tiny_model
+    from tiny_server import CHAT_TEMPLATE
+
+    build_tiny_model("llama", tmp_path / "tiny")
+    (tmp_path / "tiny" / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE}))
+    out, log = tmp_path / "gaps.json", tmp_path / "server.log"
+    assert main(["bench", "models", str(tmp_path / "tiny"), "--busy-streams", "2",
+                 "--tokens", "8", "--kv-cache-memory", "4MiB", "--max-model-len", "128",
+                 "--log", str(log), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert list(results) == ["alone", "busy model saturated", "third model loading"]
+    for gaps in results.values():
+        assert gaps["tokens"] >= 2 and 0 <= gaps["p50_ms"] <= gaps["p99_ms"] <= gaps["max_ms"]
+    assert "third model loading" in capsys.readouterr().out
+    server_log = log.read_text()
+    assert "model 'third' loaded" in server_log and "unloading model 'third' as asked" in server_log

@@ -33,6 +33,8 @@ def add_models_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of the victim's stream (default 128)")
     parser.add_argument("--kv-cache-memory", default="256MiB",
                         help="each model's KV cache (default 256MiB)")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="each model's context (default 2048)")
     parser.add_argument("--log", type=Path, default=Path("bench-models-server.log"),
                         help="the server's log")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -45,7 +47,8 @@ def run_models(args: argparse.Namespace) -> int:
     command = [sys.executable, "-c", OUR_CLI, "serve", reference, "--port", str(port),
                "--served-model-name", "victim", "--model", f"busy={reference}",
                "--model", f"third={reference}", "--pin", "victim", "--pin", "busy",
-               "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048"]
+               "--kv-cache-memory", args.kv_cache_memory,
+               "--max-model-len", str(args.max_model_len)]
     with running_server(command, url, args.log):
         results = {
             "alone": _victim_gaps(url, args.tokens, lambda: None),

@@ -3,7 +3,8 @@
 The embedding model is a Qwen3 base model (`Qwen3Model`: no LM head, tensors without the
 `model.` prefix) with sentence-transformers' files beside it, as Qwen3-Embedding ships. The
 reranker is a Qwen3 causal LM whose vocabulary has the words "yes" and "no", as
-Qwen3-Reranker's has. Both tokenize words split on whitespace.
+Qwen3-Reranker's has. Both tokenize words split on whitespace. An embedding's reference is
+sentence-transformers' own over the saved dir (`sentence_embeddings`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from tiny_models import COMMON, TINY_MODELS, VOCAB, build_tiny_model
@@ -79,6 +81,18 @@ def build_reranker(path: Path):
     model = build_tiny_model("qwen3", path)
     word_tokenizer(path, {"yes": YES, "no": NO})
     return model
+
+
+def sentence_embeddings(path: Path, texts: list[str], **options) -> np.ndarray:
+    """sentence-transformers' embeddings of `texts` by the model saved in `path`, its pipeline
+    (pooling, normalization, named prompts) read from the dir's files as it reads them;
+    `options`: `encode`'s (`prompt_name`, `truncate_dim`)."""
+    from sentence_transformers import SentenceTransformer  # imported here: it takes seconds
+
+    model = SentenceTransformer(str(path), device="cpu")
+    if model.tokenizer.pad_token is None:  # the word tokenizers have none; it pads batches
+        model.tokenizer.pad_token = model.tokenizer.unk_token
+    return model.encode(texts, **options)
 
 
 def hidden_states(model, ids: list[int]) -> torch.Tensor:

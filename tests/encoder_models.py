@@ -4,10 +4,10 @@ cross-encoder (`...ForSequenceClassification` with one label, as bge-reranker sh
 its family's tokenizer (BERT's WordPiece with token types, XLM-R's unigram without) over the
 words `w5` .. `w127`.
 
-The references are transformers' models: an embedding is the pooling the test's
-sentence-transformers files describe over the base model's last hidden states, as
-sentence-transformers computes it; a score is the classifier's logit over the tokenizer's pair
-encoding.
+The references are sentence-transformers' own over the saved dirs: an embedding is its
+SentenceTransformer's (embedding_models.sentence_embeddings), a score its CrossEncoder's (the
+classifier's logit through the activation config.json names); a raw score is transformers'
+classifier logit over the tokenizer's pair encoding.
 """
 
 from __future__ import annotations
@@ -57,13 +57,12 @@ def _tokenizer(family: str):
 
 
 def build_embedding_encoder(family: str, path: Path, pooling: str = "cls",
-                            normalize: bool = True):
+                            normalize: bool = True) -> None:
     """Save a tiny embedding encoder with sentence-transformers' files (`pooling`: "cls" or
-    "mean"); return the float32 transformers base model (the reference)."""
-    model = _save(family, path, cross_encoder=False)
+    "mean")."""
+    _save(family, path, cross_encoder=False)
     modes = {"cls": "cls_token", "mean": "mean_tokens"}
     write_sentence_transformers_files(path, _SHAPE["hidden_size"], modes[pooling], normalize)
-    return model
 
 
 def build_cross_encoder(family: str, path: Path, activation: str | None = None):
@@ -82,14 +81,13 @@ def tokenizer_of(path: Path):
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
-def embedding(model, tokenizer, text: str, pooling: str, normalize: bool) -> torch.Tensor:
-    """sentence-transformers' embedding of `text`: the tokenizer's ids (special tokens
-    added), the base model's last hidden states pooled, L2-normalized if the pipeline says."""
-    ids = torch.tensor([tokenizer(text)["input_ids"]])
-    with torch.no_grad():
-        hidden = model(ids).last_hidden_state[0]
-    vector = hidden[0] if pooling == "cls" else hidden.mean(0)
-    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+def cross_encoder_scores(path: Path, query: str, documents: list[str]) -> list[float]:
+    """sentence-transformers' CrossEncoder scores of (query, document) pairs by the model
+    saved in `path`: its logit through the activation its config.json names (else sigmoid)."""
+    from sentence_transformers import CrossEncoder  # imported here: it takes seconds
+
+    model = CrossEncoder(str(path), device="cpu")
+    return model.predict([(query, document) for document in documents]).tolist()
 
 
 def pair_logit(model, tokenizer, query: str, document: str) -> float:

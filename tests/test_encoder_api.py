@@ -1,21 +1,19 @@
 """A BERT embedding model behind a real server, driven by the official openai client, and a
 cross-encoder behind `/v1/rerank` and `/v1/score`: the answers equal sentence-transformers'
-(computed with transformers), bad input is a 400 naming the field."""
+(SentenceTransformer's and CrossEncoder's), bad input is a 400 naming the field."""
 
 from __future__ import annotations
-
-import math
 
 import httpx
 import numpy as np
 import openai
 import pytest
+from embedding_models import sentence_embeddings
 from encoder_models import (
     MAX_POSITIONS,
     build_cross_encoder,
     build_embedding_encoder,
-    embedding,
-    pair_logit,
+    cross_encoder_scores,
     tokenizer_of,
 )
 from server_helpers import running_server
@@ -35,15 +33,15 @@ def _server(path, name: str):
 @pytest.fixture(scope="module")
 def bert_embeddings(tmp_path_factory):
     path = tmp_path_factory.mktemp("bert-embed")
-    reference = build_embedding_encoder("bert", path, pooling="cls")
+    build_embedding_encoder("bert", path, pooling="cls")
     tokenizer = tokenizer_of(path)
     with _server(path, "tiny-bge") as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x"), url, reference, tokenizer
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x"), url, path, tokenizer
 
 
 def test_embeddings_equal_sentence_transformers_batched_and_alone(bert_embeddings):
-    client, _, reference, tokenizer = bert_embeddings
-    expected = [embedding(reference, tokenizer, t, "cls", normalize=True).numpy() for t in TEXTS]
+    client, _, path, tokenizer = bert_embeddings
+    expected = sentence_embeddings(path, TEXTS)
     batched = client.embeddings.create(model="tiny-bge", input=TEXTS)
     alone = [client.embeddings.create(model="tiny-bge", input=t).data[0] for t in TEXTS]
     assert [d.index for d in batched.data] == [0, 1, 2, 3]
@@ -58,12 +56,11 @@ def test_embeddings_equal_sentence_transformers_batched_and_alone(bert_embedding
 
 
 def test_an_input_may_fill_every_position(bert_embeddings):
-    client, _, reference, tokenizer = bert_embeddings
+    client, _, path, tokenizer = bert_embeddings
     full = " ".join(f"w{i}" for i in range(5, 3 + MAX_POSITIONS))  # + [CLS] and [SEP]
     assert len(tokenizer(full)["input_ids"]) == MAX_POSITIONS
     got = client.embeddings.create(model="tiny-bge", input=full).data[0].embedding
-    np.testing.assert_allclose(got, embedding(reference, tokenizer, full, "cls", True),
-                               atol=1e-4)
+    np.testing.assert_allclose(got, sentence_embeddings(path, [full])[0], atol=1e-4)
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -82,13 +79,11 @@ def test_bad_embedding_requests_are_400s_naming_the_field(bert_embeddings, body,
 
 @pytest.mark.parametrize(("family", "activation"), [
     ("bert", None), ("xlm-roberta", "torch.nn.modules.linear.Identity")])
-def test_cross_encoder_rerank_and_score_equal_transformers(tmp_path, family, activation):
-    reference = build_cross_encoder(family, tmp_path, activation)
-    tokenizer = tokenizer_of(tmp_path)
+def test_cross_encoder_rerank_and_score_equal_sentence_transformers(tmp_path, family, activation):
+    build_cross_encoder(family, tmp_path, activation)
     query = "w7 w8"
     documents = ["w9 w10 w11", " ".join(f"w{i}" for i in range(20, 45)), "w100", "w8 w7"]
-    logits = [pair_logit(reference, tokenizer, query, d) for d in documents]
-    expected = logits if activation else [1 / (1 + math.exp(-x)) for x in logits]
+    expected = cross_encoder_scores(tmp_path, query, documents)  # sigmoid unless Identity
     with _server(tmp_path, "tiny-reranker") as url:
         answer = httpx.post(f"{url}/v1/rerank", json={
             "model": "tiny-reranker", "query": query, "documents": documents, "top_n": 3})

@@ -1,5 +1,5 @@
-"""BERT-style encoders through the unified step: embeddings and cross-encoder scores equal
-transformers' (pooled as sentence-transformers pools) alone and batched, every prompt computed
+"""BERT-style encoders through the unified step: embeddings equal sentence-transformers' and
+cross-encoder scores transformers' logits, alone and batched, every prompt computed
 whole in one step, and what `--task` each checkpoint serves."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import json
 
 import numpy as np
 import pytest
+from embedding_models import sentence_embeddings
 from encoder_models import (
     FAMILIES,
     MAX_POSITIONS,
     build_cross_encoder,
     build_embedding_encoder,
-    embedding,
     pair_logit,
     tokenizer_of,
 )
@@ -51,13 +51,13 @@ def _pool(engine, prompts: list[list[int]], pooling: PoolingParams, together: bo
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_embeddings_equal_sentence_transformers_alone_and_batched(tmp_path, family, pooling):
-    reference = build_embedding_encoder(family, tmp_path, pooling=pooling)
+    build_embedding_encoder(family, tmp_path, pooling=pooling)
     engine = _engine(tmp_path)
     config = engine.pooling
     assert (config.task, config.kind, config.normalize) == ("embed", pooling, True)
     tokenizer = tokenizer_of(tmp_path)
     prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
-    expected = [embedding(reference, tokenizer, t, pooling, True).numpy() for t in TEXTS]
+    expected = sentence_embeddings(tmp_path, TEXTS)
     for together in (False, True):
         vectors, steps = _pool(engine, prompts, PoolingParams(pooling), together)
         assert steps == (1 if together else len(TEXTS))  # every prompt whole, in one step
@@ -67,7 +67,7 @@ def test_embeddings_equal_sentence_transformers_alone_and_batched(tmp_path, fami
 
 
 def test_prompts_past_the_step_budget_wait_whole_for_the_next_step(tmp_path):
-    reference = build_embedding_encoder("bert", tmp_path, pooling="mean", normalize=False)
+    build_embedding_encoder("bert", tmp_path, pooling="mean", normalize=False)
     engine = _engine(tmp_path, budget=8)  # raised to the encoder's longest prompt
     assert engine.scheduler.config.max_num_batched_tokens == MAX_POSITIONS
     tokenizer = tokenizer_of(tmp_path)
@@ -75,9 +75,7 @@ def test_prompts_past_the_step_budget_wait_whole_for_the_next_step(tmp_path):
     vectors, steps = _pool(engine, [tokenizer(t)["input_ids"] for t in texts],
                            PoolingParams("mean", normalize=False), together=True)
     assert steps == 2  # 42 + 42 tokens: the second waits rather than splits
-    for vector, text in zip(vectors, texts, strict=True):
-        np.testing.assert_allclose(vector, embedding(reference, tokenizer, text, "mean", False),
-                                   atol=1e-4)
+    np.testing.assert_allclose(vectors, sentence_embeddings(tmp_path, texts), atol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -146,7 +144,7 @@ def test_converted_encoders_serve_as_their_checkpoints(tmp_path):
     from convert.model_ref import loads_as_is
 
     embed_source, cross_source = tmp_path / "embed", tmp_path / "cross"
-    embedder = build_embedding_encoder("bert", embed_source, pooling="mean")
+    build_embedding_encoder("bert", embed_source, pooling="mean")
     cross = build_cross_encoder("bert", cross_source)
     assert loads_as_is(embed_source) and loads_as_is(cross_source)
     tokenizer = tokenizer_of(embed_source)
@@ -154,7 +152,7 @@ def test_converted_encoders_serve_as_their_checkpoints(tmp_path):
     engine = _engine(embed_out)
     assert (engine.pooling.kind, engine.pooling.normalize) == ("mean", True)
     (vector,), _ = _pool(engine, [tokenizer(TEXTS[1])["input_ids"]], PoolingParams("mean"), True)
-    np.testing.assert_allclose(vector, embedding(embedder, tokenizer, TEXTS[1], "mean", True),
+    np.testing.assert_allclose(vector, sentence_embeddings(embed_source, TEXTS[1:2])[0],
                                atol=1e-4)
     cross_out = convert_model(cross_source, tmp_path / "cross-out", progress=False)
     engine = _engine(cross_out)

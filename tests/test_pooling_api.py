@@ -1,5 +1,6 @@
 """`/v1/embeddings` with the official openai client, `/v1/rerank` and `/v1/score`, on a real
-server over tiny random models: the answers equal transformers', bad input is a 400."""
+server over tiny random models: the answers equal sentence-transformers' (embeddings) and
+transformers' (Qwen3-Reranker's yes/no scores), bad input is a 400."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from embedding_models import NO, YES, build_embedding_model, build_reranker, hidden_states
+from embedding_models import NO, YES, build_embedding_model, build_reranker, sentence_embeddings
 from server_helpers import running_server
 from tokenizers import Tokenizer
 
@@ -29,43 +30,44 @@ def _engine(path, task="auto"):
 @pytest.fixture(scope="module")
 def embedding_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("embed")
-    reference = build_embedding_model(path, prompts={"query": "w9 w8 "})
+    build_embedding_model(path, prompts={"query": "w9 w8 "})
     with running_server(_engine(path), "tiny-embed") as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x"), reference
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x"), path
 
 
-def _expected(reference, ids, dimensions=None) -> np.ndarray:
-    vector = hidden_states(reference, ids)[-1]
-    vector = vector[:dimensions] if dimensions else vector
-    return torch.nn.functional.normalize(vector, dim=0).numpy()
+def _expected(path, text: str, dimensions=None, **options) -> np.ndarray:
+    """sentence-transformers' embedding of `text`, cut to its first `dimensions` and
+    normalized again (OpenAI's `dimensions`; its own `truncate_dim` cuts the normalized
+    vector and leaves it so)."""
+    [vector] = sentence_embeddings(path, [text], truncate_dim=dimensions, **options)
+    return vector / np.linalg.norm(vector)
 
 
-def test_embeddings_of_texts_and_token_ids_equal_transformers(embedding_server):
-    client, reference = embedding_server
+def test_embeddings_of_texts_and_token_ids_equal_sentence_transformers(embedding_server):
+    client, path = embedding_server
     texts = ["w3 w4 w5", "w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20", "w7"]
     result = client.embeddings.create(model="tiny-embed", input=texts)
     assert [d.index for d in result.data] == [0, 1, 2]
-    for text, item in zip(texts, result.data, strict=True):
-        ids = [int(word[1:]) for word in text.split()]
-        np.testing.assert_allclose(item.embedding, _expected(reference, ids), atol=1e-4)
+    np.testing.assert_allclose([item.embedding for item in result.data],
+                               sentence_embeddings(path, texts), atol=1e-4)
     assert result.usage.prompt_tokens == result.usage.total_tokens == 15
     by_ids = client.embeddings.create(model="tiny-embed", input=[[3, 4, 5], [7]])
-    np.testing.assert_allclose(by_ids.data[1].embedding, _expected(reference, [7]), atol=1e-4)
+    np.testing.assert_allclose(by_ids.data[1].embedding, _expected(path, "w7"), atol=1e-4)
     assert {tuple(card.model_extra["capabilities"]) for card in client.models.list().data} == {
         ("embeddings",)}  # it has no head to generate with
 
 
 def test_base64_dimensions_and_named_prompt(embedding_server):
-    client, reference = embedding_server
+    client, path = embedding_server
     raw = client.embeddings.with_raw_response.create(
         model="tiny-embed", input="w3 w4", encoding_format="base64", dimensions=16)
     encoded = raw.http_response.json()["data"][0]["embedding"]
     vector = np.frombuffer(base64.b64decode(encoded), dtype="<f4")
-    np.testing.assert_allclose(vector, _expected(reference, [3, 4], 16), atol=1e-4)
+    np.testing.assert_allclose(vector, _expected(path, "w3 w4", 16), atol=1e-4)
     query = client.embeddings.create(model="tiny-embed", input="w3 w4",
                                      extra_body={"prompt_name": "query"})
-    np.testing.assert_allclose(query.data[0].embedding, _expected(reference, [9, 8, 3, 4]),
-                               atol=1e-4)
+    np.testing.assert_allclose(query.data[0].embedding,
+                               _expected(path, "w3 w4", prompt_name="query"), atol=1e-4)
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -9,8 +9,6 @@ encoder cache; several ranks are refused.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import subprocess
 import sys
@@ -19,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
+from image_files import data_url, encoded
 from PIL import Image
 from server_helpers import running_server
 from tiny_models import VOCAB, build_tiny_model
@@ -187,9 +186,7 @@ def test_the_same_screenshot_next_turn_is_a_cache_hit_encoded_once(checkpoint):
 def test_the_openai_client_sends_a_screenshot_to_a_real_server(checkpoint):
     model, processor, model_dir = checkpoint
     shot = picture(20, 12, 5)
-    buffer = io.BytesIO()
-    shot.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    url = data_url(encoded(shot, "PNG"))
     # transformers loads the family's own tokenizer class over the test's word vocabulary,
     # which reads only its special tokens: the prompt is the image alone.
     content = [{"type": "image_url", "image_url": {"url": url}}]
@@ -280,9 +277,7 @@ print(json.dumps(tokens))
 def test_an_image_is_served_without_pytorch(checkpoint):
     model, processor, model_dir = checkpoint
     shot = picture(18, 14, 9)
-    buffer = io.BytesIO()
-    shot.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    url = data_url(encoded(shot, "PNG"))
     argument = json.dumps([str(model_dir), url, PROMPT, MAX_TOKENS])
     done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, argument], check=True,
                           capture_output=True, text=True, cwd=Path(__file__).parents[1])

@@ -65,7 +65,7 @@ def prompt_logits(runner, scheduler, rid, ids, lora_name) -> np.ndarray:
     return logits
 
 
-@pytest.mark.parametrize("ops", ["host", "reference"])
+@pytest.mark.parametrize("ops", ["host", "reference", "metal"])
 def test_logits_equal_peft(family, ops):
     runner, scheduler = serving(family)
     runner.model.use_ops(ops)

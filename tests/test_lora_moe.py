@@ -59,7 +59,7 @@ def serving(moe, names=tuple(ADAPTERS), model_dir=None, **kwargs):
     return runner, scheduler
 
 
-@pytest.mark.parametrize("ops", ["host", "reference"])
+@pytest.mark.parametrize("ops", ["host", "reference", "metal"])
 def test_expert_adapters_logits_equal_peft(moe, ops):
     runner, scheduler = serving(moe)
     runner.model.use_ops(ops)
@@ -150,10 +150,12 @@ def test_expert_pairs_of_another_base_are_refused(moe, tmp_path):
         load_adapter("bias", tmp_path / "bias")
 
 
-def test_quantized_base_serves_adapters_as_its_dequantized_self(moe, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ops", ["host", "metal"])
+def test_quantized_base_serves_adapters_as_its_dequantized_self(moe, tmp_path, monkeypatch,
+                                                                 ops):
     """An 8-bit base kept quantized (QuantizedLinear, QuantizedSwitchLinear: where quantized
     kernels run; forced here on the CPU, which dequantizes at load) adds each adapter as
-    the dequantized base does."""
+    the dequantized base does, under the host ops and the Metal ones."""
     quantized = convert_model(moe[0].parent / "hf", tmp_path / "q8", quantize=8,
                               group_size=32, progress=False)
     prompts = {name: (PROMPT[i:], name) for i, name in enumerate(ADAPTERS)}
@@ -164,6 +166,7 @@ def test_quantized_base_serves_adapters_as_its_dequantized_self(moe, tmp_path, m
 
     monkeypatch.setattr(weights, "keeps_quantized", lambda: True)
     runner, scheduler = serving(moe, model_dir=quantized)
+    runner.model.use_ops(ops)
     adapted = {type(m) for _, m in runner.model.named_modules()
                if getattr(m, "lora", None) is not None}
     assert adapted == {QuantizedLinear, QuantizedSwitchLinear}

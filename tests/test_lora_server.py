@@ -28,6 +28,7 @@ KEY = "sk-lora"
 PROMPT = [5, 17, 3, 99, 42, 8, 61, 23, 70, 11, 4, 90]
 MAX_RANK = 8
 Q = "model.layers.0.self_attn.q_proj"  # the tiny Llama's is 64 x 64
+STREAMED = 240  # tokens: a stream that outlasts a load, a request and two unloads
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +117,20 @@ def test_models_lists_each_adapter_with_its_parent(served, client):
     assert cards["default"].parent is None
 
 
-def test_an_adapter_loads_while_another_streams_and_unloads(served, client):
+def model_ids(client) -> set[str]:
+    return {card.id for card in client.models.list().data}
+
+
+def test_adapters_load_and_unload_while_another_streams(served, client):
+    """"c" loads, serves and unloads between the steps of a stream served by "a", which
+    meanwhile cannot be unloaded; the stream's tokens are "a"'s throughout."""
     _, adapters, base = served
+    want = {"a": torch_greedy(adapters["a"][1], PROMPT, STREAMED),  # not beside the stream
+            "c": torch_greedy(adapters["c"][1], PROMPT, 6), "base": torch_greedy(base, PROMPT, 6)}
     streamed, first, done = [], threading.Event(), threading.Event()
 
     def stream() -> None:
-        chunks = client.completions.create(model="a", prompt=PROMPT, max_tokens=160,
+        chunks = client.completions.create(model="a", prompt=PROMPT, max_tokens=STREAMED,
                                            temperature=0, stream=True)
         for chunk in chunks:
             streamed.append(chunk.choices[0].text if chunk.choices else "")
@@ -135,15 +144,20 @@ def test_an_adapter_loads_while_another_streams_and_unloads(served, client):
                                                  "lora_path": str(adapters["c"][0])})
     assert loaded.status_code == 200 and "'c'" in loaded.text
     assert not done.is_set()  # loaded between two of the stream's steps
-    assert completion_tokens(client, "c") == torch_greedy(adapters["c"][1], PROMPT, 6)
-    thread.join(60)
-    assert tokens("".join(streamed)) == torch_greedy(adapters["a"][1], PROMPT, 160)
-    assert "c" in {card.id for card in client.models.list().data}
-
-    assert post(served, "unload_lora_adapter", {"lora_name": "c"}).status_code == 200
-    assert "c" not in {card.id for card in client.models.list().data}
+    assert completion_tokens(client, "c") == want["c"]
+    assert "c" in model_ids(client)
+    unloaded = post(served, "unload_lora_adapter", {"lora_name": "c"})
+    in_use = post(served, "unload_lora_adapter", {"lora_name": "a"})
+    assert not done.is_set()  # both answered while the stream's request is unfinished
+    assert unloaded.status_code == 200 and "'c'" in unloaded.text
+    assert in_use.status_code == 400
+    assert "'a' serves 1 unfinished request" in in_use.json()["error"]["message"]
+    assert model_ids(client) >= {"a", "b"} and "c" not in model_ids(client)
     # An unloaded adapter's name is one more name for the base model, like any unknown one.
-    assert completion_tokens(client, "c") == torch_greedy(base, PROMPT, 6)
+    assert completion_tokens(client, "c") == want["base"]
+    thread.join(60)
+    assert done.is_set()
+    assert tokens("".join(streamed)) == want["a"]
 
 
 def test_bad_loads_are_400s_naming_why_and_the_server_goes_on(served, client, tmp_path):

@@ -240,3 +240,30 @@ def test_engine_serves_adapters_by_name_and_loads_them_at_run_time(family):
     with pytest.raises(ValueError, match="over --max-lora-rank 2"):
         build_engine(EngineConfig(model_dir=model_dir, max_lora_rank=2, kv_cache_memory=16 << 20,
                                   lora_modules=(("r4", adapters["r4"][0]),)))
+
+
+def test_the_disk_tier_keeps_adapters_apart(family, tmp_path):
+    """Blocks an adapter stored on disk meet neither other weights loaded under its name after
+    a restart nor the base; its own weights, restarted, read them back."""
+    model_dir, adapters, _ = family
+    long = list(range(3, 40))  # two full blocks
+
+    def restart(weights: str):
+        return build_engine(EngineConfig(
+            model_dir=model_dir, max_model_len=256, kv_cache_memory=16 << 20,
+            kv_cache_dir=tmp_path, max_loras=1, max_lora_rank=8,
+            lora_modules=(("r4", adapters[weights][0]),)))
+
+    first = restart("r4")
+    engine_tokens(first, {"stored": (long, "r4")}, 1)
+    first.close()  # saves its cached blocks to the disk tier
+    other = restart("r8")  # r8's weights named r4
+    engine_tokens(other, {"other weights": (long, "r4")}, 1)
+    engine_tokens(other, {"base": (long, None)}, 1)
+    assert other.stats().kv_disk_queried_tokens >= 2 * 32  # both asked the disk ...
+    assert other.stats().kv_disk_hit_tokens == 0  # ... and found nothing of theirs
+    other.close()
+    again = restart("r4")
+    tokens = engine_tokens(again, {"same weights": (long, "r4")}, 2)
+    assert again.stats().kv_disk_hit_tokens == 32
+    assert tokens["same weights"] == torch_greedy(adapters["r4"][1], long, 2)

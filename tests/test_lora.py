@@ -186,7 +186,8 @@ def test_unreadable_adapter_files_are_refused(tmp_path):
 
 
 def engine_tokens(engine, prompts: dict[str, tuple[list[int], str | None]],
-                  max_tokens: int) -> dict[str, list[int]]:
+                  max_tokens: int, drafts: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Each request's greedy tokens; `drafts`, if given, gets each one's verified drafts."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for rid, (ids, lora) in prompts.items():
         engine.add_request(rid, ids, params, lora_name=lora)
@@ -195,19 +196,24 @@ def engine_tokens(engine, prompts: dict[str, tuple[list[int], str | None]],
         for output in engine.step():
             if output.request_id in tokens:  # not one aborted before
                 tokens[output.request_id] += output.new_token_ids
+                if drafts is not None:
+                    drafts[output.request_id] = output.num_draft_tokens
     return tokens
 
 
 def test_engine_serves_adapters_by_name_and_loads_them_at_run_time(family):
     model_dir, adapters, base = family
-    spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
+    # Suffix lookup over every request's outputs: the base's repeat the busy request's.
+    spec = SpeculativeConfig.from_json('{"method": "suffix", "num_speculative_tokens": 3, '
+                                      '"prompt_lookup_min": 2, "prompt_lookup_max": 3}')
     engine = build_engine(EngineConfig(
         model_dir=model_dir, max_model_len=256, kv_cache_memory=16 << 20, max_loras=2,
         max_lora_rank=8, lora_modules=(("r4", adapters["r4"][0]),), speculative_config=spec))
-    repeated = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]  # ngram drafts for the base, none for adapters
+    repeated = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]  # each request's own prompt offers drafts too
     # r8's files read on another thread while the engine steps (they hold no MLX array),
     # then installed between steps.
-    engine.add_request("busy", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("busy", repeated, SamplingParams(max_tokens=8, temperature=0.0,
+                                                        ignore_eos=True))
     with ThreadPoolExecutor(1) as reader:
         read = reader.submit(engine.read_adapter, "r8", str(adapters["r8"][0]))
         while engine.has_unfinished_requests():
@@ -221,9 +227,13 @@ def test_engine_serves_adapters_by_name_and_loads_them_at_run_time(family):
         engine.add_request("hold", PROMPT, SamplingParams(max_tokens=1), lora_name="r8")
         engine.unload_adapter("r8")
     engine.abort_request("hold")
-    got = engine_tokens(engine, prompts, 6)
+    drafts, drafted = {}, engine.stats().spec_decode.num_draft_tokens
+    got = engine_tokens(engine, prompts, 6, drafts)
     assert got == {rid: torch_greedy(adapters[lora][1] if lora else base, ids, 6)
                    for rid, (ids, lora) in prompts.items()}
+    # Requests with an adapter never draft: the base's drafts are all the engine verified.
+    assert drafts["base"] > 0 and drafts["r4"] == drafts["r8"] == 0
+    assert engine.stats().spec_decode.num_draft_tokens - drafted == drafts["base"]
     long = list(range(3, 40))  # two full blocks
     engine_tokens(engine, {"old": (long, "r4")}, 2)
     engine.unload_adapter("r4")

@@ -185,8 +185,9 @@ def _adapters(model: CausalLM, config: EngineConfig) -> AdapterSlots | None:
     """Room for the configured LoRA adapters, those given at start loaded."""
     if not config.serves_adapters:
         return None
+    names = {config.model_name or config.model_dir.name, config.model_dir.name}
     slots = AdapterSlots(model, config.max_loras or len(config.lora_modules),
-                         config.max_lora_rank)
+                         config.max_lora_rank, sorted(names))
     for name, path in config.lora_modules:
         slots.load(load_adapter(name, path))
         log.info("LoRA adapter %s loaded from %s (rank %d)", name, path, slots.ranks[name])

@@ -69,8 +69,9 @@ def torch_greedy(model, ids: list[int], max_new: int) -> list[int]:
 
 
 def write_peft_files(path: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
-                     rank: int) -> Path:
-    """PEFT's files written by hand: `pairs` maps a module to (A `[r, in]`, B `[out, r]`)."""
+                     rank: int, base_model: str | None = None) -> Path:
+    """PEFT's files written by hand: `pairs` maps a module to (A `[r, in]`, B `[out, r]`);
+    `base_model`: the base it names."""
     path.mkdir(parents=True)
     tensors = {}
     for module, (a, b) in pairs.items():
@@ -78,7 +79,7 @@ def write_peft_files(path: Path, pairs: dict[str, tuple[np.ndarray, np.ndarray]]
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.astype(np.float32)
     save_file(tensors, path / "adapter_model.safetensors")
     (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": rank,
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "base_model_name_or_path": base_model,
         "target_modules": sorted({m.rsplit(".", 1)[-1] for m in pairs})}))
     return path
 

@@ -3,6 +3,7 @@ random bases, many adapters in one step, prefix caching keyed by adapter, bad ad
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -183,6 +184,24 @@ def test_unreadable_adapter_files_are_refused(tmp_path):
     (path / "adapter_config.json").write_text("{}")
     with pytest.raises(ValueError, match="neither adapter_model.safetensors"):
         load_adapter("a", path)
+
+
+def test_an_adapter_naming_another_base_loads_with_a_warning(family, tmp_path, caplog):
+    """Only a warning: a conversion renames its source, and the shapes are checked anyway."""
+    engine = build_engine(EngineConfig(
+        model_dir=family[0], model_name="tiny-base-8bit", max_model_len=256,
+        kv_cache_memory=16 << 20, max_loras=2, max_lora_rank=8))
+    pairs = {Q: lora_pair(4, 64, 64)}
+    same = write_peft_files(tmp_path / "same", pairs, 4, base_model="org/Tiny-Base")
+    other = write_peft_files(tmp_path / "other", pairs, 4, base_model="Qwen/Qwen3-0.6B")
+    with caplog.at_level(logging.WARNING, logger="metal_engine.lora.slots"):
+        engine.load_adapter("same", str(same))
+        assert not caplog.records
+        engine.load_adapter("other", str(other))
+    assert engine.adapter_names() == ["same", "other"]
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "'other' names 'Qwen/Qwen3-0.6B' as its base, not the served model" in warning
+    assert "tiny-base-8bit" in warning
 
 
 def engine_tokens(engine, prompts: dict[str, tuple[list[int], str | None]],

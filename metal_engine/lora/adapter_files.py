@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -62,6 +63,20 @@ def load_adapter(name: str, path: str | Path) -> LoraAdapter:
         raise ValueError(f"adapter {name!r}: {path} has neither {PEFT_WEIGHTS} (PEFT) nor "
                          f"{MLX_LM_WEIGHTS} (mlx-lm)")
     return replace(adapter, fingerprint=_fingerprint(path / "adapter_config.json", weights))
+
+
+def names_another_base(adapter: LoraAdapter, served: Sequence[str]) -> bool:
+    """Whether the base the adapter names (PEFT's `base_model_name_or_path`, mlx-lm's
+    `model`) is none of the `served` model's names. Loosely: a conversion renames its source
+    (`Qwen/Qwen3-0.6B` served as `qwen3-0.6b-4bit`), so one name inside another matches."""
+    if not adapter.base_model or not served:
+        return False
+    base = _plain_name(adapter.base_model)
+    return not any(base in _plain_name(n) or _plain_name(n) in base for n in served)
+
+
+def _plain_name(name: str) -> str:
+    return Path(name.rstrip("/")).name.lower()
 
 
 def _fingerprint(*files: Path) -> str:

@@ -17,6 +17,7 @@ without adapters.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from metal_engine.lora.adapter_files import LoraAdapter
+from metal_engine.lora.adapter_files import LoraAdapter, names_another_base
 from metal_engine.models.layers import Linear, QuantizedLinear
 from metal_engine.models.moe import QuantizedSwitchLinear, SwitchLinear
 
@@ -35,6 +36,7 @@ ADAPTABLE = (Linear, QuantizedLinear, SwitchLinear, QuantizedSwitchLinear)
 # From this many rows on, rows are sorted by slot: MLX's gather_mm then multiplies each
 # slot's run of rows as one product (mlx-lm's SwitchGLU sorts its experts' rows from 64 on).
 SORTED_ROWS = 64
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,13 +120,16 @@ class LoraWeights:
 
 class AdapterSlots:
     """The adapters loaded over `model`, at most `max_loras` of rank up to `max_rank`.
-    Load and unload between steps (they restack the linears' weights)."""
+    Load and unload between steps (they restack the linears' weights). `model_names`: what
+    the served model is called, if known (an adapter naming another base is warned of)."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int,
+                 model_names: Sequence[str] = ()) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"--max-loras ({max_loras}) and --max-lora-rank ({max_rank}) must "
                              "be at least 1")
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.model_names = tuple(model_names)
         self.names: list[str] = []  # slot i + 1 serves names[i]
         self.ranks: dict[str, int] = {}
         self.fingerprints: dict[str, str] = {}  # by name: what its cached blocks are keyed by
@@ -148,7 +153,13 @@ class AdapterSlots:
 
     def load(self, adapter: LoraAdapter) -> None:
         """Serve `adapter` from a free slot (checked first, as `check`); between steps."""
-        for path, linear in self.check(adapter).items():
+        targets = self.check(adapter)
+        if names_another_base(adapter, self.model_names):
+            # Only a warning: names change across conversions; the shapes were checked.
+            log.warning("LoRA adapter %r names %r as its base, not the served model (%s): "
+                        "its outputs are wrong if it was trained on another base", adapter.name,
+                        adapter.base_model, ", ".join(self.model_names))
+        for path, linear in targets.items():
             if linear.lora is None:
                 linear.lora = LoraWeights(self, linear)
                 self._weights.append(linear.lora)

@@ -174,3 +174,23 @@ def test_quantized_base_serves_adapters_as_its_dequantized_self(moe, tmp_path, m
         np.testing.assert_allclose(prompt_logits(runner, scheduler, name, PROMPT, name), logits,
                                    atol=1e-4, rtol=1e-4)
     assert generate(runner, scheduler, prompts, 4) == tokens
+
+
+def test_gpt_oss_fused_experts_are_refused_by_name(tmp_path):
+    """GPT-OSS's gate_up_proj interleaves gate and up: PEFT's pairs over its fused experts
+    are refused naming them, while an adapter of its attention serves as PEFT computes."""
+    base = build_tiny_model("gpt_oss", tmp_path / "hf")
+    model_dir = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
+    for name, parameters in [("fused", EXPERTS), ("down", ["mlp.experts.down_proj"])]:
+        save_peft_adapter(base, tmp_path / name, 4, 1, targets=ATTENTION, parameters=parameters)
+    attention = save_peft_adapter(base, tmp_path / "attn", 4, 2, targets=ATTENTION)
+    runner, scheduler = make_runner_and_scheduler(model_dir)
+    runner.adapters = AdapterSlots(runner.model, 2, 16)
+    for name in ("fused", "down"):
+        with pytest.raises(ValueError, match=f"adapter '{name}' targets model.layers.0.mlp."
+                           "experts \\(PEFT's fused gate_up_proj / down_proj\\): GPT-OSS's "
+                           "fused experts take no adapters"):
+            runner.adapters.load(load_adapter(name, tmp_path / name))
+    runner.adapters.load(load_adapter("attn", tmp_path / "attn"))
+    np.testing.assert_allclose(prompt_logits(runner, scheduler, "attn", PROMPT, "attn"),
+                               torch_logits(attention, PROMPT), atol=1e-4, rtol=0)

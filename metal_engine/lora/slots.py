@@ -213,8 +213,7 @@ class AdapterSlots:
         module = _module_at(self.model, path)
         where = f"adapter {adapter.name!r} targets {path}"
         if module is None:
-            raise ValueError(f"{where}, which the base model does not have (an adapter of "
-                             "another base?)")
+            raise _not_in_base(self.model, adapter.name, path)
         if path.rsplit(".", 1)[-1] not in TARGETS or not isinstance(module, ADAPTABLE):
             raise ValueError(f"{where}: adapters are served on the projections "
                              f"{', '.join(TARGETS)} of attention, MLPs and experts, not on "
@@ -237,6 +236,19 @@ class AdapterSlots:
         if rank > self.max_rank:
             raise ValueError(f"{where} with rank {rank}, over --max-lora-rank {self.max_rank}")
         return module
+
+
+def _not_in_base(model: nn.Module, name: str, path: str) -> ValueError:
+    """Why adapter `name` cannot target `path`, a module the base lacks."""
+    if ".switch_mlp." in path and model.config.model_type == "gpt_oss":
+        # PEFT's pairs over fused experts, read as gate rows then up rows; GPT-OSS's
+        # gate_up_proj interleaves gate and up columns, which the split would mix.
+        experts = f"{path.split('.switch_mlp.')[0]}.experts"
+        return ValueError(f"adapter {name!r} targets {experts} (PEFT's fused gate_up_proj / "
+                          "down_proj): GPT-OSS's fused experts take no adapters; serve one on "
+                          "its attention projections")
+    return ValueError(f"adapter {name!r} targets {path}, which the base model does not have "
+                      "(an adapter of another base?)")
 
 
 def _module_at(model: nn.Module, path: str) -> nn.Module | None:

@@ -126,6 +126,45 @@ def test_mlx_lm_adapter_equals_its_peft_original(family, tmp_path):
                                torch_logits(peft_model, PROMPT), atol=1e-4, rtol=0)
 
 
+def test_an_adapter_saved_by_mlx_lm_gives_mlx_lm_logits(tmp_path):
+    """An adapter made by mlx-lm's tuner (`linear_to_lora_layers` over every projection of
+    every layer, as `mlx_lm.lora` trains them) and saved as mlx-lm saves one (its trainable
+    parameters in adapters.safetensors, its arguments in adapter_config.json) serves as
+    mlx-lm's own model computes it with `load_adapters`."""
+    tuner = pytest.importorskip("mlx_lm.tuner.utils")
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import load_model, save_config
+
+    # Default rope: mlx-lm's llama3 rope departs from transformers' at the tiny config's.
+    hf = tmp_path / "hf"
+    build_tiny_model("llama", hf, rope_parameters=dict(rope_type="default", rope_theta=1e4))
+    model_dir = convert_model(hf, tmp_path / "model", progress=False)
+    trained, _ = load_model(hf)
+    trained.freeze()
+    args = {"fine_tune_type": "lora", "num_layers": len(trained.layers), "model": str(hf),
+            "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}
+    tuner.linear_to_lora_layers(trained, args["num_layers"], args["lora_parameters"])
+    mx.random.seed(7)  # mlx-lm starts lora_b at zero: random weights, as after training
+    trained.update(tree_unflatten([(k, 0.1 * mx.random.normal(v.shape)) for k, v in
+                                   tree_flatten(trained.trainable_parameters())]))
+    out = tmp_path / "mlx-lm"
+    out.mkdir()
+    mx.save_safetensors(str(out / "adapters.safetensors"),
+                        dict(tree_flatten(trained.trainable_parameters())))
+    save_config(args, out / "adapter_config.json")
+
+    theirs, _ = load_model(hf)
+    base = np.array(theirs(mx.array([PROMPT]))[0])
+    tuner.load_adapters(theirs, str(out))
+    want = np.array(theirs(mx.array([PROMPT]))[0])
+    runner, scheduler = make_runner_and_scheduler(model_dir)
+    runner.adapters = AdapterSlots(runner.model, 1, 8)
+    runner.adapters.load(load_adapter("m", out))
+    got = prompt_logits(runner, scheduler, "m", PROMPT, "m")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert np.abs(got - base).max() > 0.01  # the adapter counts
+
+
 def test_prefix_cache_never_shares_blocks_across_adapters(family):
     runner, scheduler = serving(family, block_size=4)
     params = SamplingParams(max_tokens=1, temperature=0.0)

@@ -24,12 +24,12 @@ class _Row:
 
 
 class BlockTables:
-    """`kind`: the cache group whose tables the rows hold: "blocks" (`block_ids`) or another
-    group of blocks, such as "window" (the sliding-window group's, whose entries out of the
-    window may be stale: the window's rows never read them)."""
+    """`kind`: the cache group whose tables the rows hold: None for the anchor's (`block_ids`,
+    "blocks" or "latent"), or another group of blocks, such as "window" (the sliding-window
+    group's, whose entries out of the window may be stale: the window's rows never read them)."""
 
     def __init__(self, rows: int = 64, blocks_per_row: int = 64,
-                 kind: CacheKind = "blocks") -> None:
+                 kind: CacheKind | None = None) -> None:
         self.kind = kind
         self.table = np.zeros((rows, blocks_per_row), np.int32)
         self._rows: dict[str, _Row] = {}
@@ -55,7 +55,7 @@ class BlockTables:
 
     def block_ids(self, scheduled: list[ScheduledRequest]) -> list[list[int]]:
         """Each scheduled request's blocks of this table's group."""
-        if self.kind == "blocks":
+        if self.kind is None:
             return [s.block_ids for s in scheduled]
         return [s.group_ids[self.kind] for s in scheduled]
 

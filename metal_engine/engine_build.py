@@ -43,6 +43,7 @@ from metal_engine.runner import ModelRunner
 from metal_engine.vision.encoder_cache import encoder_cache_rows
 from metal_engine.vision.image_model import ImageModel, has_vision_tower, load_image_model
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.config import KVKind
 from scheduler.spec_decode.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         max_model_len=max_model_len,
         # An encoder's K/V of a token depend on the tokens after it: no prefix to share.
         enable_prefix_caching=config.enable_prefix_caching and not encoder,
+        kv_kind=mc.kv_kind,
         scheduling_policy=config.scheduling_policy,
         window=plan.window,
         num_window_blocks=plan.num_window_blocks,
@@ -211,15 +213,15 @@ def _kv_disk_connector(config: EngineConfig, cache: KVCache) -> KVDiskConnector 
     if config.kv_cache_dir is None:
         return None
     disk = KVDiskDir(config.kv_cache_dir, config.kv_cache_dir_size)
-    stores = {kind: TierStore(_disk_store(config, disk, kind, group.layout), group.read,
-                              group.write)
+    stores = {kind: TierStore(_disk_store(config, disk, None if kind == cache.kind else kind,
+                                          group.layout), group.read, group.write)
               for kind, group in cache.groups().items()}
     for kind, parts in stores.items():
         log.info("KV disk cache: %d %s (%.1f MiB) in %s", parts.store.num_blocks, kind,
                  parts.store.used_bytes / 2**20, parts.store.root)
     log.info("KV disk cache: %.1f of %.1f MiB used in %s (every model's files)",
              disk.used_bytes / 2**20, disk.max_bytes / 2**20, disk.root)
-    return KVDiskConnector(stores, write_through=config.kv_write_through)
+    return KVDiskConnector(stores, cache.kind, write_through=config.kv_write_through)
 
 
 def _load_drafter(config: EngineConfig, model: CausalLM, tokenizer,
@@ -240,28 +242,37 @@ def _drafter_pool_shapes(drafter: CausalLM | nn.Module) -> list[PoolShape]:
     return [drafter.pool_shape()]
 
 
+def _drafter_kind(drafter: CausalLM | nn.Module, cfg: ModelConfig) -> KVKind:
+    """The kind of the drafter's pools: a draft model's own, an MTP head's that of the model
+    `cfg` (the head's layer is one of the model's)."""
+    return drafter.config.kv_kind if isinstance(drafter, CausalLM) else cfg.kv_kind
+
+
 def _device_drafter(model: CausalLM, drafter: CausalLM | nn.Module, plan: CachePlan,
                     config: EngineConfig, dtype: mx.Dtype) -> DraftModel | MtpDrafter:
     """The drafter with its K/V pools, one block per block of the model's pool."""
-    shapes = _drafter_pool_shapes(drafter)
-    size = plan.num_blocks * _drafter_block_bytes(drafter, config, dtype) / 2**20
+    shapes, kind = _drafter_pool_shapes(drafter), _drafter_kind(drafter, model.config)
+    size = plan.num_blocks * _drafter_block_bytes(drafter, model.config, config, dtype) / 2**20
     if isinstance(drafter, CausalLM):
         log.info("draft model %s: %d layers, its K/V in %.1f MiB beside the pool's",
                  config.speculative_config.model, drafter.config.num_hidden_layers, size)
-        return DraftModel(drafter, KVCache(shapes, plan.num_blocks, config.block_size, dtype))
+        return DraftModel(drafter, KVCache(shapes, plan.num_blocks, config.block_size, dtype,
+                                           kind=kind))
     log.info("MTP head: its K/V in %.1f MiB beside the pool's", size)
-    return MtpDrafter(model, drafter, head_cache(drafter, plan.num_blocks, config.block_size,
-                                                 dtype))
+    return MtpDrafter(model, drafter, head_cache(drafter, kind, plan.num_blocks,
+                                                 config.block_size, dtype))
 
 
-def _drafter_block_bytes(drafter: CausalLM | nn.Module, config: EngineConfig,
-                         dtype: mx.Dtype) -> int:
-    """One block of the drafter's pools (an MTP head over latents keeps keys only)."""
+def _drafter_block_bytes(drafter: CausalLM | nn.Module, cfg: ModelConfig,
+                         config: EngineConfig, dtype: mx.Dtype) -> int:
+    """One block of the drafter's pools (of the model `cfg`)."""
     return bytes_per_block(_drafter_pool_shapes(drafter), config.block_size, dtype,
-                           values=not getattr(drafter, "keys_only", False))
+                           kind=_drafter_kind(drafter, cfg))
 
 
-def _disk_store(config: EngineConfig, disk: KVDiskDir, kind: str, layout: Layout) -> KVDiskStore:
+def _disk_store(config: EngineConfig, disk: KVDiskDir, kind: str | None,
+                layout: Layout) -> KVDiskStore:
+    """`kind`: a group's beside the anchor; None for the anchor's blocks."""
     return KVDiskStore(disk, model_identity(config.model_dir, layout, kind), layout)
 
 
@@ -277,7 +288,7 @@ def _plan_pool(config: EngineConfig, cfg: ModelConfig, budget: int, dtype: mx.Dt
     if drafter is None:
         return plan(budget)
     block = plan(budget).bytes_per_block
-    drafter_bytes = _drafter_block_bytes(drafter, config, dtype)
+    drafter_bytes = _drafter_block_bytes(drafter, cfg, config, dtype)
     return plan(int(budget * block / (block + drafter_bytes)))
 
 

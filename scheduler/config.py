@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from scheduler.spec_decode.config import SpeculativeConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+# The anchor group's kind (scheduler.cache_groups): K and V blocks, or MLA's latent rows.
+KVKind = Literal["blocks", "latent"]
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    # What keeps every token's K/V: "blocks" (a FullAttentionGroup), or for multi-head latent
+    # attention "latent" (a LatentGroup: the same blocks, one latent row per token).
+    kv_kind: KVKind = "blocks"
     # fcfs: arrival order. priority: lower `Request.priority` first, arrival order among equals.
     scheduling_policy: SchedulingPolicy = "fcfs"
     # Hybrid models (recurrent state per request): state slots, for running requests and
@@ -60,6 +65,9 @@ class SchedulerConfig:
         if self.whole_prompts and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"whole prompts need a token budget of at least max_model_len "
                              f"({self.max_model_len}), got {self.max_num_batched_tokens}")
+        if self.kv_kind not in get_args(KVKind):
+            raise ValueError(f"kv_kind must be one of {', '.join(get_args(KVKind))}, got "
+                             f"{self.kv_kind!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"

@@ -38,8 +38,8 @@ class TierShare:
 @dataclass
 class TierLookup:
     """A prefix hit's share in the tier, per cache group that has one: the KV blocks right
-    after the pool's hits ("blocks"), and what the other groups need there that memory
-    lacks (a state checkpoint, a sliding window's blocks)."""
+    after the pool's hits (the anchor's: "blocks", or "latent"), and what the other groups
+    need there that memory lacks (a state checkpoint, a sliding window's blocks)."""
 
     shares: dict[CacheKind, TierShare] = field(default_factory=dict)
 

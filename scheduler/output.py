@@ -24,7 +24,8 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.spec_decode.stats import DraftSource
 
 # A cache group's name (scheduler.cache_groups), under which its data moves to and from the
-# tier and its ids reach the runner: "blocks" (the KV blocks of every token), "window" (a
+# tier and its ids reach the runner: "blocks" (the KV blocks of every token; "latent" for
+# multi-head latent attention, whose blocks hold one latent row a token), "window" (a
 # sliding-window group's blocks), "states" (recurrent-state slots), "encoder" (the vision
 # encoder's outputs, by image; no ids).
 CacheKind = str

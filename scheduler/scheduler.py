@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from scheduler.block_pool import BlockPool, cdiv
-from scheduler.cache_groups import CacheGroup, FullAttentionGroup, groups_for
+from scheduler.cache_groups import CacheGroup, anchor_for, groups_for
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnectorScheduler, TierLookup
 from scheduler.output import (
@@ -39,12 +39,11 @@ class Scheduler:
                  groups: list[CacheGroup] | None = None) -> None:
         """`connector` (optional): the scheduler side of a KV tier past the pool (the disk),
         which keeps cached blocks the pool evicts, for later hits. `groups`: the cache
-        groups beside the full-attention blocks every model has (default: those `config`
-        sizes, see groups_for)."""
+        groups beside the anchor's blocks every model has (default: those `config` sizes,
+        see groups_for)."""
         self.config = config
         self.connector = connector if config.enable_prefix_caching else None
-        anchor = FullAttentionGroup(config.num_blocks, config.block_size, self.connector,
-                                    self._block_evicted)
+        anchor = anchor_for(config, self.connector, self._block_evicted)
         beside = groups_for(config, self.connector) if groups is None else groups
         self.groups: list[CacheGroup] = [anchor, *beside]
         self.pool: BlockPool = anchor.pool  # every token's K/V
@@ -227,7 +226,7 @@ class Scheduler:
             if self._next_block_in_flight(request, hits, in_flight):
                 continue
             hits, stored = self.prefix_cache.lookup_stored(request, hits)
-            blocks = stored.of("blocks")
+            blocks = stored.of(self.prefix_cache.blocks.kind)
             if self._num_new(request, len(hits) + len(blocks.ready), budget) == 0:
                 break  # its whole prompt does not fit what is left of this step
             if not self._can_admit(request, len(hits) + len(blocks.ready) + len(blocks.unread),

@@ -39,7 +39,8 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching, num_state_slots=plan.num_state_slots,
+        enable_prefix_caching=enable_prefix_caching, kv_kind=cfg.kv_kind,
+        num_state_slots=plan.num_state_slots,
         state_checkpoint_interval=state_checkpoint_interval, window=plan.window,
         num_window_blocks=plan.num_window_blocks, speculative=speculative,
     ))
@@ -51,7 +52,8 @@ def make_runner_and_scheduler(model_dir, num_blocks=64, block_size=16, max_num_s
         draft = DraftModel(draft_model, draft_cache)
     elif speculative is not None and speculative.method == "mtp":
         head = load_mtp_head(model_dir, model, mx.float32)
-        draft = MtpDrafter(model, head, head_cache(head, num_blocks, block_size, mx.float32))
+        draft = MtpDrafter(model, head, head_cache(head, cfg.kv_kind, num_blocks, block_size,
+                                                   mx.float32))
     return ModelRunner(model, cache, draft), scheduler
 
 

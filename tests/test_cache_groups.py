@@ -4,10 +4,12 @@ changed (scheduler.cache_groups.group)."""
 
 from __future__ import annotations
 
+import pytest
 from scheduler_helpers import resolve_step
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.cache_groups import CacheGroup
+from scheduler.cache_groups.latent import LatentGroup
 from scheduler.kv_connector import TierShare
 
 BLOCK = 4
@@ -45,10 +47,11 @@ class Tickets(CacheGroup):
         return len(self.held), len(self.held) + len(self.free)
 
 
-def scheduler_with(group: CacheGroup, num_blocks: int = 64) -> Scheduler:
+def scheduler_with(group: CacheGroup | None, num_blocks: int = 64,
+                   kv_kind: str = "blocks") -> Scheduler:
     config = SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=8,
-                             max_num_batched_tokens=64, max_model_len=128)
-    return Scheduler(config, groups=[group])
+                             max_num_batched_tokens=64, max_model_len=128, kv_kind=kv_kind)
+    return Scheduler(config, groups=[] if group is None else [group])
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 3) -> Request:
@@ -101,3 +104,23 @@ def test_a_prefix_hit_reaches_only_as_far_as_every_group_has_its_part():
         out = s.schedule()
         assert out.scheduled[0].start_position == cached
         assert again.num_cached_tokens == cached
+
+
+def test_a_latent_anchor_shares_blocks_as_full_attention_does_under_its_own_kind():
+    """MLA's kind is the anchor's class and name; its blocks are hit and freed as full
+    attention's."""
+    prompt = list(range(20, 37))
+    s = scheduler_with(None, kv_kind="latent")
+    anchor = s.groups[0]
+    assert isinstance(anchor, LatentGroup) and anchor.kind == "latent"
+    requests = [request(rid, prompt, max_tokens=1) for rid in ("first", "again")]
+    for r in requests:
+        s.add_request(r)
+        while s.has_unfinished_requests():
+            out = s.schedule()
+            resolve_step(s, out, {item.request_id: 7 for item in out.scheduled if item.samples})
+    assert [r.num_cached_tokens for r in requests] == [0, 4 * BLOCK]
+    assert s.cached().keys() == {"latent"} and len(s.cached()["latent"]) == 4
+    assert s.pool.num_free_blocks == 64
+    with pytest.raises(ValueError, match="kv_kind must be one of blocks, latent"):
+        scheduler_with(None, kv_kind="keys")

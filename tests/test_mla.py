@@ -45,7 +45,7 @@ def test_the_pool_keeps_one_latent_row_per_token_and_no_values(tiny_deepseek):
     assert per_block == cfg.num_hidden_layers * 16 * LATENT * 2  # no V: once, not twice
     runner, _ = make_runner_and_scheduler(path)
     cache: KVCache = runner.cache
-    assert all(v is None for v in cache.v) and cache.keys_only
+    assert all(v is None for v in cache.v) and cache.kind == cfg.kv_kind == "latent"
     assert cache.bytes_per_block() == cfg.num_hidden_layers * 16 * LATENT * 4
 
 
@@ -54,7 +54,7 @@ def test_latent_blocks_round_trip_through_their_payloads(tiny_deepseek):
     runner, scheduler = make_runner_and_scheduler(path, block_size=8)
     run_logits(runner, scheduler, "a", random_ids(1, 24), chunk=24)
     cache: KVCache = runner.cache
-    layout = cache.groups()["blocks"].layout
+    layout = cache.groups()["latent"].layout
     payloads = cache.read_blocks([0, 1])
     assert len(payloads[0]) == layout.payload_bytes == cache.bytes_per_block()
     cache.write_blocks([5, 6], payloads)
@@ -80,6 +80,21 @@ def served_engine(path, tokenizer, tmp_path):
     tokenizer.save_pretrained(served)
     return build_engine(EngineConfig(model_dir=served, dtype="float32", max_num_seqs=4,
                                      kv_cache_memory=1 << 22))
+
+
+def test_the_engines_scheduler_and_pools_keep_tokens_as_latent_blocks(tiny_deepseek,
+                                                                     default_tokenizer, tmp_path):
+    """MLA's cache kind from the model config to both sides: the scheduler's anchor group is
+    a LatentGroup, the runner's pools are of its kind (no values) and so are the tier's."""
+    from scheduler.cache_groups.latent import LatentGroup
+
+    _, path = tiny_deepseek
+    engine = served_engine(path, default_tokenizer, tmp_path)
+    anchor = engine.scheduler.groups[0]
+    assert isinstance(anchor, LatentGroup) and engine.scheduler.pool is anchor.pool
+    cache: KVCache = engine.runner.cache
+    assert anchor.kind == cache.kind == "latent" and list(cache.groups()) == ["latent"]
+    assert all(v is None for v in cache.v) and not cache.groups()["latent"].layout.values
 
 
 def test_the_engine_serves_prefix_hits_exactly(tiny_deepseek, default_tokenizer, tmp_path):

@@ -64,14 +64,14 @@ def group_bytes(cfg: ModelConfig, dtype: mx.Dtype, block_size: int, max_num_seqs
     """`cfg`'s cache groups' bytes (K/V stored as `dtype`, or as `quant`'s codes and scales;
     recurrent states stay `dtype`)."""
     shapes, windowed = cfg.kv_pool_shapes(), cfg.windowed_pools()
-    values = cfg.mla is None  # MLA's pools keep one latent row per token, no values
     full = bytes_per_block([s for i, s in enumerate(shapes) if i not in windowed],
-                           block_size, dtype, quant, values)  # fmt: skip
+                           block_size, dtype, quant, cfg.kv_kind)  # fmt: skip
     groups = GroupBytes(full)
     if windowed:
-        all_pools = bytes_per_block(shapes, block_size, dtype, quant, values)
+        window = bytes_per_block([shapes[i] for i in windowed], block_size, dtype, quant,
+                                 "window")
         groups = replace(
-            groups, bytes_per_window_block=all_pools - full,
+            groups, bytes_per_window_block=window,
             window_blocks=window_blocks(cfg.sliding_window, block_size, max_num_seqs,
                                         max_num_batched_tokens))  # fmt: skip
     if cfg.linear_attention is not None:

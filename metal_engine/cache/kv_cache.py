@@ -6,8 +6,8 @@ K/V (Gemma 4's last layers) has fewer pools than layers (see ModelConfig.kv_pool
 belongs to one cache group, by the scheduler's kind (scheduler.cache_groups): "blocks" holds
 every token, a sliding-window group's pools ("window", metal_engine.cache.cache_plan) have
 blocks of their own, fewer of them; a hybrid model's recurrent states are the "states" group.
-An MLA model's pools hold keys only, each token's latent row, whose first values are its
-values too (models/mla.py): `keys_only`, with no V pools.
+An MLA model's "latent" pools hold every token too, as one key row each, whose first values
+are its values (models/mla.py): no V pools (pool_bytes.holds_values says which kinds keep V).
 With `--kv-cache-dtype int8|int4` each pool is a QuantizedPool (codes and scales, see
 kernels_metal.kv_quant), which the layers take, write and read as they do an array.
 """
@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels_metal.kv_quant import KVQuant, QuantizedPool, empty_pool
-from metal_engine.cache.pool_bytes import RAW_BITS, bytes_per_block
+from metal_engine.cache.pool_bytes import RAW_BITS, bytes_per_block, holds_values
 from metal_engine.kv_disk.store import BlockLayout, Layout
 from scheduler.output import CacheKind
 
@@ -58,35 +58,40 @@ class KVCache:
     def __init__(self, shapes: Sequence[PoolShape], num_blocks: int, block_size: int,
                  dtype: mx.Dtype, windowed: Sequence[int] = (), num_window_blocks: int = 0,
                  quant: KVQuant | None = None, held: Collection[int] | None = None,
-                 keys_only: bool = False):
+                 kind: CacheKind = "blocks"):
         """`shapes`: (kv_heads, head_dim) of each pool; the `windowed` ones (a sliding-window
-        group) hold `num_window_blocks` blocks, the others `num_blocks`. `dtype`: the
-        model's; the pools store it, or `quant`'s codes and scales. `held`: the pools this
-        process's layers use (a pipeline stage's); the others hold no blocks. `keys_only`:
-        no V pools (`take` gives None for them)."""
-        self.shapes, self.keys_only = tuple(shapes), keys_only
+        group) hold `num_window_blocks` blocks, the others, of group `kind` (the anchor:
+        "blocks", or MLA's "latent", which has no V pools: `take` gives None for them),
+        `num_blocks`. `dtype`: the model's; the pools store it, or `quant`'s codes and
+        scales. `held`: the pools this process's layers use (a pipeline stage's); the others
+        hold no blocks."""
+        self.shapes, self.kind = tuple(shapes), kind
         self.num_blocks, self.block_size = num_blocks, block_size
         self.model_dtype, self.quant = dtype, quant
         full = tuple(i for i in range(len(self.shapes)) if i not in windowed)
         # Each group's pools, in pool order; a group without pools is left out.
         self.pool_groups: dict[CacheKind, tuple[int, ...]] = {
-            kind: pools for kind, pools in (("blocks", full), ("window", tuple(windowed)))
+            group: pools for group, pools in ((kind, full), ("window", tuple(windowed)))
             if pools}  # fmt: skip
+        self.pool_kinds = [kind if i in full else "window"  # each pool's group
+                           for i in range(len(self.shapes))]
         sizes = [0 if held is not None and i not in held
                  else num_window_blocks if i in windowed else num_blocks
                  for i in range(len(self.shapes))]
-        self.k: list[Pool | None] = [self._empty(n, shape, keys=True)
-                                     for n, shape in zip(sizes, self.shapes, strict=True)]
-        self.v: list[Pool | None] = [None if keys_only else self._empty(n, shape, keys=False)
-                                     for n, shape in zip(sizes, self.shapes, strict=True)]
+        pools = list(zip(sizes, self.shapes, self.pool_kinds, strict=True))
+        self.k: list[Pool | None] = [self._empty(n, shape, group, keys=True)
+                                     for n, shape, group in pools]
+        self.v: list[Pool | None] = [
+            self._empty(n, shape, group, keys=False) if holds_values(group) else None
+            for n, shape, group in pools]
         mx.eval(self.arrays())
 
-    def _empty(self, num_blocks: int, shape: PoolShape, keys: bool) -> Pool:
+    def _empty(self, num_blocks: int, shape: PoolShape, kind: CacheKind, keys: bool) -> Pool:
         if self.quant is None:
             return mx.zeros((num_blocks, self.block_size, *shape), self.model_dtype)
         # Keys are stored turned (kv_quant.rotation), but not latent rows: their values are
         # a part of them.
-        rotated = keys and not self.keys_only
+        rotated = keys and holds_values(kind)
         return empty_pool(num_blocks, self.block_size, *shape, self.quant, rotated=rotated)
 
     states: RecurrentStates | None = None  # linear-attention layers' (see recurrent_states)
@@ -103,8 +108,7 @@ class KVCache:
         """The pools and state slots `cfg`'s layers need, sized as `plan` says (of the pools,
         only the `held` ones, if given, get blocks)."""
         cache = cls(cfg.kv_pool_shapes(), plan.num_blocks, block_size, dtype,
-                    plan.windowed_pools, plan.num_window_blocks, quant, held,
-                    keys_only=cfg.mla is not None)
+                    plan.windowed_pools, plan.num_window_blocks, quant, held, cfg.kv_kind)
         if cfg.linear_attention is not None:
             from metal_engine.cache.recurrent_states import RecurrentStates
 
@@ -129,7 +133,7 @@ class KVCache:
         self.k[layer], self.v[layer] = k, v
 
     def _check_present(self, layer: int, k: Pool | None, v: Pool | None) -> None:
-        if k is None or (v is None and not self.keys_only):
+        if k is None or (v is None and holds_values(self.pool_kinds[layer])):
             raise RuntimeError(f"KV pool of layer {layer} was taken and not put back")
 
     def arrays(self) -> list[mx.array]:
@@ -144,12 +148,12 @@ class KVCache:
         return str(self.model_dtype).removeprefix("mlx.core.")
 
     def groups(self) -> dict[CacheKind, GroupData]:
-        """The data of each cache group this cache holds, by kind: the pools' blocks of
-        "blocks" and "window", the recurrent states' slots."""
+        """The data of each cache group this cache holds, by kind: the pools' blocks of the
+        anchor ("blocks" or "latent") and "window", the recurrent states' slots."""
         groups = {}
         for kind in self.pool_groups:
             layout = BlockLayout(tuple(self.group_shapes(kind)), self.block_size, self.storage,
-                                 values=not self.keys_only)
+                                 values=holds_values(kind))
             groups[kind] = GroupData(layout, partial(self.read_blocks, kind=kind),
                                      partial(self.write_blocks, kind=kind))
         if self.states is not None:
@@ -157,14 +161,16 @@ class KVCache:
             groups["states"] = GroupData(states.layout(), states.read_slots, states.write_slots)
         return groups
 
-    def bytes_per_block(self, kind: CacheKind = "blocks") -> int:
-        """One block's K and V over the pools of a group."""
+    def bytes_per_block(self, kind: CacheKind | None = None) -> int:
+        """One block's K and V (or K only) over the pools of group `kind` (None: the
+        anchor's)."""
+        kind = kind or self.kind
         return bytes_per_block(self.group_shapes(kind), self.block_size, self.model_dtype,
-                               self.quant, values=not self.keys_only)
+                               self.quant, kind)
 
-    def read_blocks(self, block_ids: list[int], kind: CacheKind = "blocks") -> list[bytes]:
-        """Each block's K then V of every pool of group `kind`, as raw bytes: a quantized
-        pool's codes then scales (waits for pending writes)."""
+    def read_blocks(self, block_ids: list[int], kind: CacheKind | None = None) -> list[bytes]:
+        """Each block's K then V of every pool of group `kind` (None: the anchor's), as raw
+        bytes: a quantized pool's codes then scales (waits for pending writes)."""
         index, n = mx.array(block_ids), len(block_ids)
         raw = np.concatenate([  # bit-cast so that numpy takes any dtype
             np.asarray(a[index].view(RAW_BITS[a.dtype.size][0])).reshape(n, -1).view(np.uint8)
@@ -172,7 +178,7 @@ class KVCache:
         return [raw[i].tobytes() for i in range(n)]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes],
-                     kind: CacheKind = "blocks") -> None:
+                     kind: CacheKind | None = None) -> None:
         """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
         self.host_views = None
         n, index = len(block_ids), mx.array(block_ids)
@@ -185,14 +191,17 @@ class KVCache:
             a[index] = part.reshape(n, *a.shape[1:])
             offset += size
 
-    def _group_arrays(self, kind: CacheKind) -> list[mx.array]:
-        """The arrays of a group's pools: each K pool's, then each V pool's."""
-        return [a for pools in (self.k, self.v) for i in self.pool_groups.get(kind, ())
+    def _group_arrays(self, kind: CacheKind | None) -> list[mx.array]:
+        """The arrays of a group's pools (None: the anchor's): each K pool's, then each V
+        pool's."""
+        pools_of_group = self.pool_groups.get(kind or self.kind, ())
+        return [a for pools in (self.k, self.v) for i in pools_of_group
                 if pools[i] is not None for a in _arrays(pools[i])]
 
-    def group_shapes(self, kind: CacheKind = "blocks") -> list[PoolShape]:
-        """(kv_heads, head_dim) of the pools of one group, in pool order."""
-        return [self.shapes[i] for i in self.pool_groups.get(kind, ())]
+    def group_shapes(self, kind: CacheKind | None = None) -> list[PoolShape]:
+        """(kv_heads, head_dim) of the pools of one group (None: the anchor's), in pool
+        order."""
+        return [self.shapes[i] for i in self.pool_groups.get(kind or self.kind, ())]
 
 
 def _arrays(pool: Pool) -> list[mx.array]:

@@ -44,7 +44,7 @@ from metal_engine.models.decoder import CausalLM
 from metal_engine.sampling.rejection_sampler import DraftBatch, draw_drafts
 from metal_engine.vision.step_media import step_positions
 from scheduler.media import PromptMedia
-from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.output import CacheKind, ScheduledRequest, SchedulerOutput
 from scheduler.spec_decode.config import SpeculativeConfig
 
 
@@ -229,10 +229,11 @@ def with_draft_length(spec: SpeculativeConfig) -> SpeculativeConfig:
     return replace(spec, num_speculative_tokens=1)
 
 
-def head_cache(head: nn.Module, num_blocks: int, block_size: int, dtype: mx.Dtype) -> KVCache:
-    """The head's pool, one block per block of the model's (keys only for latent attention)."""
-    return KVCache([head.pool_shape()], num_blocks, block_size, dtype,
-                   keys_only=getattr(head, "keys_only", False))
+def head_cache(head: nn.Module, kind: CacheKind, num_blocks: int, block_size: int,
+               dtype: mx.Dtype) -> KVCache:
+    """The head's pool, one block per block of the model's, of the model's `kind` (its layer
+    is one of the model's: MLA's keeps latent rows)."""
+    return KVCache([head.pool_shape()], num_blocks, block_size, dtype, kind=kind)
 
 
 def load_mtp_head(path: Path, target: CausalLM, dtype: mx.Dtype) -> nn.Module:

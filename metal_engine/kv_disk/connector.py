@@ -78,12 +78,15 @@ class KVDiskConnector:
     """Moves cached blocks (and state checkpoints) between memory and KVDiskStores. One
     engine thread calls it."""
 
-    def __init__(self, stores: dict[CacheKind, TierStore], write_through: bool = False) -> None:
-        """`stores`: per kind held on disk ("blocks" at least), its store and data in memory.
-        `write_through`: save each block as soon as a step has filled it, not only once memory
-        drops it (what a prefill server hands its blocks to a decode server by)."""
+    def __init__(self, stores: dict[CacheKind, TierStore], anchor: CacheKind = "blocks",
+                 write_through: bool = False) -> None:
+        """`stores`: per kind held on disk (the `anchor` group's blocks at least: "blocks", or
+        MLA's "latent"), its store and data in memory. `write_through`: save each block as
+        soon as a step has filled it, not only once memory drops it (what a prefill server
+        hands its blocks to a decode server by)."""
         self._tiers = {kind: _Tier(parts) for kind, parts in stores.items()}
-        self._blocks = self._tiers["blocks"]
+        self._anchor = anchor
+        self._blocks = self._tiers[anchor]
         self._plan = KVTransferPlan()
         self._write_through = write_through
         self._computed: list[tuple[int, BlockHash]] = []
@@ -129,7 +132,8 @@ class KVDiskConnector:
             self._plan.of(kind).saves.append((index, block_hash))
 
     def computed(self, kind: CacheKind, index: int, block_hash: BlockHash) -> None:
-        if self._write_through and kind == "blocks" and block_hash not in self._blocks.store:
+        if (self._write_through and kind == self._anchor
+                and block_hash not in self._blocks.store):
             self._computed.append((index, block_hash))
 
     def take_plan(self) -> KVTransferPlan:

@@ -121,8 +121,10 @@ class StateLayout:
 Layout = BlockLayout | StateLayout
 
 
-def model_identity(model_dir: Path, layout: Layout, kind: str = "blocks") -> str:
-    """Hex digest naming the cache namespace of this model, its weights and the block layout.
+def model_identity(model_dir: Path, layout: Layout, kind: str | None = None) -> str:
+    """Hex digest naming the cache namespace of this model, its weights and the block layout,
+    and of `kind`, a cache group beside the anchor (None: the anchor's blocks, "blocks" or
+    MLA's "latent": their layouts tell them apart, so the namespace stays as it always was).
 
     Weights count by name, size and mtime (hashing GBs would slow startup): a reconverted model
     gets new mtimes and so a fresh namespace. A copy that keeps mtimes keeps its cache.
@@ -131,7 +133,7 @@ def model_identity(model_dir: Path, layout: Layout, kind: str = "blocks") -> str
     h = hashlib.blake2b(digest_size=16)
     h.update(f"metal-serve kv cache v{FORMAT_VERSION}\0".encode())
     h.update(repr(sorted(asdict(layout).items())).encode())
-    if kind != "blocks":  # two groups' blocks may have one layout (Gemma's window and full)
+    if kind is not None:  # two groups' blocks may have one layout (Gemma's window and full)
         h.update(f"\0{kind}".encode())
     h.update((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.glob("*.safetensors")):

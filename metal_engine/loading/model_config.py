@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metal_engine.loading import families
 from metal_engine.loading.families import (
@@ -41,6 +41,9 @@ from metal_engine.models.mla_config import MlaConfig
 from metal_engine.models.moe_config import MoeConfig, read_moe
 from metal_engine.models.muse_glimmer_config import MuseGlimmerOptions, read_muse_glimmer
 from metal_engine.models.rope_parameters import RopeParameters
+
+if TYPE_CHECKING:
+    from scheduler.config import KVKind
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,12 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """Keys layer `layer` attends to (its own included); None: the whole context."""
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    @property
+    def kv_kind(self) -> KVKind:
+        """The cache group that keeps every token's K/V (scheduler.cache_groups): with MLA its
+        latent rows ("latent"), else K and V blocks ("blocks")."""
+        return "latent" if self.mla is not None else "blocks"
 
     def kv_shape(self, layer: int) -> tuple[int, int]:
         """(kv_heads, head_dim) of layer `layer`: with MLA one latent row per token, its keys

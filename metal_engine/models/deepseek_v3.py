@@ -29,9 +29,7 @@ class MultiTokenPredictor(OneLayerHead):
 
         norm(layers.0(eh_proj([enorm(e), hnorm(h)])))
 
-    Its latents are a keys-only pool of their own (see metal_engine.drafting.mtp)."""
-
-    keys_only = True  # its pool holds latent rows, no values (models/mla.py)
+    Its latents are a pool of their own (see metal_engine.drafting.mtp)."""
 
     def __init__(self, cfg: ModelConfig, moe: bool) -> None:
         super().__init__()

@@ -1,10 +1,10 @@
 """What a cache group is: one kind of per-request cache with ids of its own, and the hooks the
 scheduler calls on every group alike.
 
-A request's KV blocks of every token are the anchor group (full_attention): a prefix hit is a
-run of those blocks, and a block's hash names the prefix up to it. Every other group holds
-something beside them and answers for its part of a hit of `n` blocks, of admission, of each
-step and of leaving:
+A request's KV blocks of every token are the anchor group (full_attention, or latent for
+multi-head latent attention): a prefix hit is a run of those blocks, and a block's hash names
+the prefix up to it. Every other group holds something beside them and answers for its part of
+a hit of `n` blocks, of admission, of each step and of leaving:
 
     hit         what a hit of n blocks needs of the group, and whether memory or the tier has it
     can_admit   whether its pool can back a request admitted over n cached blocks

@@ -105,7 +105,7 @@ def _cache(cfg: ModelConfig, batch: int, num_blocks: int) -> KVCache:
         if i in cache.pool_groups.get("window", ()):
             blocks = window_blocks(window, BLOCK_SIZE, batch, 256) + 1
         shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
-        values = None if cache.keys_only else zeros_like_leaf(shape, DTYPE)
+        values = None if cache.v[i] is None else zeros_like_leaf(shape, DTYPE)
         cache.put(i, zeros_like_leaf(shape, DTYPE), values)
     states = cache.states
     if states is not None:

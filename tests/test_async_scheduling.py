@@ -130,10 +130,25 @@ def tiny_windowed(tmp_path_factory):
     return convert_model(source, tmp_path_factory.mktemp("gemma3") / "model", progress=False)
 
 
-@pytest.mark.parametrize("model", ["tiny_hybrid", "tiny_windowed"])
+@pytest.fixture(scope="module")
+def tiny_sparse(tmp_path_factory):
+    """A tiny DeepSeek V3.2: latent rows with index keys, each query choosing its top 8."""
+    from tiny_models import build_tiny_model
+
+    from convert import convert_model
+
+    source = tmp_path_factory.mktemp("deepseek_v32-hf")
+    build_tiny_model("deepseek_v32", source)
+    return convert_model(source, tmp_path_factory.mktemp("deepseek_v32") / "model",
+                         progress=False)
+
+
+@pytest.mark.parametrize("model", ["tiny_hybrid", "tiny_windowed", "tiny_deepseek",
+                                   "tiny_sparse"])
 def test_async_steps_keep_every_cache_group_right(model, request, default_tokenizer):
-    """Recurrent-state slots and checkpoints, and window blocks freed behind each request,
-    under the pipeline and preemption: the synchronous tokens, exactly."""
+    """Recurrent-state slots and checkpoints, window blocks freed behind each request, and
+    latent blocks (with index keys past index_topk), under the pipeline and preemption: the
+    synchronous tokens, exactly."""
     path = request.getfixturevalue(model)
     path = path[1] if isinstance(path, tuple) else path
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -17,6 +17,7 @@ from convert import convert_model
 from metal_engine.cache.cache_plan import group_bytes
 from metal_engine.cache.kv_cache import KVCache
 from metal_engine.config import EngineConfig
+from metal_engine.engine import LLMEngine
 from metal_engine.engine_build import build_engine
 from metal_engine.loading.model_config import ModelConfig
 from metal_engine.models.mla_forms import FormCosts
@@ -70,16 +71,17 @@ def test_preempted_requests_resume_exactly(tiny_deepseek):
     assert served == {rid: hf_greedy(model, ids, 10) for rid, ids in asked.items()}
 
 
-def served_engine(path, tokenizer, tmp_path):
-    """An engine of the model dir `path` with `tokenizer`'s files beside it, as `serve`
-    builds one."""
+def served_engine(path, tokenizer, tmp_path, **options):
+    """An engine of the model dir `path` with `tokenizer`'s files beside it (copied into
+    `tmp_path` once), as `serve` builds one with `options`."""
     import shutil
 
     served = tmp_path / "model"
-    shutil.copytree(path, served)
-    tokenizer.save_pretrained(served)
+    if not served.exists():
+        shutil.copytree(path, served)
+        tokenizer.save_pretrained(served)
     return build_engine(EngineConfig(model_dir=served, dtype="float32", max_num_seqs=4,
-                                     kv_cache_memory=1 << 22))
+                                     kv_cache_memory=1 << 22, **options))
 
 
 def test_the_engines_scheduler_and_pools_keep_tokens_as_latent_blocks(tiny_deepseek,
@@ -120,6 +122,33 @@ def test_the_engine_serves_prefix_hits_exactly(tiny_deepseek, default_tokenizer,
         False, True]
     for rid, ids in asked.items():
         assert got[rid] == hf_greedy(model, ids, 8), rid
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_restarted_engine_loads_the_latent_prefix_from_disk(tiny_deepseek, default_tokenizer,
+                                                              tmp_path, kv_cache_dtype):
+    """With a KV cache dir the first engine saves its latent blocks at close; a restarted one
+    finds the prompt's 5 full blocks stored, loads them as they were (an int8 pool's codes and
+    scales too) and serves the tokens it served before: transformers' in float."""
+    from test_kv_disk_cache_engine import PROMPT, assert_same_prefix_kv, cached_contents, generate
+
+    model, path = tiny_deepseek
+
+    def restarted() -> LLMEngine:
+        return served_engine(path, default_tokenizer, tmp_path, block_size=8,
+                             kv_cache_dir=tmp_path / "kv", kv_cache_dtype=kv_cache_dtype)
+
+    first = restarted()
+    tokens, cached = generate(first, "first")
+    blocks = cached_contents(first)
+    first.close()
+    assert cached == 0 and any(f.suffix == ".kvb" for f in (tmp_path / "kv").rglob("*"))
+    again = restarted()
+    assert generate(again, "again") == (tokens, 5 * 8)
+    assert again.scheduler.prefix_cache.stats.stored_hit_tokens == 5 * 8
+    assert_same_prefix_kv(again, (tokens, blocks))
+    if kv_cache_dtype == "auto":
+        assert tokens == hf_greedy(model, PROMPT, 6)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

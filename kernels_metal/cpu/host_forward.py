@@ -11,11 +11,15 @@ Every other layer (quantized weights or K/V, kinds with no host form such as MoE
 attention) runs on MLX as it does on Metal; the hidden state crosses between the two only
 where consecutive layers differ. The plan is made once per K/V storage and forgotten when
 the model's parameters change (`HostOps.parameters_changed`).
+
+A step with LoRA adapter rows runs its host layers on the host only in their compiled steps
+(`HostLora`), which add the adapters' deltas after each targeted product (cpu_low_rank).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +29,7 @@ from mlx.utils import tree_flatten
 from kernels_metal.attention import AttentionMetadata, numpy_serves
 from kernels_metal.cpu import attention as cpu_attention
 from kernels_metal.cpu import layer as cpu_layer
+from kernels_metal.cpu import low_rank as cpu_low_rank
 from kernels_metal.cpu.layer_arrays import step_arrays
 from kernels_metal.cpu.math import TILED_ROWS
 
@@ -45,6 +50,35 @@ def takes_host_arrays(module: nn.Module) -> bool:
     if not all(getattr(type(m), "OPS_ONLY", False) for m in module.modules()):
         return False
     return all(p.dtype == mx.float32 for _, p in tree_flatten(module.parameters()))
+
+
+class HostLora(NamedTuple):
+    """A step's LoRA adapter rows as the compiled layer steps take them
+    (cpu_low_rank.host_rows; NO_ROWS: none this step), and the version of the adapters'
+    stacks (metal_engine.lora.slots.AdapterSlots: 0 where none are loaded)."""
+
+    rows: cpu_low_rank.HostRows = cpu_low_rank.NO_ROWS
+    version: int = 0
+
+    @classmethod
+    def of(cls, adapters) -> HostLora:
+        """Of a decoder's `adapters` (None: it serves none) in the step being built."""
+        if adapters is None:
+            return cls()
+        rows = adapters.rows
+        if rows is None:
+            return cls(version=adapters.version)
+        return cls(cpu_low_rank.host_rows(rows.host), adapters.version)
+
+    @property
+    def active(self) -> bool:
+        return len(self.rows[0]) > 0
+
+    def served_by_steps(self, layers: Sequence[nn.Module], num_rows: int) -> bool:
+        """Whether compiled steps (which add the deltas) can run every host layer of
+        `layers` for `num_rows` rows: a module-by-module host layer knows no adapters."""
+        return num_rows < TILED_ROWS and all(
+            step_arrays(layer, self.version) is not None for layer in layers)
 
 
 class HostPlan:
@@ -82,13 +116,14 @@ class HostStack:
 
     def step(self, h: np.ndarray, layers: Sequence[nn.Module], pools: Sequence[int],
              rope: tuple[np.ndarray, np.ndarray] | None, meta: AttentionMetadata,
-             cache) -> np.ndarray | None:
+             cache, lora: HostLora) -> np.ndarray | None:
         """`h` through `layers` (writing pools `pools`, all turned by `rope`: numpy cos, sin
-        `[rows, half]`; None if the layers differ), or None where they cannot go in one call."""
+        `[rows, half]`; None if the layers differ; adding `lora`'s rows' deltas), or None
+        where they cannot go in one call."""
         float_pools = cache.quant is None and cache.model_dtype == mx.float32
         if not float_pools or len(h) >= TILED_ROWS or rope is None:
             return None
-        arrays = tuple(step_arrays(layer) for layer in layers)
+        arrays = tuple(step_arrays(layer, lora.version) for layer in layers)
         if any(a is None or a.attention != arrays[0].attention for a in arrays):
             return None
         scale, softcap, window, sinks = arrays[0].attention
@@ -98,7 +133,7 @@ class HostStack:
         if decode is None or not self._stack_of(arrays):
             return None
         return cpu_layer.step_layers(h, self._stack, _pool_lists(cache, pools), rope,
-                                     meta.slot_mapping, decode, scale, softcap)
+                                     meta.slot_mapping, decode, scale, softcap, lora.rows)
 
     def _stack_of(self, arrays: tuple[cpu_layer.LayerArrays, ...]) -> bool:
         if len(arrays) != len(self._layers) or any(
@@ -110,17 +145,17 @@ class HostStack:
 
 
 def layer_step(layer: nn.Module, x: np.ndarray, rope: tuple[np.ndarray, np.ndarray], meta,
-               cache, pool: int) -> np.ndarray | None:
+               cache, pool: int, lora: HostLora) -> np.ndarray | None:
     """A pre-norm layer of a few host rows in two compiled calls around its attention
     (cpu_layer), or None where it has no such step."""
     if len(x) >= TILED_ROWS:
         return None
-    arrays = step_arrays(layer)
+    arrays = step_arrays(layer, lora.version)
     if arrays is None:
         return None
-    q, k, v = cpu_layer.attention_inputs(x, arrays, rope)
+    q, k, v = cpu_layer.attention_inputs(x, arrays, rope, lora.rows)
     out = layer.self_attn.attend(q, k, v, meta, cache, pool)
-    return cpu_layer.after_attention(x, out.reshape(len(x), -1), arrays)
+    return cpu_layer.after_attention(x, out.reshape(len(x), -1), arrays, lora.rows)
 
 
 def _pool_lists(cache, pools: Sequence[int]) -> tuple:

@@ -13,7 +13,7 @@ from kernels_metal.cpu import host_forward, huge_pages
 from kernels_metal.cpu import loops as cpu_loops
 from kernels_metal.cpu import math as cpu_math
 from kernels_metal.cpu import prefill as cpu_prefill
-from kernels_metal.cpu.host_forward import HostPlan, HostStack, to_device, to_host
+from kernels_metal.cpu.host_forward import HostLora, HostPlan, HostStack, to_device, to_host
 from kernels_metal.cpu.layer_arrays import views
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.ops import Activation, DispatchedKernels, Ops
@@ -145,18 +145,21 @@ class HostOps(DispatchedKernels, Ops):
                    layers: range):
         """Each layer on the host or on MLX as the host plan says, all in one compiled call
         where the host stack can take them."""
-        if decoder.adapters is not None and decoder.adapters.rows is not None:
-            # The host loops know no adapters: a step with adapter rows runs on MLX.
-            return super().run_layers(decoder, h, positions, meta, cache, layers)
         modules, pools = decoder.layers, decoder.pools
         on_host = self.plan.layers_on_host(modules, cache)
+        lora = HostLora.of(decoder.adapters)
+        if lora.active and not lora.served_by_steps(
+                [modules[i] for i in layers if on_host[i]], len(h)):
+            # Only the compiled layer steps add adapter deltas on the host.
+            return super().run_layers(decoder, h, positions, meta, cache, layers)
         ropes = self.layer_ropes(decoder.ropes, positions, meta)
         if all(on_host[i] for i in layers):
             rope = ropes[layers[0]] if layers else None
             shared = rope is not None and all(ropes[i] is rope for i in layers)
             stacked = self.stack.step(to_host(h), [modules[i] for i in layers],
                                       [pools[i] for i in layers],
-                                      rope.host_tables() if shared else None, meta, cache)
+                                      rope.host_tables() if shared else None, meta, cache,
+                                      lora)
             if stacked is not None:
                 return to_device(stacked)
         for i in layers:
@@ -165,7 +168,7 @@ class HostOps(DispatchedKernels, Ops):
                 continue
             h = to_host(h)
             stepped = host_forward.layer_step(modules[i], h, ropes[i].host_tables(), meta, cache,
-                                              pools[i])
+                                              pools[i], lora)
             h = modules[i](h, ropes[i], meta, cache, pools[i]) if stepped is None else stepped
         return to_device(h)
 

@@ -11,8 +11,9 @@ rank, slot 0 all zeros (the base). A linear's stack is indexed by slot; a Switch
 A step with adapter rows hands each linear a `LoraRows` (the slot of every packed row) and
 the linear adds `(x @ a[index]) @ b[index]` per row (per row and chosen expert) with two
 gathered products (`Ops.low_rank`): one forward serves every adapter at once, none runs per
-adapter. A step with no adapter rows sets none, and every linear computes exactly as
-without adapters.
+adapter. The CPU backend's compiled host layer steps add the same stacks' deltas in their
+own loop (kernels_metal.cpu.low_rank). A step with no adapter rows sets none, and every
+linear computes exactly as without adapters.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoraRows:
-    """The adapter slot of each packed row (`of_row`); with `order`, the rows sorted by slot
-    first (`slots` in that order) and put back by `inverse`."""
+    """The adapter slot of each packed row (`of_row`, and `host` as numpy for the CPU's host
+    loops); with `order`, the rows sorted by slot first (`slots` in that order) and put back
+    by `inverse`."""
 
+    host: np.ndarray  # [total_q] int
     of_row: mx.array  # [total_q] int32
     slots: mx.array  # [total_q] int32: of_row, or of_row[order]
     order: mx.array | None = None
@@ -53,10 +56,10 @@ class LoraRows:
     def build(cls, slot_of_row: np.ndarray) -> LoraRows:
         of_row = mx.array(slot_of_row, mx.int32)
         if len(slot_of_row) < SORTED_ROWS:
-            return cls(of_row, of_row)
+            return cls(slot_of_row, of_row, of_row)
         order = np.argsort(slot_of_row, kind="stable")
-        return cls(of_row, mx.array(slot_of_row[order], mx.int32), mx.array(order, mx.int32),
-                   mx.array(np.argsort(order), mx.int32))
+        return cls(slot_of_row, of_row, mx.array(slot_of_row[order], mx.int32),
+                   mx.array(order, mx.int32), mx.array(np.argsort(order), mx.int32))
 
 
 def linear_shape(linear: nn.Module) -> tuple[int, int, int]:
@@ -134,6 +137,7 @@ class AdapterSlots:
         self.ranks: dict[str, int] = {}
         self.fingerprints: dict[str, str] = {}  # by name: what its cached blocks are keyed by
         self.rows: LoraRows | None = None  # the rows of the step being built
+        self.version = 0  # changes whenever the stacks do (what host loops hold views of)
         self._weights: list[LoraWeights] = []
         model.model.adapters = self  # the decoder's backend asks whether a step has adapters
 
@@ -206,6 +210,7 @@ class AdapterSlots:
         rank = max(self.ranks.values(), default=1)
         for weights in self._weights:
             weights.restack(self.names, rank)
+        self.version += 1
 
     def _target(self, adapter: LoraAdapter, path: str, a: np.ndarray,
                 b: np.ndarray) -> nn.Module:

@@ -74,9 +74,10 @@ class PackedLinears:
                 and len({m.weight.dtype for m in linears}) == 1
                 and len({"bias" in m for m in linears}) == 1)
 
-    def packed(self) -> tuple[mx.array, mx.array | None] | None:
+    def packed(self, adapters_apart: bool = True) -> tuple[mx.array, mx.array | None] | None:
         """The packed weight and bias (None if they have none), packed first if need be; None
-        if the linears do not pack."""
+        if the linears do not pack, or (`adapters_apart`) if one adds adapter rows' deltas
+        this step: each linear then runs apart and adds its own."""
         # Current while each linear holds the view it was given; checked inline in one pass
         # (a step asks ~60 times), which also sees whether any linear carries an adapter.
         owner, current, plain = self._owner, bool(self._views), True
@@ -86,9 +87,9 @@ class PackedLinears:
                 current = False
                 break
             plain = plain and linear.lora is None
-        if current and plain:
+        if current and (plain or not adapters_apart):
             return self._weights
-        if self._adapted():  # each linear adds its own rows' deltas: they run apart
+        if adapters_apart and self._adapted():
             return None
         if not current:
             linears = self.linears()
@@ -105,8 +106,9 @@ class PackedLinears:
                    for name in self._names)
 
     def get(self, key: str) -> mx.array | None:
-        """The packed "weight" or "bias", as a `Linear` has them (the linears must pack)."""
-        weight, bias = self.packed()
+        """The packed "weight" or "bias", as a `Linear` has them (the linears must pack); the
+        caller adds any adapter deltas (the CPU's host layer steps do)."""
+        weight, bias = self.packed(adapters_apart=False)
         return weight if key == "weight" else bias
 
     def split(self, y: mx.array) -> list[mx.array]:

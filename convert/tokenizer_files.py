@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from convert.gguf_tokenizer import gguf_tokenizer
+from convert.tiktoken_vocab import TIKTOKEN_FILE, tiktoken_tokenizer
 from metal_engine.loading.tokenizer_loading import (
     CustomCodeRefused,
     files_with_auto_map,
@@ -31,7 +32,8 @@ LOAD_OPTIONS = ("is_local", "local_files_only")
 
 
 def copy_hf_tokenizer(src: Path, dst: Path) -> None:
-    """Copy a Hugging Face dir's tokenizer files; build tokenizer.json if only a slow one exists."""
+    """Copy a Hugging Face dir's tokenizer files; build tokenizer.json if only a slow one (or
+    a tiktoken file, as Kimi's) exists."""
     for name in HF_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
@@ -39,12 +41,15 @@ def copy_hf_tokenizer(src: Path, dst: Path) -> None:
         # Refused here, not when served: a tokenizer that loads only with the source's code.
         load_tokenizer(src, local_files_only=True)
     if not (dst / "tokenizer.json").exists():
-        if not (src / "tokenizer.model").exists():
+        if (src / TIKTOKEN_FILE).is_file():
+            tiktoken_tokenizer(src).save_pretrained(dst)
+        elif (src / "tokenizer.model").exists():
+            _save_with_transformers(src, dst)
+        else:
             raise ValueError(
-                f"{src} has no tokenizer (tokenizer.json or tokenizer.model); copy the model's "
-                "tokenizer files into it"
+                f"{src} has no tokenizer (tokenizer.json, tokenizer.model or {TIKTOKEN_FILE}); "
+                "copy the model's tokenizer files into it"
             )
-        _save_with_transformers(src, dst)
     finalize_tokenizer_config(dst)
 
 

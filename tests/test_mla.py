@@ -337,19 +337,38 @@ def test_a_warmed_up_server_streams_an_mla_models_greedy_tokens(tiny_deepseek, d
     assert text == default_tokenizer.decode(hf_greedy(model, ids, 6), skip_special_tokens=True)
 
 
-def test_kimi_k25s_text_model_serves_transformers_greedy_tokens(tmp_path):
-    """Kimi K2.5's checkpoint (a vision tower beside Kimi K2's text model) converts to its
-    text model, whose served tokens are the multimodal model's on a text prompt."""
+@pytest.fixture(scope="module")
+def kimi_k25(tmp_path_factory):
+    """(Kimi K2.5's multimodal torch model, its text model converted): a vision tower beside
+    Kimi K2's DeepSeek V3."""
     import torch
     from test_convert_families import _kimi_k25_multimodal
 
     torch.manual_seed(0)
     model = _kimi_k25_multimodal().eval()
-    model.save_pretrained(tmp_path / "hf")
-    save_word_tokenizer(tmp_path / "hf")
-    path = convert_model(tmp_path / "hf", tmp_path / "model", progress=False)
+    root = tmp_path_factory.mktemp("kimi_k25")
+    model.save_pretrained(root / "hf")
+    save_word_tokenizer(root / "hf")
+    return model, convert_model(root / "hf", root / "model", progress=False)
+
+
+def test_kimi_k25s_text_model_serves_transformers_greedy_tokens(kimi_k25):
+    """Kimi K2.5's checkpoint converts to its text model, whose served tokens are the
+    multimodal model's on a text prompt."""
+    model, path = kimi_k25
     prompts = {"a": random_ids(11, 30), "b": random_ids(12, 5)}
     got = generate_greedy(*make_runner_and_scheduler(path, block_size=8), prompts, 8)
     for rid, ids in prompts.items():
         assert got[rid] == hf_greedy(model, ids, 8), rid
 
+
+@pytest.mark.parametrize(("block_size", "chunk"), [(16, 45), (16, 7), (8, 1)],
+                         ids=["whole-prompt", "chunked", "token-by-token"])
+def test_kimi_k25s_text_model_gives_transformers_logits(kimi_k25, block_size, chunk):
+    """The multimodal model's logits on a text prompt, at every position, fed whole, in
+    chunks and token by token."""
+    model, path = kimi_k25
+    runner, scheduler = make_runner_and_scheduler(path, block_size=block_size)
+    ids = random_ids(chunk, 45)
+    got = run_logits(runner, scheduler, "a", ids, chunk=chunk)
+    np.testing.assert_allclose(got, torch_logits(model, ids), atol=TOL, rtol=TOL)

@@ -13,6 +13,8 @@ from typing import Any
 
 from gguf import GGUFReader
 
+from convert.gguf_pre_tokenizers import set_llama_cpp_split
+
 # llama.cpp's names for special token ids -> transformers' special token attributes.
 SPECIAL_TOKENS = {
     "bos_token": "bos_token_id",
@@ -45,4 +47,6 @@ def gguf_tokenizer(gguf_path: Path) -> Any:
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer)
+    if tokenizer.get("tokenizer_type") == "gpt2":  # byte-level BPE
+        set_llama_cpp_split(backend, tokenizer.get("pre_tokenizer_type"))
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

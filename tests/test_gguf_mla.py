@@ -27,24 +27,39 @@ from conversion_checks import assert_converts_to
 from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from gguf_files import copy_tokenizer_metadata, finish
+from gguf_files import TEMPLATE, copy_tokenizer_metadata, finish
 from safetensors.numpy import load_file, save_file
 from tiny_models import VOCAB, build_tiny_model
 
 from convert import convert_model
+from metal_engine.loading.tokenizer_loading import load_tokenizer
 
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 KV_B = re.compile(r"(model\.layers\.\d+\.self_attn\.)kv_b_proj\.weight")
 BIAS = "e_score_correction_bias"
-# (model_type, --outtype, kv_b layout, config fields over the tiny family's)
+# (model_type, --outtype, kv_b layout, tokenizer.ggml.pre, config fields over the tiny family's)
 CASES = {
-    "deepseek_v3-f32": ("deepseek_v3", "f32", "split", {}),
-    # 32-wide nope rows: each head's attn_k_b rows block as Q8_0 too.
-    "deepseek_v3-q8_0": ("deepseek_v3", "q8_0", "split", {"qk_nope_head_dim": 32}),
-    "deepseek_v3-q8_0-unsplit": ("deepseek_v3", "q8_0", "whole", {}),
+    "deepseek_v3-f32": ("deepseek_v3", "f32", "split", "deepseek-v3", {}),
+    # Kimi K2's files: DeepSeek V3's architecture and a pre-tokenizer of their own. 32-wide
+    # nope rows: each head's attn_k_b rows block as Q8_0 too.
+    "kimi_k2-q8_0": ("deepseek_v3", "q8_0", "split", "kimi-k2", {"qk_nope_head_dim": 32}),
+    "deepseek_v3-q8_0-unsplit": ("deepseek_v3", "q8_0", "whole", "deepseek-v3", {}),
     # llama.cpp supports leading dense layers only, as the released GLM-4.7-Flash has them.
-    "glm4_moe_lite-q8_0": ("glm4_moe_lite", "q8_0", "split", {
+    "glm4_moe_lite-q8_0": ("glm4_moe_lite", "q8_0", "split", "glm4", {
         "mlp_layer_types": ["dense", "sparse", "sparse"], "first_k_dense_replace": 1}),
+}
+# How each file's pre-tokenizer splits a probe before BPE (llama.cpp's regexes, as the models'
+# tokenizer.json files have them): digits in runs of 3 (not GPT-2's whole runs); DeepSeek V3
+# keeps a CJK and kana run apart from the space before it; Kimi K2 parts Han from kana, splits
+# words at a case change and keeps a contraction on its word.
+PROBE = "Call 12345 now: 你好世界ありがとう HelloWorld they're\n\n x=\"y\""
+PROBE_PIECES = {
+    "glm4": ["Call", " ", "123", "45", " now", ":", " 你好世界ありがとう", " HelloWorld", " they",
+             "'re", "\n\n", " x", '="', "y", '"'],
+    "deepseek-v3": ["Call", " ", "123", "45", " now", ":", " ", "你好世界ありがとう", " HelloWorld",
+                    " they", "'re", "\n\n", " x", '="', "y", '"'],
+    "kimi-k2": ["Call", " ", "123", "45", " now", ":", " ", "你好世界", "ありがとう", " Hello",
+                "World", " they're", "\n\n", " x", '="', "y", '"'],
 }
 
 
@@ -86,7 +101,7 @@ def stored(gguf_name: str, tensor: np.ndarray,
 
 
 def add_metadata(writer: GGUFWriter, cfg: dict, layout: str, mtp_layers: int,
-                 glm: bool) -> None:
+                 pre: str) -> None:
     """What TextModel's and DeepseekV2Model's `set_gguf_parameters` write for this config
     (the released configs have no head_dim, so none is written from it)."""
     rope, rank = cfg["rope_parameters"], cfg["kv_lora_rank"]
@@ -136,19 +151,21 @@ def add_metadata(writer: GGUFWriter, cfg: dict, layout: str, mtp_layers: int,
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
-    copy_tokenizer_metadata(writer, VOCAB, pre="glm4" if glm else None)
+    copy_tokenizer_metadata(writer, VOCAB, pre=pre)
     writer.add_token_scores([0.0] * VOCAB)
 
 
 def write_deepseek2_gguf(hf_dir: Path, root: Path, outtype: str, layout: str,
-                         mtp_layers: int = 0) -> tuple[Path, Path]:
-    """(the GGUF of `hf_dir`'s model, `hf_dir` with each tensor as the GGUF stores it)."""
+                         mtp_layers: int = 0, pre: str | None = None) -> tuple[Path, Path]:
+    """(the GGUF of `hf_dir`'s model, `hf_dir` with each tensor as the GGUF stores it).
+    `pre`: its tokenizer.ggml.pre (default: the family's, which tells GLM-4.7-Flash apart)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    glm = cfg["model_type"] == "glm4_moe_lite"
+    if pre is None:
+        pre = "glm4" if cfg["model_type"] == "glm4_moe_lite" else "deepseek-v3"
     hf = load_file(hf_dir / "model.safetensors")
     path = root / f"deepseek2-{outtype}.gguf"
     writer = GGUFWriter(path, "deepseek2")
-    add_metadata(writer, cfg, layout, mtp_layers, glm)
+    add_metadata(writer, cfg, layout, mtp_layers, pre)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2,
                                      cfg["num_hidden_layers"] + mtp_layers)
     rounded: dict[str, np.ndarray] = {}
@@ -200,13 +217,13 @@ def add_mtp_block(writer: GGUFWriter, cfg: dict, mtp_layers: int) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_deepseek2_gguf_converts_to_the_hf_model(case: str, tmp_path: Path) -> None:
 
-    model_type, outtype, layout, extra = CASES[case]
+    model_type, outtype, layout, pre, extra = CASES[case]
     glm = model_type == "glm4_moe_lite"
     source = tmp_path / "hf"
     # DeepSeek V3's and Kimi K2's configs name their routing; GLM-4.7-Flash's does not.
     build_tiny_model(model_type, source, **extra, **({} if glm else {"scoring_func": "sigmoid"}))
     path, reference = write_deepseek2_gguf(source, tmp_path, outtype, layout,
-                                           mtp_layers=1 if glm else 0)
+                                           mtp_layers=1 if glm else 0, pre=pre)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     if outtype == "q8_0":  # the case stores what it is named for
         assert types["blk.1.ffn_gate_exps.weight"] == Q.Q8_0
@@ -236,6 +253,20 @@ def test_deepseek2_gguf_converts_to_the_hf_model(case: str, tmp_path: Path) -> N
     assert written["model_type"] == model_type
     ours = assert_converts_to(reference, path, out)
     assert ours.mla is not None and ours.moe is not None
+    assert_tokenizer_of(out, pre)
+
+
+def assert_tokenizer_of(out: Path, pre: str) -> None:
+    """The converted dir's tokenizer, as serving loads it: the GGUF's chat template and
+    special tokens, and llama.cpp's split for the file's pre-tokenizer."""
+    tokenizer = load_tokenizer(out)
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(PROBE)
+    assert [PROBE[start:end] for _, (start, end) in pieces] == PROBE_PIECES[pre]
 
 
 @pytest.mark.parametrize("scoring_func", ["softmax", None])

@@ -11,6 +11,7 @@ from kernels_metal.cpu import threads as cpu_threads
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "columns", "inner"), [(1, 13, 33), (1, 576, 1536), (2, 8, 7),
+                                                        (3, 13, 33), (4, 576, 1536),
                                                         (5, 13, 33), (16, 832, 64), (31, 6, 150),
                                                         (63, 9, 70)])
 def test_few_rows_match_numpy_with_partial_tiles_on_one_thread_or_two(monkeypatch, threads,

@@ -76,19 +76,11 @@ def _default_model() -> str:
 
 def _victim_gaps(url: str, tokens: int, meanwhile: Callable[[], Callable[[], None] | None]
                  ) -> dict:
-    """Stream `tokens` from the victim once its first token is out and `meanwhile()` has
-    started (it returns what stops it); the gaps between the victim's tokens."""
+    """Stream `tokens` from the victim once `meanwhile()` has started (it returns what
+    stops it); the gaps between the victim's tokens."""
     times: list[float] = []
-    started = threading.Event()
-
-    def on_token() -> None:
-        times.append(time.monotonic())
-        started.set()
-
-    streaming = threading.Thread(target=_stream, args=(url, "victim", tokens, on_token))
     stop = meanwhile()
-    streaming.start()
-    streaming.join()
+    _stream(url, "victim", tokens, lambda: times.append(time.monotonic()))
     if stop is not None:
         stop()
     gaps = sorted(1000 * (b - a) for a, b in zip(times, times[1:], strict=False))

@@ -282,18 +282,6 @@ def test_the_scheduler_drafts_beside_a_prefill_chunk_once_such_steps_are_measure
     assert drafted_beside_chunks == [0, 9]
 
 
-def test_a_new_request_drafts_at_the_rate_of_the_latest_drafts_from_its_first_step():
-    """An agent's next turn is a new request: it starts where the requests before it left
-    off (every draft accepted here), not at the cautious prior (0.6, which drafts 2)."""
-    s = scheduler(0, max_num_seqs=1)
-    s.add_request(Request("turn1", LOOP, SamplingParams(max_tokens=24), eos_token_ids=(2,)))
-    steep = lambda rows: 0.03 + 0.012 * rows  # noqa: E731
-    drive(s, steep, 12)
-    assert not s.has_unfinished_requests()
-    s.add_request(Request("turn2", LOOP, SamplingParams(max_tokens=24), eos_token_ids=(2,)))
-    assert drive(s, steep, 2) == [0, 3]  # its prefill, then its first decode drafts all 3
-
-
 def test_lookups_run_only_for_requests_the_plan_could_take():
     """Where rows cost in proportion no request can draft: none is looked up (the lookups
     were most of a 64-request step's host time)."""

@@ -13,11 +13,8 @@ while its expected gain beats a threshold that rises with the load:
 
 The rate `a` is accepted / tried positions, both as EWMAs: a draft of d tokens of which m are
 accepted tried m + 1 positions when m < d (the next one was rejected) and d when m == d.
-It starts at `prior`, or where the caller knows better (the drafter passes the rate of every
-request's latest drafts: a new turn of an agent drafts like the turns before it from its
-first step, where the fixed prior would hold it back for the first few). A request at k = 0
-never drafts and so could never raise its rate: after `probe_every` steps without a draft it
-drafts one token, unless the step is saturated.
+It starts at `prior`. A request at k = 0 never drafts and so could never raise its rate:
+after `probe_every` steps without a draft it drafts one token, unless the step is saturated.
 Under `never_slower` the same histories feed draft_plan.py instead (`offer`), the probe being
 one token offered at the prior rate.
 """
@@ -58,9 +55,8 @@ class DraftLength:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
-    def new_history(self, rate: float | None = None) -> AcceptanceHistory:
-        """A history that starts at `rate` (default: `prior`)."""
-        return AcceptanceHistory(accepted=self.prior if rate is None else rate, tried=1.0)
+    def new_history(self) -> AcceptanceHistory:
+        return AcceptanceHistory(accepted=self.prior, tried=1.0)
 
     def choose(self, history: AcceptanceHistory, *, num_rows: int, num_drafting: int) -> int:
         """Draft tokens for one request; changes nothing.

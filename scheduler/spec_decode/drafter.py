@@ -68,7 +68,6 @@ class Drafter:
         self.stats = SpecDecodeStats()
         self._proposers: dict[str, NgramProposer] = {}
         self._histories: dict[str, AcceptanceHistory] = {}
-        self._recent = self.length.new_history()  # every request's drafts: new ones start here
         self._accepted_unobserved = 0  # accepted drafts resolved since the last `observe`
         self._num_steps = 0  # steps observed, the cost models' clock
 
@@ -185,7 +184,6 @@ class Drafter:
         (0: it did not draft)."""
         self.length.record(self._history(request), num_drafts, num_accepted)
         if num_drafts:
-            self.length.record(self._recent, num_drafts, num_accepted)
             self.stats.count(source or self.config.method, num_drafts, num_accepted)
             self._accepted_unobserved += num_accepted
 
@@ -226,8 +224,7 @@ class Drafter:
     def _history(self, request: Request) -> AcceptanceHistory:
         history = self._histories.get(request.request_id)
         if history is None:
-            history = self._histories[request.request_id] = self.length.new_history(
-                self._recent.rate)
+            history = self._histories[request.request_id] = self.length.new_history()
         return history
 
 

@@ -395,9 +395,11 @@ def test_bench_agents_against_our_server(base_url, default_model_dir, tmp_path):
 @pytest.mark.skipif(find_chromium() is None, reason="no Chromium: apt-get install chromium")
 def test_bench_agents_saves_a_dashboard_screenshot(base_url, default_model_dir, tmp_path, capsys):
     png = tmp_path / "dashboard.png"
+    # Answers long enough that requests still run once Chromium has the page open: with
+    # drafting on by default, 48-token turns could all end before it.
     options = (
         "--workload agents --sessions 3 --turns 2 --prefix-len 64 --input-len 8 "
-        "--tool-result-len 8 --output-len 48 --num-warmups 0 --dashboard-screenshot-delay 0 "
+        "--tool-result-len 8 --output-len 128 --num-warmups 0 --dashboard-screenshot-delay 0 "
         f"--dashboard-screenshot {png}"
     )
     bench(base_url, default_model_dir, tmp_path, options)

@@ -9,13 +9,15 @@ from scheduler_helpers import resolve_step
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.spec_decode.config import SpeculativeConfig
 from scheduler.spec_decode.draft_plan import BesidePrefill, DraftOffer, plan_drafts
-from scheduler.spec_decode.step_cost import EXACT_ROWS, StepCost, bucket_of
+from scheduler.spec_decode.step_cost import EXACT_ROWS, MIN_STEPS, StepCost, bucket_of
 
 
 def cost_of(points: dict[int, float]) -> StepCost:
+    """Each point measured by as many steps as a bucket needs to count."""
     cost = StepCost()
     for rows, seconds in points.items():
-        cost.observe(rows, seconds)
+        for _ in range(MIN_STEPS):
+            cost.observe(rows, seconds)
     return cost
 
 
@@ -62,7 +64,9 @@ def test_rows_priced_in_a_busy_moment_are_forgotten_and_drafted_again():
     bucket not measured for `max_age` steps is forgotten and its rows get tried again."""
     decode, verify = StepCost(max_age=16), StepCost(max_age=16)
     verify.observe(2, 0.031, step=0)
-    verify.observe(9, 0.5, step=1)  # another job held the cores in that step
+    verify.observe(2, 0.031, step=0)
+    for _ in range(MIN_STEPS):
+        verify.observe(9, 0.5, step=1)  # another job held the cores in those steps
     for step in range(2, 40):
         decode.observe(1, 0.03, step)
         if step % 8 == 0:
@@ -165,9 +169,9 @@ def drive(s: Scheduler, step_seconds, num_steps: int) -> list[int]:
 
 def test_the_scheduler_drafts_where_rows_are_free_and_reports_the_speedup():
     s = scheduler(2)
-    drafted = drive(s, lambda rows: 0.03, 12)
-    assert drafted[1] == 0  # the first decode step measures the undrafted cost
-    assert all(d == 6 for d in drafted[2:])
+    drafted = drive(s, lambda rows: 0.03, 20)
+    assert drafted[1] == drafted[2] == 0  # the first decode steps measure the undrafted cost
+    assert all(d == 6 for d in drafted[3:])
     stats = s.drafter.stats
     assert stats.by_method["ngram"].num_accepted_tokens == stats.num_accepted_tokens > 0
     assert stats.speedup_estimate == pytest.approx(4.0, rel=0.1)  # 4 tokens a step for 1
@@ -176,7 +180,7 @@ def test_the_scheduler_drafts_where_rows_are_free_and_reports_the_speedup():
 def test_the_scheduler_stops_drafting_once_it_measures_rows_as_costly():
     s = scheduler(8)
     drafted = drive(s, lambda rows: 0.002 * rows, 12)
-    assert drafted[2] > 0  # tried once past what was measured
+    assert drafted[3] > 0  # tried past what was measured, until two steps measured it
     assert drafted[-5:] == [0] * 5  # then learned that rows cost in proportion
 
 
@@ -263,10 +267,10 @@ def test_beside_a_prefill_chunk_a_draft_pays_by_the_decode_token_it_saves():
 
 
 def test_the_scheduler_drafts_beside_a_prefill_chunk_once_such_steps_are_measured():
-    s = scheduler(2, max_num_seqs=4)
+    s = scheduler(2, max_num_seqs=5)
     drive(s, lambda rows: 0.03 + 0.001 * rows, 4)  # decode steps measured
     late = [Request(f"late{i}", LOOP * 8, SamplingParams(max_tokens=200), eos_token_ids=(2,))
-            for i in range(2)]
+            for i in range(3)]
     drafted_beside_chunks = []
     for request in late:
         s.add_request(request)
@@ -277,9 +281,9 @@ def test_the_scheduler_drafts_beside_a_prefill_chunk_once_such_steps_are_measure
             s.requests[x.request_id].all_token_ids) % 4]] for x in out.scheduled if x.samples}
         resolve_step(s, out, sampled)
         s.observe_step(out, 0.03 + 0.001 * sum(len(x.token_ids) for x in out.scheduled))
-    # The first such step is measured; in the next (4 requests, ~1.2 ms a row, ~8 ms a
-    # decode's token) all three decodes draft their 3 tokens, the new one's at its prior 0.6.
-    assert drafted_beside_chunks == [0, 9]
+    # The first two such steps are measured; in the next (5 requests, ~1.2 ms a row, ~6 ms a
+    # decode's token) all four decodes draft their 3 tokens, the newest at its prior 0.6.
+    assert drafted_beside_chunks == [0, 0, 12]
 
 
 def test_lookups_run_only_for_requests_the_plan_could_take():

@@ -8,7 +8,10 @@ sample (decodes and their drafts, no prefill chunk), and each bucket of rows (ex
 to 16, then buckets ~12% wide) keeps its last few steps. A bucket's point is the fastest of
 them at the mean of their rows: a step slowed by a compile or by other work on the machine is
 noise (no step runs faster than the machine), and a point read too slow would never be
-measured again, since the plan avoids the rows it prices high. For the same reason a bucket
+measured again, since the plan avoids the rows it prices high. A bucket counts from its
+second step on: one step alone may be such an outlier (the first 16-request decode step of a
+server paid a compile, 1.0 s against 0.056; priced so, every step of 16 requests then drafted
+and never ran undrafted to correct it, 0.88-0.93x of `off`). For the same reason a bucket
 not measured for `max_age` steps is forgotten (`expire`): the machine's load moves, and rows
 priced in a busy minute get tried again. Then
 
@@ -33,6 +36,7 @@ import statistics
 from collections import deque
 
 EXACT_ROWS = 16  # one bucket per row count up to here
+MIN_STEPS = 2  # steps a bucket needs before it counts
 BUCKET_GROWTH = 1.12  # then each bucket spans ~12% more rows than the one before
 
 
@@ -47,18 +51,14 @@ class StepCost:
     """Seconds per step by query rows; `observe` learns, `seconds` predicts (changes nothing)."""
 
     def __init__(self, window: int = 5, max_age: int = 512) -> None:
-        if window < 1 or max_age < 1:
-            raise ValueError(f"window and max_age must be at least 1, got {window}, {max_age}")
+        if window < MIN_STEPS or max_age < 1:
+            raise ValueError(f"window must be at least {MIN_STEPS} and max_age at least 1, got "
+                             f"{window}, {max_age}")
         self.window = window
         self.max_age = max_age
         self._buckets: dict[int, deque[tuple[int, float]]] = {}  # bucket -> (rows, seconds)
         self._last_step: dict[int, int] = {}  # bucket -> the step that last measured it
         self._curve: tuple[list[float], list[float]] | None = None  # rows, seconds; None: stale
-
-    @property
-    def num_observed(self) -> int:
-        """Buckets measured so far."""
-        return len(self._buckets)
 
     def observe(self, rows: int, seconds: float, step: int = 0) -> None:
         """Fold one measured step of `rows` query rows, the engine's `step`-th, into its
@@ -81,7 +81,7 @@ class StepCost:
         """Whether a step of `rows` rows lies within what was measured (its bucket, or
         between two measured buckets): a step past them is measured before it drafts."""
         xs, _ = self._points()
-        return bool(xs) and (xs[0] <= rows <= xs[-1] or bucket_of(rows) in self._buckets)
+        return bool(xs) and (xs[0] <= rows <= xs[-1] or bucket_of(rows) in self._counted())
 
     def seconds(self, rows: int) -> float | None:
         """The predicted seconds of a step of `rows` rows; None below what was measured."""
@@ -89,7 +89,7 @@ class StepCost:
         if not xs:
             return None
         if rows < xs[0]:  # inside the smallest bucket (below its mean rows): its point
-            return ys[0] if bucket_of(rows) == min(self._buckets) else None
+            return ys[0] if bucket_of(rows) == min(self._counted()) else None
         i = bisect.bisect_right(xs, rows)
         if i == len(xs):  # past the largest bucket: on at the last slope (flat with one)
             if len(xs) == 1:
@@ -104,11 +104,14 @@ class StepCost:
         xs, ys = self._points()
         return (xs[0], ys[0]) if xs else None
 
+    def _counted(self) -> list[int]:
+        return [b for b, steps in self._buckets.items() if len(steps) >= MIN_STEPS]
+
     def _points(self) -> tuple[list[float], list[float]]:
         """Each bucket's (mean rows, fastest seconds) in order of rows, the seconds lowered to
         be non-decreasing (cached until the next observation)."""
         if self._curve is None:
-            buckets = [self._buckets[b] for b in sorted(self._buckets)]
+            buckets = [self._buckets[b] for b in sorted(self._counted())]
             xs = [statistics.fmean(r for r, _ in steps) for steps in buckets]
             ys = [min(t for _, t in steps) for steps in buckets]
             for i in range(len(ys) - 2, -1, -1):

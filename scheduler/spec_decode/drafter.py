@@ -54,7 +54,7 @@ class Drafter:
         # Learned for every method (the speed-up estimate); plan drafts under never_slower.
         # Apart: a step with drafts may run another path than a decode-only step of as many
         # rows (the CPU's and Metal's decode paths take one row a request).
-        self.cost = StepCost()  # decode-only steps
+        self.cost = StepCost(min_steps=2)  # decode-only steps (see StepCost: outliers)
         self.verify_cost = StepCost()  # steps that verify drafts
         self.chunk_cost = StepCost()  # steps that compute prefill chunks, with or without drafts
         self.suffix = None

@@ -8,12 +8,13 @@ sample (decodes and their drafts, no prefill chunk), and each bucket of rows (ex
 to 16, then buckets ~12% wide) keeps its last few steps. A bucket's point is the fastest of
 them at the mean of their rows: a step slowed by a compile or by other work on the machine is
 noise (no step runs faster than the machine), and a point read too slow would never be
-measured again, since the plan avoids the rows it prices high. A bucket counts from its
-second step on: one step alone may be such an outlier (the first 16-request decode step of a
-server paid a compile, 1.0 s against 0.056; priced so, every step of 16 requests then drafted
-and never ran undrafted to correct it, 0.88-0.93x of `off`). For the same reason a bucket
-not measured for `max_age` steps is forgotten (`expire`): the machine's load moves, and rows
-priced in a busy minute get tried again. Then
+measured again, since the plan avoids the rows it prices high. So a bucket not measured for
+`max_age` steps is forgotten (`expire`): the machine's load moves, and rows priced in a busy
+minute get tried again. The curve of undrafted steps, which drafts are weighed against, also
+counts a bucket only from its second step (`min_steps`): one step alone may be such an
+outlier, and priced slow it makes every draft look cheap, so no step of those rows runs
+undrafted to correct it (the first 16-request decode step of a server paid a compile, 1.0 s
+against 0.056: every step of 16 requests then drafted, 0.88-0.93x of `off`). Then
 
     seconds(r)  r inside the observed range: linear between the points around it
                 r in the smallest bucket, below its mean rows: that bucket's point
@@ -36,7 +37,6 @@ import statistics
 from collections import deque
 
 EXACT_ROWS = 16  # one bucket per row count up to here
-MIN_STEPS = 2  # steps a bucket needs before it counts
 BUCKET_GROWTH = 1.12  # then each bucket spans ~12% more rows than the one before
 
 
@@ -50,12 +50,14 @@ def bucket_of(rows: int) -> int:
 class StepCost:
     """Seconds per step by query rows; `observe` learns, `seconds` predicts (changes nothing)."""
 
-    def __init__(self, window: int = 5, max_age: int = 512) -> None:
-        if window < MIN_STEPS or max_age < 1:
-            raise ValueError(f"window must be at least {MIN_STEPS} and max_age at least 1, got "
-                             f"{window}, {max_age}")
+    def __init__(self, window: int = 5, max_age: int = 512, min_steps: int = 1) -> None:
+        """`min_steps`: the steps a bucket needs before it counts (at most `window`)."""
+        if not 1 <= min_steps <= window or max_age < 1:
+            raise ValueError(f"need 1 <= min_steps <= window and max_age >= 1, got "
+                             f"{min_steps}, {window}, {max_age}")
         self.window = window
         self.max_age = max_age
+        self.min_steps = min_steps
         self._buckets: dict[int, deque[tuple[int, float]]] = {}  # bucket -> (rows, seconds)
         self._last_step: dict[int, int] = {}  # bucket -> the step that last measured it
         self._curve: tuple[list[float], list[float]] | None = None  # rows, seconds; None: stale
@@ -105,7 +107,7 @@ class StepCost:
         return (xs[0], ys[0]) if xs else None
 
     def _counted(self) -> list[int]:
-        return [b for b, steps in self._buckets.items() if len(steps) >= MIN_STEPS]
+        return [b for b, steps in self._buckets.items() if len(steps) >= self.min_steps]
 
     def _points(self) -> tuple[list[float], list[float]]:
         """Each bucket's (mean rows, fastest seconds) in order of rows, the seconds lowered to

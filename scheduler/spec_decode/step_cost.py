@@ -13,8 +13,9 @@ measured again, since the plan avoids the rows it prices high. So a bucket not m
 minute get tried again. The curve of undrafted steps, which drafts are weighed against, also
 counts a bucket only from its second step (`min_steps`): one step alone may be such an
 outlier, and priced slow it makes every draft look cheap, so no step of those rows runs
-undrafted to correct it (the first 16-request decode step of a server paid a compile, 1.0 s
-against 0.056: every step of 16 requests then drafted, 0.88-0.93x of `off`). Then
+undrafted to correct it (an engine run without the server's warm-up: its first 16-request
+decode step paid a compile, 1.0 s against 0.056, and every step of 16 requests then drafted,
+0.88-0.93x of `off`; a busy moment on the machine does the same to a server). Then
 
     seconds(r)  r inside the observed range: linear between the points around it
                 r in the smallest bucket, below its mean rows: that bucket's point

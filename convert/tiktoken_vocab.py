@@ -104,9 +104,10 @@ def _string_of(node: ast.expr) -> str | None:
         separator = _string_of(node.func.value)
         try:
             parts = ast.literal_eval(node.args[0])
-        except ValueError:
+        except (ValueError, SyntaxError):
             return None
-        if separator is not None and all(isinstance(part, str) for part in parts):
+        if (separator is not None and isinstance(parts, (list, tuple))
+                and all(isinstance(part, str) for part in parts)):
             return separator.join(parts)
     return None
 
@@ -116,7 +117,7 @@ def _auto_map_module(config: dict[str, Any]) -> str | None:
     ["tokenization_kimi.TikTokenTokenizer", null])."""
     entry = (config.get("auto_map") or {}).get("AutoTokenizer")
     names = [entry] if isinstance(entry, str) else [n for n in entry or [] if isinstance(n, str)]
-    return names[0].rpartition(".")[0] or None if names else None
+    return (names[0].rpartition(".")[0] or None) if names else None
 
 
 def _tokenizer_config(src: Path) -> dict[str, Any]:

@@ -85,11 +85,13 @@ def test_one_slow_undrafted_step_does_not_price_its_rows():
     decode, verify = StepCost(min_steps=2), cost_of({17: 0.058, 24: 0.080})
     for rows, seconds in ((15, 0.053), (15, 0.053), (16, 1.03)):  # the first 16-row step
         decode.observe(rows, seconds)
-    offers = [DraftOffer(8, 0.7)] * 16
-    assert plan_drafts(decode, 16, offers, 64, verify=verify) == [0] * 16  # unpriced
+    likely, unlikely = [DraftOffer(8, 0.95)] * 16, [DraftOffer(8, 0.7)] * 16
+    assert plan_drafts(decode, 16, likely, 64, verify=verify) == [0] * 16  # unpriced
     decode.observe(16, 0.056)
     assert decode.seconds(16) == pytest.approx(0.056)
-    assert plan_drafts(decode, 16, offers, 64, verify=verify) == [0] * 16  # priced: no gain
+    # Priced at its faster step: drafts pay only where they are likely.
+    assert plan_drafts(decode, 16, unlikely, 64, verify=verify) == [0] * 16
+    assert sum(plan_drafts(decode, 16, likely, 64, verify=verify)) > 0
 
 
 def test_more_rows_never_predict_a_cheaper_step_and_slow_outliers_give_way():

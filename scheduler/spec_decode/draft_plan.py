@@ -9,8 +9,9 @@ positions, best first, are taken while they raise the step's expected rate of wo
     d*  = 0 unless that beats R / T(R) by `min_gain` (a margin for noise and misestimates)
 
 A saturated step (T growing in proportion to rows) drafts nothing: a**j < 1 never pays a
-whole row. A step past the rows measured so far (StepCost.covers: below the smallest bucket,
-above the largest, e.g. a prefill chunk's) drafts nothing either, and so measures them.
+whole row. A step past the rows measured so far (StepCost.covers: below the smallest bucket
+that counts, above the largest, e.g. a prefill chunk's) drafts nothing either, and so
+measures them.
 
 With drafts a step may run another path than without (one row a request: the CPU's and
 Metal's decode paths), so T(R + d) is read from the steps measured with drafts (`verify`):

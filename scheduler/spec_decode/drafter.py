@@ -204,8 +204,8 @@ class Drafter:
             return
         (self.cost if rows == len(scheduled) else self.verify_cost).observe(rows, seconds, step)
         # A step without drafts counts as it ran; one with drafts against its tokens at one
-        # per request and step (the median of the undrafted cost: a step's noise is skewed
-        # slow, so only the drafting steps are estimated).
+        # per request and step (the undrafted curve's price: a step's noise is skewed slow,
+        # so only the drafting steps are estimated).
         undrafted = seconds if rows == len(scheduled) else self.cost.seconds(len(scheduled))
         if undrafted is not None:
             self.stats.measured_seconds += seconds

@@ -23,7 +23,7 @@ decode step paid a compile, 1.0 s against 0.056, and every step of 16 requests t
                 r above it: on at the slope of the two largest points (flat with only one,
                     so a draft is tried once and its step measured)
 
-A step's rows before drafts must be `covers`ed (measured, or between measured buckets) for
+A step's rows before drafts must be `covers`ed (in a bucket that counts, or between two) for
 it to draft; otherwise it runs without drafts, and so measures them.
 
 A step never gets cheaper with more rows, so a point above a later one is lowered to it:
@@ -62,6 +62,7 @@ class StepCost:
         self._buckets: dict[int, deque[tuple[int, float]]] = {}  # bucket -> (rows, seconds)
         self._last_step: dict[int, int] = {}  # bucket -> the step that last measured it
         self._curve: tuple[list[float], list[float]] | None = None  # rows, seconds; None: stale
+        self._counted: set[int] = set()  # the buckets with min_steps steps, with the curve
 
     def observe(self, rows: int, seconds: float, step: int = 0) -> None:
         """Fold one measured step of `rows` query rows, the engine's `step`-th, into its
@@ -84,7 +85,7 @@ class StepCost:
         """Whether a step of `rows` rows lies within what was measured (its bucket, or
         between two measured buckets): a step past them is measured before it drafts."""
         xs, _ = self._points()
-        return bool(xs) and (xs[0] <= rows <= xs[-1] or bucket_of(rows) in self._counted())
+        return bool(xs) and (xs[0] <= rows <= xs[-1] or bucket_of(rows) in self._counted)
 
     def seconds(self, rows: int) -> float | None:
         """The predicted seconds of a step of `rows` rows; None below what was measured."""
@@ -92,7 +93,7 @@ class StepCost:
         if not xs:
             return None
         if rows < xs[0]:  # inside the smallest bucket (below its mean rows): its point
-            return ys[0] if bucket_of(rows) == min(self._counted()) else None
+            return ys[0] if bucket_of(rows) == min(self._counted) else None
         i = bisect.bisect_right(xs, rows)
         if i == len(xs):  # past the largest bucket: on at the last slope (flat with one)
             if len(xs) == 1:
@@ -107,14 +108,13 @@ class StepCost:
         xs, ys = self._points()
         return (xs[0], ys[0]) if xs else None
 
-    def _counted(self) -> list[int]:
-        return [b for b, steps in self._buckets.items() if len(steps) >= self.min_steps]
-
     def _points(self) -> tuple[list[float], list[float]]:
         """Each bucket's (mean rows, fastest seconds) in order of rows, the seconds lowered to
         be non-decreasing (cached until the next observation)."""
         if self._curve is None:
-            buckets = [self._buckets[b] for b in sorted(self._counted())]
+            self._counted = {b for b, steps in self._buckets.items()
+                             if len(steps) >= self.min_steps}
+            buckets = [self._buckets[b] for b in sorted(self._counted)]
             xs = [statistics.fmean(r for r, _ in steps) for steps in buckets]
             ys = [min(t for _, t in steps) for steps in buckets]
             for i in range(len(ys) - 2, -1, -1):

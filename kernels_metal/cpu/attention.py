@@ -45,7 +45,8 @@ COMPILED_PREFILL_SCORES = 1 << 13
 # So do chunks of at most this many rows whatever their keys (a decode and its drafts): numpy
 # gathers the request's every key first, and a step verifying 9 rows a request over ~1300 keys
 # left the one compiled call for the layer-by-layer path (4 agents: 62 ms a step with 8
-# drafts, 157 with 9).
+# drafts, 157 with 9). Each row reads its keys itself, and still wins at long contexts: one
+# request's step, 9 rows at 6000 keys 125 ms against numpy's 201, 16 rows at 7000 225 vs 285.
 COMPILED_CHUNK_ROWS = 16
 
 

@@ -144,7 +144,8 @@ def _matvec_of(parallel: bool):
 _matvec = _matvec_of(parallel=False)
 _parallel_matvec = _matvec_of(parallel=True)
 
-NARROW_ROWS = 4  # up to this many rows a product reads one weight row at a time (`_narrow`)
+NARROW_ROWS = 4  # up to this many rows a product reads one weight row at a time (`_narrow`:
+# its 2- and 4-row forms, 3 padded to 4; not a knob)
 
 
 def _narrow_of(parallel: bool):

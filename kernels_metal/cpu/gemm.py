@@ -185,12 +185,23 @@ _narrow = _narrow_of(parallel=False)
 _parallel_narrow = _narrow_of(parallel=True)
 
 
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _padded(x, out, rows):
+    """`x` and `out` with `rows` rows: themselves, or zero-padded copies of `x` and a scratch
+    `out` where `rows` is more than they have."""
+    if x.shape[0] == rows:
+        return x, out
+    padded = np.zeros((rows, x.shape[1]), np.float32)
+    padded[: x.shape[0]] = x
+    return padded, np.empty((rows, out.shape[1]), np.float32)
+
+
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
 def product(x, w, out, parallel):
     """`out [m, out] = x @ w.T` for C-contiguous float32 `x [m, in]` and `w [out, in]`: one
-    row as a matrix-vector product, up to NARROW_ROWS one weight row at a time, more in
-    register tiles (whole tiles, padded with zero rows); on the loops' parallel builds or
-    one-thread ones (`cpu_threads.run`)."""
+    row as a matrix-vector product, up to NARROW_ROWS one weight row at a time (3 rows padded
+    to 4), more in register tiles (whole tiles, padded with zero rows); on the loops'
+    parallel builds or one-thread ones (`cpu_threads.run`)."""
     rows = x.shape[0]
     if rows == 1:
         if parallel:
@@ -198,27 +209,16 @@ def product(x, w, out, parallel):
         else:
             _matvec(w, x[0], out[0])
         return
-    if rows <= NARROW_ROWS:
-        narrow, full = x, out
-        if rows == 3:
-            narrow = np.zeros((4, x.shape[1]), np.float32)
-            narrow[:3] = x
-            full = np.empty((4, w.shape[0]), np.float32)
-        if parallel:
-            _parallel_narrow(w, narrow, full)
-        else:
-            _narrow(w, narrow, full)
-        if rows == 3:
-            out[:] = full[:3]
-        return
-    tiled, full = x, out
-    if rows % INPUT_TILE:
-        tiled = np.zeros((rows + INPUT_TILE - rows % INPUT_TILE, x.shape[1]), np.float32)
-        tiled[:rows] = x
-        full = np.empty((tiled.shape[0], w.shape[0]), np.float32)
-    if parallel:
-        _parallel_tiles(tiled, w, full)
+    narrow = rows <= NARROW_ROWS
+    whole = (4 if rows == 3 else rows) if narrow else -(-rows // INPUT_TILE) * INPUT_TILE
+    padded_x, padded_out = _padded(x, out, whole)
+    if narrow and parallel:
+        _parallel_narrow(w, padded_x, padded_out)
+    elif narrow:
+        _narrow(w, padded_x, padded_out)
+    elif parallel:
+        _parallel_tiles(padded_x, w, padded_out)
     else:
-        _tiles(tiled, w, full)
-    if rows % INPUT_TILE:
-        out[:] = full[:rows]
+        _tiles(padded_x, w, padded_out)
+    if whole != rows:
+        out[:] = padded_out[:rows]

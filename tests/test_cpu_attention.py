@@ -185,6 +185,20 @@ def test_prefill_chunks_fold_blocks_of_keys_with_the_same_result(monkeypatch, wi
     assert_matches_reference(q, k, v, meta, scale, window, softcap, sinks)
 
 
+def test_a_request_and_its_drafts_stay_in_the_compiled_loops_at_a_long_context():
+    """A chunk of up to COMPILED_CHUNK_ROWS rows (a decode and its drafts) goes to the
+    compiled rows whatever its keys: numpy's path gathered the request's every key first and
+    took the step out of the one compiled call. A longer chunk at that context does not."""
+    # 9 rows (a token and 8 drafts) and 17 rows, each after ~1000 keys: rows x keys past
+    # COMPILED_PREFILL_SCORES for both.
+    q, k, v, meta, scale = shared_prefix_step(120, [30, 40], [9, 17])
+    assert 9 * int(meta.seq_lens[0]) > cpu_attention.COMPILED_PREFILL_SCORES
+    plan = cpu_attention.build_plan(meta, q.shape[1], compiled_decode=True)
+    assert list(plan.compiled.rows) == list(range(9))
+    assert [chunk.start for chunk in plan.chunks] == [9]
+    assert_matches_reference(q, k, v, meta, scale)
+
+
 def test_fp16_pools_are_read_in_float32_and_bfloat16_is_not_taken():
     case = Case(mx.float16, 64, 16, 6, 2, ((40, 1), (0, 9)))
     assert check(cpu_attention.paged_attention_cpu, case).passed

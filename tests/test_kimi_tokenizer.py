@@ -20,6 +20,7 @@ import regex
 from tiny_models import build_tiny_model
 
 from convert import convert_model
+from convert.tiktoken_vocab import _pat_str_literal
 from metal_engine.loading.tokenizer_loading import load_tokenizer
 
 tiktoken = pytest.importorskip("tiktoken", reason="tiktoken (the dev extra) is not installed")
@@ -161,3 +162,16 @@ def test_a_tiktoken_file_without_a_readable_split_pattern_is_refused(tmp_path, r
     assert tokenizer.encode(CORPUS, add_special_tokens=False) == tiktoken.Encoding(
         "kimi", pat_str=config["pat_str"], mergeable_ranks=ranks, special_tokens={}).encode(
         CORPUS)
+
+
+@pytest.mark.parametrize(("assignment", "pattern"), [
+    ('pat_str = r"\\w+|\\s+"', r"\w+|\s+"),
+    ('pat_str = "|".join([r"\\w+", "x"])', r"\w+|x"),
+    ('pat_str = "|".join(("a", "b"))', "a|b"),
+    ('pat_str = "|".join("ab")', None),  # a string's characters: not the pattern meant
+    ('pat_str = "|".join({"a"})', None),  # a set: no order
+    ('pat_str = "|".join([part for part in PARTS])', None),  # not literals
+    ('pat_str = "|".join(["a", 1])', None),
+])
+def test_only_a_string_or_a_joined_list_of_strings_is_read_as_the_pattern(assignment, pattern):
+    assert _pat_str_literal(f"class TikTokenTokenizer:\n    {assignment}\n") == pattern

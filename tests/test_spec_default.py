@@ -1,5 +1,6 @@
 """The server's default, `--speculative-config auto`, against `off`: the same outputs for every
-kind of model, with greedy, seeded, penalized and logprob requests in one batch.
+family of model (each tiny one, converted), with greedy, seeded, penalized and logprob
+requests in one batch.
 
 Engines are built as the server builds them (`build_engine` from an EngineConfig), so `auto`
 is resolved per model dir: prompt lookup for dense, sliding-window, MoE and hybrid models, the
@@ -12,8 +13,10 @@ from __future__ import annotations
 import pytest
 from test_spec_decode_engine import TINY_PROMPTS, run
 from test_spec_mtp import build_with_head, with_tokenizer
-from tiny_models import build_tiny_model
+from tiny_models import TINY_MODELS, build_tiny_model
+from tiny_vision import image_processor
 
+from convert import convert_model
 from metal_engine.config import EngineConfig
 from metal_engine.drafting.auto import has_mtp_head, resolve_speculative
 from metal_engine.engine_build import build_engine
@@ -59,12 +62,17 @@ def check_default_matches_off(model_dir, method: str) -> None:
         assert drafting.scheduler.drafter.stats.num_draft_tokens > 0, async_scheduling
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
-def test_dense_sliding_and_moe_models_answer_the_same_by_default(family, default_tokenizer,
-                                                                 tmp_path):
+@pytest.mark.parametrize("family", sorted(TINY_MODELS))
+def test_every_familys_tiny_model_answers_the_same_by_default(family, default_tokenizer,
+                                                              tmp_path):
+    """Dense, sliding-window, MoE, MLA, sparse-attention and hybrid families alike, converted
+    as users convert them."""
     build_tiny_model(family, tmp_path / "hf")
-    check_default_matches_off(with_tokenizer(tmp_path / "hf", default_tokenizer,
-                                             tmp_path / "model"), "suffix")
+    if family.startswith("qwen3_vl"):  # a vision-language checkpoint: its tower's processor
+        image_processor().save_pretrained(tmp_path / "hf")
+    converted = convert_model(tmp_path / "hf", tmp_path / "converted", progress=False)
+    path = with_tokenizer(converted, default_tokenizer, tmp_path / "model")
+    check_default_matches_off(path, "mtp" if has_mtp_head(path) else "suffix")
 
 
 def test_a_hybrid_model_answers_the_same_by_default(tiny_hybrid, default_tokenizer, tmp_path):

@@ -236,3 +236,15 @@ def test_a_checkpoint_missing_an_expert_is_refused_by_name(tmp_path: Path) -> No
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.switch_mlp\.up_proj.*missing \[3\]"):
         convert_model(tmp_path / "hf", tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma4_text", "mistral4"])
+def test_fused_experts_are_served_after_convert_and_refused_before_it(model_type: str,
+                                                                      tmp_path: Path) -> None:
+    """transformers saves these families' experts fused; served as saved, the loader names
+    the command that splits them instead of MLX's list of unknown parameters."""
+    build_tiny_model(model_type, tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"experts fused .*metal-serve convert .* --out DIR"):
+        load_model(tmp_path / "hf", mx.float32)
+    converted = convert_model(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert load_model(converted, mx.float32).config.model_type == model_type

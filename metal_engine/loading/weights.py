@@ -76,6 +76,21 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     )
 
 
+# Experts fused into one tensor per projection, as transformers saves GPT-OSS, Gemma 4,
+# Mistral 4 and others: `metal-serve convert` splits them (convert/expert_stacking.py).
+_FUSED_EXPERTS = re.compile(r".+\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def _refuse_fused_experts(model_dir: Path, weights: dict[str, mx.array]) -> None:
+    fused = sorted(name for name in weights if _FUSED_EXPERTS.fullmatch(name))
+    if fused:
+        raise ValueError(
+            f"{model_dir} keeps each layer's experts fused in one tensor ({fused[0]}), as "
+            f"transformers saves them; convert it first with `metal-serve convert "
+            f"{model_dir} --out DIR` (it splits them) and serve DIR"
+        )
+
+
 def keeps_quantized() -> bool:
     """Quantized layers run as such off the CPU. MLX's CPU quantized matmul runs at about
     1.5 GFLOP/s, far below its float32 BLAS matmul, so the CPU backend dequantizes at load."""
@@ -98,6 +113,7 @@ def load_model(model_dir: Path, dtype: mx.Dtype,
         weights.update(mx.load(str(path)))
     multimodal = raw_config.get("model_type") in TEXT_PARTS
     weights = to_this_layout(with_model_prefix(weights), config, multimodal)
+    _refuse_fused_experts(model_dir, weights)
     if not has_lm_head(config, weights):
         model.drop_head()  # an embedding model's base-model checkpoint
     if quantization is not None:

@@ -36,13 +36,26 @@ def test_rows_of_a_strided_view_are_read_as_they_lie():
                                atol=1e-4)
 
 
-@pytest.mark.parametrize(("tile", "rows"), [(cpu_gemm._tile_2x4, 2), (cpu_gemm._tile_4x4, 4)])
-def test_both_register_tiles_give_numpys_products(tile, rows):
-    """The CPU picks one (`INPUT_TILE`); each is checked here whichever this one picks."""
-    rng = np.random.default_rng(rows)
-    x = rng.standard_normal((rows + 1, 37)).astype(np.float32)
-    weight = rng.standard_normal((5, 37)).astype(np.float32)
-    out = np.zeros((rows + 1, 5), np.float32)
-    tile(x, 1, weight[1], weight[2], weight[3], weight[4], out, 1)  # rows 1.., columns 1..4
-    np.testing.assert_allclose(out[1:, 1:], x[1:] @ weight[1:].T, rtol=1e-5, atol=1e-4)
-    assert not out[0].any() and not out[:, 0].any()
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("shape", range(len(cpu_gemm.TILE_SHAPES)))
+def test_every_register_tile_gives_numpys_products(shape, parallel):
+    """The CPU picks among them by rows and registers (`tile_for`); each is checked here,
+    with weight rows past the last whole tile and k past the last whole vector."""
+    tile_rows, tile_columns = cpu_gemm.TILE_SHAPES[shape]
+    rng = np.random.default_rng(shape)
+    x = rng.standard_normal((2 * tile_rows, 37)).astype(np.float32)
+    weight = rng.standard_normal((4 * tile_columns + 3, 37)).astype(np.float32)
+    out = np.zeros((len(x), len(weight)), np.float32)
+    tiles = cpu_gemm._parallel_tiles if parallel else cpu_gemm._tiles
+    cpu_threads.run(lambda *args: tiles(*args[:-1]), x, weight, out, shape, parallel=parallel)
+    np.testing.assert_allclose(out, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("registers", "tiles"), [
+    (32, [(1, 4), (2, 4), (4, 6), (4, 6), (8, 2), (8, 2), (4, 6), (4, 6)]),
+    (16, [(1, 4), (2, 4), (2, 4), (2, 4), (2, 4), (2, 4), (2, 4), (2, 4)])])
+def test_the_tile_follows_the_rows_and_the_registers(monkeypatch, registers, tiles):
+    monkeypatch.setattr(cpu_gemm, "VECTOR_REGISTERS", registers)
+    picked = [cpu_gemm.TILE_SHAPES[cpu_gemm.tile_for.py_func(rows)]
+              for rows in (1, 2, 3, 4, 5, 8, 9, 63)]
+    assert picked == tiles

@@ -2,187 +2,106 @@
 
 A decode step of a few requests multiplies a few rows by every weight matrix. BLAS's GEMM
 packs the weight into panels first, a copy as large as the product's own reads, and at 16
-rows it ran at half its large-GEMM rate. These loops (numba, compiled once and cached on disk)
-read each weight row once from where it lies and multiply it with every input row in tiles
-of 2 or 4 input x 4 weight rows kept in registers: at 16 rows on the default model's
-matrices, 72 GFLOP/s on two AVX2 cores where BLAS ran at 54, 166 on two Zen 5 cores where
-BLAS ran at 99.
+rows it ran at half its large-GEMM rate; OpenBLAS ran one-row products below ~500k weights
+on one thread, at half the memory's rate, and its workers spinning between calls kept the
+compiled loops' workers off the second core. Here every product runs on the compiled loops'
+own thread pool and reads each weight row from memory once, in register tiles (cpu
+register_tiles: input rows x weight rows, every sum in a vector register) that prefetch the
+weight rows further on while they multiply.
 
-Two to four rows (a decode step of a few requests, one request's token and its drafts) read
-each weight row once with every input row's sum in a register: as fast as one row where the
-tiles ran ~1.5x slower (the default model's products of a step: 1 row 13.7 ms; 2 rows 20.7 in
-tiles, 13.4 so; 4 rows 20.0 in tiles, 15.6 so; at 8 rows the tiles win again).
-
-One row (a one-request decode step) is a matrix-vector product that only streams the weight.
-OpenBLAS runs those below ~500k weights (the default model's attention projections) on one
-thread, at half the memory's rate, and its workers spinning between calls kept the compiled
-loops' workers (other products, attention) off the second core. Every one-row product here on
-the same thread pool as the rest: the default model's products of one step 26 -> 23 ms.
+The tile is chosen by the product's rows, for as few reads per multiply as the registers
+allow. The default model's layer products on two Zen 4 cores (32 vector registers), against
+the numba loops these replaced (one weight row at a time up to 4 rows, 4 x 4 tiles past):
+1 row 14.1 ms, as before (1 x 4); 4 rows 19.6 -> 13.6 (4 x 6); 8 rows 24.4 -> 15.3 (8 x 2);
+16 rows 33.2 -> 24.0 and 48 rows 67.1 -> 56.3 (4 x 6). With 16 registers (AVX2) every tile
+is 2 x 4, whose sums and reads fit them.
 """
 
 from __future__ import annotations
 
-import platform
-
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 
 from kernels_metal.cpu import threads as cpu_threads
+from kernels_metal.cpu.register_tiles import VECTOR_REGISTERS, register_tile
+
+# (input rows, weight rows) of each tile, and the tiles with one weight row that finish
+# the weight rows past the last whole tile.
+TILE_SHAPES = ((1, 4), (2, 4), (4, 6), (8, 2))
+_1x4, _2x4, _4x6, _8x2 = (register_tile(*shape) for shape in TILE_SHAPES)
+_1x1, _2x1, _4x1, _8x1 = (register_tile(rows, 1) for rows, _ in TILE_SHAPES)
+
+# Weight rows ahead of the tile that the tile prefetches (4-16 ran alike; the memory then
+# serves the next tiles' reads while this one multiplies).
+PREFETCH_AHEAD = 8
 
 
-def _vector_registers() -> int:
-    """Vector registers the compiled loops get: 32 with AVX-512 or on Arm, else 16."""
-    if platform.machine().lower() in ("arm64", "aarch64"):
-        return 32
-    chosen = numba.config.CPU_FEATURES  # a target the user set for numba
-    if chosen:
-        return 32 if "+avx512f" in chosen.split(",") else 16
-    return 32 if llvm.get_host_cpu_features().get("avx512f") else 16
-
-
-# A register tile: input rows x 4 weight rows, its sums and the input vectors held in
-# registers. With 16 (AVX2), 2 x 4: 4 x 4 spilled and ran 1.3x slower at 16 rows. With 32,
-# 4 x 4: on a Zen 5 ~10% faster than 2 x 4 at 16-48 rows and 1.2x at 256.
-INPUT_TILE, WEIGHT_TILE = (4 if _vector_registers() == 32 else 2), 4
+@numba.njit(inline="always")
+def tile_for(rows: int) -> int:
+    """The index in TILE_SHAPES of the tile for a product of `rows` rows."""
+    if rows == 1:
+        return 0
+    if rows == 2 or VECTOR_REGISTERS < 32:
+        return 1
+    return 3 if 4 < rows <= 8 else 2
 
 
 def few_rows(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """`rows @ weight.T` for float32 `rows [m, in]` and `weight [out, in]`."""
     out = np.empty((len(rows), weight.shape[0]), np.float32)
+    if weight.strides[1] != weight.itemsize:  # a transposed view: the tiles read rows whole
+        weight = np.ascontiguousarray(weight)
     cpu_threads.run(product, np.ascontiguousarray(rows), weight, out)
     return out
 
 
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _tile(shape, x, w, out, m, n, ahead):
+    if shape == 0:
+        _1x4(x, w, out, m, n, ahead)
+    elif shape == 1:
+        _2x4(x, w, out, m, n, ahead)
+    elif shape == 2:
+        _4x6(x, w, out, m, n, ahead)
+    else:
+        _8x2(x, w, out, m, n, ahead)
+
+
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _one_column(shape, x, w, out, m, n):
+    if shape == 0:
+        _1x1(x, w, out, m, n, -1)
+    elif shape == 1:
+        _2x1(x, w, out, m, n, -1)
+    elif shape == 2:
+        _4x1(x, w, out, m, n, -1)
+    else:
+        _8x1(x, w, out, m, n, -1)
+
+
 def _tiles_of(parallel: bool):
     @cpu_threads.compile_loop(parallel)
-    def tiles(x, w, out):
-        rows, inner = x.shape
+    def tiles(x, w, out, shape):
+        input_rows, weight_rows = TILE_SHAPES[shape]
+        rows = x.shape[0]
         columns = w.shape[0]
-        for block in numba.prange(columns // WEIGHT_TILE):
-            n = block * WEIGHT_TILE
-            w0, w1, w2, w3 = w[n], w[n + 1], w[n + 2], w[n + 3]
-            for m in range(0, rows, INPUT_TILE):
-                if INPUT_TILE == 4:  # a constant: the compiler keeps one of the two
-                    _tile_4x4(x, m, w0, w1, w2, w3, out, n)
-                else:
-                    _tile_2x4(x, m, w0, w1, w2, w3, out, n)
-        # Weight rows past the last whole tile, one at a time.
-        for n in range(columns - columns % WEIGHT_TILE, columns):
-            for m in range(rows):
-                s = np.float32(0.0)
-                for k in range(inner):
-                    s += x[m, k] * w[n, k]
-                out[m, n] = s
+        blocks = columns // weight_rows
+        for block in numba.prange(blocks):
+            n = block * weight_rows
+            ahead = n + PREFETCH_AHEAD
+            if ahead + weight_rows > columns:
+                ahead = -1
+            for m in range(0, rows, input_rows):
+                _tile(shape, x, w, out, m, n, ahead if m == 0 else -1)
+        for n in range(blocks * weight_rows, columns):
+            for m in range(0, rows, input_rows):
+                _one_column(shape, x, w, out, m, n)
 
     return tiles
 
 
-# Sums in tuples, not arrays: numba keeps a tuple's scalars in registers (the compiler turns
-# each into a vector of partial sums over k), never a small array's.
-@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _add_products(u, v, sums):
-    """`sums + u * v` for one input row's value `u` and 4 weight rows' values `v` at one k."""
-    return sums[0] + u * v[0], sums[1] + u * v[1], sums[2] + u * v[2], sums[3] + u * v[3]
-
-
-@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _store(out, m, n, sums):
-    out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = sums
-
-
-@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _tile_2x4(x, m, w0, w1, w2, w3, out, n):
-    x0, x1 = x[m], x[m + 1]
-    zero = np.float32(0.0)
-    s0 = s1 = (zero, zero, zero, zero)
-    for k in range(x.shape[1]):
-        v = w0[k], w1[k], w2[k], w3[k]
-        s0 = _add_products(x0[k], v, s0)
-        s1 = _add_products(x1[k], v, s1)
-    _store(out, m, n, s0)
-    _store(out, m + 1, n, s1)
-
-
-@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _tile_4x4(x, m, w0, w1, w2, w3, out, n):
-    x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-    zero = np.float32(0.0)
-    s0 = s1 = s2 = s3 = (zero, zero, zero, zero)
-    for k in range(x.shape[1]):
-        v = w0[k], w1[k], w2[k], w3[k]
-        s0 = _add_products(x0[k], v, s0)
-        s1 = _add_products(x1[k], v, s1)
-        s2 = _add_products(x2[k], v, s2)
-        s3 = _add_products(x3[k], v, s3)
-    _store(out, m, n, s0)
-    _store(out, m + 1, n, s1)
-    _store(out, m + 2, n, s2)
-    _store(out, m + 3, n, s3)
-
-
 _tiles = _tiles_of(parallel=False)
 _parallel_tiles = _tiles_of(parallel=True)
-
-
-def _matvec_of(parallel: bool):
-    @cpu_threads.compile_loop(parallel)
-    def matvec(w, x, out):
-        # One weight row at a time: fewer streams a thread than a tile of rows, and it read
-        # the default model's weights ~10% faster than tiles of 2 or 4.
-        columns, inner = w.shape
-        for n in numba.prange(columns):
-            row = w[n]
-            s = np.float32(0.0)
-            for k in range(inner):
-                s += row[k] * x[k]
-            out[n] = s
-
-    return matvec
-
-
-_matvec = _matvec_of(parallel=False)
-_parallel_matvec = _matvec_of(parallel=True)
-
-NARROW_ROWS = 4  # up to this many rows a product reads one weight row at a time (`_narrow`:
-# its 2- and 4-row forms, 3 padded to 4; not a knob)
-
-
-def _narrow_of(parallel: bool):
-    @cpu_threads.compile_loop(parallel)
-    def narrow(w, x, out):
-        # One weight row at a time, as the matrix-vector product, with two or four input
-        # rows' sums beside each other (`x`: 2 or 4 rows, a third padded by a zero row).
-        columns, inner = w.shape
-        zero = np.float32(0.0)
-        if x.shape[0] == 2:
-            x0, x1 = x[0], x[1]
-            for n in numba.prange(columns):
-                row = w[n]
-                s0 = s1 = zero
-                for k in range(inner):
-                    v = row[k]
-                    s0 += v * x0[k]
-                    s1 += v * x1[k]
-                out[0, n], out[1, n] = s0, s1
-            return
-        x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
-        for n in numba.prange(columns):
-            row = w[n]
-            s0 = s1 = s2 = s3 = zero
-            for k in range(inner):
-                v = row[k]
-                s0 += v * x0[k]
-                s1 += v * x1[k]
-                s2 += v * x2[k]
-                s3 += v * x3[k]
-            out[0, n], out[1, n], out[2, n], out[3, n] = s0, s1, s2, s3
-
-    return narrow
-
-
-_narrow = _narrow_of(parallel=False)
-_parallel_narrow = _narrow_of(parallel=True)
 
 
 @numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
@@ -198,27 +117,16 @@ def _padded(x, out, rows):
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
 def product(x, w, out, parallel):
-    """`out [m, out] = x @ w.T` for C-contiguous float32 `x [m, in]` and `w [out, in]`: one
-    row as a matrix-vector product, up to NARROW_ROWS one weight row at a time (3 rows padded
-    to 4), more in register tiles (whole tiles, padded with zero rows); on the loops'
-    parallel builds or one-thread ones (`cpu_threads.run`)."""
+    """`out [m, out] = x @ w.T` for float32 `x [m, in]` and `w [out, in]` whose rows are
+    contiguous, in the tiles `tile_for` picks (rows padded with zero rows to whole tiles),
+    on the loops' parallel builds or one-thread ones (`cpu_threads.run`)."""
     rows = x.shape[0]
-    if rows == 1:
-        if parallel:
-            _parallel_matvec(w, x[0], out[0])
-        else:
-            _matvec(w, x[0], out[0])
-        return
-    narrow = rows <= NARROW_ROWS
-    whole = (4 if rows == 3 else rows) if narrow else -(-rows // INPUT_TILE) * INPUT_TILE
-    padded_x, padded_out = _padded(x, out, whole)
-    if narrow and parallel:
-        _parallel_narrow(w, padded_x, padded_out)
-    elif narrow:
-        _narrow(w, padded_x, padded_out)
-    elif parallel:
-        _parallel_tiles(padded_x, w, padded_out)
+    shape = tile_for(rows)
+    tile_rows = TILE_SHAPES[shape][0]
+    padded_x, padded_out = _padded(x, out, -(-rows // tile_rows) * tile_rows)
+    if parallel:
+        _parallel_tiles(padded_x, w, padded_out, shape)
     else:
-        _tiles(padded_x, w, padded_out)
-    if whole != rows:
+        _tiles(padded_x, w, padded_out, shape)
+    if padded_out.shape[0] != rows:
         out[:] = padded_out[:rows]

@@ -107,6 +107,16 @@ def test_only_the_blocks_all_rows_of_a_group_share_are_shared():
     assert_matches_reference(q, k, v, meta, scale)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [
+    (4, 4, 16), (4, 2, 24), (8, 2, 64), (10, 2, 16), (16, 2, 40), (6, 2, 7), (6, 3, 128)])
+def test_every_group_size_and_head_size_sums_its_values_alike(heads, kv_heads, head_dim):
+    """The value sums run a group's heads four at a time, over vectors of the head, the
+    last one masked: groups of 1-8 heads, head sizes that are no whole vector."""
+    q, k, v, meta, scale = shared_prefix_step(2, [9, 30, 17], [1, 1, 1], heads=heads,
+                                              kv_heads=kv_heads, head_dim=head_dim)
+    assert_matches_reference(q, k, v, meta, scale)
+
+
 def test_decode_rows_that_share_nothing_are_batched_together():
     q, k, v, meta, scale = shared_prefix_step(0, [9, 30, 17, 12, 5], [1, 1, 1, 1, 1])
     plan = cpu_attention.build_plan(meta, q.shape[1])

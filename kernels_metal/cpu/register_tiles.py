@@ -8,6 +8,9 @@ model's layers 23 ms, where one row streamed in 13 and 8 rows from cache took 12
 busy multiplying, kept too few reads in flight; with the prefetches the memory serves the
 next tiles meanwhile (8 x 2 tiles: 15 ms). A prefetch in a numba loop left it unvectorised
 or slower, hence the IR.
+
+The same holds a GQA group's attention value sums in registers over a block of keys
+(`weighted_rows`), and asks the cache for a block about to be read (`prefetch`).
 """
 
 from __future__ import annotations
@@ -52,48 +55,93 @@ VECTOR_FLOATS = _vector_floats()
 VECTOR_REGISTERS = 32 if VECTOR_FLOATS == 16 or _is_arm() else 16
 
 
+class _Vectors:
+    """LLVM IR for float32 vectors of VECTOR_FLOATS lanes, emitted through `builder`."""
+
+    def __init__(self, builder):
+        self.builder = builder
+        self.lanes = VECTOR_FLOATS
+        self.type = ir.VectorType(_FLOAT, self.lanes)
+        self.zero = ir.Constant(self.type, None)
+        self._indices = ir.VectorType(_I64, self.lanes)
+        self._lane_ids = ir.Constant(self._indices, [_I64(i) for i in range(self.lanes)])
+        mask = ir.VectorType(ir.IntType(1), self.lanes)
+        module, vector, pointer = builder.module, self.type, self.type.as_pointer()
+        suffix = f"v{self.lanes}f32"
+        self._fma = cgutils.get_or_insert_function(
+            module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.{suffix}")
+        self._masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(vector, [pointer, _I32, mask, vector]),
+            f"llvm.masked.load.{suffix}.p0")
+        self._masked_store = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [vector, pointer, _I32, mask]),
+            f"llvm.masked.store.{suffix}.p0")
+        self._reduce_add = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_FLOAT, [_FLOAT, vector]), f"llvm.vector.reduce.fadd.{suffix}")
+
+    def fma(self, a, b, c):
+        return self.builder.call(self._fma, [a, b, c])
+
+    def load(self, pointer, mask=None):
+        """The vector at float* `pointer` (the lanes of `mask` only: the others 0)."""
+        pointer = self.builder.bitcast(pointer, self.type.as_pointer())
+        if mask is None:
+            return self.builder.load(pointer, align=4)
+        return self.builder.call(self._masked_load, [pointer, _I32(4), mask, self.zero])
+
+    def store(self, value, pointer, mask):
+        pointer = self.builder.bitcast(pointer, self.type.as_pointer())
+        self.builder.call(self._masked_store, [value, pointer, _I32(4), mask])
+
+    def total(self, value):
+        return self.builder.call(self._reduce_add, [ir.Constant(_FLOAT, -0.0), value],
+                                 fastmath=("reassoc",))
+
+    def splat(self, value, vector_type=None):
+        vector_type = vector_type or self.type
+        one = self.builder.insert_element(ir.Constant(vector_type, None), value, _I32(0))
+        return self.builder.shuffle_vector(
+            one, one, ir.Constant(ir.VectorType(_I32, self.lanes), [0] * self.lanes))
+
+    def lanes_below(self, first, limit):
+        """The mask of lanes i with `first + i < limit`."""
+        index = self.builder.add(self._lane_ids, self.splat(first, self._indices))
+        return self.builder.icmp_unsigned("<", index, self.splat(limit, self._indices))
+
+
+def _at_byte(builder, array, offset):
+    """float* `offset` bytes into an array's data."""
+    start = builder.bitcast(array.data, _BYTE_POINTER)
+    return builder.bitcast(builder.gep(start, [offset]), _FLOAT.as_pointer())
+
+
 def register_tile(rows: int, columns: int):
     """An intrinsic `tile(x, w, out, m, n, ahead)`: `out[m:m+rows, n:n+columns] = x[m:m+rows]
     @ w[n:n+columns].T` for float32 2-D arrays whose rows are contiguous (any length), and
     while it reads, prefetches weight rows `ahead:ahead+columns` (none where `ahead` < 0)."""
-    vector = ir.VectorType(_FLOAT, VECTOR_FLOATS)
 
     @intrinsic
     def tile(typingctx, x, w, out, m, n, ahead):
         def codegen(context, builder, signature, args):
-            return _emit_tile(context, builder, signature, args, rows, columns, vector)
+            return _emit_tile(context, builder, signature, args, rows, columns)
 
         return types.void(x, w, out, m, n, ahead), codegen
 
     return tile
 
 
-def _emit_tile(context, builder, signature, args, rows, columns, vector):
+def _emit_tile(context, builder, signature, args, rows, columns):
     x, w, out = (context.make_array(t)(context, builder, a)
                  for t, a in zip(signature.args[:3], args[:3], strict=True))
     m, n, ahead = (context.cast(builder, a, t, types.int64)
                    for t, a in zip(signature.args[3:], args[3:], strict=True))
-    lanes = VECTOR_FLOATS
-    module = builder.module
-    fma = cgutils.get_or_insert_function(
-        module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{lanes}f32")
-    prefetch = cgutils.get_or_insert_function(
-        module, ir.FunctionType(ir.VoidType(), [_BYTE_POINTER, _I32, _I32, _I32]),
-        "llvm.prefetch.p0")
-    mask_type = ir.VectorType(ir.IntType(1), lanes)
-    masked_load = cgutils.get_or_insert_function(
-        module, ir.FunctionType(vector, [vector.as_pointer(), _I32, mask_type, vector]),
-        f"llvm.masked.load.v{lanes}f32.p0")
-    reduce_add = cgutils.get_or_insert_function(
-        module, ir.FunctionType(_FLOAT, [_FLOAT, vector]), f"llvm.vector.reduce.fadd.v{lanes}f32")
-
+    vectors = _Vectors(builder)
+    lanes = vectors.lanes
     inner = builder.extract_value(x.shape, 1)
 
     def row(array, index):  # float* to row `index` of a 2-D array (its byte stride)
-        stride = builder.extract_value(array.strides, 0)
-        start = builder.bitcast(array.data, _BYTE_POINTER)
-        return builder.bitcast(builder.gep(start, [builder.mul(index, stride)]),
-                               _FLOAT.as_pointer())
+        return _at_byte(builder, array, builder.mul(index, builder.extract_value(array.strides,
+                                                                                 0)))
 
     def at(pointer, offset):
         return builder.gep(pointer, [offset], inbounds=True)
@@ -104,7 +152,7 @@ def _emit_tile(context, builder, signature, args, rows, columns, vector):
     prefetching = builder.icmp_signed(">=", ahead, _I64(0))
     whole = builder.udiv(inner, _I64(lanes))
     left = builder.urem(inner, _I64(lanes))
-    zero = ir.Constant(vector, None)
+    zero = vectors.zero
 
     entry = builder.basic_block
     loop = builder.append_basic_block("tile.loop")
@@ -118,21 +166,17 @@ def _emit_tile(context, builder, signature, args, rows, columns, vector):
     # Whole vectors of k: rows x columns fused multiply-adds per step.
     builder.position_at_end(loop)
     step = builder.phi(_I64)
-    sums = [[builder.phi(vector) for _ in range(columns)] for _ in range(rows)]
+    sums = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
     offset = builder.mul(step, _I64(lanes))
     builder.cbranch(prefetching, fetch, multiply)
     builder.position_at_end(fetch)
     for pointer in ahead_rows:
-        builder.call(prefetch, [builder.bitcast(at(pointer, offset), _BYTE_POINTER), _I32(0),
-                                _I32(_CACHE_LEVEL_L2), _I32(1)])
+        _prefetch_line(builder, at(pointer, offset))
     builder.branch(multiply)
     builder.position_at_end(multiply)
 
-    def load(pointer):
-        return builder.load(builder.bitcast(at(pointer, offset), vector.as_pointer()), align=4)
-
-    stepped = _multiply_add(builder, fma, [load(p) for p in x_rows], [load(p) for p in w_rows],
-                            sums)
+    stepped = _multiply_add(vectors, [vectors.load(at(p, offset)) for p in x_rows],
+                            [vectors.load(at(p, offset)) for p in w_rows], sums)
     following = builder.add(step, _I64(1))
     step.add_incoming(_I64(0), entry)
     step.add_incoming(following, multiply)
@@ -144,7 +188,7 @@ def _emit_tile(context, builder, signature, args, rows, columns, vector):
 
     # The last k short of a whole vector, read under a mask.
     builder.position_at_end(after_loop)
-    looped = [[builder.phi(vector) for _ in range(columns)] for _ in range(rows)]
+    looped = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
     for i in range(rows):
         for j in range(columns):
             looped[i][j].add_incoming(zero, entry)
@@ -152,34 +196,140 @@ def _emit_tile(context, builder, signature, args, rows, columns, vector):
     builder.cbranch(builder.icmp_unsigned(">", left, _I64(0)), last, done)
     builder.position_at_end(last)
     offset = builder.mul(whole, _I64(lanes))
-    lane_ids = ir.Constant(ir.VectorType(_I64, lanes), [_I64(i) for i in range(lanes)])
-    left_vector = builder.insert_element(ir.Constant(ir.VectorType(_I64, lanes), None), left,
-                                         _I32(0))
-    left_vector = builder.shuffle_vector(left_vector, left_vector,
-                                         ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
-    mask = builder.icmp_unsigned("<", lane_ids, left_vector)
-
-    def load_part(pointer):
-        return builder.call(masked_load, [builder.bitcast(at(pointer, offset), vector.as_pointer()),
-                                          _I32(4), mask, zero])
-
-    finished = _multiply_add(builder, fma, [load_part(p) for p in x_rows],
-                             [load_part(p) for p in w_rows], looped)
+    mask = vectors.lanes_below(_I64(0), left)
+    finished = _multiply_add(vectors, [vectors.load(at(p, offset), mask) for p in x_rows],
+                             [vectors.load(at(p, offset), mask) for p in w_rows], looped)
     builder.branch(done)
 
     builder.position_at_end(done)
-    totals = [[builder.phi(vector) for _ in range(columns)] for _ in range(rows)]
+    totals = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
     for i in range(rows):
         out_row = at(row(out, builder.add(m, _I64(i))), n)
         for j in range(columns):
             totals[i][j].add_incoming(looped[i][j], after_loop)
             totals[i][j].add_incoming(finished[i][j], last)
-            value = builder.call(reduce_add, [ir.Constant(_FLOAT, -0.0), totals[i][j]],
-                                 fastmath=("reassoc",))
-            builder.store(value, at(out_row, _I64(j)))
+            builder.store(vectors.total(totals[i][j]), at(out_row, _I64(j)))
     return context.get_dummy_value()
 
 
-def _multiply_add(builder, fma, x_vectors, w_vectors, sums):
-    return [[builder.call(fma, [xv, wv, sums[i][j]]) for j, wv in enumerate(w_vectors)]
+def _multiply_add(vectors, x_vectors, w_vectors, sums):
+    return [[vectors.fma(xv, wv, sums[i][j]) for j, wv in enumerate(w_vectors)]
             for i, xv in enumerate(x_vectors)]
+
+
+def weighted_rows(heads: int):
+    """An intrinsic `add(weights, first, rows, out, start)`: for `h < heads`,
+    `out[start + h] += weights[:, first + h] @ rows`, for float32 `weights [n, *]`, `rows
+    [n, d]` and `out [*, d]` whose rows are contiguous (any stride between them). Each row
+    of `rows` is read once for the `heads` sums, which stay in registers over the n rows
+    (a GQA group's value sums, where a loop's `out[h] += w * row` stored and reloaded them
+    every row)."""
+
+    @intrinsic
+    def add(typingctx, weights, first, rows, out, start):
+        def codegen(context, builder, signature, args):
+            return _emit_weighted_rows(context, builder, signature, args, heads)
+
+        return types.void(weights, first, rows, out, start), codegen
+
+    return add
+
+
+def _emit_weighted_rows(context, builder, signature, args, heads):
+    weights, rows, out = (context.make_array(signature.args[i])(context, builder, args[i])
+                          for i in (0, 2, 3))
+    first, start = (context.cast(builder, args[i], signature.args[i], types.int64)
+                    for i in (1, 4))
+    vectors = _Vectors(builder)
+    lanes = vectors.lanes
+    per_pass = 4 if VECTOR_REGISTERS == 32 else 2  # vectors of a row summed in one pass
+    count = builder.extract_value(rows.shape, 0)
+    width = builder.extract_value(rows.shape, 1)
+    row_stride = builder.extract_value(rows.strides, 0)
+    weight_stride = builder.extract_value(weights.strides, 0)
+    out_stride = builder.extract_value(out.strides, 0)
+    span = per_pass * lanes
+    passes = builder.udiv(builder.add(width, _I64(span - 1)), _I64(span))
+
+    entry = builder.basic_block
+    pass_head = builder.append_basic_block("weighted.pass")
+    row_loop = builder.append_basic_block("weighted.row")
+    pass_end = builder.append_basic_block("weighted.pass_end")
+    done = builder.append_basic_block("weighted.done")
+    builder.cbranch(builder.icmp_unsigned(">", passes, _I64(0)), pass_head, done)
+
+    # One pass: `per_pass` vectors of each head's sum (lanes past `width` masked off).
+    builder.position_at_end(pass_head)
+    current = builder.phi(_I64)
+    first_lane = builder.mul(current, _I64(span))
+    lanes_of = [builder.add(first_lane, _I64(c * lanes)) for c in range(per_pass)]
+    masks = [vectors.lanes_below(lane, width) for lane in lanes_of]
+    lane_bytes = [builder.mul(lane, _I64(4)) for lane in lanes_of]
+    out_pointers = [[_at_byte(builder, out, builder.add(
+        builder.mul(builder.add(start, _I64(h)), out_stride), lane_bytes[c]))
+        for c in range(per_pass)] for h in range(heads)]
+    starting = [[vectors.load(out_pointers[h][c], masks[c]) for c in range(per_pass)]
+                for h in range(heads)]
+    builder.cbranch(builder.icmp_unsigned(">", count, _I64(0)), row_loop, pass_end)
+
+    builder.position_at_end(row_loop)
+    index = builder.phi(_I64)
+    sums = [[builder.phi(vectors.type) for _ in range(per_pass)] for _ in range(heads)]
+    row_start = builder.mul(index, row_stride)
+    values = [vectors.load(_at_byte(builder, rows, builder.add(row_start, lane_bytes[c])),
+                           masks[c]) for c in range(per_pass)]
+    weight_row = builder.mul(index, weight_stride)
+    summed = []
+    for h in range(heads):
+        offset = builder.add(weight_row, builder.mul(builder.add(first, _I64(h)), _I64(4)))
+        weight = vectors.splat(builder.load(_at_byte(builder, weights, offset), align=4))
+        summed.append([vectors.fma(weight, values[c], sums[h][c]) for c in range(per_pass)])
+    following = builder.add(index, _I64(1))
+    index.add_incoming(_I64(0), pass_head)
+    index.add_incoming(following, row_loop)
+    for h in range(heads):
+        for c in range(per_pass):
+            sums[h][c].add_incoming(starting[h][c], pass_head)
+            sums[h][c].add_incoming(summed[h][c], row_loop)
+    builder.cbranch(builder.icmp_unsigned("<", following, count), row_loop, pass_end)
+
+    builder.position_at_end(pass_end)
+    finals = [[builder.phi(vectors.type) for _ in range(per_pass)] for _ in range(heads)]
+    for h in range(heads):
+        for c in range(per_pass):
+            finals[h][c].add_incoming(starting[h][c], pass_head)
+            finals[h][c].add_incoming(summed[h][c], row_loop)
+            vectors.store(finals[h][c], out_pointers[h][c], masks[c])
+    next_pass = builder.add(current, _I64(1))
+    current.add_incoming(_I64(0), entry)
+    current.add_incoming(next_pass, pass_end)
+    builder.cbranch(builder.icmp_unsigned("<", next_pass, passes), pass_head, done)
+
+    builder.position_at_end(done)
+    return context.get_dummy_value()
+
+
+_CACHE_LINE = 64
+
+
+@intrinsic
+def prefetch(typingctx, array):
+    """Ask the cache (L2) for every line of a C-contiguous `array`, to be read soon."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0])
+        size = builder.mul(data.nitems, data.itemsize)
+        start = builder.bitcast(data.data, _BYTE_POINTER)
+        with cgutils.for_range_slice(builder, _I64(0), size, _I64(_CACHE_LINE)) as (offset, _):
+            _prefetch_line(builder, builder.gep(start, [offset]))
+        return context.get_dummy_value()
+
+    return types.void(array), codegen
+
+
+def _prefetch_line(builder, pointer):
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_BYTE_POINTER, _I32, _I32, _I32]),
+        "llvm.prefetch.p0")
+    builder.call(function, [builder.bitcast(pointer, _BYTE_POINTER), _I32(0),
+                            _I32(_CACHE_LEVEL_L2), _I32(1)])

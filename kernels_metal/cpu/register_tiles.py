@@ -109,6 +109,17 @@ class _Vectors:
         return self.builder.icmp_unsigned("<", index, self.splat(limit, self._indices))
 
 
+def _join(phis: list, values: list, block) -> None:
+    """Each phi of a grid takes the value at its place in `values` when coming from `block`."""
+    for phi_row, value_row in zip(phis, values, strict=True):
+        for phi, value in zip(phi_row, value_row, strict=True):
+            phi.add_incoming(value, block)
+
+
+def _blocks(builder, prefix: str, *names: str) -> list:
+    return [builder.append_basic_block(f"{prefix}.{name}") for name in names]
+
+
 def _at_byte(builder, array, offset):
     """float* `offset` bytes into an array's data."""
     start = builder.bitcast(array.data, _BYTE_POINTER)
@@ -155,12 +166,8 @@ def _emit_tile(context, builder, signature, args, rows, columns):
     zero = vectors.zero
 
     entry = builder.basic_block
-    loop = builder.append_basic_block("tile.loop")
-    fetch = builder.append_basic_block("tile.prefetch")
-    multiply = builder.append_basic_block("tile.multiply")
-    after_loop = builder.append_basic_block("tile.after_loop")
-    last = builder.append_basic_block("tile.last_part")
-    done = builder.append_basic_block("tile.done")
+    loop, fetch, multiply, after_loop, last, done = _blocks(
+        builder, "tile", "loop", "prefetch", "multiply", "after_loop", "last_part", "done")
     builder.cbranch(builder.icmp_unsigned(">", whole, _I64(0)), loop, after_loop)
 
     # Whole vectors of k: rows x columns fused multiply-adds per step.
@@ -180,19 +187,15 @@ def _emit_tile(context, builder, signature, args, rows, columns):
     following = builder.add(step, _I64(1))
     step.add_incoming(_I64(0), entry)
     step.add_incoming(following, multiply)
-    for i in range(rows):
-        for j in range(columns):
-            sums[i][j].add_incoming(zero, entry)
-            sums[i][j].add_incoming(stepped[i][j], multiply)
+    _join(sums, [[zero] * columns] * rows, entry)
+    _join(sums, stepped, multiply)
     builder.cbranch(builder.icmp_unsigned("<", following, whole), loop, after_loop)
 
     # The last k short of a whole vector, read under a mask.
     builder.position_at_end(after_loop)
     looped = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
-    for i in range(rows):
-        for j in range(columns):
-            looped[i][j].add_incoming(zero, entry)
-            looped[i][j].add_incoming(stepped[i][j], multiply)
+    _join(looped, [[zero] * columns] * rows, entry)
+    _join(looped, stepped, multiply)
     builder.cbranch(builder.icmp_unsigned(">", left, _I64(0)), last, done)
     builder.position_at_end(last)
     offset = builder.mul(whole, _I64(lanes))
@@ -203,11 +206,11 @@ def _emit_tile(context, builder, signature, args, rows, columns):
 
     builder.position_at_end(done)
     totals = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
+    _join(totals, looped, after_loop)
+    _join(totals, finished, last)
     for i in range(rows):
         out_row = at(row(out, builder.add(m, _I64(i))), n)
         for j in range(columns):
-            totals[i][j].add_incoming(looped[i][j], after_loop)
-            totals[i][j].add_incoming(finished[i][j], last)
             builder.store(vectors.total(totals[i][j]), at(out_row, _I64(j)))
     return context.get_dummy_value()
 
@@ -252,10 +255,8 @@ def _emit_weighted_rows(context, builder, signature, args, heads):
     passes = builder.udiv(builder.add(width, _I64(span - 1)), _I64(span))
 
     entry = builder.basic_block
-    pass_head = builder.append_basic_block("weighted.pass")
-    row_loop = builder.append_basic_block("weighted.row")
-    pass_end = builder.append_basic_block("weighted.pass_end")
-    done = builder.append_basic_block("weighted.done")
+    pass_head, row_loop, pass_end, done = _blocks(builder, "weighted", "pass", "row",
+                                                  "pass_end", "done")
     builder.cbranch(builder.icmp_unsigned(">", passes, _I64(0)), pass_head, done)
 
     # One pass: `per_pass` vectors of each head's sum (lanes past `width` masked off).
@@ -287,18 +288,16 @@ def _emit_weighted_rows(context, builder, signature, args, heads):
     following = builder.add(index, _I64(1))
     index.add_incoming(_I64(0), pass_head)
     index.add_incoming(following, row_loop)
-    for h in range(heads):
-        for c in range(per_pass):
-            sums[h][c].add_incoming(starting[h][c], pass_head)
-            sums[h][c].add_incoming(summed[h][c], row_loop)
+    _join(sums, starting, pass_head)
+    _join(sums, summed, row_loop)
     builder.cbranch(builder.icmp_unsigned("<", following, count), row_loop, pass_end)
 
     builder.position_at_end(pass_end)
     finals = [[builder.phi(vectors.type) for _ in range(per_pass)] for _ in range(heads)]
+    _join(finals, starting, pass_head)
+    _join(finals, summed, row_loop)
     for h in range(heads):
         for c in range(per_pass):
-            finals[h][c].add_incoming(starting[h][c], pass_head)
-            finals[h][c].add_incoming(summed[h][c], row_loop)
             vectors.store(finals[h][c], out_pointers[h][c], masks[c])
     next_pass = builder.add(current, _I64(1))
     current.add_incoming(_I64(0), entry)

@@ -14,7 +14,6 @@ from kernels_metal.cpu import attention as cpu_attention
 from kernels_metal.cpu import decode as cpu_decode
 from kernels_metal.cpu import prefill as cpu_prefill
 from kernels_metal.cpu import threads as cpu_threads
-from kernels_metal.cpu.math import TILED_ROWS
 from kernels_metal.metadata import AttentionMetadata
 from kernels_metal.reference import paged_attention_reference
 
@@ -238,17 +237,18 @@ def test_rows_whose_scores_would_overflow_or_vanish_are_shifted_by_their_max(off
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)
 
 
-def test_decode_rows_share_the_threads_only_where_blas_does_not_run_beside_them(monkeypatch):
+def test_decode_rows_share_the_threads_only_with_enough_keys(monkeypatch):
     monkeypatch.setattr(cpu_threads, "_threads", 2)
     requests = 16
     rows = cpu_decode.DecodeRows(np.arange(requests), np.zeros((requests, 13), np.int32),
                                  np.full(requests, 200), np.zeros(requests, np.int64))
-    assert rows.num_keys * 3 < cpu_decode.PARALLEL_BESIDE_BLAS_FROM
-    assert rows.split(3, requests) == (1, True)  # a decode step: its products are compiled
-    assert rows.split(3, TILED_ROWS) == (1, False)  # beside a prefill chunk's BLAS products
+    assert rows.split(3) == (1, True)
     one = cpu_decode.DecodeRows(np.arange(1), np.zeros((1, 7), np.int32), np.full(1, 100),
                                 np.zeros(1, np.int64))
-    assert one.split(3, 1) == (1, False)  # too few keys to wake a second thread
+    assert one.num_keys * 3 < cpu_decode.PARALLEL_FROM
+    assert one.split(3) == (1, False)  # too few keys to wake a second thread
+    monkeypatch.setattr(cpu_threads, "_threads", 1)
+    assert rows.split(3) == (1, False)
 
 
 @pytest.mark.parametrize(("window", "softcap", "sinks"), [(None, None, None), (None, 15.0, SINKS),

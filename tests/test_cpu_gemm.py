@@ -13,14 +13,14 @@ from kernels_metal.cpu import threads as cpu_threads
 @pytest.mark.parametrize(("rows", "columns", "inner"), [(1, 13, 33), (1, 576, 1536), (2, 8, 7),
                                                         (3, 13, 33), (4, 576, 1536),
                                                         (5, 13, 33), (16, 832, 64), (31, 6, 150),
-                                                        (63, 9, 70)])
-def test_few_rows_match_numpy_with_partial_tiles_on_one_thread_or_two(monkeypatch, threads,
+                                                        (63, 9, 70), (257, 20, 48)])
+def test_products_match_numpy_with_partial_tiles_on_one_thread_or_two(monkeypatch, threads,
                                                                       rows, columns, inner):
     monkeypatch.setattr(cpu_threads, "_threads", threads)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, inner)).astype(np.float32)
     weight = rng.standard_normal((columns, inner)).astype(np.float32)
-    got = cpu_gemm.few_rows(x, weight)
+    got = cpu_gemm.linear(x, weight)
     assert got.shape == (rows, columns) and got.flags.c_contiguous
     np.testing.assert_allclose(got, x @ weight.T, rtol=1e-5, atol=1e-4)
 
@@ -30,9 +30,9 @@ def test_rows_of_a_strided_view_are_read_as_they_lie():
     packed = rng.standard_normal((6, 40)).astype(np.float32)
     weight = rng.standard_normal((12, 20)).astype(np.float32)
     x = packed[:, 10:30]  # a q/k/v slice of a packed product
-    np.testing.assert_allclose(cpu_gemm.few_rows(x, weight), x @ weight.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(cpu_gemm.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-4)
     one = packed[:1, 10:30]
-    np.testing.assert_allclose(cpu_gemm.few_rows(one, weight), one @ weight.T, rtol=1e-5,
+    np.testing.assert_allclose(cpu_gemm.linear(one, weight), one @ weight.T, rtol=1e-5,
                                atol=1e-4)
 
 

@@ -44,7 +44,7 @@ def test_masked_softmax_gives_masked_entries_exactly_zero():
 def test_linear_matches_mlx_for_one_row_few_and_many_with_and_without_bias():
     rng = np.random.default_rng(2)
     weight, bias = mx.array(rng.normal(size=(48, 32)).astype(np.float32)), mx.arange(48.0)
-    for rows in (1, 2, 5, cpu_math.TILED_ROWS + 8):  # gemv, cpu_gemm, BLAS
+    for rows in (1, 2, 5, 72):
         x = mx.array(rng.normal(size=(rows, 32)).astype(np.float32))
         np.testing.assert_allclose(cpu_math.linear(x, weight), x @ weight.T, rtol=1e-5,
                                    atol=1e-5)

@@ -73,7 +73,7 @@ def test_cached_code_that_calls_parallel_builds_runs_on_one_thread(tmp_path):
     (tmp_path / "loops.py").write_text(LOOPS)
     cache = tmp_path / "cache"
     _run("import numpy as np; from kernels_metal.cpu import gemm as cpu_gemm; "
-         "cpu_gemm.few_rows(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32))",
+         "cpu_gemm.linear(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32))",
          tmp_path, cache)
     script = ("import numpy as np, loops; from kernels_metal.cpu import threads as cpu_threads; "
               "cpu_threads.use_threads(1); out = np.zeros((2, 4), np.float32); "

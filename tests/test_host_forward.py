@@ -59,7 +59,7 @@ def test_host_layers_give_the_mlx_logits(model_dir, chunk, length, monkeypatch):
 @pytest.mark.parametrize("chunk", [7, 1, 45], ids=["few-rows", "decode", "tiled-rows"])
 def test_compiled_steps_give_the_module_path_numbers(model_dir, chunk, threads, monkeypatch):
     """All layers in one call (the host stack), a layer in two calls, and module by module:
-    the same numbers (45 rows: past BLAS's old share of the products, below TILED_ROWS)."""
+    the same numbers (45 rows: past BLAS's old share of the products)."""
     monkeypatch.setattr(cpu_threads, "_threads", threads)
     ids = random_ids(4, max(21, chunk + 5))
     stacked_steps = count_calls(monkeypatch, cpu_layer, "step_layers")

@@ -23,17 +23,12 @@ import numpy as np
 
 from kernels_metal.cpu import loops as cpu_loops
 from kernels_metal.cpu import threads as cpu_threads
-from kernels_metal.cpu.math import TILED_ROWS
 from kernels_metal.cpu.register_tiles import prefetch, weighted_rows
 
 # Below this many keys x KV heads in a step one thread does the whole step: waking a second
 # costs more than it saves (on a 2-core Zen 5, two threads won from ~1200: 16 requests at
 # 200 keys 0.32 -> 0.18 ms a layer, one at 8k keys 1.48 -> 0.78).
 PARALLEL_FROM = 1 << 11
-# The same where the step's weight products run in BLAS (cpu_math.TILED_ROWS rows or more):
-# its workers spin between products, and a parallel loop's workers fought them for the
-# cores (16 decode rows beside a 250-row prefill chunk: 350 -> 640 ms a step at 1 << 11).
-PARALLEL_BESIDE_BLAS_FROM = 1 << 15
 # Jobs (request x key range) a parallel step is cut into at least, per thread.
 JOBS_PER_THREAD = 4
 
@@ -56,11 +51,10 @@ class DecodeRows:
     def num_keys(self) -> int:
         return int((self.seq_lens - self.first_keys).sum())
 
-    def split(self, kv_heads: int, step_rows: int) -> tuple[int, bool]:
+    def split(self, kv_heads: int) -> tuple[int, bool]:
         """(key ranges per request, whether the threads share the jobs) for pools of
-        `kv_heads` KV heads, in a step of `step_rows` rows."""
-        least = PARALLEL_FROM if step_rows < TILED_ROWS else PARALLEL_BESIDE_BLAS_FROM
-        parallel = self.num_keys * kv_heads >= least and cpu_threads.threads() > 1
+        `kv_heads` KV heads."""
+        parallel = self.num_keys * kv_heads >= PARALLEL_FROM and cpu_threads.threads() > 1
         return (split_count(len(self.rows)) if parallel else 1), parallel
 
 
@@ -69,7 +63,7 @@ def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, decode: De
            out: np.ndarray) -> None:
     """The `decode` rows of `queries [total_q, H, D]` attend to their keys in the float32
     pools `[blocks, block_size, kv_heads, D]`; their outputs go to the same rows of `out`."""
-    splits, parallel = decode.split(keys.shape[2], len(queries))
+    splits, parallel = decode.split(keys.shape[2])
     cpu_threads.run(attend_rows, queries, keys, values, decode.rows, decode.tables,
                     decode.seq_lens, decode.first_keys, splits, np.float32(scale),
                     np.float32(softcap or 0.0), NO_SINKS if sinks is None else sinks, out,

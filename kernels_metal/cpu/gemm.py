@@ -1,4 +1,4 @@
-"""Products of one or a few rows with a weight matrix (`rows @ weight.T`) in compiled loops.
+"""Products of rows with a weight matrix (`rows @ weight.T`) in compiled loops.
 
 A decode step of a few requests multiplies a few rows by every weight matrix. BLAS's GEMM
 packs the weight into panels first, a copy as large as the product's own reads, and at 16
@@ -15,6 +15,11 @@ the numba loops these replaced (one weight row at a time up to 4 rows, 4 x 4 til
 1 row 14.1 ms, as before (1 x 4); 4 rows 19.6 -> 13.6 (4 x 6); 8 rows 24.4 -> 15.3 (8 x 2);
 16 rows 33.2 -> 24.0 and 48 rows 67.1 -> 56.3 (4 x 6). With 16 registers (AVX2) every tile
 is 2 x 4, whose sums and reads fit them.
+
+They serve every float32 product of a step, however many rows: on the same cores they ran
+as fast as OpenBLAS from 1 row to 1024 (256 rows 275 ms against 330, 1024 1186 against 1147),
+and with no BLAS in a step nothing spins beside the compiled loops (a step verifying 4.5
+drafts for each of 16 requests, 72 rows: 418 ms with its products in BLAS, 146 in tiles).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def tile_for(rows: int) -> int:
     return 3 if 4 < rows <= 8 else 2
 
 
-def few_rows(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """`rows @ weight.T` for float32 `rows [m, in]` and `weight [out, in]`."""
     out = np.empty((len(rows), weight.shape[0]), np.float32)
     if weight.strides[1] != weight.itemsize:  # a transposed view: the tiles read rows whole

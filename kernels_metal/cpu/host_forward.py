@@ -31,7 +31,6 @@ from kernels_metal.cpu import attention as cpu_attention
 from kernels_metal.cpu import layer as cpu_layer
 from kernels_metal.cpu import low_rank as cpu_low_rank
 from kernels_metal.cpu.layer_arrays import step_arrays
-from kernels_metal.cpu.math import TILED_ROWS
 
 HOST_POOL_DTYPES = (mx.float32, mx.float16)
 
@@ -77,8 +76,7 @@ class HostLora(NamedTuple):
     def served_by_steps(self, layers: Sequence[nn.Module], num_rows: int) -> bool:
         """Whether compiled steps (which add the deltas) can run every host layer of
         `layers` for `num_rows` rows: a module-by-module host layer knows no adapters."""
-        return num_rows < TILED_ROWS and all(
-            step_arrays(layer, self.version) is not None for layer in layers)
+        return all(step_arrays(layer, self.version) is not None for layer in layers)
 
 
 class HostPlan:
@@ -121,7 +119,7 @@ class HostStack:
         `[rows, half]`; None if the layers differ; adding `lora`'s rows' deltas), or None
         where they cannot go in one call."""
         float_pools = cache.quant is None and cache.model_dtype == mx.float32
-        if not float_pools or len(h) >= TILED_ROWS or rope is None:
+        if not float_pools or rope is None:
             return None
         arrays = tuple(step_arrays(layer, lora.version) for layer in layers)
         if any(a is None or a.attention != arrays[0].attention for a in arrays):
@@ -146,10 +144,8 @@ class HostStack:
 
 def layer_step(layer: nn.Module, x: np.ndarray, rope: tuple[np.ndarray, np.ndarray], meta,
                cache, pool: int, lora: HostLora) -> np.ndarray | None:
-    """A pre-norm layer of a few host rows in two compiled calls around its attention
-    (cpu_layer), or None where it has no such step."""
-    if len(x) >= TILED_ROWS:
-        return None
+    """A pre-norm layer of host rows in two compiled calls around its attention (cpu_layer),
+    or None where it has no such step."""
     arrays = step_arrays(layer, lora.version)
     if arrays is None:
         return None

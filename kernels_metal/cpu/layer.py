@@ -133,7 +133,7 @@ def step_layers(x: np.ndarray, stack: LayerStack, pools: tuple,
     k and v into slots `slots` of its pools (`pool_lists`), then its q rows attend as
     cpu_decode's `decode` rows (which must be all of them). `rope`: cos, sin `[rows, half]`,
     the same for every layer; `lora_rows`: the adapter rows (cpu_low_rank.host_rows)."""
-    splits, attend_parallel = decode.split(stack.shape[1], len(x))
+    splits, attend_parallel = decode.split(stack.shape[1])
     s = stack
     return cpu_threads.run(
         _layers, np.ascontiguousarray(x), s.input_norms, s.input_eps, s.qkv, s.qkv_biases,

@@ -35,11 +35,6 @@ SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # slower than a left one: such products put the big operand on the left (the decode scores
 # in cpu_attention) or go to cpu_gemm's tiles (`host_linear` here).
 FEW_ROWS = 32
-# Below this many rows a float32 weight product runs faster in cpu_gemm's tiles than in BLAS
-# (the default model's matrices on a 2-core Zen 5: 186 against 129 GFLOP/s at 32 rows, 202
-# against 176 at 48; at 64 OpenBLAS's AVX-512 kernels caught up): host layers of up to this
-# many rows (a chat prompt's first chunk, a batch of decodes) run in compiled steps.
-TILED_ROWS = 64
 NO_WEIGHT = np.zeros(0, np.float32)  # cpu_loops.rms_norm's "no weight"
 
 
@@ -120,10 +115,10 @@ def _host_or_none(x: mx.array | np.ndarray | None) -> np.ndarray | None:
 
 def host_linear(rows: np.ndarray, weight: np.ndarray,
                 bias: np.ndarray | None = None) -> np.ndarray:
-    """`rows @ weight.T + bias`: one or a few float32 rows in cpu_gemm's compiled loops,
-    others in numpy's BLAS."""
-    if len(rows) < TILED_ROWS and rows.dtype == weight.dtype == np.float32:
-        y = cpu_gemm.few_rows(rows, weight)
+    """`rows @ weight.T + bias`: float32 rows in cpu_gemm's compiled loops, others in numpy's
+    BLAS."""
+    if rows.dtype == weight.dtype == np.float32:
+        y = cpu_gemm.linear(rows, weight)
     elif len(rows) == 1:
         # BLAS streams the weight about twice as fast as the left operand of a matrix-vector
         # product as it does as the transposed right operand of a one-row product.

@@ -35,6 +35,11 @@ from kernels_metal.cpu.register_tiles import VECTOR_REGISTERS, register_tile
 TILE_SHAPES = ((1, 4), (2, 4), (4, 6), (8, 2))
 _1x4, _2x4, _4x6, _8x2 = (register_tile(*shape) for shape in TILE_SHAPES)
 _1x1, _2x1, _4x1, _8x1 = (register_tile(rows, 1) for rows, _ in TILE_SHAPES)
+# The rows past the last whole 4 x 6 tile, in the same sweep over a block of weight rows (a
+# zero-padded tile cost a whole tile's multiplies: 16 requests and one draft, 17 rows, as
+# many as 20). The 8 x 2 tiles, for 5-8 rows, read the weights at memory speed and pad.
+_1x6, _2x6, _3x6 = (register_tile(rows, 6) for rows in (1, 2, 3))
+_3x1 = register_tile(3, 1)
 
 # Weight rows ahead of the tile that the tile prefetches (4-16 ran alike; the memory then
 # serves the next tiles' reads while this one multiplies).
@@ -84,11 +89,33 @@ def _one_column(shape, x, w, out, m, n):
         _8x1(x, w, out, m, n, -1)
 
 
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _tail(shape, tail, x, w, out, m, n):
+    """The last `tail` rows, fewer than a whole tile's, against the tile's weight rows."""
+    if shape == 1 or tail == 1:
+        _1x4(x, w, out, m, n, -1) if shape == 1 else _1x6(x, w, out, m, n, -1)
+    elif tail == 2:
+        _2x6(x, w, out, m, n, -1)
+    else:
+        _3x6(x, w, out, m, n, -1)
+
+
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _tail_column(tail, x, w, out, m, n):
+    if tail == 1:
+        _1x1(x, w, out, m, n, -1)
+    elif tail == 2:
+        _2x1(x, w, out, m, n, -1)
+    else:
+        _3x1(x, w, out, m, n, -1)
+
+
 def _tiles_of(parallel: bool):
     @cpu_threads.compile_loop(parallel)
-    def tiles(x, w, out, shape):
+    def tiles(x, w, out, shape, tail):
+        """The tiles of `shape` over `x`'s rows but the last `tail`, which `_tail` takes."""
         input_rows, weight_rows = TILE_SHAPES[shape]
-        rows = x.shape[0]
+        whole = x.shape[0] - tail
         columns = w.shape[0]
         blocks = columns // weight_rows
         for block in numba.prange(blocks):
@@ -96,11 +123,15 @@ def _tiles_of(parallel: bool):
             ahead = n + PREFETCH_AHEAD
             if ahead + weight_rows > columns:
                 ahead = -1
-            for m in range(0, rows, input_rows):
+            for m in range(0, whole, input_rows):
                 _tile(shape, x, w, out, m, n, ahead if m == 0 else -1)
+            if tail > 0:
+                _tail(shape, tail, x, w, out, whole, n)
         for n in range(blocks * weight_rows, columns):
-            for m in range(0, rows, input_rows):
+            for m in range(0, whole, input_rows):
                 _one_column(shape, x, w, out, m, n)
+            if tail > 0:
+                _tail_column(tail, x, w, out, whole, n)
 
     return tiles
 
@@ -123,15 +154,17 @@ def _padded(x, out, rows):
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
 def product(x, w, out, parallel):
     """`out [m, out] = x @ w.T` for float32 `x [m, in]` and `w [out, in]` whose rows are
-    contiguous, in the tiles `tile_for` picks (rows padded with zero rows to whole tiles),
-    on the loops' parallel builds or one-thread ones (`cpu_threads.run`)."""
+    contiguous, in the tiles `tile_for` picks (the rows past the last whole tile in tail
+    tiles, or for 8 x 2 tiles padded with zero rows), on the loops' parallel builds or
+    one-thread ones (`cpu_threads.run`)."""
     rows = x.shape[0]
     shape = tile_for(rows)
     tile_rows = TILE_SHAPES[shape][0]
-    padded_x, padded_out = _padded(x, out, -(-rows // tile_rows) * tile_rows)
+    tail = rows % tile_rows if shape in (1, 2) else 0
+    padded_x, padded_out = _padded(x, out, -(-(rows - tail) // tile_rows) * tile_rows + tail)
     if parallel:
-        _parallel_tiles(padded_x, w, padded_out, shape)
+        _parallel_tiles(padded_x, w, padded_out, shape, tail)
     else:
-        _tiles(padded_x, w, padded_out, shape)
+        _tiles(padded_x, w, padded_out, shape, tail)
     if padded_out.shape[0] != rows:
         out[:] = padded_out[:rows]

@@ -41,7 +41,7 @@ def test_rows_of_a_strided_view_are_read_as_they_lie():
                                            (2, 3), (3, 0)])
 def test_every_register_tile_gives_numpys_products(shape, tail, parallel):
     """The CPU picks among them by rows and registers (`tile_for`); each is checked here,
-    with rows past the last whole tile (the tail tiles of 2 x 4 and 4 x 6), weight rows past
+    with rows past the last whole tile (one at a time past 2 x 4 and 4 x 6), weight rows past
     the last whole tile and k past the last whole vector."""
     tile_rows, tile_columns = cpu_gemm.TILE_SHAPES[shape]
     rng = np.random.default_rng(shape)

@@ -35,11 +35,11 @@ from kernels_metal.cpu.register_tiles import VECTOR_REGISTERS, register_tile
 TILE_SHAPES = ((1, 4), (2, 4), (4, 6), (8, 2))
 _1x4, _2x4, _4x6, _8x2 = (register_tile(*shape) for shape in TILE_SHAPES)
 _1x1, _2x1, _4x1, _8x1 = (register_tile(rows, 1) for rows, _ in TILE_SHAPES)
-# The rows past the last whole 4 x 6 tile, in the same sweep over a block of weight rows (a
-# zero-padded tile cost a whole tile's multiplies: 16 requests and one draft, 17 rows, as
-# many as 20). The 8 x 2 tiles, for 5-8 rows, read the weights at memory speed and pad.
-_1x6, _2x6, _3x6 = (register_tile(rows, 6) for rows in (1, 2, 3))
-_3x1 = register_tile(3, 1)
+# The rows past the last whole 2 x 4 or 4 x 6 tile, one at a time in the same sweep over a
+# block of weight rows (a zero-padded tile cost a whole tile's multiplies: 16 requests and
+# one draft, 17 rows, as many as 20). The 8 x 2 tiles, for 5-8 rows, read the weights at
+# memory speed and pad.
+_1x6 = register_tile(1, 6)
 
 # Weight rows ahead of the tile that the tile prefetches (4-16 ran alike; the memory then
 # serves the next tiles' reads while this one multiplies).
@@ -90,30 +90,19 @@ def _one_column(shape, x, w, out, m, n):
 
 
 @numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _tail(shape, tail, x, w, out, m, n):
-    """The last `tail` rows, fewer than a whole tile's, against the tile's weight rows."""
-    if shape == 1 or tail == 1:
-        _1x4(x, w, out, m, n, -1) if shape == 1 else _1x6(x, w, out, m, n, -1)
-    elif tail == 2:
-        _2x6(x, w, out, m, n, -1)
+def _one_row(shape, x, w, out, m, n):
+    """Row `m` alone against the weight rows of a tile of `shape` (2 x 4 or 4 x 6)."""
+    if shape == 1:
+        _1x4(x, w, out, m, n, -1)
     else:
-        _3x6(x, w, out, m, n, -1)
-
-
-@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _tail_column(tail, x, w, out, m, n):
-    if tail == 1:
-        _1x1(x, w, out, m, n, -1)
-    elif tail == 2:
-        _2x1(x, w, out, m, n, -1)
-    else:
-        _3x1(x, w, out, m, n, -1)
+        _1x6(x, w, out, m, n, -1)
 
 
 def _tiles_of(parallel: bool):
     @cpu_threads.compile_loop(parallel)
     def tiles(x, w, out, shape, tail):
-        """The tiles of `shape` over `x`'s rows but the last `tail`, which `_tail` takes."""
+        """The tiles of `shape` over `x`'s rows, the last `tail` (fewer than a tile's) one
+        at a time."""
         input_rows, weight_rows = TILE_SHAPES[shape]
         whole = x.shape[0] - tail
         columns = w.shape[0]
@@ -125,13 +114,13 @@ def _tiles_of(parallel: bool):
                 ahead = -1
             for m in range(0, whole, input_rows):
                 _tile(shape, x, w, out, m, n, ahead if m == 0 else -1)
-            if tail > 0:
-                _tail(shape, tail, x, w, out, whole, n)
+            for m in range(whole, whole + tail):
+                _one_row(shape, x, w, out, m, n)
         for n in range(blocks * weight_rows, columns):
             for m in range(0, whole, input_rows):
                 _one_column(shape, x, w, out, m, n)
-            if tail > 0:
-                _tail_column(tail, x, w, out, whole, n)
+            for m in range(whole, whole + tail):
+                _1x1(x, w, out, m, n, -1)
 
     return tiles
 

@@ -143,14 +143,15 @@ def _padded(x, out, rows):
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
 def product(x, w, out, parallel):
     """`out [m, out] = x @ w.T` for float32 `x [m, in]` and `w [out, in]` whose rows are
-    contiguous, in the tiles `tile_for` picks (the rows past the last whole tile in tail
-    tiles, or for 8 x 2 tiles padded with zero rows), on the loops' parallel builds or
+    contiguous, in the tiles `tile_for` picks (the rows past the last whole tile one at a
+    time, or for 8 x 2 tiles padded with zero rows), on the loops' parallel builds or
     one-thread ones (`cpu_threads.run`)."""
     rows = x.shape[0]
     shape = tile_for(rows)
     tile_rows = TILE_SHAPES[shape][0]
-    tail = rows % tile_rows if shape in (1, 2) else 0
-    padded_x, padded_out = _padded(x, out, -(-(rows - tail) // tile_rows) * tile_rows + tail)
+    padded = shape == 3
+    tail = 0 if padded else rows % tile_rows
+    padded_x, padded_out = _padded(x, out, -(-rows // tile_rows) * tile_rows if padded else rows)
     if parallel:
         _parallel_tiles(padded_x, w, padded_out, shape, tail)
     else:

@@ -37,8 +37,9 @@ _1x4, _2x4, _4x6, _8x2 = (register_tile(*shape) for shape in TILE_SHAPES)
 _1x1, _2x1, _4x1, _8x1 = (register_tile(rows, 1) for rows, _ in TILE_SHAPES)
 # The rows past the last whole 2 x 4 or 4 x 6 tile, one at a time in the same sweep over a
 # block of weight rows (a zero-padded tile cost a whole tile's multiplies: 16 requests and
-# one draft, 17 rows, as many as 20). The 8 x 2 tiles, for 5-8 rows, read the weights at
-# memory speed and pad.
+# one draft, 17 rows, as many as 20). A product of fewer rows than its tile (3 rows, 5-7)
+# pads them: a tile reads the weights at memory speed, three 1 x 6 passes did not keep up
+# (3 rows 18.5 ms against 4 rows' 11.1).
 _1x6 = register_tile(1, 6)
 
 # Weight rows ahead of the tile that the tile prefetches (4-16 ran alike; the memory then
@@ -144,14 +145,13 @@ def _padded(x, out, rows):
 def product(x, w, out, parallel):
     """`out [m, out] = x @ w.T` for float32 `x [m, in]` and `w [out, in]` whose rows are
     contiguous, in the tiles `tile_for` picks (the rows past the last whole tile one at a
-    time, or for 8 x 2 tiles padded with zero rows), on the loops' parallel builds or
+    time, or fewer rows than a tile padded to one), on the loops' parallel builds or
     one-thread ones (`cpu_threads.run`)."""
     rows = x.shape[0]
     shape = tile_for(rows)
     tile_rows = TILE_SHAPES[shape][0]
-    padded = shape == 3
-    tail = 0 if padded else rows % tile_rows
-    padded_x, padded_out = _padded(x, out, -(-rows // tile_rows) * tile_rows if padded else rows)
+    tail = 0 if rows < tile_rows else rows % tile_rows
+    padded_x, padded_out = _padded(x, out, max(rows, tile_rows))
     if parallel:
         _parallel_tiles(padded_x, w, padded_out, shape, tail)
     else:

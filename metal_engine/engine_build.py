@@ -5,6 +5,7 @@ runner, wired into an `LLMEngine` (engine.py runs it)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -69,33 +70,23 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
     device = device_memory(metal)  # before loading: off a Mac, the weights take what is free
     dtype = resolve_dtype(config.dtype, config.model_dir, metal=metal)
     split = peers.split if peers is not None else None
-    model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
-    image_model = load_image_model(config.model_dir, dtype)
-    if image_model is not None:  # the tower computes on the text model's backend
-        use_ops(image_model.tower, model.ops)
-    tokenizer = load_tokenizer(config.model_dir)
-    drafter = _load_drafter(config, model, tokenizer, dtype)
-    spec = _speculative(config)
-    mc = model.config
+    parts = _load(config, dtype, split)
+    model, image_model, mc = parts.model, parts.image_model, parts.model.config
     held = mc if split is None else split.cache_config(mc)  # what this rank's cache holds
-    weights = parameter_bytes(model) + (parameter_bytes(drafter) if drafter else 0)
-    if image_model is not None:  # its outputs' share is the plan's encoder cache
-        weights += parameter_bytes(image_model.tower)
-    planned = held if split is None or not split.by_layers else mc
-    if peers is not None and peers.one_host:  # every rank's share and pool on this machine
-        weights, planned = weights * peers.size, mc
-    memory = plan_for(config, mc, weights, device)
+    memory = plan_for(config, mc, _weight_bytes(parts, peers), device)
     for line in memory.describe():
         log.info("memory plan: %s", line)
-    budget = memory.budget
     token_budget = _token_budget(config.max_num_batched_tokens or default_token_budget(metal),
                                  image_model, mc)
     quant = kv_quant_of(config.kv_cache_dtype)
-    plan = _plan_pool(config, planned, budget, dtype, token_budget, quant, drafter)
-    kv_tokens = plan.num_blocks * config.block_size
-    check_kv_cache_blocks(plan.num_blocks, budget)
-    max_model_len = resolve_max_model_len(config, mc.trained_context_len, kv_tokens)
-    encoder = mc.encoder is not None
+    # The cache the pool plan is for: this rank's, or the whole model's where the ranks
+    # split it by layers or all share this machine.
+    planned = mc if split is not None and (split.by_layers or peers.one_host) else held
+    plan = _plan_pool(config, planned, memory.budget, dtype, token_budget, quant,
+                      parts.drafter)
+    check_kv_cache_blocks(plan.num_blocks, memory.budget)
+    max_model_len = resolve_max_model_len(config, mc.trained_context_len,
+                                          plan.num_blocks * config.block_size)
     _check_encoder_len(mc, max_model_len)
     if peers is not None:
         peers.send((plan, quant))
@@ -103,7 +94,61 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
                               split.held_pools(model) if split else None)
     _log_plan(plan, cache.storage, config, max_model_len, mc.trained_context_len)
     connector = _kv_disk_connector(config, cache)
-    scheduler = Scheduler(SchedulerConfig(
+    scheduler = Scheduler(_scheduler_config(
+        config, plan, token_budget, max_model_len, mc, image_model,
+        _encoder_rows(image_model, mc, dtype, memory.encoder_cache)), connector)
+    device_drafter = (_device_drafter(model, parts.drafter, plan, config, dtype)
+                      if parts.drafter is not None else None)
+    # Async by default on Metal, on one rank: with several, each step's plan carries its
+    # tokens, so it waits.
+    async_scheduling = (metal and peers is None if config.async_scheduling is None
+                        else config.async_scheduling)
+    stage = split.stage(model, cache, dtype) if split else None
+    runner = ModelRunner(model, cache, device_drafter, peers, stage, image_model,
+                         _adapters(model, config))
+    engine = LLMEngine(runner, scheduler, parts.tokenizer,
+                       config.model_name or config.model_dir.name, async_scheduling, connector)
+    engine.pooling = read_pooling_config(config.model_dir, config.task, mc, model.has_head)
+    return engine
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """What a model directory loads into: the model (this rank's share), its image model,
+    its tokenizer and the drafter `--speculative-config` names."""
+
+    model: CausalLM
+    image_model: ImageModel | None
+    tokenizer: object
+    drafter: CausalLM | nn.Module | None
+
+
+def _load(config: EngineConfig, dtype: mx.Dtype, split) -> _Loaded:
+    model = load_model(config.model_dir, dtype, shard=split.cut if split else None)
+    image_model = load_image_model(config.model_dir, dtype)
+    if image_model is not None:  # the tower computes on the text model's backend
+        use_ops(image_model.tower, model.ops)
+    tokenizer = load_tokenizer(config.model_dir)
+    return _Loaded(model, image_model, tokenizer,
+                   _load_drafter(config, model, tokenizer, dtype))
+
+
+def _weight_bytes(parts: _Loaded, peers: Peers | None) -> int:
+    """The bytes of weights the memory plan counts on this machine: every rank's where they
+    share it."""
+    weights = parameter_bytes(parts.model)
+    if parts.drafter is not None:
+        weights += parameter_bytes(parts.drafter)
+    if parts.image_model is not None:  # its outputs' share is the plan's encoder cache
+        weights += parameter_bytes(parts.image_model.tower)
+    return weights * peers.size if peers is not None and peers.one_host else weights
+
+
+def _scheduler_config(config: EngineConfig, plan: CachePlan, token_budget: int,
+                      max_model_len: int, mc: ModelConfig, image_model: ImageModel | None,
+                      encoder_cache_rows: int) -> SchedulerConfig:
+    encoder = mc.encoder is not None
+    return SchedulerConfig(
         num_blocks=plan.num_blocks,
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
@@ -116,25 +161,12 @@ def _build(config: EngineConfig, peers: Peers | None) -> LLMEngine:
         window=plan.window,
         num_window_blocks=plan.num_window_blocks,
         num_state_slots=plan.num_state_slots,
-        speculative=spec,
-        encoder_cache_rows=_encoder_rows(image_model, mc, dtype, memory.encoder_cache),
+        speculative=_speculative(config),
+        encoder_cache_rows=encoder_cache_rows,
         encoder_step_rows=token_budget,
         whole_images=image_model is not None and image_model.whole_images,
         whole_prompts=encoder,
-    ), connector)
-    device_drafter = (_device_drafter(model, drafter, plan, config, dtype)
-                      if drafter is not None else None)
-    async_scheduling = (  # several ranks: each step's plan carries its tokens, so it waits
-        metal and peers is None
-        if config.async_scheduling is None else config.async_scheduling
     )
-    name = config.model_name or config.model_dir.name
-    stage = split.stage(model, cache, dtype) if split else None
-    runner = ModelRunner(model, cache, device_drafter, peers, stage, image_model,
-                         _adapters(model, config))
-    engine = LLMEngine(runner, scheduler, tokenizer, name, async_scheduling, connector)
-    engine.pooling = read_pooling_config(config.model_dir, config.task, mc, model.has_head)
-    return engine
 
 
 def _speculative(config: EngineConfig) -> SpeculativeConfig | None:

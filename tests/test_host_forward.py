@@ -139,7 +139,7 @@ def test_pool_views_are_dropped_before_the_pools_change(tmp_path, monkeypatch):
     scheduler.finish_request("a", "abort")  # fed, never sampled: out of the next run's way
     cache = runner.cache
     assert cache.host_views is not None
-    cache.write_blocks([1], cache.read_blocks([1]))
+    cache.write_blocks([1], cache.read_blocks([1], cache.kind), cache.kind)
     assert cache.host_views is None
     run_logits(runner, scheduler, "b", random_ids(7, 12), chunk=1)
     assert cache.host_views is not None

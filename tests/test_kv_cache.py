@@ -59,9 +59,9 @@ def test_blocks_read_as_bytes_write_back_bit_exact_into_other_blocks():
             k, v = cache.take(layer)
             cache.put(layer, mx.random.normal(k.shape).astype(dtype),
                       mx.random.normal(v.shape).astype(dtype))
-        payloads = cache.read_blocks([1, 4])
+        payloads = cache.read_blocks([1, 4], cache.kind)
         assert len(payloads[0]) == bytes_per_block(shapes, 4, dtype)
-        cache.write_blocks([0, 5], payloads)
+        cache.write_blocks([0, 5], payloads, cache.kind)
         for pools in (cache.k, cache.v):
             for pool in pools:
                 assert mx.array_equal(pool[0], pool[1]) and mx.array_equal(pool[5], pool[4])

@@ -52,7 +52,8 @@ def generate(engine: LLMEngine, rid: str, prompt: list[int] = PROMPT):
 def cached_contents(engine: LLMEngine) -> dict[bytes, bytes]:
     """K/V bytes of every block the engine's pool holds under a prefix hash."""
     blocks = engine.scheduler.pool.cached_blocks()
-    payloads = engine.runner.cache.read_blocks([block_id for block_id, _ in blocks])
+    cache = engine.runner.cache
+    payloads = cache.read_blocks([block_id for block_id, _ in blocks], cache.kind)
     return {block_hash: payload for (_, block_hash), payload in zip(blocks, payloads, strict=True)}
 
 

@@ -9,7 +9,7 @@ from scheduler_helpers import hash_of, resolve_step
 from test_scheduler_block_store import MemoryStore, PoolContents, blocks_connector
 
 from metal_engine.cache.kv_cache import KVCache
-from metal_engine.kv_disk.connector import KVDiskConnector
+from metal_engine.kv_disk.connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk.directory import KVDiskDir
 from metal_engine.kv_disk.store import BlockLayout, KVDiskStore
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -61,7 +61,8 @@ def test_close_saves_the_cached_blocks_the_store_lacks():
 def engine_parts(kv_dir) -> tuple[Scheduler, KVCache, KVDiskConnector, KVDiskStore]:
     cache = KVCache(SHAPES, 16, BLOCK, mx.float16)
     store = KVDiskStore(KVDiskDir(kv_dir, 1 << 20), "test", BlockLayout(SHAPES, BLOCK, "float16"))
-    connector = blocks_connector(store, cache)
+    blocks = cache.groups()["blocks"]  # as the engine wires its disk tier
+    connector = KVDiskConnector({"blocks": TierStore(store, blocks.read, blocks.write)})
     scheduler = Scheduler(SchedulerConfig(num_blocks=16, block_size=BLOCK, max_num_seqs=2,
                                           max_num_batched_tokens=64, max_model_len=64), connector)
     return scheduler, cache, connector, store
@@ -81,7 +82,8 @@ def serve(scheduler: Scheduler, cache: KVCache, connector: KVDiskConnector, requ
             end = item.start_position + len(item.token_ids)
             computed = item.block_ids[item.start_position // BLOCK : -(-end // BLOCK)]
             payload_len = 2 * BLOCK * sum(h * d for h, d in SHAPES) * 2
-            cache.write_blocks(computed, [rng.bytes(payload_len) for _ in computed])
+            cache.write_blocks(computed, [rng.bytes(payload_len) for _ in computed],
+                               cache.kind)
         connector.after_launch(out.kv_plan)
         resolve_step(scheduler, out, {x.request_id: 7 for x in out.scheduled if x.samples})
     return loaded
@@ -93,8 +95,8 @@ def test_a_restart_loads_the_blocks_the_last_run_saved_at_close(tmp_path):
     scheduler, cache, connector, _ = engine_parts(tmp_path)
     serve(scheduler, cache, connector, Request("a", prompt, SamplingParams(max_tokens=1)), rng)
     cached = scheduler.pool.cached_blocks()
-    before = dict(zip((h for _, h in cached), cache.read_blocks([b for b, _ in cached]),
-                      strict=True))  # fmt: skip
+    saved = cache.read_blocks([b for b, _ in cached], cache.kind)
+    before = dict(zip((h for _, h in cached), saved, strict=True))
     connector.close({"blocks": cached})
 
     scheduler, cache, connector, store = engine_parts(tmp_path)
@@ -102,6 +104,6 @@ def test_a_restart_loads_the_blocks_the_last_run_saved_at_close(tmp_path):
     loaded = serve(scheduler, cache, connector,
                    Request("b", prompt, SamplingParams(max_tokens=1)), rng)
     assert len(loaded) == 3 and scheduler.prefix_cache.stats.stored_hit_tokens == 3 * BLOCK
-    after = dict(zip((hash_of(scheduler.pool, b) for b in loaded), cache.read_blocks(loaded),
-                     strict=True))  # fmt: skip
+    after = dict(zip((hash_of(scheduler.pool, b) for b in loaded),
+                     cache.read_blocks(loaded, cache.kind), strict=True))
     assert after == before  # bit for bit, every pool

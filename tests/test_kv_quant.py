@@ -146,13 +146,13 @@ def test_blocks_leave_and_come_back_as_stored(bits):
         k, v = cache.take(layer)
         rows = mx.array(rng.standard_normal((8, heads, dim)).astype(np.float32))
         cache.put(layer, write_kv(k, rows, mixed_step()), write_kv(v, 2 * rows, mixed_step()))
-    saved = cache.read_blocks([2, 5])
-    assert len(saved[0]) == cache.bytes_per_block() == 2 * 8 * (2 * KVQuant(bits)
+    saved = cache.read_blocks([2, 5], cache.kind)
+    assert len(saved[0]) == cache.bytes_per_block(cache.kind) == 2 * 8 * (2 * KVQuant(bits)
                                                                  .bytes_per_row(64)
                                                                  + KVQuant(bits).bytes_per_row(32))
     other = KVCache([(2, 64), (1, 32)], 8, 8, mx.float32, quant=KVQuant(bits))
-    other.write_blocks([4, 1], saved)
-    assert other.read_blocks([4, 1]) == saved
+    other.write_blocks([4, 1], saved, other.kind)
+    assert other.read_blocks([4, 1], other.kind) == saved
     assert cache.storage == f"int{bits}"
 
 

@@ -47,7 +47,7 @@ def test_the_pool_keeps_one_latent_row_per_token_and_no_values(tiny_deepseek):
     runner, _ = make_runner_and_scheduler(path)
     cache: KVCache = runner.cache
     assert all(v is None for v in cache.v) and cache.kind == cfg.kv_kind == "latent"
-    assert cache.bytes_per_block() == cfg.num_hidden_layers * 16 * LATENT * 4
+    assert cache.bytes_per_block(cache.kind) == cfg.num_hidden_layers * 16 * LATENT * 4
 
 
 def test_latent_blocks_round_trip_through_their_payloads(tiny_deepseek):
@@ -56,10 +56,10 @@ def test_latent_blocks_round_trip_through_their_payloads(tiny_deepseek):
     run_logits(runner, scheduler, "a", random_ids(1, 24), chunk=24)
     cache: KVCache = runner.cache
     layout = cache.groups()["latent"].layout
-    payloads = cache.read_blocks([0, 1])
-    assert len(payloads[0]) == layout.payload_bytes == cache.bytes_per_block()
-    cache.write_blocks([5, 6], payloads)
-    assert cache.read_blocks([5, 6]) == payloads and payloads[0] != payloads[1]
+    payloads = cache.read_blocks([0, 1], cache.kind)
+    assert len(payloads[0]) == layout.payload_bytes == cache.bytes_per_block(cache.kind)
+    cache.write_blocks([5, 6], payloads, cache.kind)
+    assert cache.read_blocks([5, 6], cache.kind) == payloads and payloads[0] != payloads[1]
 
 
 def test_preempted_requests_resume_exactly(tiny_deepseek):

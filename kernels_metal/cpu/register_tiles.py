@@ -109,15 +109,52 @@ class _Vectors:
         return self.builder.icmp_unsigned("<", index, self.splat(limit, self._indices))
 
 
-def _join(phis: list, values: list, block) -> None:
+def _loop(builder, name: str, count, carried: list[list], body) -> list[list]:
+    """IR for `for index in range(count): carried = body(index, carried)`: `carried`, a grid
+    of values (phis inside the loop), goes into `body`, whose grid comes back around; the
+    grid after the loop (`carried` itself where count is 0) is returned. `body` may add
+    blocks of its own."""
+    entry = builder.basic_block
+    loop, after = (builder.append_basic_block(f"{name}.{part}") for part in ("loop", "after"))
+    builder.cbranch(builder.icmp_unsigned(">", count, _I64(0)), loop, after)
+    builder.position_at_end(loop)
+    index = builder.phi(_I64)
+    inside = _phis(builder, carried, entry)
+    stepped = body(index, inside)
+    end = builder.basic_block
+    following = builder.add(index, _I64(1))
+    index.add_incoming(_I64(0), entry)
+    index.add_incoming(following, end)
+    _join(inside, stepped, end)
+    builder.cbranch(builder.icmp_unsigned("<", following, count), loop, after)
+    builder.position_at_end(after)
+    return _join(_phis(builder, carried, entry), stepped, end)
+
+
+def _when(builder, name: str, condition, carried: list[list], body) -> list[list]:
+    """IR for `if condition: carried = body(carried)`; returns the grid after it."""
+    entry = builder.basic_block
+    then, after = (builder.append_basic_block(f"{name}.{part}") for part in ("then", "after"))
+    builder.cbranch(condition, then, after)
+    builder.position_at_end(then)
+    changed = body(carried)
+    end = builder.basic_block
+    builder.branch(after)
+    builder.position_at_end(after)
+    return _join(_phis(builder, carried, entry), changed, end)
+
+
+def _phis(builder, grid: list[list], block) -> list[list]:
+    """A phi for each value of `grid`, taking it when coming from `block`."""
+    return _join([[builder.phi(value.type) for value in row] for row in grid], grid, block)
+
+
+def _join(phis: list[list], values: list[list], block) -> list[list]:
     """Each phi of a grid takes the value at its place in `values` when coming from `block`."""
     for phi_row, value_row in zip(phis, values, strict=True):
         for phi, value in zip(phi_row, value_row, strict=True):
             phi.add_incoming(value, block)
-
-
-def _blocks(builder, prefix: str, *names: str) -> list:
-    return [builder.append_basic_block(f"{prefix}.{name}") for name in names]
+    return phis
 
 
 def _at_byte(builder, array, offset):
@@ -161,53 +198,32 @@ def _emit_tile(context, builder, signature, args, rows, columns):
     w_rows = [row(w, builder.add(n, _I64(j))) for j in range(columns)]
     ahead_rows = [row(w, builder.add(ahead, _I64(j))) for j in range(columns)]
     prefetching = builder.icmp_signed(">=", ahead, _I64(0))
+
+    def whole_vectors(step, sums):  # rows x columns fused multiply-adds per vector of k
+        offset = builder.mul(step, _I64(lanes))
+        fetch, multiply = (builder.append_basic_block(f"tile.{part}")
+                           for part in ("prefetch", "multiply"))
+        builder.cbranch(prefetching, fetch, multiply)
+        builder.position_at_end(fetch)
+        for pointer in ahead_rows:
+            _prefetch_line(builder, at(pointer, offset))
+        builder.branch(multiply)
+        builder.position_at_end(multiply)
+        return _multiply_add(vectors, [vectors.load(at(p, offset)) for p in x_rows],
+                             [vectors.load(at(p, offset)) for p in w_rows], sums)
+
     whole = builder.udiv(inner, _I64(lanes))
+    sums = _loop(builder, "tile", whole, [[vectors.zero] * columns] * rows, whole_vectors)
+
+    def last_part(sums):  # the k short of a whole vector, read under a mask
+        offset = builder.mul(whole, _I64(lanes))
+        mask = vectors.lanes_below(_I64(0), left)
+        return _multiply_add(vectors, [vectors.load(at(p, offset), mask) for p in x_rows],
+                             [vectors.load(at(p, offset), mask) for p in w_rows], sums)
+
     left = builder.urem(inner, _I64(lanes))
-    zero = vectors.zero
-
-    entry = builder.basic_block
-    loop, fetch, multiply, after_loop, last, done = _blocks(
-        builder, "tile", "loop", "prefetch", "multiply", "after_loop", "last_part", "done")
-    builder.cbranch(builder.icmp_unsigned(">", whole, _I64(0)), loop, after_loop)
-
-    # Whole vectors of k: rows x columns fused multiply-adds per step.
-    builder.position_at_end(loop)
-    step = builder.phi(_I64)
-    sums = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
-    offset = builder.mul(step, _I64(lanes))
-    builder.cbranch(prefetching, fetch, multiply)
-    builder.position_at_end(fetch)
-    for pointer in ahead_rows:
-        _prefetch_line(builder, at(pointer, offset))
-    builder.branch(multiply)
-    builder.position_at_end(multiply)
-
-    stepped = _multiply_add(vectors, [vectors.load(at(p, offset)) for p in x_rows],
-                            [vectors.load(at(p, offset)) for p in w_rows], sums)
-    following = builder.add(step, _I64(1))
-    step.add_incoming(_I64(0), entry)
-    step.add_incoming(following, multiply)
-    _join(sums, [[zero] * columns] * rows, entry)
-    _join(sums, stepped, multiply)
-    builder.cbranch(builder.icmp_unsigned("<", following, whole), loop, after_loop)
-
-    # The last k short of a whole vector, read under a mask.
-    builder.position_at_end(after_loop)
-    looped = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
-    _join(looped, [[zero] * columns] * rows, entry)
-    _join(looped, stepped, multiply)
-    builder.cbranch(builder.icmp_unsigned(">", left, _I64(0)), last, done)
-    builder.position_at_end(last)
-    offset = builder.mul(whole, _I64(lanes))
-    mask = vectors.lanes_below(_I64(0), left)
-    finished = _multiply_add(vectors, [vectors.load(at(p, offset), mask) for p in x_rows],
-                             [vectors.load(at(p, offset), mask) for p in w_rows], looped)
-    builder.branch(done)
-
-    builder.position_at_end(done)
-    totals = [[builder.phi(vectors.type) for _ in range(columns)] for _ in range(rows)]
-    _join(totals, looped, after_loop)
-    _join(totals, finished, last)
+    totals = _when(builder, "tile.last", builder.icmp_unsigned(">", left, _I64(0)), sums,
+                   last_part)
     for i in range(rows):
         out_row = at(row(out, builder.add(m, _I64(i))), n)
         for j in range(columns):
@@ -252,59 +268,41 @@ def _emit_weighted_rows(context, builder, signature, args, heads):
     weight_stride = builder.extract_value(weights.strides, 0)
     out_stride = builder.extract_value(out.strides, 0)
     span = per_pass * lanes
-    passes = builder.udiv(builder.add(width, _I64(span - 1)), _I64(span))
 
-    entry = builder.basic_block
-    pass_head, row_loop, pass_end, done = _blocks(builder, "weighted", "pass", "row",
-                                                  "pass_end", "done")
-    builder.cbranch(builder.icmp_unsigned(">", passes, _I64(0)), pass_head, done)
+    def one_pass(current, _):  # `per_pass` vectors of each head's sum, lanes past width off
+        first_lane = builder.mul(current, _I64(span))
+        lanes_of = [builder.add(first_lane, _I64(c * lanes)) for c in range(per_pass)]
+        masks = [vectors.lanes_below(lane, width) for lane in lanes_of]
+        lane_bytes = [builder.mul(lane, _I64(4)) for lane in lanes_of]
+        out_pointers = [[_at_byte(builder, out, builder.add(
+            builder.mul(builder.add(start, _I64(h)), out_stride), lane_bytes[c]))
+            for c in range(per_pass)] for h in range(heads)]
 
-    # One pass: `per_pass` vectors of each head's sum (lanes past `width` masked off).
-    builder.position_at_end(pass_head)
-    current = builder.phi(_I64)
-    first_lane = builder.mul(current, _I64(span))
-    lanes_of = [builder.add(first_lane, _I64(c * lanes)) for c in range(per_pass)]
-    masks = [vectors.lanes_below(lane, width) for lane in lanes_of]
-    lane_bytes = [builder.mul(lane, _I64(4)) for lane in lanes_of]
-    out_pointers = [[_at_byte(builder, out, builder.add(
-        builder.mul(builder.add(start, _I64(h)), out_stride), lane_bytes[c]))
-        for c in range(per_pass)] for h in range(heads)]
-    starting = [[vectors.load(out_pointers[h][c], masks[c]) for c in range(per_pass)]
-                for h in range(heads)]
-    builder.cbranch(builder.icmp_unsigned(">", count, _I64(0)), row_loop, pass_end)
+        def add_row(index, sums):
+            row_start = builder.mul(index, row_stride)
+            values = [vectors.load(_at_byte(builder, rows, builder.add(row_start,
+                                                                       lane_bytes[c])), masks[c])
+                      for c in range(per_pass)]
+            weight_row = builder.mul(index, weight_stride)
+            summed = []
+            for h in range(heads):
+                offset = builder.add(weight_row,
+                                     builder.mul(builder.add(first, _I64(h)), _I64(4)))
+                weight = vectors.splat(builder.load(_at_byte(builder, weights, offset), align=4))
+                summed.append([vectors.fma(weight, values[c], sums[h][c])
+                               for c in range(per_pass)])
+            return summed
 
-    builder.position_at_end(row_loop)
-    index = builder.phi(_I64)
-    sums = [[builder.phi(vectors.type) for _ in range(per_pass)] for _ in range(heads)]
-    row_start = builder.mul(index, row_stride)
-    values = [vectors.load(_at_byte(builder, rows, builder.add(row_start, lane_bytes[c])),
-                           masks[c]) for c in range(per_pass)]
-    weight_row = builder.mul(index, weight_stride)
-    summed = []
-    for h in range(heads):
-        offset = builder.add(weight_row, builder.mul(builder.add(first, _I64(h)), _I64(4)))
-        weight = vectors.splat(builder.load(_at_byte(builder, weights, offset), align=4))
-        summed.append([vectors.fma(weight, values[c], sums[h][c]) for c in range(per_pass)])
-    following = builder.add(index, _I64(1))
-    index.add_incoming(_I64(0), pass_head)
-    index.add_incoming(following, row_loop)
-    _join(sums, starting, pass_head)
-    _join(sums, summed, row_loop)
-    builder.cbranch(builder.icmp_unsigned("<", following, count), row_loop, pass_end)
+        starting = [[vectors.load(out_pointers[h][c], masks[c]) for c in range(per_pass)]
+                    for h in range(heads)]
+        finals = _loop(builder, "weighted.row", count, starting, add_row)
+        for h in range(heads):
+            for c in range(per_pass):
+                vectors.store(finals[h][c], out_pointers[h][c], masks[c])
+        return []
 
-    builder.position_at_end(pass_end)
-    finals = [[builder.phi(vectors.type) for _ in range(per_pass)] for _ in range(heads)]
-    _join(finals, starting, pass_head)
-    _join(finals, summed, row_loop)
-    for h in range(heads):
-        for c in range(per_pass):
-            vectors.store(finals[h][c], out_pointers[h][c], masks[c])
-    next_pass = builder.add(current, _I64(1))
-    current.add_incoming(_I64(0), entry)
-    current.add_incoming(next_pass, pass_end)
-    builder.cbranch(builder.icmp_unsigned("<", next_pass, passes), pass_head, done)
-
-    builder.position_at_end(done)
+    _loop(builder, "weighted.pass", builder.udiv(builder.add(width, _I64(span - 1)),
+                                                 _I64(span)), [], one_pass)
     return context.get_dummy_value()
 
 

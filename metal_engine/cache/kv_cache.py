@@ -161,16 +161,15 @@ class KVCache:
             groups["states"] = GroupData(states.layout(), states.read_slots, states.write_slots)
         return groups
 
-    def bytes_per_block(self, kind: CacheKind | None = None) -> int:
-        """One block's K and V (or K only) over the pools of group `kind` (None: the
+    def bytes_per_block(self, kind: CacheKind) -> int:
+        """One block's K and V (or K only) over the pools of group `kind` (`self.kind`: the
         anchor's)."""
-        kind = kind or self.kind
         return bytes_per_block(self.group_shapes(kind), self.block_size, self.model_dtype,
                                self.quant, kind)
 
-    def read_blocks(self, block_ids: list[int], kind: CacheKind | None = None) -> list[bytes]:
-        """Each block's K then V of every pool of group `kind` (None: the anchor's), as raw
-        bytes: a quantized pool's codes then scales (waits for pending writes)."""
+    def read_blocks(self, block_ids: list[int], kind: CacheKind) -> list[bytes]:
+        """Each block's K then V of every pool of group `kind`, as raw bytes: a quantized
+        pool's codes then scales (waits for pending writes)."""
         index, n = mx.array(block_ids), len(block_ids)
         raw = np.concatenate([  # bit-cast so that numpy takes any dtype
             np.asarray(a[index].view(RAW_BITS[a.dtype.size][0])).reshape(n, -1).view(np.uint8)
@@ -178,7 +177,7 @@ class KVCache:
         return [raw[i].tobytes() for i in range(n)]
 
     def write_blocks(self, block_ids: list[int], payloads: list[bytes],
-                     kind: CacheKind | None = None) -> None:
+                     kind: CacheKind) -> None:
         """Overwrite blocks with contents `read_blocks` gave, in place, with the next step."""
         self.host_views = None
         n, index = len(block_ids), mx.array(block_ids)
@@ -191,17 +190,15 @@ class KVCache:
             a[index] = part.reshape(n, *a.shape[1:])
             offset += size
 
-    def _group_arrays(self, kind: CacheKind | None) -> list[mx.array]:
-        """The arrays of a group's pools (None: the anchor's): each K pool's, then each V
-        pool's."""
-        pools_of_group = self.pool_groups.get(kind or self.kind, ())
+    def _group_arrays(self, kind: CacheKind) -> list[mx.array]:
+        """The arrays of a group's pools: each K pool's, then each V pool's."""
+        pools_of_group = self.pool_groups.get(kind, ())
         return [a for pools in (self.k, self.v) for i in pools_of_group
                 if pools[i] is not None for a in _arrays(pools[i])]
 
-    def group_shapes(self, kind: CacheKind | None = None) -> list[PoolShape]:
-        """(kv_heads, head_dim) of the pools of one group (None: the anchor's), in pool
-        order."""
-        return [self.shapes[i] for i in self.pool_groups.get(kind or self.kind, ())]
+    def group_shapes(self, kind: CacheKind) -> list[PoolShape]:
+        """(kv_heads, head_dim) of the pools of one group, in pool order."""
+        return [self.shapes[i] for i in self.pool_groups.get(kind, ())]
 
 
 def _arrays(pool: Pool) -> list[mx.array]:

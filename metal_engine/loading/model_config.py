@@ -218,20 +218,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json (transformers 4 or 5 style)."""
-        cfg = text_part_config(cfg)
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        cfg = {**families.FAMILY_DEFAULTS.get(model_type, {}), **cfg, "model_type": model_type}
-        if model_type == "minimax_m2":
-            cfg = families.rotary_dim_as_share(cfg)
-        missing = [k for k in REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
-        if cfg.get("use_bidirectional_attention") not in (None, False, "vision"):
-            raise ValueError("bidirectional (embedding) Gemma models are not causal LMs; "
-                             "use a checkpoint with use_bidirectional_attention false")
+        cfg = _checked_text_config(cfg)
+        model_type = cfg["model_type"]
         heads = cfg["num_attention_heads"]
         window = families.sliding_window(cfg)
         rope, local_rope = families.ropes(cfg)
@@ -377,6 +365,26 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
             "(make one with `metal-serve convert <source> --out DIR`)"
         )
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _checked_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's part of a config.json, its family's defaults filled in, refused
+    with what to do where it is not a causal LM this engine serves."""
+    cfg = text_part_config(cfg)
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    cfg = {**families.FAMILY_DEFAULTS.get(model_type, {}), **cfg, "model_type": model_type}
+    if model_type == "minimax_m2":
+        cfg = families.rotary_dim_as_share(cfg)
+    missing = [k for k in REQUIRED_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
+    if cfg.get("use_bidirectional_attention") not in (None, False, "vision"):
+        raise ValueError("bidirectional (embedding) Gemma models are not causal LMs; "
+                         "use a checkpoint with use_bidirectional_attention false")
+    return cfg
 
 
 def _as_tuple(value) -> tuple[int, ...]:

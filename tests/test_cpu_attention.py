@@ -240,11 +240,12 @@ def test_rows_whose_scores_would_overflow_or_vanish_are_shifted_by_their_max(off
 def test_decode_rows_share_the_threads_only_with_enough_keys(monkeypatch):
     monkeypatch.setattr(cpu_threads, "_threads", 2)
     requests = 16
-    rows = cpu_decode.DecodeRows(np.arange(requests), np.zeros((requests, 13), np.int32),
-                                 np.full(requests, 200), np.zeros(requests, np.int64))
+    rows = cpu_decode.DecodeRows(np.arange(requests), np.arange(requests + 1),
+                                 np.zeros((requests, 13), np.int32), np.full(requests, 200),
+                                 np.zeros(requests, np.int64))
     assert rows.split(3) == (1, True)
-    one = cpu_decode.DecodeRows(np.arange(1), np.zeros((1, 7), np.int32), np.full(1, 100),
-                                np.zeros(1, np.int64))
+    one = cpu_decode.DecodeRows(np.arange(1), np.arange(2), np.zeros((1, 7), np.int32),
+                                np.full(1, 100), np.zeros(1, np.int64))
     assert one.num_keys * 3 < cpu_decode.PARALLEL_FROM
     assert one.split(3) == (1, False)  # too few keys to wake a second thread
     monkeypatch.setattr(cpu_threads, "_threads", 1)
@@ -259,6 +260,26 @@ def test_a_parallel_decode_step_splits_long_contexts_into_key_ranges(monkeypatch
     monkeypatch.setattr(cpu_decode, "JOBS_PER_THREAD", 8)
     q, k, v, meta, scale = shared_prefix_step(20, [3, 170, 1], [1, 1, 1])
     assert cpu_decode.split_count(len(meta.seq_lens)) > 1
+    assert_matches_reference(q, k, v, meta, scale, window, softcap, sinks)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size"), [(16, 8), (64, 8), (64, 32), (128, 32)])
+@pytest.mark.parametrize(("window", "softcap", "sinks"), [(None, None, None), (None, 15.0, SINKS),
+                                                          (20, None, SINKS)])
+def test_a_requests_rows_share_each_key_range_of_a_parallel_step(monkeypatch, head_dim,
+                                                                 block_size, window, softcap,
+                                                                 sinks):
+    """Rows verifying drafts (or a short chunk's), several a request, each over the keys up
+    to its own position (and from its own window's start), scored together a key range at a
+    time: the head sizes the dot products are vectorized for (64, 128; a block's keys in
+    part of a vector, or in several) and another."""
+    monkeypatch.setattr(cpu_decode, "PARALLEL_FROM", 0)
+    monkeypatch.setattr(cpu_decode, "SPLIT_KEYS", 16)
+    q, k, v, meta, scale = shared_prefix_step(96 // block_size, [3, 70, 1], [3, 9, 1],
+                                              block_size=block_size, head_dim=head_dim)
+    rows = cpu_attention.compiled_rows(meta, q.shape[1], window)
+    assert rows is not None and sorted(np.diff(rows.requests)) == [1, 3, 9]
+    assert rows.split(k.shape[2])[0] > 1
     assert_matches_reference(q, k, v, meta, scale, window, softcap, sinks)
 
 

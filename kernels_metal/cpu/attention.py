@@ -340,7 +340,9 @@ def _compiled_rows(meta: AttentionMetadata, decode: np.ndarray, prefill: np.ndar
     first_keys = np.zeros_like(seq_lens) if window is None else np.maximum(seq_lens - window, 0)
     if meta.last_keys is not None:
         seq_lens = (meta.last_keys[rows] + 1).astype(seq_lens.dtype)
-    return cpu_decode.DecodeRows(rows, meta.block_tables[owner], seq_lens, first_keys)
+    request_rows = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return cpu_decode.DecodeRows(rows, request_rows, meta.block_tables[owner], seq_lens,
+                                 first_keys)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

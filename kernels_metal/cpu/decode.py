@@ -23,14 +23,18 @@ import numpy as np
 
 from kernels_metal.cpu import loops as cpu_loops
 from kernels_metal.cpu import threads as cpu_threads
-from kernels_metal.cpu.register_tiles import prefetch, weighted_rows
+from kernels_metal.cpu.register_tiles import key_dots, prefetch, weighted_rows
 
 # Below this many keys x KV heads in a step one thread does the whole step: waking a second
 # costs more than it saves (on a 2-core Zen 5, two threads won from ~1200: 16 requests at
 # 200 keys 0.32 -> 0.18 ms a layer, one at 8k keys 1.48 -> 0.78).
 PARALLEL_FROM = 1 << 11
-# Jobs (request x key range) a parallel step is cut into at least, per thread.
+# Jobs (request x key range) a parallel step is cut into at least, per thread, and the
+# fewest keys a range is cut down to: a job scores all its request's rows, so a short
+# range of many rows cost more to set up and merge than it shared out (8 rows at 200 keys
+# in 8 ranges: 2.7 ms the 30 layers, against 2.0 in one job a row).
 JOBS_PER_THREAD = 4
+SPLIT_KEYS = 128
 
 
 NO_SINKS = np.zeros(0, np.float32)
@@ -39,10 +43,12 @@ NO_SINKS = np.zeros(0, np.float32)
 @dataclass(frozen=True)
 class DecodeRows:
     """Rows that each attend to a range of their request's keys: row `rows[r]` to keys
-    `first_keys[r]..seq_lens[r] - 1` of block table `tables[r]` (a decode request's one row,
-    or a row of a short prefill chunk)."""
+    `first_keys[r]..seq_lens[r] - 1` of block table `tables[r]` (a decode request's one row
+    or its rows with drafts, or a row of a short prefill chunk). A request's rows are
+    consecutive: request i's are `requests[i]..requests[i + 1] - 1`."""
 
     rows: np.ndarray
+    requests: np.ndarray
     tables: np.ndarray
     seq_lens: np.ndarray
     first_keys: np.ndarray
@@ -55,7 +61,10 @@ class DecodeRows:
         """(key ranges per request, whether the threads share the jobs) for pools of
         `kv_heads` KV heads."""
         parallel = self.num_keys * kv_heads >= PARALLEL_FROM and cpu_threads.threads() > 1
-        return (split_count(len(self.rows)) if parallel else 1), parallel
+        if not parallel:
+            return 1, False
+        longest = int((self.seq_lens - self.first_keys).max())
+        return min(split_count(len(self.requests) - 1), -(-longest // SPLIT_KEYS)), True
 
 
 def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, decode: DecodeRows,
@@ -64,8 +73,8 @@ def attend(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, decode: De
     """The `decode` rows of `queries [total_q, H, D]` attend to their keys in the float32
     pools `[blocks, block_size, kv_heads, D]`; their outputs go to the same rows of `out`."""
     splits, parallel = decode.split(keys.shape[2])
-    cpu_threads.run(attend_rows, queries, keys, values, decode.rows, decode.tables,
-                    decode.seq_lens, decode.first_keys, splits, np.float32(scale),
+    cpu_threads.run(attend_rows, queries, keys, values, decode.rows, decode.requests,
+                    decode.tables, decode.seq_lens, decode.first_keys, splits, np.float32(scale),
                     np.float32(softcap or 0.0), NO_SINKS if sinks is None else sinks, out,
                     parallel=parallel)
 
@@ -76,103 +85,139 @@ def split_count(requests: int) -> int:
 
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
-def attend_rows(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
-                sinks, out, parallel):
+def attend_rows(q, k_pool, v_pool, rows, requests, tables, seq_lens, first_keys, splits, scale,
+                softcap, sinks, out, parallel):
     """`attend` for compiled callers (cpu_layer): the loops' parallel build or one-thread one."""
     if parallel:
-        _parallel_rows(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale,
-                       softcap, sinks, out)
+        _parallel_rows(q, k_pool, v_pool, rows, requests, tables, seq_lens, first_keys, splits,
+                       scale, softcap, sinks, out)
     else:
-        _rows(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale, softcap,
-              sinks, out)
+        _rows(q, k_pool, v_pool, rows, requests, tables, seq_lens, first_keys, splits, scale,
+              softcap, sinks, out)
 
 
 def _rows_of(parallel: bool):
     @cpu_threads.compile_loop(parallel)
-    def rows_kernel(q, k_pool, v_pool, rows, tables, seq_lens, first_keys, splits, scale,
-                    softcap, sinks, out):
+    def rows_kernel(q, k_pool, v_pool, rows, requests, tables, seq_lens, first_keys, splits,
+                    scale, softcap, sinks, out):
         heads, head_dim = q.shape[1], q.shape[2]
         group = heads // k_pool.shape[2]
-        jobs = rows.shape[0] * splits
-        maxima = np.empty((jobs, heads), np.float32)
-        totals = np.empty((jobs, heads), np.float32)
-        sums = np.empty((jobs, heads, head_dim), np.float32)
+        jobs = (requests.shape[0] - 1) * splits
+        maxima = np.empty((rows.shape[0] * splits, heads), np.float32)
+        totals = np.empty((rows.shape[0] * splits, heads), np.float32)
+        sums = np.empty((rows.shape[0] * splits, heads, head_dim), np.float32)
         for job in numba.prange(jobs):
             # prange's index is unsigned in a parallel build: unsigned // signed is a float
-            r, part = divmod(np.int64(job), splits)
-            span = -(-(seq_lens[r] - first_keys[r]) // splits)
-            begin = first_keys[r] + part * span
-            end = min(seq_lens[r], begin + span)
-            q_rows = q[rows[r]] * scale
+            request, part = divmod(np.int64(job), splits)
+            first_row, end_row = requests[request], requests[request + 1]
+            low = first_keys[first_row:end_row].min()
+            span = -(-(seq_lens[first_row:end_row].max() - low) // splits)
+            begin = low + part * span
+            end = min(seq_lens[first_row:end_row].max(), begin + span)
+            q_rows = q[rows[first_row:end_row]] * scale
             # A head size the compiler knows unrolls the dot products and keeps a row's sums
             # in registers: a runtime one ran ~1.3x slower.
             if head_dim == 64:
-                _key_range(q_rows, k_pool, v_pool, tables[r], begin, end, softcap, group, 64,
-                           maxima[job], totals[job], sums[job])
+                _key_range(q_rows, k_pool, v_pool, tables[first_row], begin, end,
+                           first_keys[first_row:end_row], seq_lens[first_row:end_row], softcap,
+                           group, 64, maxima, totals, sums, first_row, part, splits)
             elif head_dim == 128:
-                _key_range(q_rows, k_pool, v_pool, tables[r], begin, end, softcap, group, 128,
-                           maxima[job], totals[job], sums[job])
+                _key_range(q_rows, k_pool, v_pool, tables[first_row], begin, end,
+                           first_keys[first_row:end_row], seq_lens[first_row:end_row], softcap,
+                           group, 128, maxima, totals, sums, first_row, part, splits)
             else:
-                _key_range(q_rows, k_pool, v_pool, tables[r], begin, end, softcap, group,
-                           head_dim, maxima[job], totals[job], sums[job])
+                _key_range(q_rows, k_pool, v_pool, tables[first_row], begin, end,
+                           first_keys[first_row:end_row], seq_lens[first_row:end_row], softcap,
+                           group, head_dim, maxima, totals, sums, first_row, part, splits)
         _merge(maxima, totals, sums, rows, splits, sinks, out)
 
     return rows_kernel
 
 
 @numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _key_range(q_rows, k_pool, v_pool, table, begin, end, softcap, group, head_dim, row_max,
-               total, acc):
-    """One job: scaled query heads `q_rows [H, D]` over keys `begin..end - 1` of block table
-    `table`: the heads' running maxima, exp sums and weighted value sums.
+def _key_range(q_rows, k_pool, v_pool, table, begin, end, first_keys, seq_lens, softcap, group,
+               head_dim, maxima, totals, sums, first_row, part, splits):
+    """One job: one request's scaled query rows `q_rows [R, H, D]` over keys `begin..end -
+    1` of block table `table`, row i weighing those from `first_keys[i]` to `seq_lens[i] -
+    1`: each row's and head's maximum, exp sum and weighted value sums, at index
+    `(first_row + i) * splits + part` of `maxima`, `totals` and `sums`.
 
-    It walks its keys in pool order, block by block, every head's part of a key at once (each
-    key read whole, in the order it lies in memory, which the prefetcher follows; a loop per
-    KV head read a quarter of each key per pass and ran several times slower once the pool
-    was out of cache). The values go a KV head at a time, its group's sums in registers
-    (`_add_values`), each block asking the cache for the next: 8 rows at 1200 keys, 30
-    layers, 14.2-15.7 -> 10.9-11.4 ms; one row 2.8-3.0 -> 2.7-2.8.
+    Each block of keys (then of values) is read once for all the request's rows (a step
+    verifying drafts read them once a row), and whole before the next (a loop per KV head
+    over all the keys read a quarter of each key per pass and ran several times slower once
+    the pool was out of cache). A head's scores of a block's keys come a vector of keys at a
+    time (`_dots`); each row's and head's scores then go through their softmax while in L1;
+    the values a KV head at a time, its group's sums in registers (`_add_values`), each block
+    asking the cache for the next.
     """
-    heads = q_rows.shape[0]
+    num_rows, heads = q_rows.shape[0], q_rows.shape[1]
     block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
-    scores = np.empty((max(end - begin, 0), heads), np.float32)
-    row_max[:] = -np.inf
+    count_all = max(end - begin, 0)
+    scores = np.empty((num_rows, heads, count_all), np.float32)
     t = begin
     while t < end:
         block, first = k_pool[table[t // block_size]], t % block_size
         count = min(block_size - first, end - t)
-        for j in range(count):
-            key = block[first + j]
-            for kv in range(kv_heads):
-                for g in range(group):
-                    h = kv * group + g
-                    s = np.float32(0.0)
-                    for d in range(head_dim):
-                        s += q_rows[h, d] * key[kv, d]
-                    if softcap > 0:
-                        s = softcap * np.tanh(s / softcap)
-                    scores[t - begin + j, h] = s
-                    row_max[h] = max(row_max[h], s)
+        if t + count < end:  # a head's reads below take a third of each key, strided
+            prefetch(k_pool[table[(t + count) // block_size]])
+        for i in range(num_rows):
+            for h in range(heads):
+                _dots(q_rows[i], h, block, first, count, h // group, scores[i], t - begin,
+                      head_dim)
         t += count
-    for i in range(end - begin):
+    lanes = np.empty(cpu_loops.LANES, np.float32)
+    powers = np.empty(count_all, np.int32)
+    for i in range(num_rows):
+        at = (first_row + i) * splits + part
+        low = min(max(first_keys[i] - begin, 0), count_all)
+        high = max(min(seq_lens[i] - begin, count_all), low)
         for h in range(heads):
-            scores[i, h] -= row_max[h]
-    cpu_loops.exp(scores.reshape(-1))  # vectorized; scalar exp cost more than the sums
-    total[:] = 0.0
-    for i in range(end - begin):
-        for h in range(heads):
-            total[h] += scores[i, h]
-    acc[:] = 0.0
+            row = scores[i, h]
+            if softcap > 0:
+                for j in range(low, high):
+                    row[j] = softcap * np.tanh(row[j] / softcap)
+            maxima[at, h] = cpu_loops.largest(row[low:high], lanes)
+            cpu_loops.exp_shifted(row[low:high], maxima[at, h], powers)
+            total = np.float32(0.0)
+            for j in range(low, high):
+                total += row[j]
+            totals[at, h] = total
+            row[:low] = 0.0
+            row[high:] = 0.0
+        sums[at] = 0.0
     t = begin
     while t < end:
         block, first = v_pool[table[t // block_size]], t % block_size
         count = min(block_size - first, end - t)
-        weights = scores[t - begin:t - begin + count]
         if t + count < end:  # the group's reads below skip the other heads' parts of a key
             prefetch(v_pool[table[(t + count) // block_size]])
         for kv in range(kv_heads):
-            _add_values(weights, block[first:first + count, kv], acc, kv * group, group)
+            values = block[first:first + count, kv]
+            for i in range(num_rows):
+                _add_values(scores[i].T[t - begin:t - begin + count], values,
+                            sums[(first_row + i) * splits + part], kv * group, group)
         t += count
+
+
+# A head's dot products with a vector of keys at a time, for the common head sizes.
+_dots_64, _dots_128, _dots_256 = (key_dots(d) for d in (64, 128, 256))
+
+
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def _dots(q, h, block, first, count, kv, scores, column, head_dim):
+    """`scores[h, column + j] = q[h] @ block[first + j, kv]` for j < count."""
+    if head_dim == 64:
+        _dots_64(q, h, block, first, count, kv, scores, column)
+    elif head_dim == 128:
+        _dots_128(q, h, block, first, count, kv, scores, column)
+    elif head_dim == 256:
+        _dots_256(q, h, block, first, count, kv, scores, column)
+    else:
+        for j in range(count):
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += q[h, d] * block[first + j, kv, d]
+            scores[h, column + j] = s
 
 
 # A GQA group's value sums in registers, up to 4 heads at once (register_tiles).

@@ -138,7 +138,7 @@ def step_layers(x: np.ndarray, stack: LayerStack, pools: tuple,
     return cpu_threads.run(
         _layers, np.ascontiguousarray(x), s.input_norms, s.input_eps, s.qkv, s.qkv_biases,
         s.q_norms, s.k_norms, s.qk_eps, *rope, *s.shape, *pools, slots,
-        decode.rows, decode.tables, decode.seq_lens, decode.first_keys, splits,
+        decode.rows, decode.requests, decode.tables, decode.seq_lens, decode.first_keys, splits,
         attend_parallel, np.float32(scale), np.float32(softcap or 0.0), s.o, s.o_biases,
         s.post_norms, s.post_eps, s.gate_up, s.gate_up_biases, s.down, s.down_biases,
         s.lora_a, s.lora_b, lora_rows)
@@ -157,7 +157,7 @@ def listed(arrays) -> object:
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
 def _layers(x, input_norms, input_eps, qkv, qkv_biases, q_norms, k_norms, qk_eps, cos, sin,
-            heads, kv_heads, head_dim, k_pools, v_pools, slots, rows, tables, seq_lens,
+            heads, kv_heads, head_dim, k_pools, v_pools, slots, rows, requests, tables, seq_lens,
             first_keys, splits, attend_parallel, scale, softcap, o, o_biases, post_norms,
             post_eps, gate_up, gate_up_biases, down, down_biases, lora_a, lora_b, lora_rows,
             parallel):
@@ -170,8 +170,8 @@ def _layers(x, input_norms, input_eps, qkv, qkv_biases, q_norms, k_norms, qk_eps
                                     (lora_a[t + 2], lora_b[t + 2]), lora_rows, parallel)
         cpu_loops.write_slots(k_pools[i], v_pools[i], slots, k, v)
         attended = np.empty(q.shape, np.float32)
-        cpu_decode.attend_rows(q, k_pools[i], v_pools[i], rows, tables, seq_lens, first_keys,
-                               splits, scale, softcap, cpu_decode.NO_SINKS, attended,
+        cpu_decode.attend_rows(q, k_pools[i], v_pools[i], rows, requests, tables, seq_lens,
+                               first_keys, splits, scale, softcap, cpu_decode.NO_SINKS, attended,
                                attend_parallel and parallel)
         x = _after_attention(x, attended.reshape(x.shape[0], -1), o[i], o_biases[i],
                              post_norms[i], post_eps[i], gate_up[i], gate_up_biases[i],

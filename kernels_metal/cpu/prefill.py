@@ -160,29 +160,6 @@ def _add_sinks(sinks: np.ndarray, row_max: np.ndarray, totals: np.ndarray,
     sums *= rescale[:, None]
 
 
-LANES = 16  # partial maxima: a vector register's float32 lanes with AVX-512
-
-
-@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
-def _largest(values, lanes):
-    """The largest of `values` (-inf for none), kept in LANES partial maxima (`lanes`, a
-    scratch array) that the compiler turns into one vector maximum per LANES values: as one
-    running maximum it did not vectorize and took ~0.8 ns a value, more than the block's two
-    products together."""
-    n = values.shape[0]
-    lanes[:] = -np.inf
-    for j in range(0, n - LANES + 1, LANES):
-        for lane in range(LANES):
-            x = values[j + lane]
-            lanes[lane] = x if x > lanes[lane] else lanes[lane]
-    top = np.float32(-np.inf)
-    for lane in range(LANES):
-        top = max(top, lanes[lane])
-    for j in range(n - n % LANES, n):
-        top = max(top, values[j])
-    return top
-
-
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)
 def fold_block(scores, first_position, last_keys, group, first_key, window, softcap, row_max,
                totals, sums):
@@ -194,7 +171,7 @@ def fold_block(scores, first_position, last_keys, group, first_key, window, soft
 
     A row at a time, so that it stays in L1 from its first read to its last write."""
     count, keys = scores.shape
-    lanes = np.empty(LANES, np.float32)
+    lanes = np.empty(cpu_loops.LANES, np.float32)
     powers = np.empty(keys, np.int32)
     for i in range(count):
         position = first_position + i // group
@@ -204,7 +181,7 @@ def fold_block(scores, first_position, last_keys, group, first_key, window, soft
         if softcap > 0:
             for j in range(low, high):
                 row[j] = softcap * np.tanh(row[j] / softcap)
-        top = max(row_max[i], _largest(row[low:high], lanes))
+        top = max(row_max[i], cpu_loops.largest(row[low:high], lanes))
         rescale = np.exp(row_max[i] - top) if row_max[i] > -np.inf else np.float32(0.0)
         if rescale != 1:
             totals[i] *= rescale

@@ -238,8 +238,9 @@ def _multiply_add(vectors, x_vectors, w_vectors, sums):
 
 def weighted_rows(heads: int):
     """An intrinsic `add(weights, first, rows, out, start)`: for `h < heads`,
-    `out[start + h] += weights[:, first + h] @ rows`, for float32 `weights [n, *]`, `rows
-    [n, d]` and `out [*, d]` whose rows are contiguous (any stride between them). Each row
+    `out[start + h] += weights[:, first + h] @ rows`, for float32 `weights [n, *]` (any
+    strides), `rows [n, d]` and `out [*, d]` whose rows are contiguous (any stride between
+    them). Each row
     of `rows` is read once for the `heads` sums, which stay in registers over the n rows
     (a GQA group's value sums, where a loop's `out[h] += w * row` stored and reloaded them
     every row)."""
@@ -266,6 +267,7 @@ def _emit_weighted_rows(context, builder, signature, args, heads):
     width = builder.extract_value(rows.shape, 1)
     row_stride = builder.extract_value(rows.strides, 0)
     weight_stride = builder.extract_value(weights.strides, 0)
+    column_stride = builder.extract_value(weights.strides, 1)
     out_stride = builder.extract_value(out.strides, 0)
     span = per_pass * lanes
 
@@ -287,7 +289,7 @@ def _emit_weighted_rows(context, builder, signature, args, heads):
             summed = []
             for h in range(heads):
                 offset = builder.add(weight_row,
-                                     builder.mul(builder.add(first, _I64(h)), _I64(4)))
+                                     builder.mul(builder.add(first, _I64(h)), column_stride))
                 weight = vectors.splat(builder.load(_at_byte(builder, weights, offset), align=4))
                 summed.append([vectors.fma(weight, values[c], sums[h][c])
                                for c in range(per_pass)])
@@ -304,6 +306,92 @@ def _emit_weighted_rows(context, builder, signature, args, heads):
     _loop(builder, "weighted.pass", builder.udiv(builder.add(width, _I64(span - 1)),
                                                  _I64(span)), [], one_pass)
     return context.get_dummy_value()
+
+
+def key_dots(head_dim: int):
+    """An intrinsic `dots(q, h, keys, first, count, kv, scores, column)`: `scores[h, column
+    + j] = q[h] @ keys[first + j, kv]` for j < count, for float32 `q [*, head_dim]`, `keys
+    [*, *, head_dim]` (a pool's block) and `scores [*, *]` whose last axes are contiguous.
+
+    A vector's worth of keys at a time: each key's products with the query summed into a
+    vector register, then the vectors' lanes summed together in a tree of shuffles, each
+    step halving the lanes of twice the keys, ending in one vector of their dot products
+    (a dot product summed alone spent most of its time on its one vector's lanes)."""
+
+    @intrinsic
+    def dots(typingctx, q, h, keys, first, count, kv, scores, column):
+        def codegen(context, builder, signature, args):
+            return _emit_key_dots(context, builder, signature, args, head_dim)
+
+        return types.void(q, h, keys, first, count, kv, scores, column), codegen
+
+    return dots
+
+
+def _emit_key_dots(context, builder, signature, args, head_dim):
+    q, keys, scores = (context.make_array(signature.args[i])(context, builder, args[i])
+                       for i in (0, 2, 6))
+    h, first, count, kv, column = (context.cast(builder, args[i], signature.args[i],
+                                                types.int64) for i in (1, 3, 4, 5, 7))
+    vectors = _Vectors(builder)
+    lanes = vectors.lanes
+    parts = head_dim // lanes
+
+    def at(array, *index):  # float* to element `index` of an array, by its byte strides
+        offset = _I64(0)
+        for axis, i in enumerate(index):
+            stride = builder.extract_value(array.strides, axis)
+            offset = builder.add(offset, builder.mul(i, stride))
+        return _at_byte(builder, array, offset)
+
+    query = at(q, h, _I64(0))
+    q_parts = [vectors.load(builder.gep(query, [_I64(p * lanes)], inbounds=True))
+               for p in range(parts)]
+    out = at(scores, h, column)
+    last = builder.sub(count, _I64(1))
+
+    def batch(index, _):  # `lanes` keys (the last repeated past `count`, never stored)
+        base = builder.mul(index, _I64(lanes))
+        sums = []
+        for j in range(lanes):
+            key_index = builder.add(base, _I64(j))
+            key_index = builder.select(builder.icmp_signed("<", key_index, count), key_index,
+                                       last)
+            key = at(keys, builder.add(first, key_index), kv, _I64(0))
+            total = vectors.zero
+            for p in range(parts):
+                value = vectors.load(builder.gep(key, [_I64(p * lanes)], inbounds=True))
+                total = vectors.fma(q_parts[p], value, total)
+            sums.append(total)
+        vectors.store(_lane_totals(builder, sums), builder.gep(out, [base], inbounds=True),
+                      vectors.lanes_below(base, count))
+        return []
+
+    batches = builder.udiv(builder.add(count, _I64(lanes - 1)), _I64(lanes))
+    _loop(builder, "dots", batches, [], batch)
+    return context.get_dummy_value()
+
+
+def _lane_totals(builder, sums: list):
+    """One vector whose lane j is the sum of the lanes of `sums[j]` (as many vectors as
+    lanes): pairs of vectors folded into one, each half of the lanes added to the other,
+    until one vector remains (lanes - 1 folds, where summing each alone took ~2 log2(lanes)
+    steps apiece)."""
+    lanes = len(sums)
+    width = lanes  # lanes each key still has in its vector
+    while len(sums) > 1:
+        width //= 2
+        low = [i for i in range(0, 2 * lanes, 2 * width) for i in range(i, i + width)]
+        high = [i + width for i in low]
+        folded = []
+        for a, b in zip(sums[0::2], sums[1::2], strict=True):
+            pick = [ir.Constant(ir.VectorType(_I32, lanes), [_I32(i) for i in order])
+                    for order in (low, high)]
+            folded.append(builder.fadd(builder.shuffle_vector(a, b, pick[0]),
+                                       builder.shuffle_vector(a, b, pick[1]),
+                                       flags=("fast",)))
+        sums = folded
+    return sums[0]
 
 
 _CACHE_LINE = 64

@@ -13,9 +13,9 @@ import numpy as np
 from agent_sessions import BLOCK, PARAMS, SESSIONS, SYSTEM_LEN, TURNS, Agents, run_turns
 from engine_helpers import make_runner_and_scheduler
 from scheduler_helpers import run_step
-from test_scheduler_block_store import blocks_connector
 
 from metal_engine.engine import LLMEngine
+from metal_engine.kv_disk.connector import KVDiskConnector, TierStore
 from metal_engine.kv_disk.directory import KVDiskDir
 from metal_engine.kv_disk.store import BlockLayout, KVDiskStore
 from scheduler import Request, Scheduler, SchedulerConfig
@@ -61,7 +61,8 @@ def agents_engine(model_dir, tokenizer, kv_dir) -> LLMEngine:
     cache = runner.cache
     layout = BlockLayout(cache.shapes, BLOCK, "float32")
     store = KVDiskStore(KVDiskDir(kv_dir, 1 << 30), "tiny-agents", layout)
-    connector = blocks_connector(store, cache)
+    blocks = cache.groups()["blocks"]  # as the engine wires its disk tier
+    connector = KVDiskConnector({"blocks": TierStore(store, blocks.read, blocks.write)})
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=1024, block_size=BLOCK, max_num_seqs=SESSIONS, max_num_batched_tokens=2048,
         max_model_len=2048,

@@ -3,9 +3,10 @@
 numpy's path (cpu_attention) gathers each request's blocks into fresh arrays and hands BLAS
 one tiny product per request and KV head, each paying microseconds of call and thread
 hand-off: 2.4 ms of a one-request decode step of the default model and ~30 ms of a
-16-request one. These loops, compiled by numba once (and cached on disk), score each decode
-row against its keys where the pool holds them, take the softmax and sum the values: one pass
-over each key and value of a float32 pool. Compiled callers (cpu_layer) call them as well.
+16-request one. These loops, compiled by numba once (and cached on disk), score a request's
+rows (its decode row, or its rows verifying drafts) against its keys where the pool holds
+them, take the softmax and sum the values: one pass over each key and value of a float32
+pool for all the request's rows. Compiled callers (cpu_layer) call them as well.
 
 Large steps (long contexts, many requests) run in parallel; a context too long to share out
 by request is cut into key ranges whose partial sums are merged by their softmax maxima, as

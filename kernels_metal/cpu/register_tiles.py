@@ -381,16 +381,15 @@ def _lane_totals(builder, sums: list):
     width = lanes  # lanes each key still has in its vector
     while len(sums) > 1:
         width //= 2
-        low = [i for i in range(0, 2 * lanes, 2 * width) for i in range(i, i + width)]
+        # Of the pair's 2 * lanes lanes (a's, then b's), the first `width` of each run of
+        # 2 * width, and the second: added, each key keeps half as many lanes.
+        low = [start + i for start in range(0, 2 * lanes, 2 * width) for i in range(width)]
         high = [i + width for i in low]
-        folded = []
-        for a, b in zip(sums[0::2], sums[1::2], strict=True):
-            pick = [ir.Constant(ir.VectorType(_I32, lanes), [_I32(i) for i in order])
-                    for order in (low, high)]
-            folded.append(builder.fadd(builder.shuffle_vector(a, b, pick[0]),
-                                       builder.shuffle_vector(a, b, pick[1]),
-                                       flags=("fast",)))
-        sums = folded
+        low, high = (ir.Constant(ir.VectorType(_I32, lanes), [_I32(i) for i in order])
+                     for order in (low, high))
+        sums = [builder.fadd(builder.shuffle_vector(a, b, low),
+                             builder.shuffle_vector(a, b, high), flags=("fast",))
+                for a, b in zip(sums[0::2], sums[1::2], strict=True)]
     return sums[0]
 
 

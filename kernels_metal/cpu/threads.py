@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -25,6 +26,14 @@ FAST_MATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 # workers awake. The fallback pool (workqueue) wakes a sleeping worker at every launch: a
 # decode step ran 3x slower on it than on one thread.
 SPINNING_POOLS = {"omp": "omppool", "tbb": "tbbpool"}
+
+# How long the OpenMP pool's workers spin: GNU OpenMP's default, 300k turns, is ~7.5 ms here,
+# and a prefill's attention (Python threads calling BLAS right after a parallel product)
+# shared a core with the spinning worker for most of each layer: a 256-row chunk at 1k keys
+# 10.3 ms a layer's attention against 6.2. 30k turns (~0.75 ms) still spans the gaps between
+# a step's parallel products (microseconds) and the host's work between steps. Read when
+# the OpenMP library loads, which the pool probe below does: unless the user has chosen.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 
 def _spinning_pool_available() -> bool:

@@ -196,6 +196,31 @@ def test_the_scheduler_stops_drafting_once_it_measures_rows_as_costly():
     assert drafted[-5:] == [0] * 5  # then learned that rows cost in proportion
 
 
+def test_one_slow_verifying_step_does_not_price_drafts_out():
+    """The first step verifying drafts read slow (other work on the machine, cold caches):
+    priced by it alone, every draft of that many rows or fewer looks dear, and none runs to
+    correct it. Its bucket counts from its second step, which runs at the machine's pace."""
+    s = scheduler(4)
+    verifying_steps = []
+
+    def step_seconds(rows: int) -> float:
+        if rows == 4 or rows == 4 * len(LOOP):  # decodes, the prompts' prefill
+            return 0.028
+        verifying_steps.append(rows)
+        slow = 0.1 if len(verifying_steps) == 1 else 0.0
+        return 0.028 + 0.002 * (rows - 4) + slow
+
+    drafted = drive(s, step_seconds, 16)
+    first = next(i for i, d in enumerate(drafted) if d)
+    assert len(verifying_steps) > 2 and sum(d > 0 for d in drafted[first + 1:]) >= 10
+    # Priced as one step alone would (min_steps=1), the same drafts stop after the outlier.
+    alone = StepCost()
+    alone.observe(4 + drafted[first], 0.028 + 0.002 * drafted[first] + 0.1)
+    offers = [DraftOffer(3, 0.95)] * 4
+    assert plan_drafts(s.drafter.cost, 4, offers, 12, verify=alone) == [0] * 4
+    assert sum(plan_drafts(s.drafter.cost, 4, offers, 12, verify=s.drafter.verify_cost)) > 0
+
+
 def test_a_step_inside_the_smallest_bucket_below_its_mean_is_covered_and_priced():
     """Buckets past EXACT_ROWS span several row counts: a step below the mean rows of the
     smallest measured bucket is still in it, so it is priced at that bucket's point (once a

@@ -54,8 +54,12 @@ class Drafter:
         # Learned for every method (the speed-up estimate); plan drafts under never_slower.
         # Apart: a step with drafts may run another path than a decode-only step of as many
         # rows (the CPU's and Metal's decode paths take one row a request).
-        self.cost = StepCost(min_steps=2)  # decode-only steps (see StepCost: outliers)
-        self.verify_cost = StepCost()  # steps that verify drafts
+        # Decode-only steps, and steps that verify drafts: a bucket counts from its second
+        # step (StepCost: outliers). A first verifying step read slow priced out every
+        # smaller draft for dozens of steps; until it counts, the plan prices drafts from
+        # `cost` and so tries a second.
+        self.cost = StepCost(min_steps=2)
+        self.verify_cost = StepCost(min_steps=2)
         self.chunk_cost = StepCost()  # steps that compute prefill chunks, with or without drafts
         self.suffix = None
         if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0:

@@ -10,12 +10,14 @@ them at the mean of their rows: a step slowed by a compile or by other work on t
 noise (no step runs faster than the machine), and a point read too slow would never be
 measured again, since the plan avoids the rows it prices high. So a bucket not measured for
 `max_age` steps is forgotten (`expire`): the machine's load moves, and rows priced in a busy
-minute get tried again. The curve of undrafted steps, which drafts are weighed against, also
-counts a bucket only from its second step (`min_steps`): one step alone may be such an
-outlier, and priced slow it makes every draft look cheap, so no step of those rows runs
-undrafted to correct it (an engine run without the server's warm-up: its first 16-request
-decode step paid a compile, 1.0 s against 0.056, and every step of 16 requests then drafted,
-0.88-0.93x of `off`; a busy moment on the machine does the same to a server). Then
+minute get tried again. A curve can also count a bucket only from its second step
+(`min_steps`): one step alone may be such an outlier. Priced slow, a bucket of undrafted
+steps makes every draft look cheap, so no step of those rows runs undrafted to correct it
+(an engine run without the server's warm-up: its first 16-request decode step paid a
+compile, 1.0 s against 0.056, and every step of 16 requests then drafted, 0.88-0.93x of
+`off`; a busy moment on the machine does the same to a server); a bucket of verifying steps
+makes every draft of fewer rows look dear, so none runs to correct it (the drafter's curves:
+scheduler/spec_decode/drafter.py). Then
 
     seconds(r)  r inside the observed range: linear between the points around it
                 r in the smallest bucket, below its mean rows: that bucket's point

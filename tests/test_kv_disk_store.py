@@ -187,7 +187,9 @@ def test_restart_indexes_only_block_files_where_they_belong(tmp_path):
     misplaced = namespace / ("00" if name[:2] != "00" else "01") / name
     misplaced.parent.mkdir(exist_ok=True)
     shutil.copy(block_file(tmp_path, block_hash(1)), misplaced)
-    (namespace / "00" / "notes.kvb").write_text("not a hash")
+    notes = namespace / "00" / "notes.kvb"  # "00" holds no block where no name starts so
+    notes.parent.mkdir(exist_ok=True)
+    notes.write_text("not a hash")
     (namespace / "README").write_text("left by a user")
     store = open_store(tmp_path)
     assert store.num_blocks == 1 and store.load(block_hash(1)) == payload(1)

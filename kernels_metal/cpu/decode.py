@@ -162,18 +162,8 @@ def _key_range(q_rows, k_pool, v_pool, table, begin, end, first_keys, seq_lens, 
         low = min(max(first_keys[i] - begin, 0), count_all)
         high = max(min(seq_lens[i] - begin, count_all), low)
         for h in range(heads):
-            row = scores[i, h]
-            if softcap > 0:
-                for j in range(low, high):
-                    row[j] = softcap * np.tanh(row[j] / softcap)
-            maxima[at, h] = cpu_loops.largest(row[low:high], lanes)
-            cpu_loops.exp_shifted(row[low:high], maxima[at, h], powers)
-            total = np.float32(0.0)
-            for j in range(low, high):
-                total += row[j]
-            totals[at, h] = total
-            row[:low] = 0.0
-            row[high:] = 0.0
+            maxima[at, h], totals[at, h] = cpu_loops.softmax_weights(
+                scores[i, h], low, high, softcap, np.float32(-np.inf), lanes, powers)
         sums[at] = 0.0
     t = begin
     while t < end:

@@ -141,3 +141,23 @@ def largest(values, lanes):
     for j in range(n - n % LANES, n):
         top = max(top, values[j])
     return top
+
+
+@numba.njit(fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False, inline="always")
+def softmax_weights(row, low, high, softcap, floor, lanes, powers):
+    """A row of scores in place into unnormalized softmax weights: `row[low:high]` (after
+    `softcap * tanh(s / softcap)` where softcap > 0) to `exp(s - shift)`, every other entry
+    to exactly 0, `shift` their maximum or `floor` if larger (a running maximum; -inf for
+    none). Returns (shift, the weights' total). `lanes`, `powers`: `largest`'s and
+    `exp_shifted`'s scratch arrays. The decode rows and the prefill blocks share it."""
+    if softcap > 0:
+        for j in range(low, high):
+            row[j] = softcap * np.tanh(row[j] / softcap)
+    shift = max(floor, largest(row[low:high], lanes))
+    exp_shifted(row[low:high], shift, powers)
+    total = np.float32(0.0)
+    for j in range(low, high):
+        total += row[j]
+    row[:low] = 0.0
+    row[high:] = 0.0
+    return shift, total

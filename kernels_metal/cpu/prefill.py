@@ -177,23 +177,12 @@ def fold_block(scores, first_position, last_keys, group, first_key, window, soft
         position = first_position + i // group
         high = min(keys, last_keys[i // group] - first_key + 1)
         low = 0 if window == 0 else min(high, max(0, position - window + 1 - first_key))
-        row = scores[i]
-        if softcap > 0:
-            for j in range(low, high):
-                row[j] = softcap * np.tanh(row[j] / softcap)
-        top = max(row_max[i], cpu_loops.largest(row[low:high], lanes))
+        top, total = cpu_loops.softmax_weights(scores[i], low, high, softcap, row_max[i],
+                                               lanes, powers)
         rescale = np.exp(row_max[i] - top) if row_max[i] > -np.inf else np.float32(0.0)
         if rescale != 1:
             totals[i] *= rescale
             for d in range(sums.shape[1]):
                 sums[i, d] *= rescale
         row_max[i] = top
-        cpu_loops.exp_shifted(row[low:high], top, powers)
-        total = np.float32(0.0)
-        for j in range(low, high):
-            total += row[j]
         totals[i] += total
-        for j in range(low):
-            row[j] = 0.0
-        for j in range(high, keys):
-            row[j] = 0.0

@@ -240,10 +240,9 @@ def weighted_rows(heads: int):
     """An intrinsic `add(weights, first, rows, out, start)`: for `h < heads`,
     `out[start + h] += weights[:, first + h] @ rows`, for float32 `weights [n, *]` (any
     strides), `rows [n, d]` and `out [*, d]` whose rows are contiguous (any stride between
-    them). Each row
-    of `rows` is read once for the `heads` sums, which stay in registers over the n rows
-    (a GQA group's value sums, where a loop's `out[h] += w * row` stored and reloaded them
-    every row)."""
+    them). Each row of `rows` is read once for the `heads` sums, which stay in registers over
+    the n rows (a GQA group's value sums, where a loop's `out[h] += w * row` stored and
+    reloaded them every row)."""
 
     @intrinsic
     def add(typingctx, weights, first, rows, out, start):

@@ -103,3 +103,26 @@ def test_work_mapped_on_threads_runs_each_blas_on_one_thread_meanwhile():
     assert [lib["num_threads"] for lib in threadpool_info()
             if lib["user_api"] == "blas"] == before
 
+
+
+def test_the_spin_count_is_the_openmp_librarys_alone_not_the_child_processes():
+    """The OpenMP library loads with cpu_threads' spin count unless the user chose one; the
+    environment is left as it was, so a process started after (a llama-server timed beside
+    this one) spins as its users run it."""
+    script = textwrap.dedent("""
+        import os, subprocess, sys
+        from kernels_metal.cpu import threads
+        child = subprocess.run([sys.executable, "-c",
+                                "import os; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        print(os.environ.get("GOMP_SPINCOUNT"), child)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env["PYTHONPATH"] = os.getcwd()
+
+    def seen(env: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=300, check=True).stdout.strip()
+
+    assert seen(env) == "None None"
+    assert seen(dict(env, GOMP_SPINCOUNT="1000")) == "1000 1000"  # the user's own stays

@@ -31,9 +31,9 @@ SPINNING_POOLS = {"omp": "omppool", "tbb": "tbbpool"}
 # and a prefill's attention (Python threads calling BLAS right after a parallel product)
 # shared a core with the spinning worker for most of each layer: a 256-row chunk at 1k keys
 # 10.3 ms a layer's attention against 6.2. 30k turns (~0.75 ms) still spans the gaps between
-# a step's parallel products (microseconds) and the host's work between steps. Read when
-# the OpenMP library loads, which the pool probe below does: unless the user has chosen.
-os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+# a step's parallel products (microseconds) and the host's work between steps. Read once,
+# when the OpenMP library loads, which the pool probe below does: unless the user has chosen.
+SPIN_COUNT = "30000"
 
 
 def _spinning_pool_available() -> bool:
@@ -59,7 +59,20 @@ def _available_threads() -> int:
     return 1
 
 
-_available = _available_threads()
+def _probed_with_spin_count() -> int:
+    """`_available_threads()`, the OpenMP library loading with SPIN_COUNT unless the user
+    set one; the environment is left as it was, so the processes this one starts (a
+    llama-server that `bench compare` times beside it) run as their users run them."""
+    if "GOMP_SPINCOUNT" in os.environ:
+        return _available_threads()
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    try:
+        return _available_threads()
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]
+
+
+_available = _probed_with_spin_count()
 _threads = _available
 # numba's workqueue pool takes one parallel launch at a time.
 _launch = threading.Lock()

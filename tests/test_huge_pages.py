@@ -40,5 +40,23 @@ def test_collapsed_weights_keep_their_values_and_addresses():
         assert _huge_bytes_of_mapping(address + view.nbytes // 2) >= 3 * huge_pages.HUGE_PAGE
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are Linux's")
+def test_weights_collapsed_on_a_thread_keep_their_values_while_it_runs():
+    weight = mx.random.normal((2048, 1024))
+    mx.eval(weight)
+    view = np.asarray(weight)
+    before = view.copy()
+    thread = huge_pages.collapse_later([view])
+    during = view.sum(dtype=np.float64)  # read while the pages move
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert during == before.sum(dtype=np.float64) and np.array_equal(view, before)
+    huge = _huge_bytes_of_mapping(view.ctypes.data + view.nbytes // 2)
+    probe = mx.zeros((2048, 1024))
+    mx.eval(probe)
+    if huge_pages.collapse([np.asarray(probe)]):  # a kernel before 6.1 collapses nothing
+        assert huge >= 3 * huge_pages.HUGE_PAGE
+
+
 def test_small_arrays_are_left_alone():
     assert huge_pages.collapse([np.zeros(1000, np.float32)]) == 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from numba.typed import List
 
 from kernels_metal.cpu import decode as cpu_decode
 from kernels_metal.cpu import gemm as cpu_gemm
@@ -83,8 +84,8 @@ def after_attention(x: np.ndarray, attended: np.ndarray, arrays: LayerArrays,
 
 class LayerStack:
     """Consecutive layers' arrays as numba typed lists, one per kind in layer order: what
-    `step_layers` takes. Building one costs milliseconds (the lists' first use in a process
-    compiles them, ~1 s): it is made once and kept while its arrays are."""
+    `step_layers` takes. Building one costs milliseconds: it is made once and kept while its
+    arrays are."""
 
     def __init__(self, layers: Sequence[LayerArrays]) -> None:
         self.shape = layers[0].shape
@@ -150,9 +151,17 @@ def _or_none(bias: np.ndarray | None) -> np.ndarray:
 
 def listed(arrays) -> object:
     """Arrays of one dtype, rank and layout as a numba typed list."""
-    from numba.typed import List  # its first use compiles it: only where stacks are made
+    return _typed_list(tuple(arrays))
 
-    return List(arrays)
+
+@numba.njit(cache=True, nogil=True)
+def _typed_list(arrays):
+    # Built in a cached call: `List(arrays)` compiles the list's methods in every process
+    # (~0.2-0.5 s a kind of array, ~1 s of each server start), this loads them from disk.
+    out = List()
+    for array in arrays:
+        out.append(array)
+    return out
 
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)

@@ -176,7 +176,7 @@ class HostOps(DispatchedKernels, Ops):
         self.plan.forget()
 
     def settle(self, parameters: list[mx.array]) -> None:
-        huge_pages.collapse(np.asarray(p) for p in parameters if p.dtype == mx.float32)
+        huge_pages.collapse_later(np.asarray(p) for p in parameters if p.dtype == mx.float32)
 
 
 class HostRope:

@@ -151,17 +151,26 @@ def _or_none(bias: np.ndarray | None) -> np.ndarray:
 
 def listed(arrays) -> object:
     """Arrays of one dtype, rank and layout as a numba typed list."""
-    return _typed_list(tuple(arrays))
+    arrays = iter(arrays)
+    out = _list_of(next(arrays))
+    for array in arrays:
+        _append(out, array)
+    return out
+
+
+# The list is built by cached calls: `List(arrays)` compiles the list's methods in every
+# process (~0.2-0.5 s a kind of array, ~1 s of each server start); these load from disk, and
+# are compiled once per kind of array (a call over a whole tuple would be once per length).
+@numba.njit(cache=True, nogil=True)
+def _list_of(first):
+    out = List()
+    out.append(first)
+    return out
 
 
 @numba.njit(cache=True, nogil=True)
-def _typed_list(arrays):
-    # Built in a cached call: `List(arrays)` compiles the list's methods in every process
-    # (~0.2-0.5 s a kind of array, ~1 s of each server start), this loads them from disk.
-    out = List()
-    for array in arrays:
-        out.append(array)
-    return out
+def _append(out, array):
+    out.append(array)
 
 
 @numba.njit(cache=True, fastmath=cpu_threads.FAST_MATH, nogil=True, boundscheck=False)

@@ -150,10 +150,10 @@ def _or_none(bias: np.ndarray | None) -> np.ndarray:
 
 
 def listed(arrays) -> object:
-    """Arrays of one dtype, rank and layout as a numba typed list."""
-    arrays = iter(arrays)
-    out = _list_of(next(arrays))
-    for array in arrays:
+    """Arrays (at least one) of one dtype, rank and layout as a numba typed list."""
+    first, *rest = arrays
+    out = _list_of(first)
+    for array in rest:
         _append(out, array)
     return out
 
